@@ -1,0 +1,237 @@
+"""The engine: in-flight batching over a slot-based KV cache, with gated speculative decoding.
+
+Each step admits waiting requests (one padded prefill forward), then runs one decode iteration
+over every running request: the gate decides which rows speculate, the proposer drafts for them,
+and one target forward verifies all rows at once, each with its own number of drafts (0 for rows
+that don't speculate). Rows then advance by their own accepted count.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.gate import SpeculationGate
+from pipeline.engine.kv_cache import ForwardBatch
+from pipeline.engine.model import Transformer
+from pipeline.engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
+from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
+from pipeline.engine.speculative import accept_greedy, accept_sampled
+from pipeline.engine.stats import EngineStats
+from pipeline.errors import DraftMismatchError, RequestError
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, config: EngineConfig, proposer: Proposer | None = None,
+                 eos_token_ids: tuple[int, ...] = (), max_prefill_tokens: int = 4096):
+        self.model, self.config, self.proposer = model, config, proposer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache = model.new_cache(config.max_batch_size, config.max_seq_len)
+        self.gate = SpeculationGate(config.gate)
+        self.stats = EngineStats()
+        self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._queue_lock = threading.Lock()  # guards `waiting`; add_request never waits for a step
+        self._step_lock = threading.RLock()  # held for a whole step; cancel waits for the step to end
+
+    @classmethod
+    def load(cls, target: str | Path, config: EngineConfig, draft: str | Path | None = None,
+             eos_token_ids: tuple[int, ...] = ()) -> "LLMEngine":
+        """target: a HF folder. draft: None, "ngram", or a HF folder of a draft model."""
+        from pipeline.engine.weights import load_transformer
+
+        dtype, device = config.torch_dtype, config.device
+        model = load_transformer(target, config.max_seq_len, dtype, device)
+        proposer: Proposer | None = None
+        if draft == "ngram":
+            proposer = NgramProposer()
+        elif draft is not None:
+            draft_model = load_transformer(draft, config.max_seq_len, dtype, device)
+            if draft_model.cfg.vocab_size != model.cfg.vocab_size:
+                raise DraftMismatchError(
+                    f"draft vocabulary ({draft_model.cfg.vocab_size}) differs from the target's "
+                    f"({model.cfg.vocab_size}); use a draft from the same model family, or --draft ngram")
+            proposer = DraftModelProposer(draft_model, config.max_batch_size, config.max_seq_len)
+        return cls(model, config, proposer, eos_token_ids or model.cfg.eos_token_ids)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",
+                    on_tokens: TokenCallback | None = None) -> Request:
+        """Queue a request; it joins the running batch at the next step. Thread-safe."""
+        max_len = self.config.max_seq_len
+        if len(prompt_ids) >= max_len:
+            raise RequestError(f"prompt is {len(prompt_ids)} tokens but the engine's max_seq_len is {max_len}; "
+                               f"shorten the prompt or raise max_seq_len")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
+        req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens)
+        req.stop_ids = frozenset(params.stop_token_ids) | frozenset(self.eos_token_ids)
+        with self._queue_lock:
+            self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request and free its slot (after the step in progress, if any). Thread-safe."""
+        with self._step_lock:
+            with self._queue_lock:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+            if not req.finished:
+                self._finish(req, FinishReason.CANCELLED)
+                if req.on_tokens:
+                    req.on_tokens(req, [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *,
+                 speculation: str = "auto", on_tokens: TokenCallback | None = None) -> list[Request]:
+        """Decode all prompts as one in-flight batch, to completion."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp, speculation=speculation, on_tokens=on_tokens) for p, sp in zip(prompts, plist)]
+        while not all(r.finished for r in reqs):
+            self.step()
+        return reqs
+
+    # ---- one iteration ----------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one engine iteration; return the requests that finished in it."""
+        with self._step_lock:
+            t0 = time.perf_counter()
+            finished: list[Request] = []
+            decoding = list(self.running)
+            admitted = self._admit()
+            if admitted:
+                self._prefill(admitted, finished)
+            if decoding:
+                self._decode(decoding, finished)
+            if admitted or decoding:
+                self.stats.decode_time_s += time.perf_counter() - t0
+            return finished
+
+    def _admit(self) -> list[Request]:
+        admitted, budget = [], self.max_prefill_tokens
+        with self._queue_lock:
+            while self.waiting and self.free_slots:
+                n = len(self.waiting[0].prompt_ids)
+                if admitted and n > budget:
+                    break
+                req = self.waiting.popleft()
+                req.slot = heapq.heappop(self.free_slots)
+                req.status = RequestStatus.RUNNING
+                budget -= n
+                admitted.append(req)
+        self.running.extend(admitted)
+        return admitted
+
+    def _prefill(self, reqs: list[Request], finished: list[Request]) -> None:
+        lengths = [len(r.prompt_ids) for r in reqs]
+        T = max(lengths)
+        ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=self.config.device)
+        fb = ForwardBatch.build([r.slot for r in reqs], [0] * len(reqs), lengths, self.cache, self.config.device)
+        last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
+        logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0].cpu()  # [B, V]
+        greedy = logits.argmax(-1).tolist()
+        for i, r in enumerate(reqs):
+            r.target_len = lengths[i]
+            tok = greedy[i] if r.params.greedy else sample(probs_from_logits(logits[i], r.params), r.generator)
+            self._emit(r, [tok], finished)
+        self.stats.prefill_steps += 1
+
+    def draft_budget(self, req: Request) -> int:
+        """Drafts this row may take: a step emits up to k+1 tokens, within max_tokens and max_seq_len."""
+        room = min(req.remaining, self.config.max_seq_len - req.num_tokens) - 1
+        return max(0, min(self.config.num_draft_tokens, room))
+
+    def _decode(self, reqs: list[Request], finished: list[Request]) -> None:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        q_rows: dict[int, torch.Tensor] = {}
+        if self.proposer is not None:
+            self.gate.update(len(reqs))
+            ks = [self.draft_budget(r) if self.gate.wants(r) else 0 for r in reqs]
+            spec = [i for i, k in enumerate(ks) if k > 0]
+            if spec:  # while the gate is off no draft work runs at all
+                prop = self.proposer.propose([reqs[i] for i in spec], [ks[i] for i in spec])
+                for n, i in enumerate(spec):
+                    drafts[i] = prop.tokens[n][: ks[i]]
+                    if n in prop.stochastic_rows:
+                        q_rows[i] = prop.probs[n]
+
+        # Verify: feed [pending, d1..dk_i] per row in one target forward.
+        dev = self.config.device
+        feeds = [[r.all_ids[-1]] + d for r, d in zip(reqs, drafts)]
+        lengths = [len(f) for f in feeds]
+        T = max(lengths)
+        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
+        fb = ForwardBatch.build([r.slot for r in reqs], [r.target_len for r in reqs], lengths, self.cache, dev)
+        logits = self.model(ids, fb, self.cache).cpu()  # [B, T, V]
+        argmax = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None
+
+        for i, r in enumerate(reqs):
+            d = drafts[i]
+            if r.params.greedy:
+                m, nxt = accept_greedy(argmax[i][: len(d) + 1], d)
+            else:
+                m, nxt = accept_sampled(logits[i], d, q_rows.get(i), r)
+            prev_len = r.num_tokens
+            # The pending token and the m accepted drafts now have valid K/V; rejected entries past
+            # this length are stale and get overwritten: that is the per-sequence rollback.
+            r.target_len = prev_len + m
+            if d:
+                r.num_drafted += len(d)
+                r.num_accepted += m
+                self.stats.record_verification(len(d), m)
+                self.proposer.on_verified(r, prev_len, len(d), m)
+            self._emit(r, d[:m] + [nxt], finished)
+        self.stats.steps += 1
+        if any(drafts):
+            self.stats.spec_steps += 1
+        else:
+            self.stats.nonspec_steps += 1
+
+    def _emit(self, req: Request, tokens: list[int], finished: list[Request]) -> None:
+        new: list[int] = []
+        reason = None
+        for t in tokens:
+            if t in req.stop_ids:
+                reason = FinishReason.STOP
+                break
+            req.output_ids.append(t)
+            new.append(t)
+            if req.remaining <= 0 or req.num_tokens >= self.config.max_seq_len:
+                reason = FinishReason.LENGTH
+                break
+        self.stats.generated_tokens += len(new)
+        # One callback per token, so streaming clients see tokens as soon as they are accepted; the
+        # request is marked finished just before its last callback.
+        if req.on_tokens:
+            for t in new[:-1] if reason is not None else new:
+                req.on_tokens(req, [t])
+        if reason is not None:
+            self._finish(req, reason)
+            finished.append(req)
+            if req.on_tokens:
+                req.on_tokens(req, new[-1:])
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req.slot is not None:
+            heapq.heappush(self.free_slots, req.slot)
+            req.slot = None
+        if req in self.running:
+            self.running.remove(req)
+        if self.proposer is not None:
+            self.proposer.release(req)

@@ -1,0 +1,114 @@
+"""Proposers: where draft tokens come from. They share one small interface.
+
+- NgramProposer: prompt lookup. Free to run; pays on outputs that copy from the context.
+- DraftModelProposer: a smaller model with the same tokenizer, with its own KV cache that it keeps
+  in sync with the target's accepted tokens (and catches up after speculation was off).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pipeline.engine.kv_cache import ForwardBatch
+from pipeline.engine.model import Transformer
+from pipeline.engine.request import Request
+from pipeline.engine.sampling import probs_from_logits, sample
+from pipeline.engine.speculative import Proposal
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
+        """Draft up to ks[i] tokens after reqs[i].all_ids. Every ks[i] >= 1."""
+
+    def on_verified(self, req: Request, prev_len: int, drafted: int, accepted: int) -> None:
+        """The target kept `accepted` of `drafted` tokens after a sequence of length prev_len."""
+
+    def release(self, req: Request) -> None:
+        """The request left the batch."""
+
+
+class NgramProposer:
+    """Prompt lookup decoding: find the latest earlier occurrence of the sequence's last n tokens
+    (longest n first) and propose the tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def lookup(self, ids: list[int], k: int) -> list[int]:
+        n_ids = len(ids)
+        for n in range(min(self.max_ngram, n_ids - 1), self.min_ngram - 1, -1):
+            suffix = ids[n_ids - n:]
+            # Scan right to left: the most recent match best predicts what comes next.
+            for start in range(n_ids - n - 1, -1, -1):
+                if ids[start:start + n] == suffix:
+                    follow = ids[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
+        return Proposal(tokens=[self.lookup(r.all_ids, k) for r, k in zip(reqs, ks)])
+
+    def on_verified(self, req, prev_len, drafted, accepted):
+        pass
+
+    def release(self, req):
+        pass
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, model: Transformer, num_slots: int, max_seq_len: int):
+        self.model = model
+        self.cache = model.new_cache(num_slots, max_seq_len)
+        self.cached: dict[int, int] = {}  # request id -> tokens of its sequence with K/V in the draft cache
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
+        B, K = len(reqs), max(ks)
+        V = self.model.cfg.vocab_size
+        seqs = [r.all_ids for r in reqs]
+        stochastic = frozenset(i for i, r in enumerate(reqs) if not r.params.greedy)
+        probs = torch.zeros(B, K, V) if stochastic else None
+        tokens: list[list[int]] = [[] for _ in reqs]
+        # First forward: catch up on every token the draft hasn't seen (a whole prompt for a new
+        # request, or all tokens decoded while speculation was off), ending with the pending one.
+        starts = [self.cached.get(r.id, 0) for r in reqs]
+        feeds = [s[c:] for s, c in zip(seqs, starts)]
+        rows = list(range(B))
+        for j in range(K):
+            lengths = [len(feeds[i]) for i in rows]
+            T = max(lengths)
+            ids = torch.tensor([feeds[i] + [0] * (T - len(feeds[i])) for i in rows])
+            fb = ForwardBatch.build([reqs[i].slot for i in rows], [starts[i] for i in rows], lengths, self.cache)
+            last = torch.tensor(lengths)[:, None] - 1
+            logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0]  # [b, V]
+            greedy_next = logits.argmax(-1).tolist()
+            for n, i in enumerate(rows):
+                self.cached[reqs[i].id] = starts[i] + lengths[n]
+                if i in stochastic:
+                    q = probs_from_logits(logits[n], reqs[i].params)
+                    probs[i, j] = q
+                    tokens[i].append(sample(q, reqs[i].generator))
+                else:
+                    tokens[i].append(greedy_next[n])
+                starts[i] += lengths[n]
+                feeds[i] = tokens[i][-1:]
+            rows = [i for i in rows if ks[i] > j + 1]
+            if not rows:
+                break
+        return Proposal(tokens=tokens, probs=probs, stochastic_rows=stochastic)
+
+    def on_verified(self, req, prev_len, drafted, accepted):
+        # The draft was fed the sequence through its pending token (prev_len tokens) and then
+        # d1..d_{k-1}; of those, only the accepted drafts are still part of the sequence.
+        self.cached[req.id] = min(self.cached.get(req.id, 0), prev_len + min(accepted, max(drafted - 1, 0)))
+
+    def release(self, req):
+        self.cached.pop(req.id, None)

@@ -1,0 +1,82 @@
+"""A generation request and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pipeline.engine.sampling import SamplingParams
+from pipeline.errors import RequestError
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token was produced (it is not part of the output)
+    LENGTH = "length"  # max_tokens, or the engine's max_seq_len
+    CANCELLED = "cancelled"
+
+
+SPECULATION_MODES = ("auto", "on", "off")
+
+_ids = itertools.count()
+
+# Called with (request, new token ids) each time a request produces tokens, and with (request, [])
+# when it finishes without producing more.
+TokenCallback = Callable[["Request", list[int]], None]
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculation: str = "auto"  # "on"/"off" override the engine's gate for this request
+    on_tokens: TokenCallback | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    slot: int | None = None
+    # Tokens whose K/V are in the target cache. The last token of all_ids is always pending (not
+    # yet fed); the next forward feeds it.
+    target_len: int = 0
+    stop_ids: frozenset[int] = frozenset()  # stop tokens + the model's eos, set by the engine
+    num_drafted: int = 0
+    num_accepted: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        if self.speculation not in SPECULATION_MODES:
+            raise RequestError(f"speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})")
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            if self.params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(self.params.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,64 @@
+"""Engine counters, exposed by the engine and in the CLI's JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0  # engine iterations that ran a target forward
+    spec_steps: int = 0  # iterations where at least one row verified drafts
+    nonspec_steps: int = 0
+    prefill_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verified_rows: int = 0  # (row, target forward) pairs that verified at least one draft
+    generated_tokens: int = 0
+    decode_time_s: float = 0.0  # time inside step(): prefill + decode, not model loading
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_verification(self, drafted: int, accepted: int) -> None:
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.verified_rows += 1
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(drafted):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per target forward for a speculating row: accepted drafts + the one the target adds."""
+        return (self.accepted_tokens + self.verified_rows) / self.verified_rows if self.verified_rows else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft j accepted | drafted), for j = 1..k."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.decode_time_s if self.decode_time_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
+            "spec_steps": self.spec_steps,
+            "nonspec_steps": self.nonspec_steps,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }

@@ -1,0 +1,33 @@
+"""Domain errors. Each carries a one-line message that names the problem and the fix.
+
+The library raises these; only the CLI turns them into click exceptions, and the
+Triton models turn them into error responses.
+"""
+
+
+class PipelineError(Exception):
+    """Base class: str(err) is the one-line message shown to the user."""
+
+
+class ModelNotFoundError(PipelineError):
+    """A model reference resolves to nothing: unknown preset, missing folder or file, unreachable hub."""
+
+
+class ModelFormatError(PipelineError):
+    """The model files exist but can't be used: missing config/weights/tokenizer, unsupported architecture."""
+
+
+class DraftMismatchError(PipelineError):
+    """The draft can't propose for this target: different vocabulary or tokenizer."""
+
+
+class RequestError(PipelineError):
+    """A generation request is invalid: prompt too long, max_tokens < 1, bad sampling parameters."""
+
+
+class ConfigError(PipelineError):
+    """An engine or pipeline setting is out of range."""
+
+
+class MissingDependencyError(PipelineError):
+    """An optional dependency is not installed."""

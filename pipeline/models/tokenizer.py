@@ -1,0 +1,106 @@
+"""Tokenizer loading, prompt encoding, stop tokens, and the draft/target vocabulary check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from pipeline.errors import DraftMismatchError, ModelFormatError
+
+# End-of-turn markers a chat template writes after each message. The model emits one to end its
+# answer, but many configs list only the end-of-text token as eos, so generation would run on.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def load_tokenizer(path: Path):
+    """The transformers tokenizer saved in the model folder `path`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelFormatError(f"{path} is not a folder; pass a model folder that holds its tokenizer")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        from pipeline.errors import MissingDependencyError
+
+        raise MissingDependencyError("loading a tokenizer needs transformers; pip install transformers") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelFormatError(
+            f"{path} has no usable tokenizer ({reason}); save one there with tokenizer.save_pretrained(dir)"
+        ) from None
+
+
+def uses_chat_template(tokenizer, raw: bool) -> bool:
+    return not raw and bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
+    """Prompt token ids: wrapped as one user turn by the chat template, unless `raw` or there is none.
+
+    The template writes its own BOS when the model wants one, so the rendered text is encoded
+    without special tokens; raw text gets whatever the tokenizer adds by default.
+    """
+    if not uses_chat_template(tokenizer, raw):
+        return list(tokenizer(prompt).input_ids)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def stop_token_ids(tokenizer, config_eos: tuple[int, ...], *, chat: bool = True) -> tuple[int, ...]:
+    """Ids that end generation: the tokenizer's eos, the config's, and (for chat) the end-of-turn
+    markers the chat template writes and the vocabulary has."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    ids.extend(config_eos)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if chat and template:
+        vocab = tokenizer.get_vocab()
+        ids.extend(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template)
+    return tuple(dict.fromkeys(ids))  # dedupe, keep order
+
+
+def check_draft_compatible(target_path: Path, draft_path: Path) -> None:
+    """Raise DraftMismatchError unless every token id the draft proposes means the same to the target."""
+    target_path, draft_path = Path(target_path), Path(draft_path)
+    if target_path.resolve() == draft_path.resolve():
+        return
+    fix = "pick a draft from the same model family, or use --draft ngram"
+    target_vocab, draft_vocab = _config_vocab_size(target_path), _config_vocab_size(draft_path)
+    if target_vocab != draft_vocab:
+        raise DraftMismatchError(
+            f"draft '{draft_path.name}' does not share the target's vocabulary "
+            f"(vocab {draft_vocab} vs {target_vocab}); {fix}"
+        )
+    digest = _tokenizer_files_digest(target_path)
+    if digest is not None and digest == _tokenizer_files_digest(draft_path):
+        return  # byte-identical tokenizer files: no need to load them
+    target, draft = load_tokenizer(target_path).get_vocab(), load_tokenizer(draft_path).get_vocab()
+    if target != draft:
+        differing = len(set(target.items()) ^ set(draft.items()))
+        raise DraftMismatchError(
+            f"draft '{draft_path.name}' does not share the target's vocabulary "
+            f"(tokenizers of {len(draft)} and {len(target)} tokens, {differing} entries differ); {fix}"
+        )
+
+
+def _config_vocab_size(folder: Path) -> int:
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelFormatError(f"{folder} has no config.json; a model folder needs the Hugging Face layout")
+    cfg = json.loads(config.read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    if "vocab_size" not in cfg:
+        raise ModelFormatError(f"{config} has no vocab_size; is this a causal language model?")
+    return int(cfg["vocab_size"])
+
+
+def _tokenizer_files_digest(folder: Path) -> str | None:
+    """A hash of tokenizer.json, or None when the folder has none (then the tokenizers are compared loaded)."""
+    file = folder / "tokenizer.json"
+    return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else None

@@ -1,0 +1,28 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import make_tiny_llama  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("target"), seed=0, layers=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tmp_path_factory) -> Path:
+    """A smaller, unrelated random model with the same tokenizer: a poor draft, which is the point."""
+    return make_tiny_llama(tmp_path_factory.mktemp("draft"), seed=1, layers=1, hidden=32, heads=2,
+                           kv_heads=1, intermediate=64)
+
+
+@pytest.fixture(autouse=True)
+def pipeline_home(tmp_path, monkeypatch):
+    """Point the pipeline's cache at a temp dir so tests never touch the user's."""
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))

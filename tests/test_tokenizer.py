@@ -1,0 +1,75 @@
+import json
+import shutil
+
+import pytest
+from tiny_models import make_tiny_llama
+
+from pipeline.errors import DraftMismatchError, ModelFormatError
+from pipeline.models.tokenizer import check_draft_compatible, encode_prompt, load_tokenizer, stop_token_ids
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_target):
+    return load_tokenizer(tiny_target)
+
+
+def test_chat_encoding_wraps_the_prompt_as_a_user_turn(tok):
+    ids = encode_prompt(tok, "hi", raw=False)
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_raw_encoding_is_the_bare_text(tok):
+    ids = encode_prompt(tok, "hi there", raw=True)
+    assert tok.decode(ids) == "hi there"
+    assert len(ids) == len("hi there")  # byte tokenizer, no merges, no BOS added by default
+
+
+def test_tokenizer_without_chat_template_encodes_raw(tiny_target, tmp_path):
+    folder = shutil.copytree(tiny_target, tmp_path / "m")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    plain = load_tokenizer(folder)
+    assert not plain.chat_template
+    assert encode_prompt(plain, "hi", raw=False) == encode_prompt(plain, "hi", raw=True)
+
+
+def test_stop_ids_add_the_templates_end_of_turn_marker(tok):
+    eos, im_end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids(tok, (eos,)) == (eos, im_end)
+    assert stop_token_ids(tok, (eos,), chat=False) == (eos,)
+    assert stop_token_ids(tok, (7, eos)) == (eos, 7, im_end)
+
+
+def test_load_tokenizer_from_a_folder_without_one_is_a_format_error(tmp_path):
+    with pytest.raises(ModelFormatError, match="no usable tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_draft_with_the_same_tokenizer_is_compatible(tiny_target, tiny_draft):
+    check_draft_compatible(tiny_target, tiny_draft)
+    check_draft_compatible(tiny_target, tiny_target)
+
+
+def test_draft_with_another_vocab_size_is_rejected(tiny_target, tmp_path):
+    draft = make_tiny_llama(tmp_path / "wide", seed=2, layers=1, hidden=32, heads=2, kv_heads=1,
+                            intermediate=64, vocab_size=512)
+    with pytest.raises(DraftMismatchError, match=r"draft 'wide' .*\(vocab 512 vs 320\).*--draft ngram"):
+        check_draft_compatible(tiny_target, draft)
+
+
+def test_draft_with_same_size_but_different_tokens_is_rejected(tiny_target, tmp_path):
+    draft = make_tiny_llama(tmp_path / "other", seed=2, layers=1, hidden=32, heads=2, kv_heads=1,
+                            intermediate=64, extra_tokens=4)
+    with pytest.raises(DraftMismatchError, match="does not share the target's vocabulary"):
+        check_draft_compatible(tiny_target, draft)
+
+
+def test_same_vocab_written_differently_is_compatible(tiny_target, tmp_path):
+    """Byte-identical tokenizer files are the fast path; a reformatted file must still compare equal."""
+    draft = shutil.copytree(tiny_target, tmp_path / "reformatted")
+    data = json.loads((draft / "tokenizer.json").read_text())
+    (draft / "tokenizer.json").write_text(json.dumps(data, indent=4))
+    check_draft_compatible(tiny_target, draft)
