@@ -1,0 +1,162 @@
+"""A Llama-family decoder in plain PyTorch: Llama 2/3 (with llama3 rope scaling), SmolLM2, Mistral
+and Qwen2-style qkv bias, with GQA and tied embeddings, reading and writing a preallocated KV cache.
+
+Projections are fused (qkv, gate_up) so a decode step launches fewer ops: at batch 1 on a CPU the
+per-op overhead is a large share of a step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.engine.config import ModelConfig
+from pipeline.engine.kv_cache import ForwardBatch, KVCache
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3.1 scaling: long wavelengths are divided by `factor`, short ones kept, and the band
+    # between is interpolated smoothly.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as transformers does; bf16 variance loses too much.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, H, D]; cos/sin: [B, T, 1, D]. Rotate-half layout, as in Hugging Face Llama weights.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.qkv_bias)
+        self.o = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                fb: ForwardBatch) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
+        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ck, cv = cache.k[self.layer], cache.v[self.layer]  # [S, KV, Lmax+1, D]
+        # Advanced indices on dims 0 and 2 put [B, T] first: the value is [B, T, KV, D].
+        ck[fb.slots[:, None], :, fb.write_pos] = k
+        cv[fb.slots[:, None], :, fb.write_pos] = v
+        L = fb.kv_len
+        if fb.slot_range is not None:
+            a, b = fb.slot_range
+            keys, values = ck[a:b, :, :L], cv[a:b, :, :L]  # views, no copy
+        else:
+            keys, values = ck[:, :, :L].index_select(0, fb.slots), cv[:, :, :L].index_select(0, fb.slots)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=fb.attn_mask, enable_gqa=self.n_kv != self.n_heads
+        )  # [B, H, T, D]
+        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, fb):
+        x = x + self.attn(self.input_norm(x), cos, sin, cache, fb)
+        return x + self.mlp(self.post_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = self.rope_tables(cfg, max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @staticmethod
+    def rope_tables(cfg: ModelConfig, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.device("cpu"):
+            freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(cfg))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos().float(), emb.sin().float()
+
+    def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        p = self.embed.weight
+        return KVCache(self.cfg.num_layers, num_slots, max_seq_len, self.cfg.num_kv_heads, self.cfg.head_dim,
+                       p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, cache: KVCache,
+                logits_index: torch.Tensor | None = None,
+                capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids: [B, T]. logits_index: [B, N] token positions whose logits are wanted (default all T).
+
+        Returns logits [B, N, V] in fp32, plus the hidden states entering each layer in capture_layers
+        (index num_layers means the final, pre-norm output) when that is non-empty.
+        """
+        x = self.embed(input_ids)
+        dtype = x.dtype
+        cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]  # [B, T, 1, D]
+        sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in capture_layers:
+                captured.append(x)
+            x = layer(x, cos, sin, cache, fb)
+        if self.cfg.num_layers in capture_layers:
+            captured.append(x)
+        if logits_index is not None:
+            x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        logits = self.lm_head(self.norm(x)).float()
+        return (logits, captured) if capture_layers else logits
