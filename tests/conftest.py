@@ -26,3 +26,22 @@ def tiny_draft(tmp_path_factory) -> Path:
 def pipeline_home(tmp_path, monkeypatch):
     """Point the pipeline's cache at a temp dir so tests never touch the user's."""
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """The embedded default, converted once per test session (about 25 s) for the slow end-to-end tests."""
+    import os
+
+    from pipeline.models.resolve import resolve_model
+
+    home = tmp_path_factory.mktemp("smollm2-home")
+    old = os.environ.get("PIPELINE_HOME")
+    os.environ["PIPELINE_HOME"] = str(home)
+    try:
+        return resolve_model("smollm2-135m").path
+    finally:
+        if old is None:
+            os.environ.pop("PIPELINE_HOME", None)
+        else:
+            os.environ["PIPELINE_HOME"] = old

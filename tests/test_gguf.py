@@ -191,14 +191,16 @@ def test_missing_gguf_file_is_a_not_found_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_smollm2_resolves_converts_once_and_keeps_chat_template():
+def test_embedded_smollm2_resolves_converts_once_and_keeps_chat_template(smollm2, monkeypatch):
     from transformers import AutoTokenizer
 
     from pipeline.engine.config import ModelConfig
 
+    # The session fixture converted the embedded GGUF into its own home; resolve against that home.
+    monkeypatch.setenv("PIPELINE_HOME", str(smollm2.parent.parent))
     resolved = resolve_model("smollm2-135m")
     assert resolved.source == "preset" and resolved.name == "smollm2-135m"
-    assert resolved.path == pipeline_home() / "models" / "smollm2-135m"
+    assert resolved.path == pipeline_home() / "models" / "smollm2-135m" == smollm2
     cfg = ModelConfig.from_folder(resolved.path)
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
     assert (cfg.num_heads, cfg.num_kv_heads) == (9, 3)

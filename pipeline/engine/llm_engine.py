@@ -142,11 +142,11 @@ class LLMEngine:
         ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=self.config.device)
         fb = ForwardBatch.build([r.slot for r in reqs], [0] * len(reqs), lengths, self.cache, self.config.device)
         last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
-        logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0].cpu()  # [B, V]
+        logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0]  # [B, V]
         greedy = logits.argmax(-1).tolist()
         for i, r in enumerate(reqs):
             r.target_len = lengths[i]
-            tok = greedy[i] if r.params.greedy else sample(probs_from_logits(logits[i], r.params), r.generator)
+            tok = greedy[i] if r.params.greedy else sample(probs_from_logits(logits[i].cpu(), r.params), r.generator)
             self._emit(r, [tok], finished)
         self.stats.prefill_steps += 1
 
@@ -176,7 +176,8 @@ class LLMEngine:
         T = max(lengths)
         ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
         fb = ForwardBatch.build([r.slot for r in reqs], [r.target_len for r in reqs], lengths, self.cache, dev)
-        logits = self.model(ids, fb, self.cache).cpu()  # [B, T, V]
+        logits = self.model(ids, fb, self.cache)  # [B, T, V]
+        # Greedy rows need only the argmax; sampled rows go to the CPU, where their generators live.
         argmax = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None
 
         for i, r in enumerate(reqs):
@@ -184,7 +185,7 @@ class LLMEngine:
             if r.params.greedy:
                 m, nxt = accept_greedy(argmax[i][: len(d) + 1], d)
             else:
-                m, nxt = accept_sampled(logits[i], d, q_rows.get(i), r)
+                m, nxt = accept_sampled(logits[i].cpu(), d, q_rows.get(i), r)
             prev_len = r.num_tokens
             # The pending token and the m accepted drafts now have valid K/V; rejected entries past
             # this length are stale and get overwritten: that is the per-sequence rollback.

@@ -82,13 +82,15 @@ class DraftModelProposer:
         starts = [self.cached.get(r.id, 0) for r in reqs]
         feeds = [s[c:] for s, c in zip(seqs, starts)]
         rows = list(range(B))
+        dev = self.model.embed.weight.device
         for j in range(K):
             lengths = [len(feeds[i]) for i in rows]
             T = max(lengths)
-            ids = torch.tensor([feeds[i] + [0] * (T - len(feeds[i])) for i in rows])
-            fb = ForwardBatch.build([reqs[i].slot for i in rows], [starts[i] for i in rows], lengths, self.cache)
-            last = torch.tensor(lengths)[:, None] - 1
-            logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0]  # [b, V]
+            ids = torch.tensor([feeds[i] + [0] * (T - len(feeds[i])) for i in rows], device=dev)
+            fb = ForwardBatch.build([reqs[i].slot for i in rows], [starts[i] for i in rows], lengths, self.cache, dev)
+            last = torch.tensor(lengths, device=dev)[:, None] - 1
+            # Sampling happens on the CPU, with each request's own CPU generator.
+            logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0].cpu()  # [b, V]
             greedy_next = logits.argmax(-1).tolist()
             for n, i in enumerate(rows):
                 self.cached[reqs[i].id] = starts[i] + lengths[n]
