@@ -2,7 +2,9 @@
 and Qwen2-style qkv bias, with GQA and tied embeddings, reading and writing a preallocated KV cache.
 
 Projections are fused (qkv, gate_up) so a decode step launches fewer ops: at batch 1 on a CPU the
-per-op overhead is a large share of a step.
+per-op overhead is a large share of a step. For the same reason rope is applied to q and k in one
+go, and RMSNorm uses the fused kernel where that is exact. Linear weights are packed for oneDNN on
+a CPU (see pipeline/engine/linear.py): that, not the op count, is most of a CPU decode step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
+from pipeline.engine.linear import Linear, pack_linears
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -41,18 +44,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as transformers does; bf16 variance loses too much.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalise in fp32 as transformers does (bf16 variance loses too much), then round to the
+        # model dtype *before* scaling by the weight, again as transformers does.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, H, D]; cos/sin: [B, T, 1, D]. Rotate-half layout, as in Hugging Face Llama weights.
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    """x: [B, T, H, D]; cos/sin: [B, T, 1, D]. Rotate-half layout, as in Hugging Face Llama weights.
+
+    `sin` carries the rotate-half sign: its first half is negated (see Transformer.rope_tables), so
+    rotate_half(x) * sin_hf == roll(x, D/2) * sin. Three ops instead of six."""
+    if x.dtype == torch.float32:
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin  # round each product, as transformers does
 
 
 class Attention(nn.Module):
@@ -60,15 +66,16 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.qkv_bias)
-        self.o = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        self.qkv = Linear(cfg.hidden_size, (self.n_heads + 2 * self.n_kv) * self.hd, bias=cfg.qkv_bias)
+        self.o = Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 fb: ForwardBatch) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
-        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        nq = self.n_heads
+        qk = apply_rope(qkv[:, :, : nq + self.n_kv], cos, sin)  # q and k in one go
+        q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + self.n_kv:]
         ck, cv = cache.k[self.layer], cache.v[self.layer]  # [S, KV, Lmax+1, D]
         # Advanced indices on dims 0 and 2 put [B, T] first: the value is [B, T, KV, D].
         ck[fb.slots[:, None], :, fb.write_pos] = k
@@ -89,8 +96,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.inter, dim=-1)
@@ -117,7 +124,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         cos, sin = self.rope_tables(cfg, max_seq_len)
@@ -128,8 +135,13 @@ class Transformer(nn.Module):
     def rope_tables(cfg: ModelConfig, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.device("cpu"):
             freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(cfg))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            return emb.cos().float(), emb.sin().float()
+            # sin's first half is negated: apply_rope's roll then yields rotate_half's sign.
+            return torch.cat((freqs, freqs), -1).cos().float(), torch.cat((-freqs, freqs), -1).sin().float()
+
+    def pack_weights(self, backend: str | None = None) -> "Transformer":
+        """Lay the linear weights out for the device they are on (oneDNN-packed on a CPU). Call again
+        after moving or casting the model; load_transformer does it once."""
+        return pack_linears(self, backend)
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         p = self.embed.weight

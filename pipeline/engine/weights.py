@@ -67,4 +67,4 @@ def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = 
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelFormatError(f"checkpoint in {folder} is missing {missing[0]}")
-    return model.eval()
+    return model.eval().pack_weights()

@@ -1,0 +1,37 @@
+"""The `pipeline` command line: a thin layer over the library.
+
+Commands parse options, call one library function and print its result. Library errors
+(pipeline.errors.PipelineError) become one-line click errors here, in one place: `PipelineGroup`.
+Commands import torch/transformers inside their bodies so `pipeline --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import click
+
+from pipeline import __version__
+from pipeline.errors import PipelineError
+
+
+class PipelineGroup(click.Group):
+    """A click group that turns every PipelineError raised by a command into `Error: <message>`."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except PipelineError as err:
+            raise click.ClickException(" ".join(str(err).split()) or type(err).__name__) from None
+
+
+@click.group(cls=PipelineGroup)
+@click.version_option(__version__, "--version", "-V", prog_name="pipeline")
+def main():
+    """Speculative decoding build-and-serve pipeline.
+
+    Today: the portable PyTorch engine and `pipeline generate`.
+    """
+
+
+from pipeline.cli.generate import generate  # noqa: E402  (registers on `main`)
+
+main.add_command(generate)
