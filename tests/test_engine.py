@@ -222,15 +222,18 @@ def test_draft_with_another_vocabulary_is_refused(tiny_target, tmp_path):
         LLMEngine.load(tiny_target, config(), draft=other)
 
 
-def test_bf16_engine_speculates_and_matches_its_own_plain_decoding(tiny_target):
+def test_bf16_greedy_output_is_identical_across_batch_shapes_and_speculation(tiny_target, tiny_draft):
+    # bf16 rounds coarsely, so this holds only if the target's arithmetic doesn't depend on the batch
+    # shape (see the attention note in model.py): batch 1 vs batch 3, and 1-token vs (k+1)-token forwards.
     cfg = config(dtype="bf16", num_draft_tokens=3)
     prompts = make_prompts(3, seed=12)
-    plain = LLMEngine.load(tiny_target, cfg).generate(prompts, SamplingParams(max_tokens=20))
-    spec_engine = LLMEngine.load(tiny_target, cfg, draft=tiny_target)
-    spec = spec_engine.generate(prompts, SamplingParams(max_tokens=20))
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    solo_engine = LLMEngine.load(tiny_target, cfg)
+    solo = [solo_engine.generate([p], params)[0].output_ids for p in prompts]
+    batched = [r.output_ids for r in LLMEngine.load(tiny_target, cfg).generate(prompts, params)]
+    spec_engine = LLMEngine.load(tiny_target, cfg, draft=tiny_draft)
+    spec = [r.output_ids for r in spec_engine.generate(prompts, params)]
     assert spec_engine.model.embed.weight.dtype == torch.bfloat16
-    assert spec_engine.stats.accepted_tokens > 0
-    # bf16 rounding differs between a 1-token and a 4-token forward, so allow rare near-tie flips,
-    # but the bulk must agree.
-    agree = sum(a.output_ids[:5] == b.output_ids[:5] for a, b in zip(plain, spec))
-    assert agree >= 2
+    assert spec_engine.stats.drafted_tokens > 0
+    assert batched == solo
+    assert spec == solo
