@@ -31,3 +31,11 @@ class ConfigError(PipelineError):
 
 class MissingDependencyError(PipelineError):
     """An optional dependency is not installed."""
+
+
+class QuantizeError(PipelineError):
+    """A quantization request can't run: unknown format, a model the format doesn't fit, output in the way."""
+
+
+class CalibrationError(PipelineError):
+    """Calibration or evaluation text is missing, empty, unreadable or too short."""

@@ -28,10 +28,12 @@ class PipelineGroup(click.Group):
 def main():
     """Speculative decoding build-and-serve pipeline.
 
-    Today: the portable PyTorch engine and `pipeline generate`.
+    Today: the portable PyTorch engine (`pipeline generate`) and ModelOpt quantization (`pipeline quantize`).
     """
 
 
 from pipeline.cli.generate import generate  # noqa: E402  (registers on `main`)
+from pipeline.cli.quantize import quantize  # noqa: E402
 
 main.add_command(generate)
+main.add_command(quantize)
