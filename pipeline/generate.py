@@ -70,6 +70,7 @@ class RunInfo:
     min_spec_tokens: int
     chat_template: bool
     load_time_s: float
+    engine: dict  # LLMEngine.describe(): weight formats and the kernels that run them
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
         num_draft_tokens=config.num_draft_tokens, max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len, gate_batch_size=config.gate.max_batch_size,
         min_spec_tokens=config.gate.min_tokens, chat_template=chat, load_time_s=round(load_time, 3),
+        engine=engine.describe(),
     )
     return GenerateResult(outputs=outputs, stats=engine.stats.to_dict(), info=info)
 
@@ -194,7 +196,9 @@ def stats_line(result: GenerateResult) -> str:
     """One human line: what ran and how fast (decode time only)."""
     s, info = result.stats, result.info
     draft = info.draft if info.draft == NO_DRAFT else f"{info.draft} k={info.num_draft_tokens}"
-    line = (f"[{info.model}, draft {draft}, {info.dtype}] {s['generated_tokens']} tokens, "
+    weights = info.engine.get("target", {}).get("weights", "dense")
+    fmt = info.dtype if weights == "dense" else f"{info.dtype}, {weights} weights"
+    line = (f"[{info.model}, draft {draft}, {fmt}] {s['generated_tokens']} tokens, "
             f"{s['tokens_per_s']} tok/s (decode only; load {info.load_time_s:.1f} s), {s['steps']} steps")
     if s["drafted_tokens"]:
         line += (f", acceptance {s['acceptance_rate']:.2f}, mean acceptance length "

@@ -63,6 +63,14 @@ class LLMEngine:
             proposer = DraftModelProposer(draft_model, config.max_batch_size, config.max_seq_len)
         return cls(model, config, proposer, eos_token_ids or model.cfg.eos_token_ids)
 
+    def describe(self) -> dict:
+        """What runs, for reports and `pipeline generate --json`: the target's (and a draft model's)
+        dtype, weight format and kernels, and the proposer."""
+        desc = {"target": self.model.describe(), "proposer": self.proposer.name if self.proposer else None}
+        if isinstance(self.proposer, DraftModelProposer):
+            desc["draft"] = self.proposer.model.describe()
+        return desc
+
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",

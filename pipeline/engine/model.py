@@ -18,6 +18,7 @@ from torch import nn
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
+from pipeline.engine.quant import QuantConfig, describe_model
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -143,6 +144,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int):
         super().__init__()
         self.cfg = cfg
+        self.quant_config: QuantConfig | None = None  # set by the loader for a quantized checkpoint
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -164,6 +166,10 @@ class Transformer(nn.Module):
         """Lay the linear weights out for the device they are on (oneDNN-packed on a CPU). Call again
         after moving or casting the model; load_transformer does it once."""
         return pack_linears(self, backend)
+
+    def describe(self) -> dict:
+        """What runs: dtype, weight format, and per weight format the kernel that runs it (JSON-ready)."""
+        return describe_model(self)
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         p = self.embed.weight
