@@ -39,3 +39,7 @@ class QuantizeError(PipelineError):
 
 class CalibrationError(PipelineError):
     """Calibration or evaluation text is missing, empty, unreadable or too short."""
+
+
+class PlanError(PipelineError):
+    """A memory plan can't be made (unknown GPU, bad tp, fp8 on a GPU without it) or doesn't fit."""

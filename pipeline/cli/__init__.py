@@ -34,6 +34,10 @@ def main():
 
 from pipeline.cli.generate import generate  # noqa: E402  (registers on `main`)
 from pipeline.cli.quantize import quantize  # noqa: E402
+from pipeline.cli.compile import compile  # noqa: E402,A004
+from pipeline.cli.plan import plan  # noqa: E402
 
 main.add_command(generate)
 main.add_command(quantize)
+main.add_command(compile)
+main.add_command(plan)

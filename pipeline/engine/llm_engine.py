@@ -63,6 +63,13 @@ class LLMEngine:
             proposer = DraftModelProposer(draft_model, config.max_batch_size, config.max_seq_len)
         return cls(model, config, proposer, eos_token_ids or model.cfg.eos_token_ids)
 
+    @classmethod
+    def from_engine_dir(cls, path: str | Path, device: str | None = None, dtype: str | None = None) -> "LLMEngine":
+        """An engine folder written by `pipeline compile --backend torch` (see pipeline/compile/torch_engine.py)."""
+        from pipeline.compile.torch_engine import load_engine
+
+        return load_engine(path, device, dtype)
+
     def describe(self) -> dict:
         """What runs, for reports and `pipeline generate --json`: the target's (and a draft model's)
         dtype, weight format and kernels, and the proposer."""

@@ -1,0 +1,70 @@
+"""`pipeline compile`: quantized checkpoints -> TensorRT-LLM engines/configs, or the portable engine folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option("--backend", "-b", required=True, type=click.Choice(["trtllm", "torch"]),
+              help="trtllm: TensorRT-LLM engines or LLM-API config; torch: the portable engine folder.")
+@click.option("--target", "-t", required=True, type=click.Path(path_type=Path),
+              help="Target checkpoint folder from `pipeline quantize` (--export trtllm for --route engine).")
+@click.option("--draft", "-d", default="none", show_default=True,
+              help="none, ngram, a draft checkpoint folder, or eagle3:FOLDER (an EAGLE-3 head).")
+@click.option("--route", default="auto", show_default=True, type=click.Choice(["auto", "engine", "llmapi"]),
+              help="trtllm only. engine: trtllm-build; llmapi: PyTorch backend YAML. auto: from the checkpoint "
+                   "layout (and llmapi for ngram/eagle3).")
+@click.option("num_draft_tokens", "--num-draft-tokens", "-k", type=int, default=4, show_default=True,
+              help="K: the most tokens drafted per step (max_draft_len).")
+@click.option("max_batch_size", "--max-batch-size", type=int, default=64, show_default=True)
+@click.option("max_input_len", "--max-input-len", type=int, help="Longest prompt [default: max-seq-len / 2].")
+@click.option("max_seq_len", "--max-seq-len", type=int,
+              help="Prompt + output tokens [default: min(4096, the target's max_position_embeddings)].")
+@click.option("max_num_tokens", "--max-num-tokens", type=int,
+              help="Tokens per iteration [default: max-batch-size x (K+1) + one context chunk].")
+@click.option("gate_batch_size", "--gate-batch-size", type=int, default=32, show_default=True,
+              help="Speculate only while the batch is at or below this (TensorRT-LLM: max_concurrency).")
+@click.option("kv_cache_dtype", "--kv-cache-dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "fp8"]), help="auto: the checkpoint's.")
+@click.option("free_gpu_memory_fraction", "--free-gpu-memory-fraction", type=float, default=0.9, show_default=True,
+              help="Free GPU memory the KV cache may take (TensorRT-LLM).")
+@click.option("tp_size", "--tp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
+@click.option("pp_size", "--pp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
+              help="torch backend compute dtype (auto: the checkpoint's).")
+@click.option("--gpu", help="Check the sizes fit this GPU's memory plan (see `pipeline plan`).")
+@click.option("dry_run", "--dry-run", is_flag=True, help="Write the configs and print the commands; build nothing.")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
+@click.option("output", "--output", "-o", type=click.Path(path_type=Path),
+              help="Output folder [default: engines/<target folder name>-<backend>].")
+def compile(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
+            max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, tp_size, pp_size, dtype, gpu,
+            dry_run, force, json_, output):
+    """Turn quantized checkpoints into what TensorRT-LLM serves, or the portable engine folder.
+
+    Without TensorRT-LLM installed (it runs in NVIDIA's container), use --dry-run: it writes the
+    configs and a build.sh/serve.sh, and prints the exact commands.
+
+    \b
+    Examples:
+      pipeline compile -b trtllm -t ckpt/target-trt -d ckpt/draft-trt -k 4 --dry-run -o engines/dt
+      pipeline compile -b trtllm -t ckpt/target-hf -d eagle3:heads/eagle3 -o engines/eagle3
+      pipeline compile -b torch -t ckpt/target-hf -d ckpt/draft-hf -o engines/portable
+    """
+    from pipeline.compile import CompileOptions, compile_model
+    from pipeline.compile.run import DEFAULT_ENGINES_DIR
+
+    if output is None:
+        output = DEFAULT_ENGINES_DIR / f"{Path(target).name}-{backend}"
+    result = compile_model(CompileOptions(
+        backend=backend, target=target, output=output, draft=draft, route=route, num_draft_tokens=num_draft_tokens,
+        max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens, gate_batch_size=gate_batch_size, kv_cache_dtype=kv_cache_dtype,
+        free_gpu_memory_fraction=free_gpu_memory_fraction, tp_size=tp_size, pp_size=pp_size, dtype=dtype, gpu=gpu,
+        dry_run=dry_run, force=force))
+    click.echo(json.dumps(result.to_dict(), indent=2) if json_ else result.render())

@@ -1,0 +1,43 @@
+"""`pipeline plan`: will the target, its draft and their KV cache fit on N GPUs, and what's the smallest N?"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from pipeline.plan.gpus import GPUS
+from pipeline.plan.weights import WEIGHT_FORMATS
+
+
+@click.command()
+@click.option("--target", "-m", required=True, help="Target model: a preset (e.g. llama-70b) or a local folder.")
+@click.option("--draft", "-d", default="none", show_default=True,
+              help="eagle3 (the target's EAGLE-3 head), ngram (no weights), none, or a draft model (preset/folder).")
+@click.option("--gpu", "-g", required=True, help=f"GPU kind: {', '.join(GPUS)}.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel size (GPUs).")
+@click.option("target_qformat", "--target-qformat", default="none", show_default=True,
+              help=f"Target weight format: {', '.join(WEIGHT_FORMATS)}.")
+@click.option("draft_qformat", "--draft-qformat", default="none", show_default=True,
+              help=f"Draft weight format: {', '.join(WEIGHT_FORMATS)}.")
+@click.option("kv_cache_dtype", "--kv-cache-dtype", default="bf16", show_default=True, help="KV cache: bf16 or fp8.")
+@click.option("max_batch_size", "--max-batch-size", type=int, default=16, show_default=True,
+              help="Requests decoding at once.")
+@click.option("max_seq_len", "--max-seq-len", type=int, default=4096, show_default=True,
+              help="Prompt + generated tokens per request.")
+@click.option("json_", "--json", is_flag=True, help="Print the plan as JSON (bytes).")
+def plan(target, draft, gpu, tp, target_qformat, draft_qformat, kv_cache_dtype, max_batch_size, max_seq_len, json_):
+    """Plan GPU memory: weights per format, KV cache per dtype, reserve, headroom, verdict and smallest TP.
+
+    Needs no GPU and no weights: presets carry their architecture.
+
+    \b
+    Example:
+      pipeline plan --target llama-70b --draft eagle3 --gpu h100-80gb --target-qformat fp8
+    """
+    from pipeline.plan import plan_inputs, plan_memory, render_table
+
+    result = plan_memory(plan_inputs(
+        target=target, gpu=gpu, draft=draft, tp=tp, target_qformat=target_qformat, draft_qformat=draft_qformat,
+        kv_cache_dtype=kv_cache_dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len))
+    click.echo(json.dumps(result.to_dict(), indent=2) if json_ else render_table(result))

@@ -1,0 +1,87 @@
+"""What compile needs to know about a checkpoint folder, read from its config files without loading weights.
+
+Two layouts come out of `pipeline quantize`: a TensorRT-LLM checkpoint (config.json with "architecture"
+and "mapping", plus rank{N}.safetensors) and a (unified) Hugging Face checkpoint (config.json with
+"model_type", *.safetensors, maybe hf_quant_config.json).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import ModelFormatError, ModelNotFoundError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    layout: str  # "trtllm" | "hf"
+    vocab_size: int
+    dtype: str  # "float16" | "bfloat16" | "float32"
+    tp_size: int = 1  # from the TRT-LLM mapping; 1 for HF folders
+    pp_size: int = 1
+    max_position_embeddings: int | None = None
+    quant_algo: str | None = None
+    kv_cache_quant_algo: str | None = None  # "FP8" when the KV cache is quantized
+    is_eagle3: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return any((self.path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def read_checkpoint(folder: str | Path) -> Checkpoint:
+    path = Path(folder).expanduser().absolute()
+    if not path.is_dir():
+        raise ModelNotFoundError(f"checkpoint folder {path} does not exist; pass the -o folder of `pipeline quantize`")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelFormatError(f"{config_file} is missing; pass a folder written by `pipeline quantize`")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelFormatError(f"can't read {config_file} ({err}); re-export the checkpoint") from None
+    if "vocab_size" not in cfg:
+        raise ModelFormatError(f"{config_file} has no vocab_size; is this a decoder checkpoint?")
+    if "mapping" in cfg and "architecture" in cfg:
+        return _trtllm(path, cfg)
+    return _hf(path, cfg)
+
+
+def _trtllm(path: Path, cfg: dict) -> Checkpoint:
+    mapping = cfg["mapping"]
+    tp, pp = int(mapping.get("tp_size", 1)), int(mapping.get("pp_size", 1))
+    world = int(mapping.get("world_size", tp * pp))
+    if world != tp * pp:
+        raise ModelFormatError(f"{path}/config.json mapping says world_size {world} but tp_size*pp_size is "
+                               f"{tp * pp}; re-export with `pipeline quantize --export trtllm`")
+    missing = [f"rank{r}.safetensors" for r in range(world) if not (path / f"rank{r}.safetensors").is_file()]
+    if missing:
+        raise ModelFormatError(f"TensorRT-LLM checkpoint {path} lacks {', '.join(missing)}; re-export it")
+    quant = cfg.get("quantization") or {}
+    return Checkpoint(path=path, layout="trtllm", vocab_size=int(cfg["vocab_size"]),
+                      dtype=str(cfg.get("dtype", "float16")), tp_size=tp, pp_size=pp, max_position_embeddings=cfg.get("max_position_embeddings"),
+                      quant_algo=quant.get("quant_algo"), kv_cache_quant_algo=quant.get("kv_cache_quant_algo"))
+
+
+def _hf(path: Path, cfg: dict) -> Checkpoint:
+    if not any(path.glob("*.safetensors")):
+        raise ModelFormatError(f"no *.safetensors in {path}; pass a folder written by `pipeline quantize`")
+    quant: dict = {}
+    qfile = path / "hf_quant_config.json"
+    if qfile.is_file():
+        quant = json.loads(qfile.read_text()).get("quantization", {})
+    arch = " ".join(cfg.get("architectures") or []).lower()
+    return Checkpoint(path=path, layout="hf", vocab_size=int(cfg["vocab_size"]),
+                      dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+                      max_position_embeddings=cfg.get("max_position_embeddings"),
+                      quant_algo=quant.get("quant_algo"), kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
+                      is_eagle3="eagle3" in arch or "eagle_config" in cfg)

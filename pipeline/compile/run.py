@@ -1,0 +1,235 @@
+"""`compile_model(options)`: the one function behind `pipeline compile`.
+
+Order: check everything cheap (options, output folder, checkpoints, draft/target agreement, sizes, the
+GPU plan) before anything is written; generate the commands and configs (pure: trtllm_build.py,
+llmapi.py, torch_engine.py); then write into a staging folder renamed into place at the end, so the
+output is never half-written. Only the engine route runs anything (trtllm-build), and only where
+TensorRT-LLM is installed: NVIDIA's container.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.compile import llmapi, torch_engine
+from pipeline.compile.checkpoint import Checkpoint, read_checkpoint
+from pipeline.compile.draft import DraftSpec, parse_draft
+from pipeline.compile.reference import TRTLLM_CONTAINER, TRTLLM_VERSION
+from pipeline.compile.trtllm_build import BuildSizes, build_command, derive_sizes, run_command
+from pipeline.compile.validate import check_draft_len, check_draft_matches, check_plan, pick_route
+from pipeline.errors import ConfigError, MissingDependencyError
+
+MANIFEST_FILE = "compile.json"
+KV_CACHE_DTYPES = ("auto", "fp8")
+DEFAULT_ENGINES_DIR = Path("engines")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    backend: str  # trtllm | torch
+    target: Path  # a checkpoint folder from `pipeline quantize`
+    output: Path  # the engine folder to write
+    draft: str = "none"  # none | ngram | DIR | eagle3:DIR
+    route: str = "auto"  # trtllm only: auto | engine (trtllm-build) | llmapi (PyTorch backend)
+    num_draft_tokens: int = 4  # K: max draft length
+    max_batch_size: int = 64
+    max_input_len: int | None = None  # default: max_seq_len // 2
+    max_seq_len: int | None = None  # default: min(4096, the target's max_position_embeddings)
+    max_num_tokens: int | None = None  # default: max_batch_size * (K+1) + one context chunk
+    gate_batch_size: int | None = 32  # speculate only at or below this batch size; None: always
+    kv_cache_dtype: str = "auto"  # auto (the checkpoint's) | fp8
+    free_gpu_memory_fraction: float = 0.9
+    tp_size: int | None = None  # llmapi route; the engine route reads the checkpoint's mapping
+    pp_size: int | None = None
+    dtype: str = "auto"  # torch backend compute dtype: auto (the checkpoint's) | fp32 | bf16 | fp16
+    gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
+    dry_run: bool = False
+    force: bool = False
+
+
+@dataclass
+class CompileResult:
+    backend: str
+    route: str
+    output: str
+    dry_run: bool
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    manifest: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        what = "dry run: nothing built" if self.dry_run else "compiled"
+        lines = [f"{what}; {self.backend}/{self.route} -> {self.output}"]
+        lines += [f"  wrote {f}" for f in self.files]
+        for name, cmd in self.commands.items():
+            lines += [f"# {name}", shlex.join(cmd)]
+        return "\n".join(lines)
+
+
+def trtllm_available() -> bool:
+    return shutil.which("trtllm-build") is not None or importlib.util.find_spec("tensorrt_llm") is not None
+
+
+def compile_model(options: CompileOptions) -> CompileResult:
+    from pipeline.quantize.export import check_output, staged_output
+
+    _check_options(options)
+    output = Path(options.output).expanduser().absolute()
+    check_output(output, options.force)
+    target = read_checkpoint(options.target)
+    draft = parse_draft(options.draft)
+    draft_ckpt = read_checkpoint(draft.path) if draft.path is not None else None
+    route = pick_route(options.backend, options.route, target, draft)
+    if draft_ckpt is not None and draft.kind == "model" and draft_ckpt.layout != target.layout:
+        raise ConfigError(f"the draft is a {draft_ckpt.layout} checkpoint but the target a {target.layout} one; "
+                          f"export both with the same `pipeline quantize --export`")
+    check_draft_len(draft, options.num_draft_tokens)
+    check_draft_matches(target, draft, draft_ckpt)
+    k = options.num_draft_tokens if draft.speculates else 0
+    sizes = derive_sizes(options.max_batch_size, k, target.max_position_embeddings, options.max_seq_len,
+                         options.max_input_len, options.max_num_tokens)
+    kv_dtype = _kv_cache_dtype(options.kv_cache_dtype, target, route)
+    tp, pp = _parallel(options, target, route)
+    plan = check_plan(target, draft, draft_ckpt, options.gpu, sizes.max_batch_size, sizes.max_seq_len, kv_dtype)
+    if route == "engine" and not options.dry_run and not trtllm_available():
+        raise MissingDependencyError(
+            f"trtllm-build is not installed here (TensorRT-LLM needs NVIDIA's own build); run this in "
+            f"NVIDIA's TensorRT-LLM container {TRTLLM_CONTAINER}, or add --dry-run to write the commands only")
+
+    result = CompileResult(options.backend, route, str(output), options.dry_run)
+    manifest = {
+        "tensorrt_llm_version": TRTLLM_VERSION, "container": TRTLLM_CONTAINER,
+        "backend": options.backend, "route": route, "dry_run": options.dry_run,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "target": _describe(target), "draft": {"kind": draft.kind, **(_describe(draft_ckpt) if draft_ckpt else {})},
+        "sizes": asdict(sizes), "gate_batch_size": options.gate_batch_size, "kv_cache_dtype": kv_dtype,
+        "tp_size": tp, "pp_size": pp, "plan": plan,
+    }
+    with staged_output(output, options.force) as stage:
+        if route == "engine":
+            _engine_route(stage, output, target, draft_ckpt, sizes, options, result)
+        elif route == "llmapi":
+            _llmapi_route(stage, output, target, draft, sizes, options, kv_dtype, tp, pp, result, manifest)
+        else:
+            _torch_route(stage, target, draft, draft_ckpt, sizes, options, result, manifest)
+        manifest["commands"] = {name: shlex.join(cmd) for name, cmd in result.commands.items()}
+        result.manifest = manifest
+        (stage / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        result.files.append(MANIFEST_FILE)
+    return result
+
+
+def _engine_route(stage: Path, output: Path, target: Checkpoint, draft_ckpt: Checkpoint | None, sizes: BuildSizes,
+                  options: CompileOptions, result: CompileResult) -> None:
+    result.commands["build_target"] = build_command(target, output / "target", sizes, role="target")
+    if draft_ckpt is not None:
+        result.commands["build_draft"] = build_command(draft_ckpt, output / "draft", sizes, role="draft")
+    result.commands["smoke_test"] = run_command(output / "target", output / "draft" if draft_ckpt else None,
+                                                target.path, sizes, options.free_gpu_memory_fraction,
+                                                target.world_size)
+    builds = [cmd for name, cmd in result.commands.items() if name.startswith("build_")]
+    script = "#!/usr/bin/env bash\n# TensorRT-LLM %s (%s)\nset -euo pipefail\n%s\n" % (
+        TRTLLM_VERSION, TRTLLM_CONTAINER, "\n".join(shlex.join(c) for c in builds))
+    (stage / "build.sh").write_text(script)
+    result.files.append("build.sh")
+    if options.dry_run:
+        return
+    for cmd in builds:  # into the staging folder: same argv with the --output_dir moved there
+        staged = list(cmd)
+        i = staged.index("--output_dir") + 1
+        staged[i] = str(stage / Path(staged[i]).name)
+        done = subprocess.run(staged)  # its log streams to the terminal
+        if done.returncode != 0:
+            raise ConfigError(f"trtllm-build exited {done.returncode} building {Path(staged[i]).name}; its log is "
+                              f"above, and `pipeline compile --dry-run` writes the commands to rerun by hand")
+    result.files += [Path(c[c.index("--output_dir") + 1]).name + "/" for c in builds]
+
+
+def _llmapi_route(stage: Path, output: Path, target: Checkpoint, draft: DraftSpec, sizes: BuildSizes,
+                  options: CompileOptions, kv_dtype: str, tp: int, pp: int, result: CompileResult,
+                  manifest: dict) -> None:
+    # Nothing to build: the PyTorch backend loads the HF checkpoint at serve time; the YAML is the product.
+    settings = llmapi.LlmApiSettings(options.gate_batch_size, kv_dtype, options.free_gpu_memory_fraction, tp, pp)
+    config = llmapi.llm_api_options(draft, sizes, settings)
+    (stage / llmapi.OPTIONS_FILE).write_text(llmapi.to_yaml(config))
+    serve = llmapi.serve_command(target.path, output / llmapi.OPTIONS_FILE, sizes, settings)
+    result.commands["serve"] = serve
+    if tp * pp > 1:
+        result.commands["serve_multi_gpu"] = llmapi.launch_command(serve, tp * pp)
+    (stage / "serve.sh").write_text(f"#!/usr/bin/env bash\n# TensorRT-LLM {TRTLLM_VERSION} ({TRTLLM_CONTAINER})\n"
+                                    f"exec {shlex.join(serve)}\n")
+    result.files += [llmapi.OPTIONS_FILE, "serve.sh"]
+    manifest["configs"] = {llmapi.OPTIONS_FILE: config}
+
+
+def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None,
+                 sizes: BuildSizes, options: CompileOptions, result: CompileResult, manifest: dict) -> None:
+    engine = torch_engine.engine_manifest(
+        target, draft, draft_ckpt, max_batch_size=sizes.max_batch_size, max_seq_len=sizes.max_seq_len,
+        num_draft_tokens=sizes.max_draft_len, dtype=torch_engine.runtime_dtype(target, options.dtype),
+        gate_batch_size=options.gate_batch_size)
+    if options.dry_run:
+        (stage / torch_engine.ENGINE_FILE).write_text(json.dumps(engine, indent=2) + "\n")
+    else:
+        torch_engine.write_engine_dir(stage, engine, target, draft_ckpt)
+        result.files += ["target/"] + (["draft/"] if draft_ckpt is not None else [])
+    result.files.insert(0, torch_engine.ENGINE_FILE)
+    result.commands["load"] = ["python", "-c", f'from pipeline.compile import load_engine; '
+                                               f'engine = load_engine("{result.output}")']
+    manifest["configs"] = {torch_engine.ENGINE_FILE: engine}
+
+
+def _check_options(o: CompileOptions) -> None:
+    if o.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown --kv-cache-dtype {o.kv_cache_dtype!r}; pick one of {', '.join(KV_CACHE_DTYPES)}")
+    if not 0 < o.free_gpu_memory_fraction <= 1:
+        raise ConfigError(f"--free-gpu-memory-fraction must be in (0, 1] (got {o.free_gpu_memory_fraction})")
+    if o.gate_batch_size is not None and o.gate_batch_size < 1:
+        raise ConfigError(f"--gate-batch-size must be at least 1 (got {o.gate_batch_size}); "
+                          f"use --draft none to turn speculation off")
+    for flag, value in (("--tp-size", o.tp_size), ("--pp-size", o.pp_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if o.dtype not in ("auto", "fp32", "bf16", "fp16"):
+        raise ConfigError(f"unknown --dtype {o.dtype!r}; pick one of auto, fp32, bf16, fp16")
+
+
+def _kv_cache_dtype(requested: str, target: Checkpoint, route: str) -> str:
+    quantized = (target.kv_cache_quant_algo or "").upper() == "FP8"
+    if route == "engine" and requested == "fp8" and not quantized:
+        # trtllm-build takes the KV cache dtype from the checkpoint's quantization.kv_cache_quant_algo.
+        raise ConfigError(f"the TensorRT-LLM checkpoint {target.path.name} has no FP8 KV cache; re-quantize with "
+                          f"`pipeline quantize --kv-cache-dtype fp8 --export trtllm`, or drop --kv-cache-dtype fp8")
+    if route == "torch" and requested == "fp8":
+        raise ConfigError("the portable engine keeps its KV cache in the compute dtype; drop --kv-cache-dtype fp8")
+    return "fp8" if requested == "fp8" or quantized else "auto"
+
+
+def _parallel(options: CompileOptions, target: Checkpoint, route: str) -> tuple[int, int]:
+    if route == "engine":
+        for flag, given, have in (("--tp-size", options.tp_size, target.tp_size),
+                                  ("--pp-size", options.pp_size, target.pp_size)):
+            if given is not None and given != have:
+                raise ConfigError(f"{flag} {given} disagrees with the checkpoint's mapping ({have}); the engine "
+                                  f"route takes TP/PP from the checkpoint: re-export with "
+                                  f"`pipeline quantize --export trtllm {flag} {given}`, or drop {flag}")
+        return target.tp_size, target.pp_size
+    if route == "torch" and ((options.tp_size or 1) > 1 or (options.pp_size or 1) > 1):
+        raise ConfigError("the portable engine runs on one device; drop --tp-size/--pp-size")
+    return options.tp_size or 1, options.pp_size or 1
+
+
+def _describe(ckpt: Checkpoint) -> dict:
+    return {"path": str(ckpt.path), "layout": ckpt.layout, "dtype": ckpt.dtype, "vocab_size": ckpt.vocab_size,
+            "tp_size": ckpt.tp_size, "pp_size": ckpt.pp_size, "quant_algo": ckpt.quant_algo,
+            "kv_cache_quant_algo": ckpt.kv_cache_quant_algo}

@@ -1,0 +1,113 @@
+"""Checks that run before anything is built or written; each raises a one-line error that says the fix."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.compile.checkpoint import Checkpoint
+from pipeline.compile.draft import DraftSpec
+from pipeline.errors import ConfigError, DraftMismatchError
+
+BACKENDS = ("trtllm", "torch")
+ROUTES = ("auto", "engine", "llmapi")
+
+
+def pick_route(backend: str, route: str, target: Checkpoint, draft: DraftSpec) -> str:
+    """The route that will run: "torch" for the portable engine, else "engine" (trtllm-build) or "llmapi"."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown --backend {backend!r}; pick one of {', '.join(BACKENDS)}")
+    if route not in ROUTES:
+        raise ConfigError(f"unknown --route {route!r}; pick one of {', '.join(ROUTES)}")
+    if backend == "torch":
+        if target.layout != "hf":
+            raise ConfigError(f"--backend torch loads Hugging Face checkpoints, and {target.path} is a TensorRT-LLM "
+                              f"checkpoint; quantize with --export hf for the portable engine")
+        if draft.kind == "eagle3":
+            raise ConfigError("the portable engine has no EAGLE-3 proposer; use --backend trtllm --route llmapi, "
+                              "or --draft DIR|ngram")
+        return "torch"
+    if route == "auto":
+        route = "llmapi" if draft.kind in ("eagle3", "ngram") or target.layout == "hf" else "engine"
+    if route == "engine":
+        if target.layout != "trtllm":
+            raise ConfigError(f"--route engine builds from a TensorRT-LLM checkpoint, and {target.path} is a Hugging "
+                              f"Face folder; quantize with --export trtllm, or use --route llmapi")
+        if draft.kind in ("eagle3", "ngram"):
+            raise ConfigError(f"--draft {draft.kind} runs on TensorRT-LLM's PyTorch backend; use --route llmapi")
+    elif target.layout != "hf":
+        raise ConfigError(f"--route llmapi (PyTorch backend) loads Hugging Face checkpoints, and {target.path} is a "
+                          f"TensorRT-LLM checkpoint; quantize with --export hf, or use --route engine")
+    return route
+
+
+def check_draft_len(draft: DraftSpec, num_draft_tokens: int) -> None:
+    # A target built with max_draft_len 0 fails at the first request with TensorRT-LLM's
+    # "Number of draft tokens (56) is larger than maximum number of draft tokens (0)"; refuse it here.
+    if draft.speculates and num_draft_tokens < 1:
+        raise ConfigError(f"--num-draft-tokens must be at least 1 with --draft {draft.kind}: a target built with "
+                          f"max_draft_len 0 fails with \"Number of draft tokens (56) is larger than maximum number "
+                          f"of draft tokens (0)\"; pass --num-draft-tokens 4, or --draft none")
+
+
+def check_draft_matches(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None) -> None:
+    """Same vocabulary (and tokenizer, where both folders carry one); same TP/PP for draft-target engines."""
+    if draft_ckpt is None:
+        return
+    if draft.kind == "model" and draft_ckpt.is_eagle3:
+        raise ConfigError(f"{draft_ckpt.path.name} is an EAGLE-3 head, not a draft model; pass "
+                          f"--draft eagle3:{draft_ckpt.path}")
+    fix = "pick a draft from the target's model family, or use --draft ngram"
+    if draft_ckpt.vocab_size != target.vocab_size:
+        raise DraftMismatchError(f"draft '{draft_ckpt.path.name}' has vocab_size {draft_ckpt.vocab_size} but the "
+                                 f"target has {target.vocab_size}; {fix}")
+    if draft.kind == "model" and target.has_tokenizer and draft_ckpt.has_tokenizer:
+        from pipeline.models.tokenizer import check_draft_compatible
+
+        check_draft_compatible(target.path, draft_ckpt.path)
+    if draft.kind == "model" and (draft_ckpt.tp_size, draft_ckpt.pp_size) != (target.tp_size, target.pp_size):
+        raise ConfigError(f"draft checkpoint is split tp {draft_ckpt.tp_size} x pp {draft_ckpt.pp_size} but the "
+                          f"target tp {target.tp_size} x pp {target.pp_size}; re-export the draft with "
+                          f"`pipeline quantize --export trtllm --tp-size {target.tp_size} --pp-size {target.pp_size}`")
+
+
+def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None, gpu: str | None,
+               max_batch_size: int, max_seq_len: int, kv_cache_dtype: str) -> dict | None:
+    """Sizes within the GPU plan: the one call into pipeline.plan. Skipped without --gpu; returns the plan."""
+    if gpu is None:
+        return None
+    from pipeline.plan.gpus import get_gpu
+    from pipeline.plan.memory import DraftSpec as PlanDraft, PlanInputs, check_fits, plan_memory
+
+    plan_draft = PlanDraft("none", "none")
+    if draft.kind in ("ngram", "eagle3"):
+        plan_draft = PlanDraft(draft.kind, draft.kind)
+    elif draft_ckpt is not None:
+        plan_draft = PlanDraft("model", draft_ckpt.path.name, model_arch(draft_ckpt))
+    plan = plan_memory(PlanInputs(
+        target_name=target.path.name, target=model_arch(target), gpu=get_gpu(gpu), tp=target.tp_size,
+        target_qformat=qformat_of(target), draft=plan_draft,
+        draft_qformat=qformat_of(draft_ckpt) if draft_ckpt is not None and draft.kind == "model" else "none",
+        kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else "bf16",
+        max_batch_size=max_batch_size, max_seq_len=max_seq_len))
+    check_fits(plan)
+    return plan.to_dict()
+
+
+def model_arch(ckpt: Checkpoint):
+    from pipeline.models.presets import ModelArch
+
+    cfg = json.loads((ckpt.path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return ModelArch(
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg.get("head_size") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("share_embedding_table", False))))
+
+
+def qformat_of(ckpt: Checkpoint) -> str:
+    from pipeline.quantize.formats import FORMATS
+
+    by_algo = {f.trtllm_algo: name for name, f in FORMATS.items() if f.trtllm_algo}
+    return by_algo.get(ckpt.quant_algo, "none")

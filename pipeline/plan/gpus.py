@@ -1,0 +1,43 @@
+"""The GPUs `pipeline plan` knows: memory, bandwidth, FP8 support and architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.errors import PlanError
+
+MIB = 1024 ** 2
+
+
+@dataclass(frozen=True)
+class GPU:
+    key: str
+    name: str
+    memory_mib: int  # total device memory as nvidia-smi reports it
+    bandwidth_tb_s: float  # HBM/GDDR bandwidth from the datasheet (SXM parts where there are two)
+    fp8: bool  # FP8 tensor cores: Ada (sm89) and newer
+    arch: str
+    sm: int
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
+
+
+GPUS: dict[str, GPU] = {g.key: g for g in (
+    GPU("a100-40gb", "A100 40GB", 40960, 1.555, False, "Ampere", 80, ("a100-40",)),
+    GPU("a100-80gb", "A100 80GB", 81920, 2.039, False, "Ampere", 80, ("a100", "a100-80")),
+    GPU("l40s", "L40S", 46068, 0.864, True, "Ada Lovelace", 89, ("l40s-48gb",)),
+    GPU("h100-80gb", "H100 80GB", 81559, 3.35, True, "Hopper", 90, ("h100", "h100-sxm")),
+    GPU("h200-141gb", "H200 141GB", 143771, 4.8, True, "Hopper", 90, ("h200",)),
+    GPU("b200-180gb", "B200 180GB", 183359, 8.0, True, "Blackwell", 100, ("b200",)),
+)}
+_BY_ALIAS: dict[str, GPU] = {alias: g for g in GPUS.values() for alias in (g.key, *g.aliases)}
+
+
+def get_gpu(name: str) -> GPU:
+    gpu = _BY_ALIAS.get(name.strip().lower().replace("_", "-"))
+    if gpu is None:
+        raise PlanError(f"unknown --gpu {name!r}; pick one of {', '.join(GPUS)}")
+    return gpu

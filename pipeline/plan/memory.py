@@ -1,0 +1,285 @@
+"""The memory planner: will target + draft + KV cache fit on N GPUs of a kind, and what is the smallest N?
+
+Pure: typed inputs to a typed plan, no I/O. `pipeline plan` prints it; `pipeline build`/`compile` call
+`check_fits` and refuse a plan that doesn't fit unless --force.
+
+Assumptions (also in `MemoryPlan.assumptions`):
+- Tensor parallelism splits the attention/MLP linears, the lm_head and the KV heads tp ways; the embedding
+  and norms are replicated (TensorRT-LLM replicates the embedding unless --use_parallel_embedding).
+- The draft runs with the target's TP and is sharded the same way (TensorRT-LLM draft-target runs both with
+  one mapping; an EAGLE-3 head is built into the target engine). n-gram drafting holds no weights and no KV.
+- One KV dtype for target and draft (one engine setting). KV cache = per token x batch x max_seq_len.
+- Reserve per GPU: 1 GiB CUDA context + activations/workspace of max(2 GiB, 10% of GPU memory): the 10% is
+  what TensorRT-LLM leaves free with its default free_gpu_memory_fraction=0.9.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pipeline.errors import PlanError
+from pipeline.models.presets import ModelArch
+from pipeline.plan.gpus import GPU
+from pipeline.plan.weights import (
+    KV_DTYPE_BYTES, WEIGHT_FORMATS, WeightBytes, eagle3_weight_bytes, kv_bytes_per_token, model_weight_bytes,
+)
+
+GIB = 1024 ** 3
+GB = 1e9
+TP_SIZES = (1, 2, 4, 8)  # one node
+CUDA_CONTEXT_BYTES = 1 * GIB
+MIN_ACTIVATION_BYTES = 2 * GIB
+ACTIVATION_FRACTION = 0.10  # 1 - TensorRT-LLM's free_gpu_memory_fraction (0.9)
+FP8_FORMATS = ("fp8", "w4a8_awq")  # formats with FP8 tensors
+DRAFT_KINDS = ("none", "ngram", "eagle3", "model")
+ASSUMPTIONS = (
+    "GB = 1e9 bytes",
+    "TP splits attention/MLP linears, the lm_head and KV heads; the embedding and norms are replicated",
+    "the draft runs with the target's TP, sharded the same way; an EAGLE-3 head reuses the target's embedding",
+    "embeddings, lm_head and norms stay 16-bit in every ModelOpt export",
+    "one KV dtype for target and draft; KV cache = per token x max batch size x max seq len",
+    "reserve per GPU = 1 GiB CUDA context + max(2 GiB, 10% of GPU memory) activations/workspace "
+    "(TensorRT-LLM free_gpu_memory_fraction 0.9)",
+)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    kind: str  # none | ngram | eagle3 | model
+    name: str
+    arch: ModelArch | None = None  # a draft model's shape; None for the others (EAGLE-3 takes the target's)
+
+    def __post_init__(self):
+        if self.kind not in DRAFT_KINDS:
+            raise PlanError(f"unknown draft kind {self.kind!r}; pick one of {', '.join(DRAFT_KINDS)}")
+        if self.kind == "model" and self.arch is None:
+            raise PlanError(f"draft model {self.name!r} needs its architecture")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    target_name: str
+    target: ModelArch
+    gpu: GPU
+    tp: int = 1
+    target_qformat: str = "none"
+    draft: DraftSpec = field(default_factory=lambda: DraftSpec("none", "none"))
+    draft_qformat: str = "none"
+    kv_cache_dtype: str = "bf16"
+    max_batch_size: int = 16
+    max_seq_len: int = 4096
+
+    def __post_init__(self):
+        for flag, value in (("--target-qformat", self.target_qformat), ("--draft-qformat", self.draft_qformat)):
+            if value not in WEIGHT_FORMATS:
+                raise PlanError(f"unknown {flag} {value!r}; pick one of {', '.join(WEIGHT_FORMATS)}")
+        if self.kv_cache_dtype not in KV_DTYPE_BYTES:
+            raise PlanError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; pick one of {', '.join(KV_DTYPE_BYTES)}")
+        for flag, value in (("--tp", self.tp), ("--max-batch-size", self.max_batch_size),
+                            ("--max-seq-len", self.max_seq_len)):
+            if value < 1:
+                raise PlanError(f"{flag} must be >= 1 (got {value})")
+        self._check_fp8()
+        for name, arch in self._sharded_models():
+            problem = tp_problem(arch, self.tp)
+            if problem:
+                ok = _or([str(t) for t in TP_SIZES if not tp_problem(arch, t)])
+                raise PlanError(f"--tp {self.tp} does not divide {name}'s {problem}; use --tp {ok}")
+
+    def _check_fp8(self):
+        if self.gpu.fp8:
+            return
+        wants = [f"--target-qformat {self.target_qformat}"] if self.target_qformat in FP8_FORMATS else []
+        if self.draft.kind in ("eagle3", "model") and self.draft_qformat in FP8_FORMATS:
+            wants.append(f"--draft-qformat {self.draft_qformat}")
+        if self.kv_cache_dtype == "fp8":
+            wants.append("--kv-cache-dtype fp8")
+        if wants:
+            raise PlanError(f"{self.gpu.name} ({self.gpu.arch}) has no FP8 tensor cores, so {' and '.join(wants)} "
+                            "can't run; use int4_awq, int8_sq or none (and --kv-cache-dtype bf16), "
+                            "or an FP8 GPU (l40s, h100-80gb, h200-141gb, b200-180gb)")
+
+    def _sharded_models(self) -> list[tuple[str, ModelArch]]:
+        models = [(self.target_name, self.target)]
+        if self.draft.kind == "model":
+            models.append((self.draft.name, self.draft.arch))
+        return models
+
+
+def tp_problem(arch: ModelArch, tp: int) -> str | None:
+    """What of `arch` tp can't split evenly, or None."""
+    if arch.num_heads % tp:
+        return f"{arch.num_heads} attention heads"
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        return f"{arch.num_kv_heads} KV heads"
+    if arch.intermediate_size % tp:
+        return f"intermediate size {arch.intermediate_size}"
+    return None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per GPU (unless named total) for one plan; every format's target weights for comparison."""
+
+    inputs: PlanInputs
+    target_weights: dict[str, WeightBytes]  # every weight format, so the trade-off shows
+    draft_weights: WeightBytes
+    kv_per_token: dict[str, dict[str, int]]  # "target"/"draft" -> kv dtype -> bytes per token per GPU
+    cuda_context: int
+    activations: int
+    min_tp: int | None = None  # smallest TP in TP_SIZES that fits with everything else the same
+
+    @property
+    def tp(self) -> int:
+        return self.inputs.tp
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.max_batch_size * self.inputs.max_seq_len
+
+    @property
+    def target_weights_per_gpu(self) -> int:
+        return self.target_weights[self.inputs.target_qformat].per_gpu(self.tp)
+
+    @property
+    def draft_weights_per_gpu(self) -> int:
+        return self.draft_weights.per_gpu(self.tp)
+
+    def kv_cache(self, role: str, kv_dtype: str | None = None) -> int:
+        return self.kv_per_token[role][kv_dtype or self.inputs.kv_cache_dtype] * self.tokens
+
+    @property
+    def kv_per_gpu(self) -> int:
+        return self.kv_cache("target") + self.kv_cache("draft")
+
+    @property
+    def reserve(self) -> int:
+        return self.cuda_context + self.activations
+
+    @property
+    def used(self) -> int:
+        return self.target_weights_per_gpu + self.draft_weights_per_gpu + self.kv_per_gpu + self.reserve
+
+    @property
+    def headroom(self) -> int:
+        return self.inputs.gpu.memory_bytes - self.used
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    @property
+    def max_batch_size_that_fits(self) -> int:
+        """The largest batch at this max_seq_len whose KV cache fits beside the weights and the reserve."""
+        per_seq = (self.kv_per_token["target"][self.inputs.kv_cache_dtype]
+                   + self.kv_per_token["draft"][self.inputs.kv_cache_dtype]) * self.inputs.max_seq_len
+        room = self.inputs.gpu.memory_bytes - self.target_weights_per_gpu - self.draft_weights_per_gpu - self.reserve
+        return max(0, room // per_seq) if per_seq else 0
+
+    def fixes(self) -> list[str]:
+        """Changes, one at a time, that would make this plan fit (empty when it fits)."""
+        if self.fits:
+            return []
+        out = []
+        if self.min_tp and self.min_tp > self.tp:
+            out.append(f"--tp {self.min_tp}")
+        smaller = [f for f in ("fp8", "int4_awq") if self.target_weights[f].total
+                   < self.target_weights[self.inputs.target_qformat].total]
+        for fmt in smaller:
+            if _fits_with(self.inputs, target_qformat=fmt):
+                out.append(f"--target-qformat {fmt}")
+                break
+        if self.inputs.kv_cache_dtype != "fp8" and _fits_with(self.inputs, kv_cache_dtype="fp8"):
+            out.append("--kv-cache-dtype fp8")
+        if 1 <= self.max_batch_size_that_fits < self.inputs.max_batch_size:
+            out.append(f"--max-batch-size {self.max_batch_size_that_fits}")
+        return out or ["a GPU with more memory"]
+
+    @property
+    def assumptions(self) -> tuple[str, ...]:
+        return ASSUMPTIONS
+
+    def to_dict(self) -> dict:
+        i = self.inputs
+        return {
+            "target": i.target_name, "draft": i.draft.name, "draft_kind": i.draft.kind,
+            "gpu": i.gpu.key, "gpu_name": i.gpu.name, "gpu_memory_bytes": i.gpu.memory_bytes,
+            "gpu_bandwidth_tb_s": i.gpu.bandwidth_tb_s, "gpu_fp8": i.gpu.fp8, "gpu_arch": i.gpu.arch,
+            "tp": i.tp, "target_qformat": i.target_qformat, "draft_qformat": i.draft_qformat,
+            "kv_cache_dtype": i.kv_cache_dtype, "max_batch_size": i.max_batch_size, "max_seq_len": i.max_seq_len,
+            "target_weight_bytes": {f: {"total": w.total, "per_gpu": w.per_gpu(i.tp)}
+                                    for f, w in self.target_weights.items()},
+            "draft_weight_bytes": {"total": self.draft_weights.total, "per_gpu": self.draft_weights_per_gpu},
+            "kv_bytes_per_token": self.kv_per_token,
+            "kv_cache_bytes": {role: {d: self.kv_cache(role, d) for d in KV_DTYPE_BYTES} for role in self.kv_per_token},
+            "reserve_bytes": {"cuda_context": self.cuda_context, "activations": self.activations},
+            "used_bytes": self.used, "headroom_bytes": self.headroom,
+            "fits": self.fits, "min_tp": self.min_tp, "fixes": self.fixes(),
+            "assumptions": list(self.assumptions),
+        }
+
+
+def _draft_weights(inputs: PlanInputs) -> WeightBytes:
+    if inputs.draft.kind == "eagle3":
+        return eagle3_weight_bytes(inputs.target, inputs.draft_qformat)
+    if inputs.draft.kind == "model":
+        return model_weight_bytes(inputs.draft.arch, inputs.draft_qformat)
+    return WeightBytes(0, 0)
+
+
+def _draft_kv(inputs: PlanInputs, kv_dtype: str) -> int:
+    if inputs.draft.kind == "eagle3":
+        return kv_bytes_per_token(inputs.target, 1, kv_dtype, inputs.tp)
+    if inputs.draft.kind == "model":
+        return kv_bytes_per_token(inputs.draft.arch, inputs.draft.arch.num_layers, kv_dtype, inputs.tp)
+    return 0
+
+
+def _plan(inputs: PlanInputs) -> MemoryPlan:
+    memory = inputs.gpu.memory_bytes
+    return MemoryPlan(
+        inputs=inputs,
+        target_weights={f: model_weight_bytes(inputs.target, f) for f in WEIGHT_FORMATS},
+        draft_weights=_draft_weights(inputs),
+        kv_per_token={
+            "target": {d: kv_bytes_per_token(inputs.target, inputs.target.num_layers, d, inputs.tp)
+                       for d in KV_DTYPE_BYTES},
+            "draft": {d: _draft_kv(inputs, d) for d in KV_DTYPE_BYTES},
+        },
+        cuda_context=CUDA_CONTEXT_BYTES,
+        activations=max(MIN_ACTIVATION_BYTES, int(ACTIVATION_FRACTION * memory)),
+    )
+
+
+def _fits_with(inputs: PlanInputs, **changes) -> bool:
+    try:
+        return _plan(replace(inputs, **changes)).fits
+    except PlanError:  # e.g. a tp that doesn't divide the heads, fp8 on a GPU without it
+        return False
+
+
+def plan_memory(inputs: PlanInputs) -> MemoryPlan:
+    """The memory plan for `inputs`, with the smallest TP (of 1, 2, 4, 8) that fits."""
+    min_tp = next((tp for tp in TP_SIZES if _fits_with(inputs, tp=tp)), None)
+    return replace(_plan(inputs), min_tp=min_tp)
+
+
+def check_fits(plan: MemoryPlan) -> None:
+    """Raise PlanError naming the shortfall and the fixes when `plan` doesn't fit."""
+    if plan.fits:
+        return
+    i = plan.inputs
+    weights = "bf16" if i.target_qformat == "none" else i.target_qformat
+    draft = f" + {plan.draft_weights_per_gpu / GB:.1f} GB {i.draft.name} draft" if plan.draft_weights.total else ""
+    raise PlanError(
+        f"{i.target_name} {weights} needs {plan.target_weights_per_gpu / GB:.1f} GB for weights{draft} "
+        f"+ {plan.kv_per_gpu / GB:.1f} GB KV ({i.kv_cache_dtype}, {i.max_batch_size} x {i.max_seq_len} tokens) "
+        f"+ {plan.reserve / GB:.1f} GB reserve per GPU on {i.tp} x {i.gpu.name} "
+        f"({i.gpu.memory_bytes / GB:.1f} GB each): {-plan.headroom / GB:.1f} GB short; "
+        f"use {_or(plan.fixes())} (or --force to build anyway)")
+
+
+def _or(items: list[str]) -> str:
+    if len(items) <= 2:
+        return " or ".join(items)
+    return ", ".join(items[:-1]) + ", or " + items[-1]

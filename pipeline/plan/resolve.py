@@ -1,0 +1,59 @@
+"""Turn what the user typed (--target, --draft, --gpu, ...) into PlanInputs. Reads config.json for a local
+folder; presets carry their architecture, so planning needs no weights and no hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.errors import ModelNotFoundError, PlanError
+from pipeline.models.presets import PRESETS, ModelArch, get_preset
+from pipeline.plan.gpus import get_gpu
+from pipeline.plan.memory import PlanInputs, DraftSpec
+
+KV_DTYPE_ALIASES = {"bf16": "bf16", "fp16": "bf16", "none": "bf16", "auto": "bf16", "fp8": "fp8"}
+
+
+def model_arch(ref: str) -> tuple[str, ModelArch]:
+    """(display name, architecture) of a preset or a local Hugging Face folder."""
+    preset = get_preset(ref)
+    if preset is not None and preset.arch is not None:
+        return preset.name, preset.arch
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        from pipeline.engine.config import ModelConfig  # imports torch: only for a folder
+
+        cfg = ModelConfig.from_folder(path)
+        return path.resolve().name, ModelArch(
+            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings)
+    raise ModelNotFoundError(f"unknown model {ref!r} for planning: pass a preset ({', '.join(PRESETS)}) "
+                             "or a local folder with config.json")
+
+
+def draft_spec(ref: str) -> DraftSpec:
+    """--draft: eagle3 (the target's EAGLE-3 head), ngram (no weights), none, or a draft model."""
+    kind = ref.strip().lower()
+    if kind in ("none", "ngram", "eagle3"):
+        return DraftSpec(kind, kind)
+    name, arch = model_arch(ref)
+    return DraftSpec("model", name, arch)
+
+
+def kv_dtype(name: str) -> str:
+    try:
+        return KV_DTYPE_ALIASES[name.strip().lower()]
+    except KeyError:
+        raise PlanError(f"unknown --kv-cache-dtype {name!r}; pick bf16 or fp8") from None
+
+
+def plan_inputs(target: str, gpu: str, draft: str = "none", tp: int = 1, target_qformat: str = "none",
+                draft_qformat: str = "none", kv_cache_dtype: str = "bf16", max_batch_size: int = 16,
+                max_seq_len: int = 4096) -> PlanInputs:
+    """PlanInputs from the strings a command line carries; raises PlanError/ModelNotFoundError on bad input."""
+    target_name, arch = model_arch(target)
+    return PlanInputs(
+        target_name=target_name, target=arch, gpu=get_gpu(gpu), tp=tp,
+        target_qformat=target_qformat.strip().lower(), draft=draft_spec(draft),
+        draft_qformat=draft_qformat.strip().lower(), kv_cache_dtype=kv_dtype(kv_cache_dtype),
+        max_batch_size=max_batch_size, max_seq_len=max_seq_len)

@@ -1,0 +1,347 @@
+"""`pipeline compile`: generated trtllm-build commands and LLM-API YAML checked against TensorRT-LLM 1.2's
+own flag and key tables (pipeline/compile/reference.py), the checks that run before building, --dry-run
+output, and the portable engine folder's round trip through LLMEngine."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.compile import CompileOptions, compile_model, load_engine
+from pipeline.compile import reference as ref
+from pipeline.compile.checkpoint import read_checkpoint
+from pipeline.compile.draft import DraftSpec, parse_draft
+from pipeline.compile.llmapi import LlmApiSettings, llm_api_options, serve_command
+from pipeline.compile.trtllm_build import build_command, derive_sizes, flags_of
+from pipeline.engine.config import EngineConfig
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.sampling import SamplingParams
+from pipeline.errors import ConfigError, DraftMismatchError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_trt_checkpoint(folder: Path, tokenizer_from: Path, *, vocab: int = 320, tp: int = 1, pp: int = 1,
+                         kv_quant: str | None = None, **shape) -> Path:
+    """A minimal TensorRT-LLM checkpoint: what compile reads (config.json, rank files, tokenizer), no weights."""
+    folder.mkdir(parents=True)
+    config = {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "vocab_size": vocab,
+              "max_position_embeddings": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 64, "head_size": 16, "intermediate_size": 128,
+              "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
+              "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_quant}, **shape}
+    (folder / "config.json").write_text(json.dumps(config))
+    for rank in range(tp * pp):
+        (folder / f"rank{rank}.safetensors").write_bytes(b"")
+    for name in TOKENIZER_FILES:
+        shutil.copy2(tokenizer_from / name, folder / name)
+    return folder
+
+
+@pytest.fixture
+def trt(tmp_path, tiny_target):
+    def make(name: str, **kw) -> Path:
+        return write_trt_checkpoint(tmp_path / name, tiny_target, **kw)
+    return make
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["compile", *args])
+
+
+def assert_one_line_error(result, *needles: str):
+    assert result.exit_code != 0
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
+    for needle in needles:
+        assert needle in lines[0], result.output
+
+
+def value_of(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+# ---- trtllm-build commands (pure) ---------------------------------------------------------------
+
+
+def test_target_gets_the_speculative_flags_and_the_draft_builds_plainly(trt, tmp_path):
+    target, draft = read_checkpoint(trt("target")), read_checkpoint(trt("draft"))
+    sizes = derive_sizes(16, 5, 1024)
+    t_cmd = build_command(target, tmp_path / "out/target", sizes, role="target")
+    d_cmd = build_command(draft, tmp_path / "out/draft", sizes, role="draft")
+    for cmd in (t_cmd, d_cmd):
+        assert cmd[0] == "trtllm-build"
+        assert set(flags_of(cmd)) <= ref.TRTLLM_BUILD_FLAGS, set(flags_of(cmd)) - ref.TRTLLM_BUILD_FLAGS
+        assert len(flags_of(cmd)) == len(set(flags_of(cmd)))
+        assert value_of(cmd, "--use_paged_context_fmha") == "enable"  # draft-target needs KV reuse
+        assert value_of(cmd, "--gemm_plugin") in ref.GEMM_PLUGIN_CHOICES
+        assert int(value_of(cmd, "--max_num_tokens")) >= 16 * (5 + 1)
+    assert value_of(t_cmd, "--speculative_decoding_mode") == "draft_tokens_external"
+    assert value_of(t_cmd, "--speculative_decoding_mode") in ref.SPECULATIVE_DECODING_MODES
+    assert value_of(t_cmd, "--max_draft_len") == "5"
+    assert "--speculative_decoding_mode" not in d_cmd and "--max_draft_len" not in d_cmd
+
+
+def test_no_speculative_flags_without_a_draft(trt, tmp_path):
+    cmd = build_command(read_checkpoint(trt("target")), tmp_path / "e", derive_sizes(8, 0, 1024), role="target")
+    assert "--speculative_decoding_mode" not in cmd and "--max_draft_len" not in cmd
+
+
+@pytest.mark.parametrize("batch,k,input_len", [(1, 1, 8), (64, 4, 2048), (256, 7, 100), (8, 10, 20000)])
+def test_max_num_tokens_covers_a_full_batch_of_drafts_and_a_context_chunk(batch, k, input_len):
+    sizes = derive_sizes(batch, k, 32768, max_seq_len=input_len + 100, max_input_len=input_len)
+    assert sizes.max_num_tokens >= batch * (k + 1) + min(input_len, 8192)
+    assert sizes.max_input_len < sizes.max_seq_len
+
+
+def test_sizes_that_cant_work_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="can't hold a full batch's draft tokens"):
+        derive_sizes(64, 4, 4096, max_num_tokens=100)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        derive_sizes(8, 4, 1024, max_seq_len=2048)
+    with pytest.raises(ConfigError, match="--max-input-len"):
+        derive_sizes(8, 4, 1024, max_seq_len=512, max_input_len=512)
+
+
+def test_tp_and_pp_come_from_a_real_quantize_export(tmp_path_factory):
+    from tiny_models import make_tiny_llama
+
+    from pipeline.quantize import QuantizeOptions, quantize
+
+    base = tmp_path_factory.mktemp("export")
+    source = make_tiny_llama(base / "src", seed=0, layers=2)
+    out = base / "trt"
+    quantize(QuantizeOptions(model=str(source), output=out, qformat="none", export="trtllm", tp_size=2,
+                             calib_seq_len=16, eval_size=2))
+    ckpt = read_checkpoint(out)
+    assert (ckpt.layout, ckpt.tp_size, ckpt.pp_size, ckpt.vocab_size) == ("trtllm", 2, 1, 320)
+    cmd = build_command(ckpt, base / "engine", derive_sizes(4, 4, ckpt.max_position_embeddings), role="target")
+    assert value_of(cmd, "--workers") == "2"  # one engine per rank, built in parallel
+    assert_one_line_error(run("-b", "trtllm", "-t", str(out), "--tp-size", "1", "--dry-run", "-o", str(base / "x")),
+                          "--tp-size 1 disagrees with the checkpoint's mapping (2)")
+
+
+# ---- LLM-API YAML (pure) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,decoding_type", [("model", "Draft_Target"), ("eagle3", "Eagle3"), ("ngram", "NGram")])
+def test_llm_api_yaml_uses_only_known_keys_with_the_right_values(kind, decoding_type):
+    draft = DraftSpec(kind, None if kind == "ngram" else Path("/ckpt/draft"))
+    sizes = derive_sizes(64, 3, 4096)
+    options = llm_api_options(draft, sizes, LlmApiSettings(gate_batch_size=32, kv_cache_dtype="fp8",
+                                                            free_gpu_memory_fraction=0.85))
+    options = yaml.safe_load(yaml.safe_dump(options))  # what TensorRT-LLM will read
+    assert set(options) <= ref.LLM_API_KEYS
+    spec, kv = options["speculative_config"], options["kv_cache_config"]
+    assert set(spec) <= ref.SPECULATIVE_CONFIG_KEYS, set(spec) - ref.SPECULATIVE_CONFIG_KEYS
+    assert set(kv) <= ref.KV_CACHE_CONFIG_KEYS
+    assert spec["decoding_type"] == decoding_type and decoding_type in ref.DECODING_TYPES
+    assert spec["max_draft_len"] == 3
+    assert spec["max_concurrency"] == 32  # the gate, in TensorRT-LLM's own terms
+    assert kv == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True, "dtype": "fp8"}
+    if kind != "ngram":
+        assert spec["speculative_model_dir"] == "/ckpt/draft"
+
+
+def test_llm_api_yaml_without_a_draft_or_gate():
+    options = llm_api_options(DraftSpec("none"), derive_sizes(8, 0, 4096),
+                              LlmApiSettings(gate_batch_size=None, kv_cache_dtype="auto", free_gpu_memory_fraction=0.9))
+    assert "speculative_config" not in options and "dtype" not in options["kv_cache_config"]
+    spec = llm_api_options(DraftSpec("ngram"), derive_sizes(8, 2, 4096),
+                           LlmApiSettings(None, "auto", 0.9))["speculative_config"]
+    assert "max_concurrency" not in spec
+
+
+def test_serve_command_uses_known_trtllm_serve_flags():
+    cmd = serve_command(Path("/m"), Path("/e/extra_llm_api_options.yaml"), derive_sizes(8, 4, 4096),
+                        LlmApiSettings(32, "auto", 0.9, tp_size=2))
+    assert cmd[:2] == ["trtllm-serve", "/m"]
+    assert set(flags_of(cmd)) <= ref.TRTLLM_SERVE_FLAGS
+    assert value_of(cmd, "--backend") == "pytorch" and value_of(cmd, "--tp_size") == "2"
+
+
+def test_parse_draft():
+    assert parse_draft(None) == DraftSpec("none")
+    assert parse_draft("NGram") == DraftSpec("ngram")
+    assert parse_draft("eagle3:/x/head") == DraftSpec("eagle3", Path("/x/head"))
+    assert parse_draft("/x/draft").kind == "model"
+    with pytest.raises(ConfigError, match="eagle3: needs a folder"):
+        parse_draft("eagle3:")
+
+
+# ---- validation before building -----------------------------------------------------------------
+
+
+def test_vocab_mismatch_is_refused(trt, tmp_path):
+    result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d", vocab=321)), "--dry-run",
+                 "-o", str(tmp_path / "e"))
+    assert_one_line_error(result, "vocab_size 321", "320", "--draft ngram")
+    assert not (tmp_path / "e").exists()
+
+
+def test_different_tokenizers_are_refused(tiny_target, tmp_path):
+    from tiny_models import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "other", seed=0, layers=1, extra_tokens=0)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # same size, different ids
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(DraftMismatchError):
+        compile_model(CompileOptions("trtllm", tiny_target, tmp_path / "e", draft=str(other), dry_run=True))
+
+
+def test_an_eagle3_head_passed_as_a_draft_model_is_refused(tiny_target, tmp_path):
+    head = tmp_path / "eagle3-head"
+    shutil.copytree(tiny_target, head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMEagle3"]}))
+    assert_one_line_error(run("-b", "trtllm", "-t", str(tiny_target), "-d", str(head), "--dry-run",
+                              "-o", str(tmp_path / "e")), f"--draft eagle3:{head}")
+    result = compile_model(CompileOptions("trtllm", tiny_target, tmp_path / "e", draft=f"eagle3:{head}", dry_run=True))
+    assert result.route == "llmapi"
+    assert result.manifest["configs"]["extra_llm_api_options.yaml"]["speculative_config"]["decoding_type"] == "Eagle3"
+
+
+def test_zero_draft_tokens_is_refused_quoting_trtllms_error(trt, tmp_path):
+    result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-k", "0", "--dry-run",
+                 "-o", str(tmp_path / "e"))
+    assert_one_line_error(result, "Number of draft tokens (56) is larger than maximum number of draft tokens (0)",
+                          "--num-draft-tokens 4")
+
+
+def test_tp_mismatch_between_target_and_draft_is_refused(trt, tmp_path):
+    result = run("-b", "trtllm", "-t", str(trt("t", tp=2)), "-d", str(trt("d", tp=1)), "--dry-run",
+                 "-o", str(tmp_path / "e"))
+    assert_one_line_error(result, "tp 1", "tp 2", "--tp-size 2")
+
+
+def test_fp8_kv_on_the_engine_route_needs_an_fp8_checkpoint(trt, tmp_path):
+    result = run("-b", "trtllm", "-t", str(trt("t")), "--kv-cache-dtype", "fp8", "--dry-run", "-o", str(tmp_path / "e"))
+    assert_one_line_error(result, "--kv-cache-dtype fp8")
+    ok = compile_model(CompileOptions("trtllm", trt("t8", kv_quant="FP8"), tmp_path / "e8", dry_run=True))
+    assert ok.manifest["kv_cache_dtype"] == "fp8"
+
+
+def test_sizes_are_checked_against_the_gpu_plan(trt, tmp_path):
+    small = compile_model(CompileOptions("trtllm", trt("t"), tmp_path / "e", draft=str(trt("d")), dry_run=True,
+                                         gpu="h100"))
+    assert small.manifest["plan"]["fits"] and small.manifest["plan"]["draft_kind"] == "model"
+    # A Llama-70B shape in bf16 on one 80 GB GPU: the planner's one-line refusal, before anything is written.
+    big = trt("big", vocab=320, num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
+              num_key_value_heads=8, head_size=128, intermediate_size=28672)
+    result = run("-b", "trtllm", "-t", str(big), "--gpu", "h100", "--dry-run", "-o", str(tmp_path / "big-out"))
+    assert_one_line_error(result, "short")
+    assert not (tmp_path / "big-out").exists()
+
+
+# ---- dry run and the real run without TensorRT-LLM ----------------------------------------------
+
+
+def test_dry_run_writes_the_configs_and_prints_the_commands(trt, tmp_path):
+    out = tmp_path / "engines" / "dt"
+    result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-k", "4", "--max-batch-size", "8",
+                 "--dry-run", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "trtllm-build --checkpoint_dir" in result.output and "--speculative_decoding_mode" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["build.sh", "compile.json"]
+    assert [p.name for p in out.parent.iterdir()] == ["dt"]  # no staging folder left behind
+    manifest = json.loads((out / "compile.json").read_text())
+    assert manifest["tensorrt_llm_version"] == ref.TRTLLM_VERSION and manifest["dry_run"]
+    assert manifest["commands"]["build_target"] in result.output
+    assert manifest["commands"]["build_draft"] in (out / "build.sh").read_text()
+
+
+def test_llmapi_route_writes_yaml_and_serve_command(tiny_target, tiny_draft, tmp_path):
+    out = tmp_path / "ll"
+    result = run("-b", "trtllm", "-t", str(tiny_target), "-d", str(tiny_draft), "-k", "3", "--gate-batch-size", "16",
+                 "--kv-cache-dtype", "fp8", "--json", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["route"] == "llmapi"
+    spec = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())["speculative_config"]
+    assert spec == {"decoding_type": "Draft_Target", "max_draft_len": 3,
+                    "speculative_model_dir": str(tiny_draft), "max_concurrency": 16}
+    assert str(out / "extra_llm_api_options.yaml") in " ".join(report["commands"]["serve"])
+
+
+def test_real_engine_build_without_trtllm_names_the_container(trt, tmp_path, monkeypatch):
+    import pipeline.compile.run as compile_run
+
+    monkeypatch.setattr(compile_run, "trtllm_available", lambda: False)
+    out = tmp_path / "e"
+    result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-o", str(out))
+    assert_one_line_error(result, ref.TRTLLM_CONTAINER, "--dry-run")
+    assert not out.exists()
+
+
+# ---- the portable engine folder -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "model"])
+def test_torch_engine_folder_generates_what_the_source_folders_do(tiny_target, tiny_draft, tmp_path, draft):
+    draft_arg = {"none": "none", "ngram": "ngram", "model": str(tiny_draft)}[draft]
+    out = tmp_path / "engine"
+    compile_model(CompileOptions("torch", tiny_target, out, draft=draft_arg, num_draft_tokens=3, max_batch_size=4,
+                                 max_seq_len=128, gate_batch_size=4))
+    manifest = json.loads((out / "engine.json").read_text())
+    assert (manifest["max_batch_size"], manifest["max_seq_len"], manifest["dtype"]) == (4, 128, "fp32")
+    assert manifest["draft"]["kind"] == draft and (out / "target" / "tokenizer.json").is_file()
+    assert (out / "draft").is_dir() == (draft == "model")
+
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42, 40, 41, 42, 40]]
+    params = SamplingParams(max_tokens=60)  # past the gate's min_tokens (50), so the draft really runs
+    source_draft = {"none": None, "ngram": "ngram", "model": tiny_draft}[draft]
+    config = EngineConfig(max_batch_size=4, max_seq_len=128, num_draft_tokens=3)
+    expected = [r.output_ids for r in LLMEngine.load(tiny_target, config, draft=source_draft).generate(prompts, params)]
+    for engine in (load_engine(out), LLMEngine.from_engine_dir(out)):
+        assert engine.config.gate.max_batch_size == 4
+        assert (engine.proposer is None) == (draft == "none")
+        assert draft == "none" or engine.config.num_draft_tokens == 3
+        assert [r.output_ids for r in engine.generate(prompts, params)] == expected
+
+
+def test_torch_dry_run_writes_engine_json_that_refuses_to_load(tiny_target, tmp_path):
+    out = tmp_path / "engine"
+    compile_model(CompileOptions("torch", tiny_target, out, dry_run=True))
+    assert (out / "engine.json").is_file() and not (out / "target").exists()
+    with pytest.raises(Exception, match="dry-run"):
+        load_engine(out)
+
+
+# ---- CLI bad inputs -----------------------------------------------------------------------------
+
+
+def test_cli_bad_inputs_are_one_line_errors(trt, tiny_target, tmp_path):
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    cases = [
+        (["-b", "trtllm", "-t", str(tmp_path / "missing")], "does not exist"),
+        (["-b", "trtllm", "-t", str(tiny_target), "-o", str(existing)], "--force"),
+        (["-b", "torch", "-t", str(trt("t"))], "--export hf"),
+        (["-b", "torch", "-t", str(tiny_target), "-d", f"eagle3:{tiny_target}"], "EAGLE-3"),
+        (["-b", "trtllm", "--route", "engine", "-t", str(tiny_target)], "--export trtllm"),
+        (["-b", "trtllm", "--route", "engine", "-t", str(trt("t2")), "-d", "ngram"], "--route llmapi"),
+        (["-b", "trtllm", "-t", str(tiny_target), "--free-gpu-memory-fraction", "1.5"], "(0, 1]"),
+        (["-b", "trtllm", "-t", str(tiny_target), "--gate-batch-size", "0"], "--gate-batch-size"),
+        (["-b", "trtllm", "-t", str(tiny_target), "--gpu", "no-such-gpu"], "no-such-gpu"),
+    ]
+    for args, needle in cases:
+        if "-o" not in args:
+            args = [*args, "--dry-run", "-o", str(tmp_path / "out")]
+        assert_one_line_error(run(*args), needle)
+        assert not (tmp_path / "out").exists()
+
+
+def test_default_output_is_under_engines(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("-b", "trtllm", "-t", str(tiny_target), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "engines" / f"{tiny_target.name}-trtllm" / "compile.json").is_file()
