@@ -240,6 +240,20 @@ def test_sizes_are_checked_against_the_gpu_plan(trt, tmp_path):
     result = run("-b", "trtllm", "-t", str(big), "--gpu", "h100", "--dry-run", "-o", str(tmp_path / "big-out"))
     assert_one_line_error(result, "short")
     assert not (tmp_path / "big-out").exists()
+    # --force builds anyway, and the manifest keeps the plan that didn't fit.
+    forced = run("-b", "trtllm", "-t", str(big), "--gpu", "h100", "--dry-run", "--force", "-o", str(tmp_path / "big-out"))
+    assert forced.exit_code == 0, forced.output
+    assert json.loads((tmp_path / "big-out" / "compile.json").read_text())["plan"]["fits"] is False
+
+
+def test_the_gpu_is_matched_from_nvidia_smi_names():
+    from pipeline.plan.gpus import match_gpu
+
+    assert match_gpu("NVIDIA H100 80GB HBM3", 81559).key == "h100-80gb"
+    assert match_gpu("NVIDIA H200", 143771).key == "h200-141gb"
+    assert match_gpu("NVIDIA A100-SXM4-40GB", 40960).key == "a100-40gb"
+    assert match_gpu("NVIDIA A100-SXM4-80GB", 81920).key == "a100-80gb"
+    assert match_gpu("Tesla T4", 15360) is None
 
 
 # ---- dry run and the real run without TensorRT-LLM ----------------------------------------------

@@ -36,9 +36,9 @@ import click
 @click.option("pp_size", "--pp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
               help="torch backend compute dtype (auto: the checkpoint's).")
-@click.option("--gpu", help="Check the sizes fit this GPU's memory plan (see `pipeline plan`).")
+@click.option("--gpu", help="Check the sizes fit this GPU's memory plan (see `pipeline plan`); default: the GPU nvidia-smi reports, if any.")
 @click.option("dry_run", "--dry-run", is_flag=True, help="Write the configs and print the commands; build nothing.")
-@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists, and build even if the GPU plan doesn't fit.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
 @click.option("output", "--output", "-o", type=click.Path(path_type=Path),
               help="Output folder [default: engines/<target folder name>-<backend>].")

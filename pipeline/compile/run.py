@@ -100,7 +100,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
                          options.max_input_len, options.max_num_tokens)
     kv_dtype = _kv_cache_dtype(options.kv_cache_dtype, target, route)
     tp, pp = _parallel(options, target, route)
-    plan = check_plan(target, draft, draft_ckpt, options.gpu, sizes.max_batch_size, sizes.max_seq_len, kv_dtype)
+    plan = check_plan(target, draft, draft_ckpt, options.gpu, sizes.max_batch_size, sizes.max_seq_len, kv_dtype,
+                      force=options.force)
     if route == "engine" and not options.dry_run and not trtllm_available():
         raise MissingDependencyError(
             f"trtllm-build is not installed here (TensorRT-LLM needs NVIDIA's own build); run this in "

@@ -71,12 +71,15 @@ def check_draft_matches(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkp
 
 
 def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None, gpu: str | None,
-               max_batch_size: int, max_seq_len: int, kv_cache_dtype: str) -> dict | None:
-    """Sizes within the GPU plan: the one call into pipeline.plan. Skipped without --gpu; returns the plan."""
-    if gpu is None:
-        return None
-    from pipeline.plan.gpus import get_gpu
+               max_batch_size: int, max_seq_len: int, kv_cache_dtype: str, force: bool = False) -> dict | None:
+    """Sizes within the GPU plan: the one call into pipeline.plan, for --gpu or else the GPU nvidia-smi
+    reports. Skipped when neither names a GPU. A plan that doesn't fit is refused unless `force`."""
+    from pipeline.plan.gpus import detect_gpu, get_gpu
     from pipeline.plan.memory import DraftSpec as PlanDraft, PlanInputs, check_fits, plan_memory
+
+    gpu_spec = get_gpu(gpu) if gpu is not None else detect_gpu()
+    if gpu_spec is None:
+        return None
 
     plan_draft = PlanDraft("none", "none")
     if draft.kind in ("ngram", "eagle3"):
@@ -84,12 +87,13 @@ def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | No
     elif draft_ckpt is not None:
         plan_draft = PlanDraft("model", draft_ckpt.path.name, model_arch(draft_ckpt))
     plan = plan_memory(PlanInputs(
-        target_name=target.path.name, target=model_arch(target), gpu=get_gpu(gpu), tp=target.tp_size,
+        target_name=target.path.name, target=model_arch(target), gpu=gpu_spec, tp=target.tp_size,
         target_qformat=qformat_of(target), draft=plan_draft,
         draft_qformat=qformat_of(draft_ckpt) if draft_ckpt is not None and draft.kind == "model" else "none",
         kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else "bf16",
         max_batch_size=max_batch_size, max_seq_len=max_seq_len))
-    check_fits(plan)
+    if not force:
+        check_fits(plan)
     return plan.to_dict()
 
 

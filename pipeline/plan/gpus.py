@@ -41,3 +41,31 @@ def get_gpu(name: str) -> GPU:
     if gpu is None:
         raise PlanError(f"unknown --gpu {name!r}; pick one of {', '.join(GPUS)}")
     return gpu
+
+
+def detect_gpu() -> GPU | None:
+    """The catalog entry for GPU 0 of this machine, from nvidia-smi; None without one or for an unknown part.
+
+    Matched by name first (H100, H200, ...), then by nearest memory size within the name's family.
+    """
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        name, mem = out.splitlines()[0].rsplit(",", 1)
+        mem_mib = int(float(mem))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return match_gpu(name, mem_mib)
+
+
+def match_gpu(name: str, memory_mib: int) -> GPU | None:
+    """Pure part of detect_gpu: 'NVIDIA H100 80GB HBM3', 81559 -> h100-80gb."""
+    family = [g for g in GPUS.values() if g.name.split()[0].lower() in name.lower()]
+    if not family:
+        return None
+    return min(family, key=lambda g: abs(g.memory_mib - memory_mib))
