@@ -10,6 +10,7 @@ from tiny_models import make_tiny_llama
 
 from pipeline import __version__
 from pipeline.cli import main
+from cli_checks import assert_one_line_error  # noqa: E402
 
 STATS_KEYS = {"steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
               "acceptance_per_position", "spec_steps", "nonspec_steps", "generated_tokens", "tokens_per_s"}
@@ -25,18 +26,6 @@ def run_json(*args: str) -> dict:
     result = run("generate", *args, "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
-
-
-def assert_one_line_error(result, *needles: str):
-    assert result.exit_code != 0
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    out = result.output
-    assert "Traceback" not in out
-    lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 1, out
-    assert lines[0].startswith("Error:"), out
-    for needle in needles:
-        assert needle in lines[0], out
 
 
 # ---- root group ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import ConfigError, DraftMismatchError
+from cli_checks import assert_one_line_error  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -51,16 +52,6 @@ def trt(tmp_path, tiny_target):
 
 def run(*args: str):
     return CliRunner().invoke(main, ["compile", *args])
-
-
-def assert_one_line_error(result, *needles: str):
-    assert result.exit_code != 0
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
-    for needle in needles:
-        assert needle in lines[0], result.output
 
 
 def value_of(cmd: list[str], flag: str) -> str:

@@ -11,6 +11,7 @@ from pipeline.models.presets import PRESETS
 from pipeline.plan import GPUS, check_fits, get_gpu, plan_inputs, plan_memory
 from pipeline.plan.memory import GB, TP_SIZES
 from pipeline.plan.weights import eagle3_weight_bytes, kv_bytes_per_token, linear_bytes, model_weight_bytes
+from cli_checks import assert_one_line_error  # noqa: E402
 
 LLAMA_70B = PRESETS["llama-3.3-70b"].arch
 LLAMA_8B = PRESETS["llama-3.1-8b"].arch
@@ -210,6 +211,4 @@ def test_cli_table_shows_every_format_and_the_verdict():
 def test_cli_bad_input_is_one_line(args, needle):
     result = run(*args)
     assert result.exit_code == 1
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error:") and needle in lines[0], result.output
-    assert "Traceback" not in result.output
+    assert_one_line_error(result, needle)

@@ -18,6 +18,7 @@ from pipeline.cli import main
 from pipeline.errors import QuantizeError
 from pipeline.models.resolve import resolve_model
 from pipeline.quantize import QuantizeOptions, quantize
+from cli_checks import assert_one_line_error  # noqa: E402
 
 ROPE_THETA = 500000.0
 QUANT_ALGO = {"fp8": "FP8", "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ", "int8_sq": "W8A8_SQ_PER_CHANNEL"}
@@ -171,16 +172,6 @@ def test_awq_on_a_model_without_whole_blocks_fails_before_loading(tiny_target, t
 
 def run(*args):
     return CliRunner().invoke(main, ["quantize", *[str(a) for a in args]])
-
-
-def assert_one_line_error(result, *needles: str):
-    assert result.exit_code != 0
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
-    for needle in needles:
-        assert needle in lines[0], result.output
 
 
 def leftovers(parent: Path) -> list[str]:
