@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipeline.errors import RequestError
@@ -23,7 +23,7 @@ NGRAM_DRAFT = "ngram"
 @dataclass(frozen=True)
 class GenerateOptions:
     prompts: tuple[str, ...]
-    model: str = DEFAULT_MODEL  # preset, HF folder, .gguf file or hub id
+    model: str = DEFAULT_MODEL  # preset, HF folder, .gguf file, hub id, or a `pipeline compile --backend torch` folder
     draft: str = NO_DRAFT  # "none", "ngram", or a draft model reference like `model`
     num_draft_tokens: int = 4  # k
     max_tokens: int = 128
@@ -127,7 +127,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
     from pipeline.engine.config import EngineConfig, GatePolicy, ModelConfig
     from pipeline.engine.llm_engine import LLMEngine
     from pipeline.engine.sampling import SamplingParams
-    from pipeline.models.resolve import resolve_model
+    from pipeline.models.resolve import ResolvedModel, resolve_model
     from pipeline.models.tokenizer import (check_draft_compatible, encode_prompt, load_tokenizer,
                                            stop_token_ids, uses_chat_template)
 
@@ -148,13 +148,29 @@ def generate(options: GenerateOptions) -> GenerateResult:
     SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
                    top_k=options.top_k, seed=options.seed)
 
-    target = resolve_model(options.model)
+    engine_dir = Path(options.model).expanduser()
+    draft_kind, draft_ref = options.draft_kind, options.draft
+    if (engine_dir / "engine.json").is_file():
+        # A `pipeline compile --backend torch` folder brings its own limits, dtype, gate and draft;
+        # --draft other than none still picks another draft.
+        from pipeline.compile.torch_engine import engine_config, read_engine_manifest
+
+        manifest = read_engine_manifest(engine_dir)
+        built = engine_config(manifest)
+        config = replace(built, max_batch_size=max(len(prompts), built.max_batch_size))
+        target = ResolvedModel(options.model, engine_dir.resolve().name, engine_dir / manifest["target"]["path"],
+                               "engine")
+        if draft_kind == NO_DRAFT and manifest["draft"]["kind"] != NO_DRAFT:
+            draft_kind = manifest["draft"]["kind"]
+            draft_ref = str(engine_dir / manifest["draft"]["path"]) if draft_kind == "model" else draft_kind
+    else:
+        target = resolve_model(options.model)
     draft_arg: str | Path | None = None
-    draft_name, draft_path = options.draft_kind, None
-    if options.draft_kind == NGRAM_DRAFT:
+    draft_name, draft_path = draft_kind, None
+    if draft_kind == NGRAM_DRAFT:
         draft_arg = NGRAM_DRAFT
-    elif options.draft_kind == "model":
-        draft = resolve_model(options.draft)
+    elif draft_kind == "model":
+        draft = resolve_model(draft_ref)
         check_draft_compatible(target.path, draft.path)
         draft_arg = draft_path = draft.path
         draft_name = draft.name

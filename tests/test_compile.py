@@ -350,3 +350,17 @@ def test_default_output_is_under_engines(tiny_target, tmp_path, monkeypatch):
     result = run("-b", "trtllm", "-t", str(tiny_target), "--dry-run")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "engines" / f"{tiny_target.name}-trtllm" / "compile.json").is_file()
+
+
+def test_pipeline_generate_runs_an_engine_folder_with_its_own_draft(tiny_target, tiny_draft, tmp_path):
+    out = tmp_path / "engine"
+    compile_model(CompileOptions("torch", tiny_target, out, draft=str(tiny_draft), num_draft_tokens=3,
+                                 max_batch_size=2, max_seq_len=128))
+    result = CliRunner().invoke(main, ["generate", "hello there", "--model", str(out), "--max-tokens", "60", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    assert got["config"]["draft"] != "none" and got["config"]["dtype"] == "fp32"  # the folder's settings
+    assert got["stats"]["drafted_tokens"] > 0
+    plain = CliRunner().invoke(main, ["generate", "hello there", "--model", str(tiny_target), "--dtype", "fp32",
+                                      "--max-tokens", "60", "--json"])
+    assert json.loads(plain.stdout)["outputs"][0]["token_ids"] == got["outputs"][0]["token_ids"]
