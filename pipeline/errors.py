@@ -43,3 +43,7 @@ class CalibrationError(PipelineError):
 
 class PlanError(PipelineError):
     """A memory plan can't be made (unknown GPU, bad tp, fp8 on a GPU without it) or doesn't fit."""
+
+
+class ServeError(PipelineError):
+    """tritonserver can't serve: no binary, no models, a port in use, a model that fails to load."""

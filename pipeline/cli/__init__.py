@@ -28,7 +28,8 @@ class PipelineGroup(click.Group):
 def main():
     """Speculative decoding build-and-serve pipeline.
 
-    Today: the portable PyTorch engine (`pipeline generate`) and ModelOpt quantization (`pipeline quantize`).
+    quantize (ModelOpt) -> plan / compile (TensorRT-LLM or the portable engine) -> serve (Triton);
+    `generate` runs the portable engine in process.
     """
 
 
@@ -36,8 +37,10 @@ from pipeline.cli.generate import generate  # noqa: E402  (registers on `main`)
 from pipeline.cli.quantize import quantize  # noqa: E402
 from pipeline.cli.compile import compile  # noqa: E402,A004
 from pipeline.cli.plan import plan  # noqa: E402
+from pipeline.cli.serve import serve  # noqa: E402
 
 main.add_command(generate)
 main.add_command(quantize)
 main.add_command(compile)
 main.add_command(plan)
+main.add_command(serve)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.engine.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.errors import ConfigError, ModelFormatError
 
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "mistral"}
@@ -106,29 +107,6 @@ class ModelConfig:
         if not path.is_file():
             raise ModelFormatError(f"{path} is missing; a model folder needs config.json (Hugging Face layout)")
         return cls.from_hf_dict(json.loads(path.read_text()))
-
-
-@dataclass(frozen=True)
-class GatePolicy:
-    """When the engine speculates, decided afresh every iteration.
-
-    Speculation pays only while decoding is memory-bound: verifying k+1 tokens costs about one
-    target step at small batch, but at large batch the target is compute-bound and the draft is
-    pure overhead. Only decoding requests count toward the batch (not prefills), so a burst of
-    arrivals doesn't flap the gate.
-    """
-
-    max_batch_size: int = 32  # speculate while the running batch is at or below this
-    hysteresis: int = 4  # once off, turn back on only at or below max_batch_size - hysteresis
-    min_tokens: int = 50  # requests asking for fewer new tokens never speculate: they can't pay back
-
-    def __post_init__(self):
-        if self.max_batch_size < 0:
-            raise ConfigError("gate max_batch_size must be >= 0 (0 turns speculation off)")
-        if not 0 <= self.hysteresis <= max(self.max_batch_size, 0):
-            raise ConfigError("gate hysteresis must be between 0 and max_batch_size")
-        if self.min_tokens < 0:
-            raise ConfigError("gate min_tokens must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""`pipeline serve`: run tritonserver on a model repository until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.option("--repo", "-r", type=click.Path(path_type=Path), default=Path("triton_repo"), show_default=True,
+              help="Triton model repository (made by `pipeline assemble` / `pipeline build`).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind gRPC, HTTP and metrics to; 0.0.0.0 opens them to the network.")
+@click.option("grpc_port", "--grpc-port", type=int, default=8001, show_default=True)
+@click.option("http_port", "--http-port", type=int, default=8000, show_default=True)
+@click.option("metrics_port", "--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--timeout", type=float, default=120.0, show_default=True,
+              help="Seconds to wait for every model to become ready.")
+@click.option("log_file", "--log-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the server log here (default: a temp file, printed at start).")
+@click.option("log_verbose", "--log-verbose", type=int, default=0, show_default=True, help="tritonserver log verbosity.")
+def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log_verbose):
+    """Serve a model repository on Triton Inference Server until Ctrl-C or SIGTERM.
+
+    Uses `tritonserver` on PATH (NVIDIA's containers), else the CPU server bundled in nvidia-pytriton.
+    Waits until every model is ready, then prints the endpoints. Stopping also reaps the python
+    backend stubs and their shared memory.
+
+    \b
+    Example:
+      pipeline serve --repo ./triton_repo --grpc-port 8001
+    """
+    from pipeline.triton.server import ServeOptions, serve as run_server
+
+    options = ServeOptions(repo=repo, host=host, grpc_port=grpc_port, http_port=http_port,
+                           metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose)
+
+    def ready(server):
+        click.echo(f"Serving {repo} with {server.binary.path}; Ctrl-C to stop.")
+        for line in server.endpoints.lines():
+            click.echo(f"  {line}")
+        click.echo(f"  log      {server.log_path}")
+
+    run_server(options, timeout=timeout, on_ready=ready)
+    click.echo("Stopped.")

@@ -1,0 +1,358 @@
+"""Run a real tritonserver on a model repository: find the binary, build its command line, start, wait, stop.
+
+`tritonserver` on PATH wins (NVIDIA's containers). Otherwise the server bundled in the nvidia-pytriton wheel
+runs, on CPU: its libraries sit in `nvidia_pytriton.libs`, and its python backend ships without a stub, since
+the stub is built per Python version. We link the backend into a per-server workspace and copy in the stub
+for the running Python there, as pytriton itself does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pipeline.errors import ServeError
+
+STUB_NAME = "triton_python_backend_stub"
+SHM_PREFIX = "triton_python_backend_shm_region_"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    repo: Path = Path("triton_repo")
+    host: str = "127.0.0.1"
+    grpc_port: int = 8001
+    http_port: int = 8000
+    metrics_port: int = 8002
+    log_file: Path | None = None
+    log_verbose: int = 0
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"grpc": self.grpc_port, "http": self.http_port, "metrics": self.metrics_port}
+
+
+@dataclass(frozen=True)
+class ServerBinary:
+    """A tritonserver executable and what the bundled one needs around it (None for a container install)."""
+
+    path: Path
+    lib_dir: Path | None = None
+    python_backend: Path | None = None  # folder with libtriton_python.so
+    stub: Path | None = None  # the triton_python_backend_stub built for the running Python
+
+    @property
+    def bundled(self) -> bool:
+        return self.python_backend is not None
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    grpc: str
+    http: str
+    metrics: str
+
+    def lines(self) -> list[str]:
+        return [f"gRPC     {self.grpc}", f"HTTP     {self.http}", f"metrics  {self.metrics}"]
+
+
+def find_tritonserver() -> ServerBinary:
+    """`tritonserver` on PATH, else the one bundled in nvidia-pytriton with the stub for this Python."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return ServerBinary(Path(on_path))
+    try:
+        import pytriton
+    except ImportError:
+        raise ServeError("no tritonserver: none on PATH and nvidia-pytriton is not installed "
+                         "(pip install nvidia-pytriton==0.7.0, or run in NVIDIA's Triton container)") from None
+    dist = Path(pytriton.__file__).parent / "tritonserver"
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    binary = ServerBinary(
+        path=dist / "bin" / "tritonserver",
+        lib_dir=Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs",
+        python_backend=dist / "backends" / "python",
+        stub=dist / "python_backend_stubs" / version / STUB_NAME,
+    )
+    for need in (binary.path, binary.python_backend, binary.stub):
+        if not need.exists():
+            raise ServeError(f"nvidia-pytriton has no {need} (Python {version}); reinstall nvidia-pytriton==0.7.0")
+    return binary
+
+
+def model_names(repo: Path) -> list[str]:
+    """The model folders of a Triton repository (each holds a config.pbtxt or a version folder)."""
+    if not repo.is_dir():
+        return []
+    return sorted(p.name for p in repo.iterdir()
+                  if p.is_dir() and not p.name.startswith(".")
+                  and ((p / "config.pbtxt").is_file() or any(c.is_dir() and c.name.isdigit() for c in p.iterdir())))
+
+
+def check_repository(repo: Path) -> list[str]:
+    names = model_names(repo)
+    if not names:
+        what = "does not exist" if not repo.exists() else "has no models"
+        raise ServeError(f"model repository {repo} {what}; create it with `pipeline assemble` "
+                         f"(or `pipeline build`), or pass --repo")
+    return names
+
+
+def server_command(options: ServeOptions, binary: ServerBinary, backend_directory: Path | None = None,
+                   shm_prefix: str = SHM_PREFIX) -> list[str]:
+    """The tritonserver command line. Pure: no file is read and nothing runs."""
+    cmd = [
+        str(binary.path),
+        f"--model-repository={Path(options.repo).resolve()}",
+        f"--grpc-address={options.host}", f"--grpc-port={options.grpc_port}",
+        f"--http-address={options.host}", f"--http-port={options.http_port}",
+        f"--metrics-address={options.host}", f"--metrics-port={options.metrics_port}",
+        # No GPU here (bundled route) or not ours to poll: GPU metrics only warn when NVML is missing.
+        "--allow-gpu-metrics=false",
+        "--exit-on-error=true", "--strict-readiness=true",
+        f"--log-verbose={options.log_verbose}",
+        # A prefix of our own, so cleanup after a crash removes only this server's shared memory.
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+    ]
+    if backend_directory is not None:
+        cmd.append(f"--backend-directory={backend_directory}")
+    return cmd
+
+
+def server_env(binary: ServerBinary, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The stub runs the first `python3` on PATH: put this interpreter's bin first so models see our packages."""
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    if binary.lib_dir is not None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(binary.lib_dir), env.get("LD_LIBRARY_PATH")] if p)
+    return env
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+_FAILED_MODEL = re.compile(r"failed to load '([^']+)' version")
+_UNAVAILABLE = re.compile(r"^\|\s*(\S+)\s*\|\s*\d+\s*\|\s*(UNAVAILABLE: .*?)\s*\|\s*$")
+
+
+def _one_line(line: str) -> str:
+    # Triton quotes messages and escapes their newlines: keep the first line of the message.
+    return " ".join(line.split("\\n", 1)[0].split()).rstrip('"')
+
+
+def failure_from_log(log: str) -> str | None:
+    """The one line that says why the server did not come up: a model that failed to load, or a taken port."""
+    lines = log.splitlines()
+    for line in lines:
+        if match := _FAILED_MODEL.search(line):
+            return f"model '{match.group(1)}' failed to load: {_one_line(line)}"
+    for line in lines:
+        if match := _UNAVAILABLE.search(line):
+            return f"model '{match.group(1)}' failed to load: {match.group(2)}"
+    for line in lines:
+        if "Socket already in use" in line or "Address already in use" in line:
+            return f"a port is already in use: {_one_line(line)}"
+    for line in lines:
+        if line.startswith("error:"):
+            return _one_line(line)
+    return None
+
+
+class TritonServer:
+    """A tritonserver process on a repository. Use as a context manager: start + wait_ready, then stop.
+
+    The server runs in its own process group, so stop() can also kill the python backend stubs it forked,
+    which a crashed server leaves behind.
+    """
+
+    def __init__(self, options: ServeOptions, binary: ServerBinary | None = None):
+        self.options = options
+        self.binary = binary
+        self.process: subprocess.Popen | None = None
+        self.workspace: Path | None = None
+        self.log_path: Path | None = None
+        self.shm_prefix = f"{SHM_PREFIX}pipeline{os.getpid()}_{id(self):x}_"
+
+    @property
+    def endpoints(self) -> Endpoints:
+        o = self.options
+        return Endpoints(grpc=f"{o.host}:{o.grpc_port}", http=f"http://{o.host}:{o.http_port}",
+                         metrics=f"http://{o.host}:{o.metrics_port}/metrics")
+
+    def start(self) -> TritonServer:
+        check_repository(Path(self.options.repo))
+        for name, port in self.options.ports.items():
+            if port_in_use(self.options.host, port):
+                raise ServeError(f"{name} port {port} on {self.options.host} is already in use; "
+                                 f"stop what holds it or pass --{name}-port")
+        binary = self.binary = self.binary or find_tritonserver()
+        self.workspace = Path(tempfile.mkdtemp(prefix="pipeline-serve-"))
+        backends = self._prepare_backends(binary)
+        self.log_path = Path(self.options.log_file) if self.options.log_file else self.workspace / "tritonserver.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                server_command(self.options, binary, backends, self.shm_prefix), env=server_env(binary),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_terminate_with_parent)
+        return self
+
+    def _prepare_backends(self, binary: ServerBinary) -> Path | None:
+        if not binary.bundled:
+            return None
+        python = self.workspace / "backends" / "python"
+        python.mkdir(parents=True)
+        for item in binary.python_backend.iterdir():
+            if item.is_file():
+                (python / item.name).symlink_to(item)
+        shutil.copy2(binary.stub, python / STUB_NAME)
+        return self.workspace / "backends"
+
+    def log(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120.0) -> Endpoints:
+        """Poll /v2/health/ready until every model is ready; a server that exits raises with its log line."""
+        deadline = time.monotonic() + timeout
+        url = f"http://{_connect_host(self.options.host)}:{self.options.http_port}/v2/health/ready"
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                self.stop(keep_log=True)
+                reason = failure_from_log(self.log()) or f"tritonserver exited with code {code}"
+                raise ServeError(f"tritonserver did not start: {reason} (log: {self.log_path})")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(url, timeout=1) as response:
+                    if response.status == 200:
+                        return self.endpoints
+            if time.monotonic() > deadline:
+                reason = failure_from_log(self.log())
+                self.stop(keep_log=True)
+                raise ServeError(f"tritonserver not ready after {timeout:g} s"
+                                 + (f": {reason}" if reason else "") + f" (log: {self.log_path})")
+            time.sleep(0.25)
+
+    def stop(self, timeout: float = 30.0, keep_log: bool = False) -> None:
+        """SIGTERM the server, SIGKILL what is left of its process group, remove our shared memory.
+
+        A log in the temp workspace goes with it unless keep_log (a failure the user should read).
+        """
+        process, self.process = self.process, None
+        if process is not None:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.terminate()
+                try:
+                    process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            # Stubs share the server's process group (it is its own session); a crash orphans them.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            _wait_group_gone(process.pid)
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            with contextlib.suppress(OSError):
+                region.unlink()
+        if self.workspace is not None:
+            if keep_log and self.log_path is not None and self.workspace in self.log_path.parents:
+                shutil.rmtree(self.workspace / "backends", ignore_errors=True)  # the log says why it failed
+            else:
+                shutil.rmtree(self.workspace, ignore_errors=True)
+            self.workspace = None
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(options: ServeOptions, timeout: float = 120.0, on_ready: Callable[[TritonServer], None] | None = None,
+          binary: ServerBinary | None = None) -> None:
+    """Start, wait until every model is ready, call on_ready, then run until Ctrl-C or SIGTERM; always stop."""
+    server = TritonServer(options, binary)
+    previous = _raise_on_sigterm()
+    try:
+        server.start()
+        server.wait_ready(timeout)
+        if on_ready is not None:
+            on_ready(server)
+        code = server.process.wait()
+        reason = failure_from_log(server.log())
+        server.stop(keep_log=True)
+        raise ServeError(f"tritonserver exited with code {code}" + (f": {reason}" if reason else "")
+                         + f" (log: {server.log_path})")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_on_sigterm():
+    """SIGTERM takes the same path as Ctrl-C, so the finally that stops the server runs."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        return signal.signal(signal.SIGTERM, interrupt)
+    return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in a process group (zombies excluded), read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _terminate_with_parent() -> None:
+    """In the child: SIGTERM it when we die, even by SIGKILL; the server is in its own session, so no Ctrl-C reaches it."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)

@@ -1,0 +1,238 @@
+"""`pipeline serve` and pipeline.triton.server against a real tritonserver (the CPU one in nvidia-pytriton)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.errors import ServeError
+from pipeline.triton.server import (
+    SHM_PREFIX, ServeOptions, ServerBinary, TritonServer, failure_from_log, find_tritonserver, group_members,
+    server_command,
+)
+
+ECHO_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: 1 }} ]
+"""
+
+ECHO_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+                    "OUTPUT", pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy())])
+                for request in requests]
+"""
+
+BROKEN_MODEL = """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("broken on purpose")
+"""
+
+
+def write_model(repo: Path, name: str, source: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(ECHO_CONFIG.format(name=name))
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(source))
+
+
+def free_ports(n: int = 3) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def options_for(repo: Path, **kwargs) -> ServeOptions:
+    grpc, http, metrics = free_ports()
+    return ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics, **kwargs)
+
+
+def our_shm(server: TritonServer) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
+
+
+@pytest.fixture(scope="module")
+def echo_repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("triton_repo")
+    write_model(repo, "echo", ECHO_MODEL)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def echo_server(echo_repo):
+    server = TritonServer(options_for(echo_repo))
+    try:
+        server.start()
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_command_binds_every_endpoint_to_the_host_and_points_at_the_stub_backends():
+    binary = ServerBinary(Path("/opt/tritonserver/bin/tritonserver"))
+    options = ServeOptions(repo=Path("/models"), grpc_port=9001, http_port=9000, metrics_port=9002)
+    cmd = server_command(options, binary, Path("/ws/backends"), shm_prefix="p_")
+    assert cmd[0] == "/opt/tritonserver/bin/tritonserver"
+    for flag in ["--model-repository=/models", "--grpc-address=127.0.0.1", "--grpc-port=9001",
+                 "--http-address=127.0.0.1", "--http-port=9000", "--metrics-address=127.0.0.1",
+                 "--metrics-port=9002", "--backend-directory=/ws/backends", "--exit-on-error=true",
+                 "--backend-config=python,shm-region-prefix-name=p_"]:
+        assert flag in cmd
+    opened = server_command(ServeOptions(repo=Path("/models"), host="0.0.0.0"), binary)
+    assert "--grpc-address=0.0.0.0" in opened and not any(a.startswith("--backend-directory") for a in opened)
+
+
+def test_bundled_server_has_the_stub_for_this_python():
+    binary = find_tritonserver()
+    assert binary.path.is_file()
+    if binary.bundled:
+        assert f"{sys.version_info[0]}.{sys.version_info[1]}" in str(binary.stub)
+        assert binary.stub.is_file() and (binary.python_backend / "libtriton_python.so").is_file()
+
+
+def test_failure_from_log_names_the_model_and_its_log_line():
+    log = ('I1129 model_lifecycle.cc:472] "loading: broken:1"\n'
+           'E1129 19:03:03.685465 24584 model_lifecycle.cc:642] "failed to load \'broken\' version 1: Internal: '
+           'RuntimeError: broken on purpose\\n\\nAt:\\n  /r/broken/1/model.py(3): initialize\\n"\n'
+           "error: creating server: Internal - failed to load all models\n")
+    reason = failure_from_log(log)
+    assert reason.startswith("model 'broken' failed to load:") and "broken on purpose" in reason
+    assert "\\n" not in reason and "model_lifecycle.cc:642" in reason
+    socket_log = 'E1129 grpc_server.cc:2463] "Failed to listen on 127.0.0.1:8001: Socket already in use"\n'
+    assert "Socket already in use" in failure_from_log(socket_log)
+
+
+def test_server_serves_echo_over_grpc_on_localhost(echo_server):
+    import tritonclient.grpc as grpcclient
+
+    assert echo_server.endpoints.grpc == f"127.0.0.1:{echo_server.options.grpc_port}"
+    client = grpcclient.InferenceServerClient(echo_server.endpoints.grpc)
+    assert client.is_model_ready("echo")
+    data = np.array([1.5, -2.0, 3.25], dtype=np.float32)
+    tensor = grpcclient.InferInput("INPUT", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    result = client.infer("echo", [tensor], outputs=[grpcclient.InferRequestedOutput("OUTPUT")])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT"), data)
+
+
+def test_metrics_port_answers(echo_server):
+    with urllib.request.urlopen(echo_server.endpoints.metrics, timeout=5) as response:
+        assert "nv_inference_request_success" in response.read().decode()
+
+
+def test_stop_leaves_no_stub_processes_or_shared_memory(echo_repo):
+    server = TritonServer(options_for(echo_repo))
+    try:
+        server.start()
+        pid = server.process.pid
+        server.wait_ready(60)
+        assert len(group_members(pid)) >= 2  # the server and the echo model's stub
+        assert our_shm(server)
+    finally:
+        server.stop()
+    assert group_members(pid) == [] and our_shm(server) == []
+    assert server.shm_prefix.startswith(SHM_PREFIX)
+
+
+def test_broken_model_error_names_the_model_and_its_log_line(tmp_path):
+    write_model(tmp_path / "repo", "broken", BROKEN_MODEL)
+    server = TritonServer(options_for(tmp_path / "repo", log_file=tmp_path / "server.log"))
+    try:
+        server.start()
+        pid = server.process.pid
+        with pytest.raises(ServeError, match=r"model 'broken' failed to load: .*broken on purpose") as err:
+            server.wait_ready(60)
+    finally:
+        server.stop()
+    assert "\n" not in str(err.value) and "model_lifecycle" in str(err.value)
+    assert str(tmp_path / "server.log") in str(err.value)
+    assert group_members(pid) == []
+
+
+def test_port_in_use_is_a_one_line_error(echo_repo):
+    options = options_for(echo_repo)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", options.grpc_port))
+        held.listen()
+        server = TritonServer(options)
+        try:
+            with pytest.raises(ServeError, match=rf"grpc port {options.grpc_port} on 127.0.0.1 is already in use"):
+                server.start()
+        finally:
+            server.stop()
+        assert server.process is None
+
+
+def test_cli_missing_repo_is_a_one_line_error(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--repo", str(tmp_path / "missing")])
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "does not exist" in result.output
+    assert "pipeline assemble" in result.output and "pipeline build" in result.output
+
+
+def test_cli_empty_repo_is_a_one_line_error(tmp_path):
+    (tmp_path / "README.md").write_text("models go here\n")
+    result = CliRunner().invoke(main, ["serve", "--repo", str(tmp_path)])
+    assert result.exit_code == 1 and "has no models" in result.output and result.output.count("\n") == 1
+
+
+def test_cli_serves_until_sigterm_and_reaps_its_children(echo_repo, tmp_path):
+    grpc, http, metrics = free_ports()
+    log = tmp_path / "server.log"
+    cli = subprocess.Popen(
+        [sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--repo", str(echo_repo), "--grpc-port", str(grpc),
+         "--http-port", str(http), "--metrics-port", str(metrics), "--log-file", str(log)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = cli.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.strip().startswith("log"):
+                break
+        output = "".join(lines)
+        assert f"127.0.0.1:{grpc}" in output and f"http://127.0.0.1:{metrics}/metrics" in output, output
+        server_pids = [int(p) for p in subprocess.run(["pgrep", "-f", f"tritonserver.*grpc-port={grpc}"], capture_output=True,
+                                                      text=True).stdout.split()]
+        assert server_pids
+        cli.send_signal(signal.SIGTERM)
+        rest, _ = cli.communicate(timeout=40)
+    finally:
+        if cli.poll() is None:  # a failed assertion above: SIGTERM lets it stop its server
+            cli.terminate()
+            try:
+                cli.wait(40)
+            except subprocess.TimeoutExpired:
+                cli.kill()
+                cli.wait()
+    assert cli.returncode == 0 and "Stopped." in rest
+    assert all(group_members(pid) == [] for pid in server_pids)
+    assert "Started GRPCInferenceService" in log.read_text()
