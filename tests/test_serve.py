@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ports import free_ports
 from click.testing import CliRunner
 
 from pipeline.cli import main
@@ -53,17 +54,6 @@ def write_model(repo: Path, name: str, source: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "config.pbtxt").write_text(ECHO_CONFIG.format(name=name))
     (repo / name / "1" / "model.py").write_text(textwrap.dedent(source))
-
-
-def free_ports(n: int = 3) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def options_for(repo: Path, **kwargs) -> ServeOptions:

@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 import pytest
+from ports import free_ports
 
 from pipeline.errors import ConfigError
 from pipeline.triton import interface
@@ -237,19 +238,6 @@ class TritonPythonModel:
                 responses.append(self.fill(request))
         return responses
 '''
-
-
-def free_ports(n: int = 3) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def test_real_tritonserver_loads_the_written_repository_and_streams_through_the_ensemble(tmp_path):

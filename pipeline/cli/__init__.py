@@ -38,9 +38,11 @@ from pipeline.cli.quantize import quantize  # noqa: E402
 from pipeline.cli.compile import compile  # noqa: E402,A004
 from pipeline.cli.plan import plan  # noqa: E402
 from pipeline.cli.serve import serve  # noqa: E402
+from pipeline.cli.assemble import assemble  # noqa: E402
 
 main.add_command(generate)
 main.add_command(quantize)
 main.add_command(compile)
 main.add_command(plan)
 main.add_command(serve)
+main.add_command(assemble)

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -133,11 +134,18 @@ def server_command(options: ServeOptions, binary: ServerBinary, backend_director
 
 
 def server_env(binary: ServerBinary, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The stub runs the first `python3` on PATH: put this interpreter's bin first so models see our packages."""
+    """The stub runs the first `python3` on PATH: put this interpreter's bin first so models see our packages.
+
+    The bundled stub links the system's libpython3.X. With another build of the same Python (pyenv here),
+    extension modules such as _ssl then miss symbols and transformers fails to import inside the models;
+    this interpreter's own libpython, found first, fixes that.
+    """
     env = dict(os.environ if base is None else base)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    if binary.lib_dir is not None:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [str(binary.lib_dir), env.get("LD_LIBRARY_PATH")] if p)
+    libs = [str(binary.lib_dir)] if binary.lib_dir is not None else []
+    if binary.bundled:
+        libs.append(sysconfig.get_config_var("LIBDIR") or "")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [*libs, env.get("LD_LIBRARY_PATH")] if p)
     return env
 
 

@@ -1,0 +1,90 @@
+"""`pipeline assemble`: a portable engine folder -> a Triton model repository that serves it.
+
+Every config.pbtxt comes from `pipeline.triton.config` (one function per model, from one RepoSpec);
+every python model's source is copied from `pipeline/triton/models/`. The repository is written in a
+staging folder beside the target and renamed into place, so a failed run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.engine.gate_policy import GatePolicy
+from pipeline.errors import ConfigError
+from pipeline.triton.config import (GATE, POSTPROCESSING, PREPROCESSING, TORCH_ENGINE, RepoSpec, repository_configs,
+                                    write_config)
+
+MODEL_SOURCES = Path(__file__).parent / "models"
+# model name -> its source in pipeline/triton/models/
+PYTHON_MODELS = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py",
+                 GATE: "speculation_gate.py", TORCH_ENGINE: "torch_engine.py"}
+
+
+@dataclass(frozen=True)
+class AssembleOptions:
+    engine: Path  # a `pipeline compile --backend torch` folder
+    repo: Path = Path("triton_repo")
+    gate_batch_size: int = 32  # speculate while at most this many requests are in flight
+    gate_hysteresis: int = 4
+    min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
+    force: bool = False
+
+
+@dataclass
+class AssembleResult:
+    repo: str
+    engine: str
+    models: list[str] = field(default_factory=list)
+
+
+def repo_spec(options: AssembleOptions) -> RepoSpec:
+    """The RepoSpec for a portable engine folder: sizes from its engine.json, the gate from the options."""
+    from pipeline.compile.torch_engine import read_engine_manifest
+
+    engine = Path(options.engine).expanduser().absolute()
+    manifest = read_engine_manifest(engine)
+    gate = GatePolicy(max_batch_size=options.gate_batch_size,
+                      hysteresis=min(options.gate_hysteresis, max(options.gate_batch_size, 0)),
+                      min_tokens=options.min_spec_tokens)
+    return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
+                    max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
+                    num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=gate)
+
+
+def write_repository(folder: Path, spec: RepoSpec) -> list[str]:
+    """Write every model (config.pbtxt, and 1/model.py for python ones) under `folder`; returns the names."""
+    for name, msg in repository_configs(spec).items():
+        write_config(folder / name, msg)
+        (folder / name / "1").mkdir()
+        if name in PYTHON_MODELS:
+            shutil.copyfile(MODEL_SOURCES / PYTHON_MODELS[name], folder / name / "1" / "model.py")
+    return sorted(repository_configs(spec))
+
+
+def assemble(options: AssembleOptions) -> AssembleResult:
+    repo = Path(options.repo).expanduser().absolute()
+    if repo.exists() and not options.force:
+        raise ConfigError(f"{repo} already exists; pass --force to replace it, or pick another --repo")
+    if repo.exists() and not repo.is_dir():
+        raise ConfigError(f"{repo} is a file; pick a folder path for --repo")
+    spec = repo_spec(options)
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{repo.name}.tmp-", dir=repo.parent))
+    os.chmod(stage, 0o755)
+    try:
+        models = write_repository(stage, spec)
+        if repo.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{repo.name}.old-", dir=repo.parent))
+            os.replace(repo, old / repo.name)
+            os.replace(stage, repo)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, repo)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return AssembleResult(repo=str(repo), engine=spec.engine_dir, models=models)

@@ -1,0 +1,44 @@
+"""Triton python model `postprocessing`: one generation response -> its text.
+
+output_ids = prefix_length tokens already sent + the new ones (pipeline.triton.interface). The text
+is decode(all) minus decode(prefix), each without ONE trailing U+FFFD: a lossy UTF-8 decode turns an
+unfinished character at the end into exactly one U+FFFD and changes nothing before it when more bytes
+come, so holding back that one character keeps every chunk whole with no per-request state here.
+(A run of U+FFFD can't be stripped whole: its first ones may be older than the resent prefix.)
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.models.tokenizer import load_tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = config["parameters"]
+        self.tokenizer = load_tokenizer(params["tokenizer_dir"]["string_value"])
+        self.skip_special = params["skip_special_tokens"]["string_value"] == "true"
+
+    def _visible(self, ids) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return text[:-1] if text.endswith(REPLACEMENT) else text
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            get = lambda name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()  # noqa: E731
+            ids = [int(t) for t in get("output_ids")[0]]
+            start = int(get("prefix_length").reshape(-1)[0])
+            full, prefix = self._visible(ids), self._visible(ids[:start])
+            text = full[len(prefix):] if full.startswith(prefix) else full
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("text_output", np.array([[text.encode()]], np.object_)),
+                pb_utils.Tensor("num_accepted_tokens", get("accepted_tokens").astype(np.int32)),
+                pb_utils.Tensor("num_drafted_tokens", get("drafted_tokens").astype(np.int32)),
+            ]))
+        return responses

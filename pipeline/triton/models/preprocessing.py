@@ -1,0 +1,116 @@
+"""Triton python model `preprocessing`: text -> validated token ids, every default filled in.
+
+Bad input (empty text, max_tokens out of range, a prompt too long) becomes an error response with a
+one-line message; the model keeps serving. Tensors: pipeline.triton.interface (ENSEMBLE_INPUTS ->
+REQUEST_TENSORS).
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.engine.config import ModelConfig
+from pipeline.errors import PipelineError, RequestError
+from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, uses_chat_template
+
+
+def _param(config: dict, key: str) -> str:
+    return config["parameters"][key]["string_value"]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        tokenizer_dir = _param(config, "tokenizer_dir")
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.raw = _param(config, "apply_chat_template") != "true"
+        self.max_seq_len = int(_param(config, "max_seq_len"))
+        self.num_draft_tokens = int(_param(config, "num_draft_tokens"))
+        chat = uses_chat_template(self.tokenizer, self.raw)
+        # The same stop set `pipeline generate` uses: eos, the config's eos, the chat end-of-turn markers.
+        self.stops = stop_token_ids(self.tokenizer, ModelConfig.from_folder(tokenizer_dir).eos_token_ids, chat=chat)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._tensors(request)))
+            except PipelineError as err:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(" ".join(str(err).split()))))
+            except Exception as err:  # noqa: BLE001  any bad input must not take the model down
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"bad request: {type(err).__name__}: {' '.join(str(err).split())}")))
+        return responses
+
+    def _tensors(self, request):
+        def scalar(name, default):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                return default
+            value = tensor.as_numpy()
+            if value.shape[0] != 1:
+                raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
+            return value.reshape(-1)[0]
+
+        text = scalar("text_input", b"")
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
+        if not text.strip():
+            raise RequestError("text_input is empty; send a prompt")
+        max_tokens = int(scalar("max_tokens", 0))
+        if max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1 (got {max_tokens})")
+        if max_tokens >= self.max_seq_len:
+            raise RequestError(f"max_tokens {max_tokens} is beyond the engine's max_seq_len {self.max_seq_len}")
+        speculation = scalar("speculation", b"auto")
+        speculation = speculation.decode() if isinstance(speculation, bytes) else str(speculation)
+        if speculation not in ("auto", "on", "off"):
+            raise RequestError(f"speculation must be auto, on or off (got {speculation!r})")
+        num_draft = int(scalar("num_draft_tokens", self.num_draft_tokens))
+        if num_draft < 1:
+            raise RequestError(f"num_draft_tokens must be >= 1 (got {num_draft}); send speculation=off instead")
+        temperature = float(scalar("temperature", 0.0))
+        top_p = float(scalar("top_p", 1.0))
+        top_k = int(scalar("top_k", 0))
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+
+        ids = encode_prompt(self.tokenizer, text, self.raw)
+        if len(ids) + max_tokens > self.max_seq_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) is over the engine's "
+                               f"max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens")
+        end_id = int(scalar("end_id", self.stops[0] if self.stops else -1))
+        stop_ids = list(self.stops[1:])
+        words = pb_utils.get_input_tensor_by_name(request, "stop_words")
+        for word in ([] if words is None else words.as_numpy().reshape(-1)):
+            word = word.decode() if isinstance(word, bytes) else str(word)
+            tokens = self.tokenizer(word, add_special_tokens=False).input_ids
+            if len(tokens) != 1:
+                raise RequestError(f"stop word {word!r} is {len(tokens)} tokens; the portable engine stops "
+                                   f"only on single-token words")
+            stop_ids.append(tokens[0])
+        # tensorrtllm's layout: row 0 the flat ids, row 1 the end offset of each word, -1 padded.
+        stop_words = np.full((1, 2, max(1, len(stop_ids))), -1, np.int32)
+        stop_words[0, 0, :len(stop_ids)] = stop_ids
+        stop_words[0, 1, :len(stop_ids)] = np.arange(1, len(stop_ids) + 1)
+
+        stream = bool(scalar("stream", False))
+        seed = int(scalar("random_seed", 0))
+
+        def row(value, dtype):
+            return np.array([[value]], dtype)
+
+        return [
+            pb_utils.Tensor("input_ids", np.array([ids], np.int32)),
+            pb_utils.Tensor("input_lengths", row(len(ids), np.int32)),
+            pb_utils.Tensor("request_output_len", row(max_tokens, np.int32)),
+            pb_utils.Tensor("end_id", row(end_id, np.int32)),
+            pb_utils.Tensor("temperature", row(temperature, np.float32)),
+            pb_utils.Tensor("top_k", row(top_k, np.int32)),
+            pb_utils.Tensor("top_p", row(top_p, np.float32)),
+            pb_utils.Tensor("random_seed", row(seed, np.uint64)),
+            pb_utils.Tensor("stream", row(stream, np.bool_)),
+            pb_utils.Tensor("stop_words_list", stop_words),
+            pb_utils.Tensor("speculation", np.array([[speculation.encode()]], np.object_)),
+            pb_utils.Tensor("num_draft_tokens", row(num_draft, np.int32)),
+        ]

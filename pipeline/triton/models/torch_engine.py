@@ -1,0 +1,183 @@
+"""Triton python model `torch_engine` (decoupled): the portable engine, continuous batching in one model.
+
+The engine folder loads once. ONE scheduler thread owns the engine: it admits queued requests,
+calls engine.step(), and sends every response. execute() only queues; token callbacks only
+record. A decoupled model sending from many Python threads at once crashed tritonserver's python
+backend at 40 streams (boost lock_exception / SIGSEGV); one sender thread held.
+"""
+
+import json
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.compile.torch_engine import load_engine, read_engine_manifest
+from pipeline.engine.sampling import SamplingParams
+from pipeline.errors import PipelineError
+from pipeline.models.tokenizer import load_tokenizer
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Text-bearing tokens resent before each chunk, so postprocessing can rebuild a character split across
+# chunks (at most 4 bytes; byte-fallback tokens carry one each). Special tokens, and ids past the
+# tokenizer's vocabulary (a model's padded embedding rows), decode to nothing there, so they don't
+# count: a run of them would push the split bytes out of the prefix.
+PREFIX_TOKENS = 6
+
+
+@dataclass
+class Stream:
+    """One request's sending state, touched only by the scheduler thread."""
+
+    sender: object
+    stream: bool
+    new: list = field(default_factory=list)  # tokens produced since the last response
+    sent: int = 0  # output tokens already sent
+    drafted: int = 0  # req.num_drafted / num_accepted at the last response
+    accepted: int = 0
+    done: bool = False
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        engine_dir = config["parameters"]["engine_dir"]["string_value"]
+        self.engine = load_engine(engine_dir)
+        tokenizer = load_tokenizer(Path(engine_dir) / read_engine_manifest(engine_dir)["tokenizer"])
+        self.text_vocab = len(tokenizer)
+        self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+        self.inbox: queue.Queue = queue.Queue()
+        self.streams: dict = {}  # Request -> Stream
+        self.stopping = threading.Event()
+        self.scheduler = threading.Thread(target=self._run, name="torch_engine-scheduler", daemon=True)
+        self.scheduler.start()
+
+    def execute(self, requests):
+        for request in requests:
+            self.inbox.put((self._parse(request), request.get_response_sender()))
+        return None
+
+    def finalize(self):
+        self.stopping.set()
+        self.scheduler.join(timeout=10)
+
+    @staticmethod
+    def _parse(request) -> dict:
+        def get(name):
+            return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+
+        def scalar(name):
+            return get(name).reshape(-1)[0]
+
+        length = int(scalar("input_lengths"))
+        stop_words = get("stop_words_list").reshape(2, -1)
+        speculation = scalar("speculation")
+        return {
+            "prompt_ids": [int(t) for t in get("input_ids").reshape(-1)[:length]],
+            "max_tokens": int(scalar("request_output_len")),
+            "end_id": int(scalar("end_id")),
+            "temperature": float(scalar("temperature")),
+            "top_k": int(scalar("top_k")),
+            "top_p": float(scalar("top_p")),
+            "seed": int(scalar("random_seed")),
+            "stream": bool(scalar("stream")),
+            # Single-token stop words only: the ids whose end offsets are 1 apart.
+            "stop_ids": [int(t) for t in stop_words[0] if t >= 0],
+            "speculation": speculation.decode() if isinstance(speculation, bytes) else str(speculation),
+        }
+
+    # ---- the scheduler thread: everything below runs on it ------------------------------------
+
+    def _run(self):
+        while not self.stopping.is_set():
+            try:
+                self._admit(block=not self.engine.has_unfinished())
+                self._cancel_abandoned()
+                if self.engine.has_unfinished():
+                    self.engine.step()
+                self._send()
+            except Exception as err:  # noqa: BLE001  a failed step fails its requests, not the model
+                for req, state in list(self.streams.items()):
+                    self.engine.cancel(req)
+                    self._send_error(state, f"engine step failed: {_one_line(err)}")
+                self.streams.clear()
+
+    def _admit(self, block: bool):
+        try:
+            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            parsed, sender = item
+            state = Stream(sender, parsed["stream"])
+            try:
+                stops = tuple(dict.fromkeys(([parsed["end_id"]] if parsed["end_id"] >= 0 else []) + parsed["stop_ids"]))
+                params = SamplingParams(max_tokens=parsed["max_tokens"], temperature=parsed["temperature"],
+                                        top_p=parsed["top_p"], top_k=parsed["top_k"],
+                                        seed=parsed["seed"] if parsed["temperature"] > 0 else None,
+                                        stop_token_ids=stops)
+                req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
+                                              on_tokens=self._on_tokens)
+                self.streams[req] = state
+            except PipelineError as err:
+                self._send_error(state, _one_line(err))
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _on_tokens(self, req, tokens):
+        state = self.streams.get(req)
+        if state is not None:
+            state.new.extend(tokens)
+
+    def _cancel_abandoned(self):
+        for req, state in list(self.streams.items()):
+            if state.sender.is_cancelled():
+                self.engine.cancel(req)
+                state.sender.send(flags=FINAL)
+                del self.streams[req]
+
+    def _send(self):
+        for req, state in list(self.streams.items()):
+            if req.finished:
+                self._respond(req, state, final=True)
+                del self.streams[req]
+            elif state.stream and state.new:
+                self._respond(req, state, final=False)
+
+    def _respond(self, req, state: Stream, final: bool):
+        # Streaming: the new tokens after up to PREFIX_TOKENS already sent. Not streaming: the whole answer.
+        start = self._prefix_start(req.output_ids, state.sent) if state.stream else 0
+        end = len(req.output_ids)
+        if not state.stream or end > state.sent:
+            response = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("output_ids", np.array([req.output_ids[start:end]], np.int32)),
+                pb_utils.Tensor("prefix_length", np.array([[state.sent - start if state.stream else 0]], np.int32)),
+                pb_utils.Tensor("accepted_tokens", np.array([[req.num_accepted - state.accepted]], np.int32)),
+                pb_utils.Tensor("drafted_tokens", np.array([[req.num_drafted - state.drafted]], np.int32)),
+            ])
+            state.sender.send(response, flags=FINAL if final else 0)
+        elif final:
+            state.sender.send(flags=FINAL)
+        state.sent, state.new = end, []
+        state.accepted, state.drafted = req.num_accepted, req.num_drafted
+
+    def _prefix_start(self, ids, sent: int) -> int:
+        start, text_tokens = sent, 0
+        while start > 0 and text_tokens < PREFIX_TOKENS:
+            start -= 1
+            text_tokens += 0 <= ids[start] < self.text_vocab and ids[start] not in self.special_ids
+        return start
+
+    @staticmethod
+    def _send_error(state: Stream, message: str):
+        state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)

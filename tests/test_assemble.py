@@ -1,0 +1,243 @@
+"""`pipeline assemble` and the python models it writes, served by a real tritonserver (the CPU one in
+nvidia-pytriton) on a tiny portable engine."""
+
+from __future__ import annotations
+
+import json
+import queue
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.compile import CompileOptions, compile_model, load_engine
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.triton.assemble import PYTHON_MODELS, AssembleOptions, assemble
+from pipeline.triton.config import read_config
+from ports import free_ports  # noqa: E402
+
+pytest.importorskip("tritonclient.grpc")
+
+MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny"
+    compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=4,
+                                 max_seq_len=256, gate_batch_size=4))
+    return out
+
+
+def test_assemble_writes_every_model_with_its_config_and_source(engine_dir, tmp_path):
+    result = assemble(AssembleOptions(engine=engine_dir, repo=tmp_path / "repo", gate_batch_size=8, min_spec_tokens=20))
+    repo = Path(result.repo)
+    assert result.models == sorted(["ensemble", "preprocessing", "postprocessing", "speculation_gate", "torch_engine"])
+    for name in result.models:
+        assert read_config(repo / name).name == name and (repo / name / "1").is_dir()
+    for name, source in PYTHON_MODELS.items():
+        assert (repo / name / "1" / "model.py").read_text() == (Path(__file__).parent.parent / "pipeline" / "triton"
+                                                               / "models" / source).read_text()
+    gate = read_config(repo / "speculation_gate").parameters
+    assert (gate["gate_max_batch_size"].string_value, gate["gate_min_tokens"].string_value) == ("8", "20")
+    engine = read_config(repo / "torch_engine").parameters
+    assert engine["engine_dir"].string_value == str(engine_dir.absolute())
+    assert engine["max_seq_len"].string_value == "256"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_assemble_refuses_an_existing_repo_unless_forced(engine_dir, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "old").write_text("x")
+    with pytest.raises(ConfigError, match="--force"):
+        assemble(AssembleOptions(engine=engine_dir, repo=repo))
+    assert (repo / "old").is_file()
+    assemble(AssembleOptions(engine=engine_dir, repo=repo, force=True))
+    assert not (repo / "old").exists() and (repo / "ensemble" / "config.pbtxt").is_file()
+
+
+def test_assemble_cli_prints_the_repo_and_refuses_a_folder_without_an_engine(engine_dir, tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(main, ["assemble", "--engine", str(engine_dir), "--repo", str(tmp_path / "r"), "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert "torch_engine" in json.loads(ok.output)["models"]
+    bad = runner.invoke(main, ["assemble", "--engine", str(tmp_path), "--repo", str(tmp_path / "r2")])
+    assert bad.exit_code != 0 and "engine.json" in bad.output
+    again = runner.invoke(main, ["assemble", "--engine", str(engine_dir), "--repo", str(tmp_path / "r")])
+    assert again.exit_code != 0 and "--force" in again.output
+
+
+# ---- served by a real tritonserver ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
+
+    try:
+        binary = find_tritonserver()
+    except PipelineError as err:
+        pytest.skip(str(err))
+    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=tmp_path_factory.mktemp("served") / "repo")).repo)
+    grpc, http, metrics = free_ports()
+    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics),
+                      binary) as srv:
+        yield srv
+
+
+def expected_text(engine_dir: Path, prompt: str, max_tokens: int) -> str:
+    """What the in-process engine answers (greedy), decoded as `pipeline generate` decodes it."""
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    tokenizer = load_tokenizer(engine_dir / "target")
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
+    [req] = load_engine(engine_dir).generate([encode_prompt(tokenizer, prompt, raw=False)],
+                                             SamplingParams(max_tokens=max_tokens, stop_token_ids=stops))
+    # Postprocessing holds back one trailing U+FFFD, a maybe-unfinished character: it can't tell the last chunk.
+    text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    return text[:-1] if text.endswith("\ufffd") else text
+
+
+def inputs(prompt: str, max_tokens: int, stream: bool, speculation: str = "auto"):
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    return [tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
+            tensor("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
+            tensor("stream", np.array([[stream]]), "BOOL"),
+            tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES")]
+
+
+def responses(client, prompt: str, max_tokens: int, stream: bool = True,
+              speculation: str = "auto") -> list[tuple[str, int, int]]:
+    """(text, accepted, drafted) per response. The ensemble has a decoupled step, so Triton serves it
+    only over the streaming RPC (unary ModelInfer refuses decoupled models); stream=False asks for one
+    response holding the whole answer. An error response raises."""
+    got = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        client.async_stream_infer("ensemble", inputs(prompt, max_tokens, stream, speculation),
+                                  enable_empty_final_response=True)
+        chunks = []
+        while True:
+            result, error = got.get(timeout=60)
+            if error is not None:
+                raise error
+            response = result.get_response()
+            if response.outputs:
+                chunks.append((result.as_numpy("text_output")[0, 0].decode(),
+                               int(result.as_numpy("num_accepted_tokens")[0, 0]),
+                               int(result.as_numpy("num_drafted_tokens")[0, 0])))
+            if response.parameters["triton_final_response"].bool_param:
+                return chunks
+    finally:
+        client.stop_stream()
+
+
+def test_served_answer_equals_the_in_process_engine_streaming_or_not(server, engine_dir):
+    import tritonclient.grpc as grpcclient
+
+    prompt = "abcabcabc hello"
+    expected = expected_text(engine_dir, prompt, MAX_TOKENS)
+    client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+    try:
+        [(text, accepted, drafted)] = responses(client, prompt, MAX_TOKENS, stream=False)
+        assert text == expected and 0 <= accepted <= drafted
+        for speculation in ("on", "off", "auto"):
+            chunks = responses(client, prompt, MAX_TOKENS, speculation=speculation)
+            assert "".join(text for text, _, _ in chunks) == expected
+            assert len(chunks) > 1
+            drafted = sum(d for _, _, d in chunks)
+            assert (drafted == 0) == (speculation == "off")
+            assert 0 <= sum(a for _, a, _ in chunks) <= drafted
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("max_tokens, message", [(0, "max_tokens must be >= 1"),
+                                                 (10_000, "beyond the engine's max_seq_len")])
+def test_bad_request_gets_an_error_and_the_next_request_still_works(server, engine_dir, max_tokens, message):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+    try:
+        with pytest.raises(InferenceServerException, match=message):
+            responses(client, "hi", max_tokens, stream=False)
+        with pytest.raises(InferenceServerException, match="text_input is empty"):
+            responses(client, "  ", 4, stream=False)
+        [(text, _, _)] = responses(client, "hi", 8, stream=False)
+        assert text == expected_text(engine_dir, "hi", 8)
+    finally:
+        client.close()
+
+
+def test_concurrent_streams_past_the_batch_size_each_get_their_own_answer_beside_a_cancelled_one(server, engine_dir):
+    import threading
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    # More streams than the engine's 4 slots: the rest wait in its queue, then join the batch.
+    prompts = [f"prompt {i} {'xy' * i}" for i in range(6)]
+    got: dict[int, str] = {}
+
+    def run(i):
+        client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+        try:
+            got[i] = "".join(text for text, _, _ in responses(client, prompts[i], MAX_TOKENS))
+        finally:
+            client.close()
+
+    # A client that walks away mid-stream: its request is cancelled in the engine.
+    leaver = grpcclient.InferenceServerClient(server.endpoints.grpc)
+    leaver.start_stream(callback=lambda result, error: None)
+    leaver.async_stream_infer("ensemble", inputs("walk away", 200, True), enable_empty_final_response=True)
+    time.sleep(0.2)
+    leaver.stop_stream(cancel_requests=True)
+    leaver.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == {i: expected_text(engine_dir, p, MAX_TOKENS) for i, p in enumerate(prompts)}
+
+
+def test_gate_speculates_on_auto_until_the_load_passes_the_threshold_then_waits_out_the_hysteresis(monkeypatch):
+    import importlib.util
+    import sys
+    import types
+
+    # The gate's source imports the python backend's utils, which exist only inside tritonserver.
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
+                        types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1))
+    spec = importlib.util.spec_from_file_location(
+        "gate_model", Path(__file__).parent.parent / "pipeline" / "triton" / "models" / PYTHON_MODELS["speculation_gate"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    params = {"engine_model": "torch_engine", "gate_max_batch_size": "8", "gate_hysteresis": "3",
+              "gate_min_tokens": "50"}
+    gate = module.TritonPythonModel()
+    gate.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}})})
+    try:
+        def at_load(n, requested="auto", max_tokens=100):
+            gate.in_flight = n
+            return gate.decide(requested, max_tokens)
+
+        assert at_load(1) == "on" and at_load(1, max_tokens=49) == "off"
+        assert at_load(8) == "on" and at_load(9) == "off"
+        assert [at_load(n) for n in (8, 6, 5, 6, 9)] == ["off", "off", "on", "on", "off"]
+        assert at_load(20, "on") == "on" and at_load(1, "off") == "off"
+    finally:
+        gate.finalize()
