@@ -81,11 +81,11 @@ def trtllm_available() -> bool:
 
 
 def compile_model(options: CompileOptions) -> CompileResult:
-    from pipeline.quantize.export import check_output, staged_output
+    from pipeline.staging import check_output, staged_output
 
     _check_options(options)
     output = Path(options.output).expanduser().absolute()
-    check_output(output, options.force)
+    check_output(output, options.force, ConfigError, "-o")
     target = read_checkpoint(options.target)
     draft = parse_draft(options.draft)
     draft_ckpt = read_checkpoint(draft.path) if draft.path is not None else None
@@ -116,7 +116,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
         "sizes": asdict(sizes), "gate_batch_size": options.gate_batch_size, "kv_cache_dtype": kv_dtype,
         "tp_size": tp, "pp_size": pp, "plan": plan,
     }
-    with staged_output(output, options.force) as stage:
+    with staged_output(output, options.force, ConfigError, "-o") as stage:
         if route == "engine":
             _engine_route(stage, output, target, draft_ckpt, sizes, options, result)
         elif route == "llmapi":

@@ -1,62 +1,19 @@
 """Write a quantized model: a unified Hugging Face checkpoint or a TensorRT-LLM checkpoint.
 
-Everything is written into a staging folder next to the output and renamed into place at the end,
-so an interrupted or failed run never leaves a half-written model where a later step would load it.
+The caller writes into a staging folder (pipeline.staging) that is renamed into place at the end, so an
+interrupted or failed run never leaves a half-written model where a later step would load it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.errors import QuantizeError
 
 WEIGHT_AND_CONFIG_FILES = ("config.json", "generation_config.json", "hf_quant_config.json")
-
-
-def check_output(output: Path, force: bool) -> None:
-    """Cheap, up front: refuse an existing output (unless force) and a parent we can't write."""
-    if output.exists() and not force:
-        raise QuantizeError(f"output folder {output} already exists; pass --force to replace it, or pick another -o")
-    if output.exists() and not output.is_dir():
-        raise QuantizeError(f"output {output} is a file; pick a folder path for -o")
-    existing = next(p for p in output.parents if p.exists())  # the parent is made only when writing
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise QuantizeError(f"can't write under {existing}; pick a writable -o")
-
-
-@contextlib.contextmanager
-def staged_output(output: Path, force: bool) -> Iterator[Path]:
-    """Yield an empty staging folder beside `output`; on success it becomes `output`, on error it is removed.
-
-    With force, an existing output is renamed aside, the new one renamed in, then the old one deleted:
-    `output` is the complete old folder, then (for an instant) absent, then the complete new one.
-    """
-    check_output(output, force)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it 0700; the output should read like any mkdir'd folder
-    try:
-        yield stage
-        if output.exists():
-            if not force:  # appeared while we worked
-                raise QuantizeError(f"output folder {output} appeared while quantizing; pass --force to replace it")
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            os.replace(output, old / output.name)
-            os.replace(stage, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(stage, output)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
 
 
 def copy_tokenizer_files(source: Path, dest: Path) -> None:

@@ -40,7 +40,7 @@ class QuantizeOptions:
 
 
 def quantize(options: QuantizeOptions) -> QuantizeReport:
-    from pipeline.quantize.export import check_output
+    from pipeline.staging import check_output
 
     t_start = time.perf_counter()
     fmt = get_format(options.qformat)
@@ -52,7 +52,7 @@ def quantize(options: QuantizeOptions) -> QuantizeReport:
     if options.calib_seq_len < 2:
         raise QuantizeError(f"--calib-seq-len must be at least 2 (got {options.calib_seq_len})")
     output = Path(options.output).expanduser().absolute()
-    check_output(output, options.force)
+    check_output(output, options.force, QuantizeError, "-o")
 
     from pipeline.models.resolve import resolve_model
 
@@ -87,11 +87,11 @@ def quantize(options: QuantizeOptions) -> QuantizeReport:
     calib_time = time.perf_counter() - t0
     after = measure_quality(model, held_out, options.batch_size) if fmt.quantized else before
 
-    from pipeline.quantize.export import (copy_tokenizer_files, export_hf, export_trtllm, exported_quant_algo,
-                                          staged_output)
+    from pipeline.quantize.export import copy_tokenizer_files, export_hf, export_trtllm, exported_quant_algo
+    from pipeline.staging import staged_output
 
     source_dtype = _torch_dtype(config)
-    with staged_output(output, options.force) as stage:
+    with staged_output(output, options.force, QuantizeError, "-o") as stage:
         t0 = time.perf_counter()
         if options.export == "hf":
             export_hf(model, stage, source_dtype)

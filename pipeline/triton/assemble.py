@@ -7,14 +7,13 @@ staging folder beside the target and renamed into place, so a failed run leaves 
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
+from pipeline.staging import check_output, staged_output
 from pipeline.triton.config import (GATE, POSTPROCESSING, PREPROCESSING, TORCH_ENGINE, RepoSpec, repository_configs,
                                     write_config)
 
@@ -57,34 +56,19 @@ def repo_spec(options: AssembleOptions) -> RepoSpec:
 
 def write_repository(folder: Path, spec: RepoSpec) -> list[str]:
     """Write every model (config.pbtxt, and 1/model.py for python ones) under `folder`; returns the names."""
-    for name, msg in repository_configs(spec).items():
+    configs = repository_configs(spec)
+    for name, msg in configs.items():
         write_config(folder / name, msg)
         (folder / name / "1").mkdir()
         if name in PYTHON_MODELS:
             shutil.copyfile(MODEL_SOURCES / PYTHON_MODELS[name], folder / name / "1" / "model.py")
-    return sorted(repository_configs(spec))
+    return sorted(configs)
 
 
 def assemble(options: AssembleOptions) -> AssembleResult:
     repo = Path(options.repo).expanduser().absolute()
-    if repo.exists() and not options.force:
-        raise ConfigError(f"{repo} already exists; pass --force to replace it, or pick another --repo")
-    if repo.exists() and not repo.is_dir():
-        raise ConfigError(f"{repo} is a file; pick a folder path for --repo")
+    check_output(repo, options.force, ConfigError, "--repo")
     spec = repo_spec(options)
-    repo.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{repo.name}.tmp-", dir=repo.parent))
-    os.chmod(stage, 0o755)
-    try:
+    with staged_output(repo, options.force, ConfigError, "--repo") as stage:
         models = write_repository(stage, spec)
-        if repo.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{repo.name}.old-", dir=repo.parent))
-            os.replace(repo, old / repo.name)
-            os.replace(stage, repo)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(stage, repo)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     return AssembleResult(repo=str(repo), engine=spec.engine_dir, models=models)
