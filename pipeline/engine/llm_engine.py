@@ -81,7 +81,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",
-                    on_tokens: TokenCallback | None = None) -> Request:
+                    on_tokens: TokenCallback | None = None, num_draft_tokens: int | None = None) -> Request:
         """Queue a request; it joins the running batch at the next step. Thread-safe."""
         max_len = self.config.max_seq_len
         if len(prompt_ids) >= max_len:
@@ -90,7 +90,8 @@ class LLMEngine:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
-        req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens)
+        req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
+                      num_draft_tokens=num_draft_tokens)
         req.stop_ids = frozenset(params.stop_token_ids) | frozenset(self.eos_token_ids)
         with self._queue_lock:
             self.waiting.append(req)
@@ -168,7 +169,10 @@ class LLMEngine:
     def draft_budget(self, req: Request) -> int:
         """Drafts this row may take: a step emits up to k+1 tokens, within max_tokens and max_seq_len."""
         room = min(req.remaining, self.config.max_seq_len - req.num_tokens) - 1
-        return max(0, min(self.config.num_draft_tokens, room))
+        k = self.config.num_draft_tokens
+        if req.num_draft_tokens is not None:  # a request may ask for fewer, never more (cache sizing)
+            k = min(k, req.num_draft_tokens)
+        return max(0, min(k, room))
 
     def _decode(self, reqs: list[Request], finished: list[Request]) -> None:
         drafts: list[list[int]] = [[] for _ in reqs]
@@ -208,6 +212,7 @@ class LLMEngine:
             if d:
                 r.num_drafted += len(d)
                 r.num_accepted += m
+                r.num_verify_steps += 1
                 self.stats.record_verification(len(d), m)
                 self.proposer.on_verified(r, prev_len, len(d), m)
             self._emit(r, d[:m] + [nxt], finished)

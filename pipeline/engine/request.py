@@ -40,6 +40,7 @@ class Request:
     params: SamplingParams
     speculation: str = "auto"  # "on"/"off" override the engine's gate for this request
     on_tokens: TokenCallback | None = None
+    num_draft_tokens: int | None = None  # k for this request, at most the engine's; None = the engine's
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -51,6 +52,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # stop tokens + the model's eos, set by the engine
     num_drafted: int = 0
     num_accepted: int = 0
+    num_verify_steps: int = 0  # target steps that verified at least one drafted token
     generator: torch.Generator | None = None
 
     def __post_init__(self):
@@ -58,6 +60,8 @@ class Request:
             raise RequestError("the prompt is empty; give at least one token")
         if self.speculation not in SPECULATION_MODES:
             raise RequestError(f"speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
+            raise RequestError(f"num_draft_tokens must be >= 0 (got {self.num_draft_tokens})")
         if not self.params.greedy:
             self.generator = torch.Generator()
             if self.params.seed is None:

@@ -53,7 +53,9 @@ class RepoSpec:
     apply_chat_template: bool = True
     num_draft_tokens: int = 4  # k, when a request doesn't say
     gate: GatePolicy = field(default_factory=GatePolicy)  # load threshold, hysteresis, min tokens
-    acceptance_floor: float = 0.3  # a request whose acceptance rate falls below this stops speculating
+    # The gate stops speculating on "auto" while the rolling acceptance rate (accepted / drafted over
+    # recent verifications) is below this; 0 turns the floor off.
+    acceptance_floor: float = 0.5
     kv_fraction_target: float = 0.6  # trtllm: kv_cache_free_gpu_mem_fraction of the target
     kv_fraction_draft: float = 0.2  # trtllm: the same for the draft, on the same GPU
 

@@ -87,6 +87,9 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("prefix_length", "INT32", (1,)),
     TensorSpec("accepted_tokens", "INT32", (1,)),
     TensorSpec("drafted_tokens", "INT32", (1,)),
+    # Target steps that verified drafts: mean acceptance length = 1 + accepted / verify_steps. The
+    # gate's metrics use it; postprocessing ignores it.
+    TensorSpec("verify_steps", "INT32", (1,)),
 )
 
 # The tensorrtllm backend's own names, a subset of upstream's

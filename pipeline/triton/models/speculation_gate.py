@@ -20,7 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-GENERATION_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens"]
+GENERATION_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps"]
 
 
 class TritonPythonModel:

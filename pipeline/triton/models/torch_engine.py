@@ -36,8 +36,9 @@ class Stream:
     stream: bool
     new: list = field(default_factory=list)  # tokens produced since the last response
     sent: int = 0  # output tokens already sent
-    drafted: int = 0  # req.num_drafted / num_accepted at the last response
+    drafted: int = 0  # req.num_drafted / num_accepted / num_verify_steps at the last response
     accepted: int = 0
+    verify_steps: int = 0
     done: bool = False
 
 
@@ -92,6 +93,7 @@ class TritonPythonModel:
             # Single-token stop words only: the ids whose end offsets are 1 apart.
             "stop_ids": [int(t) for t in stop_words[0] if t >= 0],
             "speculation": speculation.decode() if isinstance(speculation, bytes) else str(speculation),
+            "num_draft_tokens": int(scalar("num_draft_tokens")),
         }
 
     # ---- the scheduler thread: everything below runs on it ------------------------------------
@@ -125,7 +127,8 @@ class TritonPythonModel:
                                         seed=parsed["seed"] if parsed["temperature"] > 0 else None,
                                         stop_token_ids=stops)
                 req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
-                                              on_tokens=self._on_tokens)
+                                              on_tokens=self._on_tokens,
+                                              num_draft_tokens=parsed["num_draft_tokens"])
                 self.streams[req] = state
             except PipelineError as err:
                 self._send_error(state, _one_line(err))
@@ -164,12 +167,13 @@ class TritonPythonModel:
                 pb_utils.Tensor("prefix_length", np.array([[state.sent - start if state.stream else 0]], np.int32)),
                 pb_utils.Tensor("accepted_tokens", np.array([[req.num_accepted - state.accepted]], np.int32)),
                 pb_utils.Tensor("drafted_tokens", np.array([[req.num_drafted - state.drafted]], np.int32)),
+                pb_utils.Tensor("verify_steps", np.array([[req.num_verify_steps - state.verify_steps]], np.int32)),
             ])
             state.sender.send(response, flags=FINAL if final else 0)
         elif final:
             state.sender.send(flags=FINAL)
         state.sent, state.new = end, []
-        state.accepted, state.drafted = req.num_accepted, req.num_drafted
+        state.accepted, state.drafted, state.verify_steps = req.num_accepted, req.num_drafted, req.num_verify_steps
 
     def _prefix_start(self, ids, sent: int) -> int:
         start, text_tokens = sent, 0
