@@ -30,6 +30,7 @@ class AssembleOptions:
     gate_batch_size: int = 32  # speculate while at most this many requests are in flight
     gate_hysteresis: int = 4
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
+    acceptance_floor: float = 0.5  # auto requests stop speculating while the rolling acceptance is below; 0 = off
     force: bool = False
 
 
@@ -51,7 +52,8 @@ def repo_spec(options: AssembleOptions) -> RepoSpec:
                       min_tokens=options.min_spec_tokens)
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
-                    num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=gate)
+                    num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=gate,
+                    acceptance_floor=options.acceptance_floor)
 
 
 def write_repository(folder: Path, spec: RepoSpec) -> list[str]:

@@ -1,106 +1,223 @@
-"""Triton python model `speculation_gate` (decoupled): decides speculation per request, relays the engine.
+"""Triton python model `speculation_gate` (decoupled): decides speculation per request, runs the engine.
 
-For a request with speculation "auto" the gate picks "on" or "off" from the load: requests asking
-for fewer than gate_min_tokens never speculate (they can't pay back the draft), and speculation
-turns off while more than gate_max_batch_size requests are in flight, back on only at or below
-gate_max_batch_size - gate_hysteresis, so the decision doesn't flap at the threshold. The engine
-model (BLS, decoupled) gets the decision in its `speculation` tensor; each of its responses is
-relayed as is.
+The policy (load with hysteresis, min tokens, rolling acceptance floor, per-request override) is
+`pipeline.triton.serving_gate.ServingGate`. Per backend:
+- torch: the portable engine model (decoupled, BLS) gets the decision in its `speculation` tensor:
+  "auto" when the gate lets it speculate (the engine's per-iteration gate refines it), "off" when
+  not, "on" only when the client forced it. Each response is relayed as is.
+- trtllm: `pipeline.triton.draft_target` runs the draft -> target loop for speculating requests
+  (the draft proposes K tokens, the target verifies them through draft_input_ids) and calls the
+  target alone otherwise.
 
-Each stream is read by its own worker thread (a BLS response iterator blocks), but every response
-is sent from ONE sender thread: a decoupled model sending from many threads at once crashed the
-python backend at 40 streams.
+Each stream is driven by its own worker thread (a BLS response iterator blocks), but every response
+and every metric update goes out from ONE sender thread: a decoupled model sending from many threads
+at once crashed the python backend at 40 streams.
+
+Metrics (Prometheus, on Triton's metrics port), named after vLLM's and TensorRT-LLM's:
+  pipeline_requests_total{mode=speculative|standard, reason=...}
+  pipeline_spec_decode_num_draft_tokens_total, pipeline_spec_decode_num_accepted_tokens_total,
+  pipeline_spec_decode_num_drafts_total (verification steps),
+  pipeline_spec_decode_acceptance_rate, pipeline_spec_decode_mean_acceptance_length (rolling window),
+  pipeline_gate_speculating (1/0), pipeline_gate_threshold, pipeline_gate_acceptance_floor,
+  pipeline_gate_in_flight, pipeline_gate_flips_total.
 """
 
 import json
 import queue
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pipeline.engine.gate_policy import GatePolicy
+from pipeline.triton.serving_gate import ServingGate
+
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GENERATION_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps"]
+METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather than send one per token
+
+
+def _scalar(request, name):
+    value = pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+class Metrics:
+    """The gate's Prometheus families. Touched only by the sender thread."""
+
+    def __init__(self):
+        F = pb_utils.MetricFamily
+
+        def family(name, kind, description):
+            return F(name=name, description=description, kind=kind)
+
+        self.requests = family("pipeline_requests_total", F.COUNTER, "Requests by decoding mode and the gate's reason")
+        self.drafted = family("pipeline_spec_decode_num_draft_tokens_total", F.COUNTER,
+                              "Draft tokens proposed").Metric(labels={})
+        self.accepted = family("pipeline_spec_decode_num_accepted_tokens_total", F.COUNTER,
+                               "Draft tokens accepted by the target").Metric(labels={})
+        self.drafts = family("pipeline_spec_decode_num_drafts_total", F.COUNTER,
+                             "Target verification steps that checked drafts").Metric(labels={})
+        self.rate = family("pipeline_spec_decode_acceptance_rate", F.GAUGE,
+                           "Accepted / drafted over the gate's rolling window").Metric(labels={})
+        self.length = family("pipeline_spec_decode_mean_acceptance_length", F.GAUGE,
+                             "Tokens per verification step over the rolling window").Metric(labels={})
+        self.speculating = family("pipeline_gate_speculating", F.GAUGE,
+                                  "1 while auto requests speculate, 0 while the gate holds them off").Metric(labels={})
+        self.threshold = family("pipeline_gate_threshold", F.GAUGE,
+                                "Requests in flight above which speculation turns off").Metric(labels={})
+        self.floor = family("pipeline_gate_acceptance_floor", F.GAUGE,
+                            "Rolling acceptance rate below which speculation turns off").Metric(labels={})
+        self.in_flight = family("pipeline_gate_in_flight", F.GAUGE, "Requests in flight").Metric(labels={})
+        self.flips = family("pipeline_gate_flips_total", F.COUNTER, "Times the load gate changed state").Metric(labels={})
+        self._by_mode: dict = {}
+        self._flips_sent = 0
+
+    def count_request(self, speculate: bool, reason: str):
+        key = ("speculative" if speculate else "standard", reason)
+        if key not in self._by_mode:
+            self._by_mode[key] = self.requests.Metric(labels={"mode": key[0], "reason": key[1]})
+        self._by_mode[key].increment(1)
+
+    def publish(self, gate: ServingGate, drafted: int, accepted: int, steps: int):
+        if drafted:
+            self.drafted.increment(drafted)
+            self.accepted.increment(accepted)
+        if steps:
+            self.drafts.increment(steps)
+        self.rate.set(gate.acceptance_rate)
+        self.length.set(gate.mean_acceptance_length)
+        self.speculating.set(1.0 if gate.speculating else 0.0)
+        self.threshold.set(gate.policy.max_batch_size)
+        self.floor.set(gate.acceptance_floor)
+        self.in_flight.set(gate.in_flight)
+        if gate.flips > self._flips_sent:
+            self.flips.increment(gate.flips - self._flips_sent)
+            self._flips_sent = gate.flips
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.backend = params.get("backend", "torch")
         self.engine_model = params["engine_model"]
-        self.max_batch = int(params["gate_max_batch_size"])
-        self.hysteresis = int(params["gate_hysteresis"])
-        self.min_tokens = int(params["gate_min_tokens"])
-        self.lock = threading.Lock()
-        self.in_flight = 0
-        self.speculating = self.max_batch > 0
-        self.outbox: queue.Queue = queue.Queue()  # (sender, response or None, flags); None ends the thread
+        self.draft_model = params.get("draft_model", "")
+        self.num_draft_tokens = int(params.get("num_draft_tokens", "4"))
+        self.gate = ServingGate(
+            GatePolicy(max_batch_size=int(params["gate_max_batch_size"]),
+                       hysteresis=int(params["gate_hysteresis"]), min_tokens=int(params["gate_min_tokens"])),
+            acceptance_floor=float(params.get("acceptance_floor", "0")))
+        self.metrics = Metrics() if hasattr(pb_utils, "MetricFamily") else None
+        self._pending = [0, 0, 0]  # drafted, accepted, steps not yet published; sender thread only
+        # Callables run by the sender thread, in order; None ends it.
+        self.outbox: queue.Queue = queue.Queue()
         self.sender_thread = threading.Thread(target=self._send_loop, name="gate-sender", daemon=True)
         self.sender_thread.start()
 
     def execute(self, requests):
         for request in requests:
-            with self.lock:
-                self.in_flight += 1
-            threading.Thread(target=self._relay, args=(request,), daemon=True).start()
+            sender = request.get_response_sender()
+            try:
+                decision = self.gate.admit(str(_scalar(request, "speculation")),
+                                           int(_scalar(request, "request_output_len")))
+            except Exception as err:  # noqa: BLE001  a malformed request fails alone
+                self._send(sender, pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")), FINAL)
+                continue
+            self.outbox.put(lambda d=decision: self.metrics and self.metrics.count_request(d.speculate, d.reason))
+            threading.Thread(target=self._run, args=(request, sender, decision), daemon=True).start()
         return None
 
     def finalize(self):
         self.outbox.put(None)
         self.sender_thread.join(timeout=10)
 
-    def decide(self, requested: str, max_tokens: int) -> str:
-        """auto -> on/off from the load (in-flight requests, with hysteresis) and the request's length."""
-        if requested in ("on", "off"):
-            return requested
-        if max_tokens < self.min_tokens:
-            return "off"
-        with self.lock:
-            if self.speculating and self.in_flight > self.max_batch:
-                self.speculating = False
-            elif not self.speculating and self.in_flight <= self.max_batch - self.hysteresis:
-                self.speculating = True
-            return "on" if self.speculating else "off"
+    # ---- one request, on its worker thread -------------------------------------------------------
 
-    def _relay(self, request):
-        sender = request.get_response_sender()
+    def _run(self, request, sender, decision):
         try:
-            requested = pb_utils.get_input_tensor_by_name(request, "speculation").as_numpy().reshape(-1)[0]
-            requested = requested.decode() if isinstance(requested, bytes) else str(requested)
-            max_tokens = int(pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy().reshape(-1)[0])
-            decision = self.decide(requested, max_tokens)
-            inputs = [t for t in request.inputs() if t.name() != "speculation"]
-            inputs.append(pb_utils.Tensor("speculation", np.array([[decision.encode()]], np.object_)))
-            responses = pb_utils.InferenceRequest(
-                model_name=self.engine_model, inputs=inputs,
-                requested_output_names=GENERATION_OUTPUTS).exec(decoupled=True)
-            for response in responses:
-                if sender.is_cancelled():
-                    if hasattr(responses, "cancel"):
-                        responses.cancel()
-                    break
-                if response.has_error():
-                    self.outbox.put((sender, pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(response.error().message())), 0))
-                    break
-                tensors = response.output_tensors()
-                if tensors:
-                    self.outbox.put((sender, pb_utils.InferenceResponse(
-                        output_tensors=[pb_utils.Tensor(t.name(), t.as_numpy()) for t in tensors]), 0))
+            if self.backend == "trtllm":
+                from pipeline.triton.draft_target import generate
+
+                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+                k = int(tensors.get("num_draft_tokens", np.array([[self.num_draft_tokens]])).reshape(-1)[0])
+                generate(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
+                         draft_model=self.draft_model, send=lambda outputs: self._forward(sender, outputs),
+                         cancelled=sender.is_cancelled)
+            else:
+                self._relay_engine(request, sender, decision)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
-            self.outbox.put((sender, pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"speculation_gate: {' '.join(str(err).split())}")), 0))
+            self._send(sender, pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")))
         finally:
-            with self.lock:
-                self.in_flight -= 1
-            self.outbox.put((sender, None, FINAL))
+            self.gate.leave()
+            self._send(sender, None, FINAL)
+
+    def _relay_engine(self, request, sender, decision):
+        requested = str(_scalar(request, "speculation"))
+        speculation = requested if decision.reason == "override" else ("auto" if decision.speculate else "off")
+        inputs = [t for t in request.inputs() if t.name() != "speculation"]
+        inputs.append(pb_utils.Tensor("speculation", np.array([[speculation.encode()]], np.object_)))
+        responses = pb_utils.InferenceRequest(
+            model_name=self.engine_model, inputs=inputs,
+            requested_output_names=GENERATION_OUTPUTS).exec(decoupled=True)
+        for response in responses:
+            if sender.is_cancelled():
+                if hasattr(responses, "cancel"):
+                    responses.cancel()
+                break
+            if response.has_error():
+                self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error().message())))
+                break
+            tensors = response.output_tensors()
+            if tensors:
+                self._forward(sender, {t.name(): t.as_numpy() for t in tensors})
+
+    def _forward(self, sender, outputs: dict):
+        """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts."""
+        counts = [int(outputs[name].reshape(-1)[0]) if name in outputs else 0
+                  for name in ("drafted_tokens", "accepted_tokens", "verify_steps")]
+        self.gate.record(*counts)
+        self._send(sender, pb_utils.InferenceResponse(
+            output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(outputs[name])) for name in GENERATION_OUTPUTS
+                            if name in outputs]), 0, counts)
+
+    def _send(self, sender, response, flags=0, counts=(0, 0, 0)):
+        def send():
+            for i, v in enumerate(counts):
+                self._pending[i] += v
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
+        self.outbox.put(send)
+
+    # ---- the sender thread -----------------------------------------------------------------------
 
     def _send_loop(self):
-        while (item := self.outbox.get()) is not None:
-            sender, response, flags = item
+        last_publish, dirty = 0.0, True
+        while True:
             try:
-                if response is None:
-                    sender.send(flags=flags)
-                else:
-                    sender.send(response, flags=flags)
-            except Exception:  # noqa: BLE001  a cancelled client's sender refuses sends; others go on
-                pass
+                job = self.outbox.get(timeout=METRICS_EVERY_S)
+            except queue.Empty:
+                job = ()
+            if job is None:
+                return
+            if job:
+                dirty = True
+                try:
+                    job()
+                except Exception:  # noqa: BLE001  a cancelled client's sender refuses sends; others go on
+                    pass
+            if self.metrics is not None and dirty and time.monotonic() - last_publish >= METRICS_EVERY_S:
+                last_publish, dirty = time.monotonic(), False
+                try:
+                    self.metrics.publish(self.gate, *self._pending)
+                except Exception:  # noqa: BLE001  metrics must never stop responses
+                    pass
+                self._pending = [0, 0, 0]

@@ -1,0 +1,124 @@
+"""The serving gate's policy state: which requests speculate, given the load and how well drafts pay.
+
+Pure Python (no Triton, no torch), so it is tested directly; the `speculation_gate` python model holds
+one `ServingGate` and calls it from its threads, hence the lock.
+
+Per request, in this order:
+- `speculation` "on"/"off" from the client overrides everything;
+- max_tokens below `min_tokens` never speculates: the draft's prefill and per-step cost don't pay back;
+- load: more than `max_batch_size` requests in flight turns speculation off, and it comes back only at
+  or below `max_batch_size - hysteresis`, so a load hovering at the threshold doesn't flap;
+- acceptance: while the rolling acceptance rate (accepted / drafted over the last `window` drafted
+  tokens) is under `acceptance_floor`, requests decode normally, except every `probe_every`-th one,
+  which speculates so the window keeps measuring and the gate can reopen when drafts pay again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from pipeline.engine.gate_policy import GatePolicy
+
+# Reasons, for metrics labels and logs.
+OVERRIDE, SHORT, LOAD, ACCEPTANCE, PROBE, OPEN = "override", "short", "load", "acceptance", "probe", "open"
+
+
+@dataclass(frozen=True)
+class Decision:
+    speculate: bool
+    reason: str
+
+
+class ServingGate:
+    def __init__(self, policy: GatePolicy, acceptance_floor: float = 0.5, window: int = 512,
+                 min_samples: int = 64, probe_every: int = 8):
+        self.policy = policy
+        self.acceptance_floor = acceptance_floor
+        self.window, self.min_samples, self.probe_every = window, min_samples, probe_every
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.load_open = policy.max_batch_size > 0  # the load half of the state, with hysteresis
+        self.flips = 0
+        self._recent: deque[tuple[int, int, int]] = deque()  # (drafted, accepted, verify_steps) per response
+        self._sums = [0, 0, 0]
+        self._skipped = 0  # auto requests turned away by the floor since the last probe
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def admit(self, requested: str, max_tokens: int) -> Decision:
+        """A request arrives: count it in flight and decide. Every admit needs one `leave`."""
+        with self.lock:
+            self.in_flight += 1
+            self._update_load()
+            if requested in ("on", "off"):
+                return Decision(requested == "on", OVERRIDE)
+            if max_tokens < self.policy.min_tokens:
+                return Decision(False, SHORT)
+            if not self.load_open:
+                return Decision(False, LOAD)
+            if self._below_floor():
+                self._skipped += 1
+                if self._skipped >= self.probe_every:
+                    self._skipped = 0
+                    return Decision(True, PROBE)
+                return Decision(False, ACCEPTANCE)
+            return Decision(True, OPEN)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            self._update_load()
+
+    def record(self, drafted: int, accepted: int, verify_steps: int) -> None:
+        """One response's verification counts, into the rolling window."""
+        if drafted <= 0:
+            return
+        with self.lock:
+            self._recent.append((drafted, accepted, verify_steps))
+            for i, v in enumerate((drafted, accepted, verify_steps)):
+                self._sums[i] += v
+            # Keep at least the newest entry, and no more than `window` drafted tokens beyond it.
+            while len(self._recent) > 1 and self._sums[0] - self._recent[0][0] >= self.window:
+                for i, v in enumerate(self._recent.popleft()):
+                    self._sums[i] -= v
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted, accepted, _ = self._sums
+        return accepted / drafted if drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step: 1 (the target's own token) + accepted drafts per step."""
+        _, accepted, steps = self._sums
+        return 1.0 + accepted / steps if steps else 0.0
+
+    @property
+    def acceptance_ok(self) -> bool:
+        with self.lock:
+            return not self._below_floor()
+
+    @property
+    def speculating(self) -> bool:
+        """Whether an auto request with enough max_tokens would speculate now (probes aside)."""
+        with self.lock:
+            return self.load_open and not self._below_floor()
+
+    def _below_floor(self) -> bool:
+        return (self.acceptance_floor > 0 and self._sums[0] >= self.min_samples
+                and self.acceptance_rate < self.acceptance_floor)
+
+    def _update_load(self) -> None:
+        p = self.policy
+        if p.max_batch_size == 0:
+            return
+        was = self.load_open
+        if self.load_open and self.in_flight > p.max_batch_size:
+            self.load_open = False
+        elif not self.load_open and self.in_flight <= p.max_batch_size - p.hysteresis:
+            self.load_open = True
+        self.flips += was != self.load_open
