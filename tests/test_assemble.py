@@ -4,24 +4,20 @@ nvidia-pytriton) on a tiny portable engine."""
 from __future__ import annotations
 
 import json
-import queue
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.compile import CompileOptions, compile_model, load_engine
+from pipeline.compile import CompileOptions, compile_model
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.triton.assemble import PYTHON_MODELS, AssembleOptions, assemble
 from pipeline.triton.config import read_config
 from ports import free_ports  # noqa: E402
+from serving_checks import MAX_TOKENS, expected_text, inputs, responses  # noqa: E402
 
 pytest.importorskip("tritonclient.grpc")
-
-MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
-
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_target, tmp_path_factory) -> Path:
@@ -89,61 +85,6 @@ def server(engine_dir, tmp_path_factory):
     with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics),
                       binary) as srv:
         yield srv
-
-
-def expected_text(engine_dir: Path, prompt: str, max_tokens: int) -> str:
-    """What the in-process engine answers (greedy), decoded as `pipeline generate` decodes it."""
-    from pipeline.engine.config import ModelConfig
-    from pipeline.engine.sampling import SamplingParams
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-
-    tokenizer = load_tokenizer(engine_dir / "target")
-    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
-    [req] = load_engine(engine_dir).generate([encode_prompt(tokenizer, prompt, raw=False)],
-                                             SamplingParams(max_tokens=max_tokens, stop_token_ids=stops))
-    # Postprocessing holds back one trailing U+FFFD, a maybe-unfinished character: it can't tell the last chunk.
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
-    return text[:-1] if text.endswith("\ufffd") else text
-
-
-def inputs(prompt: str, max_tokens: int, stream: bool, speculation: str = "auto"):
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
-
-    return [tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
-            tensor("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
-            tensor("stream", np.array([[stream]]), "BOOL"),
-            tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES")]
-
-
-def responses(client, prompt: str, max_tokens: int, stream: bool = True,
-              speculation: str = "auto") -> list[tuple[str, int, int]]:
-    """(text, accepted, drafted) per response. The ensemble has a decoupled step, so Triton serves it
-    only over the streaming RPC (unary ModelInfer refuses decoupled models); stream=False asks for one
-    response holding the whole answer. An error response raises."""
-    got = queue.Queue()
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    try:
-        client.async_stream_infer("ensemble", inputs(prompt, max_tokens, stream, speculation),
-                                  enable_empty_final_response=True)
-        chunks = []
-        while True:
-            result, error = got.get(timeout=60)
-            if error is not None:
-                raise error
-            response = result.get_response()
-            if response.outputs:
-                chunks.append((result.as_numpy("text_output")[0, 0].decode(),
-                               int(result.as_numpy("num_accepted_tokens")[0, 0]),
-                               int(result.as_numpy("num_drafted_tokens")[0, 0])))
-            if response.parameters["triton_final_response"].bool_param:
-                return chunks
-    finally:
-        client.stop_stream()
 
 
 def test_served_answer_equals_the_in_process_engine_streaming_or_not(server, engine_dir):

@@ -19,6 +19,7 @@ from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError, MissingDependencyError
 from pipeline.triton.interface import (
     ENSEMBLE_INPUTS,
+    STREAM_ID,
     ENSEMBLE_OUTPUTS,
     GENERATION_TENSORS,
     REQUEST_TENSORS,
@@ -157,7 +158,8 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
 
 def torch_engine_config(spec: RepoSpec) -> ModelConfig:
     """The portable engine: continuous batching and speculation in one python model."""
-    return _base(TORCH_ENGINE, spec, backend="python", inputs=REQUEST_TENSORS, outputs=GENERATION_TENSORS,
+    return _base(TORCH_ENGINE, spec, backend="python", inputs=REQUEST_TENSORS + (STREAM_ID,),
+                 outputs=GENERATION_TENSORS,
                  decoupled=True, parameters={
                      "engine_dir": spec.engine_dir,
                      "max_batch_size": str(spec.max_batch_size),

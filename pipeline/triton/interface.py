@@ -90,7 +90,14 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # Target steps that verified drafts: mean acceptance length = 1 + accepted / verify_steps. The
     # gate's metrics use it; postprocessing ignores it.
     TensorSpec("verify_steps", "INT32", (1,)),
+    # Set by the gate, not the engine: names the stream, so postprocessing can tell the gate that the
+    # client cancelled it (pipeline.triton.cancel_marks).
+    TensorSpec("stream_id", "UINT64", (1,)),
 )
+
+# The gate names each engine request with its stream's id, so it can pass a client's cancel on
+# (pipeline.triton.cancel_marks); a client calling the engine model directly needn't send it.
+STREAM_ID = TensorSpec("stream_id", "UINT64", (1,), optional=True)
 
 # The tensorrtllm backend's own names, a subset of upstream's
 # all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt: what draft-target speculation needs.

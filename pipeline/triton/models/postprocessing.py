@@ -13,6 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.models.tokenizer import load_tokenizer
+from pipeline.triton import cancel_marks
 
 REPLACEMENT = "\ufffd"
 
@@ -32,6 +33,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             get = lambda name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()  # noqa: E731
+            if request.is_cancelled():  # the client left: tell the gate, skip the decoding
+                cancel_marks.mark(f"stream-{int(get('stream_id').reshape(-1)[0])}")
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED)))
+                continue
             ids = [int(t) for t in get("output_ids")[0]]
             start = int(get("prefix_length").reshape(-1)[0])
             full, prefix = self._visible(ids), self._visible(ids[:start])

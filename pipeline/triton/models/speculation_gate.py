@@ -22,6 +22,7 @@ Metrics (Prometheus, on Triton's metrics port), named after vLLM's and TensorRT-
   pipeline_gate_in_flight, pipeline_gate_flips_total.
 """
 
+import itertools
 import json
 import queue
 import threading
@@ -31,10 +32,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.gate_policy import GatePolicy
+from pipeline.triton import cancel_marks
 from pipeline.triton.serving_gate import ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-GENERATION_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps"]
+# What the engine returns; the gate adds stream_id.
+ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps"]
+GENERATION_OUTPUTS = ENGINE_OUTPUTS + ["stream_id"]
 METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather than send one per token
 
 
@@ -50,38 +54,48 @@ def _one_line(err: Exception) -> str:
 class Metrics:
     """The gate's Prometheus families. Touched only by the sender thread."""
 
-    def __init__(self):
+    def __init__(self, model: str):
+        # Every sample carries the model's name, as Triton's own metrics do (and a family's samples
+        # with no labels at all did not show on the metrics port).
+        self.labels = {"model": model}
         F = pb_utils.MetricFamily
+        # A Metric outlives nothing: its family must stay referenced, or every update fails with
+        # "the corresponding 'MetricFamily' has been deleted".
+        self.families = []
+
+        def keep(family):
+            self.families.append(family)
+            return family
 
         def family(name, kind, description):
-            return F(name=name, description=description, kind=kind)
+            return keep(F(name=name, description=description, kind=kind))
 
         self.requests = family("pipeline_requests_total", F.COUNTER, "Requests by decoding mode and the gate's reason")
         self.drafted = family("pipeline_spec_decode_num_draft_tokens_total", F.COUNTER,
-                              "Draft tokens proposed").Metric(labels={})
+                              "Draft tokens proposed").Metric(labels=self.labels)
         self.accepted = family("pipeline_spec_decode_num_accepted_tokens_total", F.COUNTER,
-                               "Draft tokens accepted by the target").Metric(labels={})
+                               "Draft tokens accepted by the target").Metric(labels=self.labels)
         self.drafts = family("pipeline_spec_decode_num_drafts_total", F.COUNTER,
-                             "Target verification steps that checked drafts").Metric(labels={})
+                             "Target verification steps that checked drafts").Metric(labels=self.labels)
         self.rate = family("pipeline_spec_decode_acceptance_rate", F.GAUGE,
-                           "Accepted / drafted over the gate's rolling window").Metric(labels={})
+                           "Accepted / drafted over the gate's rolling window").Metric(labels=self.labels)
         self.length = family("pipeline_spec_decode_mean_acceptance_length", F.GAUGE,
-                             "Tokens per verification step over the rolling window").Metric(labels={})
+                             "Tokens per verification step over the rolling window").Metric(labels=self.labels)
         self.speculating = family("pipeline_gate_speculating", F.GAUGE,
-                                  "1 while auto requests speculate, 0 while the gate holds them off").Metric(labels={})
+                                  "1 while auto requests speculate, 0 while the gate holds them off").Metric(labels=self.labels)
         self.threshold = family("pipeline_gate_threshold", F.GAUGE,
-                                "Requests in flight above which speculation turns off").Metric(labels={})
+                                "Requests in flight above which speculation turns off").Metric(labels=self.labels)
         self.floor = family("pipeline_gate_acceptance_floor", F.GAUGE,
-                            "Rolling acceptance rate below which speculation turns off").Metric(labels={})
-        self.in_flight = family("pipeline_gate_in_flight", F.GAUGE, "Requests in flight").Metric(labels={})
-        self.flips = family("pipeline_gate_flips_total", F.COUNTER, "Times the load gate changed state").Metric(labels={})
+                            "Rolling acceptance rate below which speculation turns off").Metric(labels=self.labels)
+        self.in_flight = family("pipeline_gate_in_flight", F.GAUGE, "Requests in flight").Metric(labels=self.labels)
+        self.flips = family("pipeline_gate_flips_total", F.COUNTER, "Times the load gate changed state").Metric(labels=self.labels)
         self._by_mode: dict = {}
         self._flips_sent = 0
 
     def count_request(self, speculate: bool, reason: str):
         key = ("speculative" if speculate else "standard", reason)
         if key not in self._by_mode:
-            self._by_mode[key] = self.requests.Metric(labels={"mode": key[0], "reason": key[1]})
+            self._by_mode[key] = self.requests.Metric(labels={**self.labels, "mode": key[0], "reason": key[1]})
         self._by_mode[key].increment(1)
 
     def publish(self, gate: ServingGate, drafted: int, accepted: int, steps: int):
@@ -112,8 +126,10 @@ class TritonPythonModel:
             GatePolicy(max_batch_size=int(params["gate_max_batch_size"]),
                        hysteresis=int(params["gate_hysteresis"]), min_tokens=int(params["gate_min_tokens"])),
             acceptance_floor=float(params.get("acceptance_floor", "0")))
-        self.metrics = Metrics() if hasattr(pb_utils, "MetricFamily") else None
+        self.metrics = Metrics(json.loads(args["model_config"])["name"]) if hasattr(pb_utils, "MetricFamily") else None
         self._pending = [0, 0, 0]  # drafted, accepted, steps not yet published; sender thread only
+        self._stream_ids = itertools.count(1)
+        cancel_marks.clear()
         # Callables run by the sender thread, in order; None ends it.
         self.outbox: queue.Queue = queue.Queue()
         self.sender_thread = threading.Thread(target=self._send_loop, name="gate-sender", daemon=True)
@@ -130,16 +146,26 @@ class TritonPythonModel:
                     error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")), FINAL)
                 continue
             self.outbox.put(lambda d=decision: self.metrics and self.metrics.count_request(d.speculate, d.reason))
-            threading.Thread(target=self._run, args=(request, sender, decision), daemon=True).start()
+            threading.Thread(target=self._run, args=(request, sender, decision, next(self._stream_ids)),
+                             daemon=True).start()
         return None
 
     def finalize(self):
         self.outbox.put(None)
         self.sender_thread.join(timeout=10)
+        cancel_marks.clear()
 
     # ---- one request, on its worker thread -------------------------------------------------------
 
-    def _run(self, request, sender, decision):
+    def _run(self, request, sender, decision, stream_id: int):
+        # The client's cancel reaches us through postprocessing (cancel_marks); is_cancelled covers a
+        # client calling this model directly.
+        def cancelled() -> bool:
+            return sender.is_cancelled() or cancel_marks.take(f"stream-{stream_id}")
+
+        def forward(outputs: dict):
+            self._forward(sender, {**outputs, "stream_id": np.array([[stream_id]], np.uint64)})
+
         try:
             if self.backend == "trtllm":
                 from pipeline.triton.draft_target import generate
@@ -147,10 +173,9 @@ class TritonPythonModel:
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 k = int(tensors.get("num_draft_tokens", np.array([[self.num_draft_tokens]])).reshape(-1)[0])
                 generate(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
-                         draft_model=self.draft_model, send=lambda outputs: self._forward(sender, outputs),
-                         cancelled=sender.is_cancelled)
+                         draft_model=self.draft_model, send=forward, cancelled=cancelled)
             else:
-                self._relay_engine(request, sender, decision)
+                self._relay_engine(request, decision, stream_id, forward, cancelled)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
             self._send(sender, pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")))
@@ -158,16 +183,20 @@ class TritonPythonModel:
             self.gate.leave()
             self._send(sender, None, FINAL)
 
-    def _relay_engine(self, request, sender, decision):
+    def _relay_engine(self, request, decision, stream_id: int, forward, cancelled):
         requested = str(_scalar(request, "speculation"))
         speculation = requested if decision.reason == "override" else ("auto" if decision.speculate else "off")
         inputs = [t for t in request.inputs() if t.name() != "speculation"]
         inputs.append(pb_utils.Tensor("speculation", np.array([[speculation.encode()]], np.object_)))
+        inputs.append(pb_utils.Tensor("stream_id", np.array([[stream_id]], np.uint64)))
         responses = pb_utils.InferenceRequest(
             model_name=self.engine_model, inputs=inputs,
-            requested_output_names=GENERATION_OUTPUTS).exec(decoupled=True)
+            requested_output_names=ENGINE_OUTPUTS).exec(decoupled=True)
         for response in responses:
-            if sender.is_cancelled():
+            if cancelled():
+                # Tell the engine, which frees the slot: by mark (any Triton), and by cancel() where
+                # the python backend has it (2025 and later).
+                cancel_marks.mark(f"engine-{stream_id}")
                 if hasattr(responses, "cancel"):
                     responses.cancel()
                 break
@@ -176,7 +205,7 @@ class TritonPythonModel:
                 break
             tensors = response.output_tensors()
             if tensors:
-                self._forward(sender, {t.name(): t.as_numpy() for t in tensors})
+                forward({t.name(): t.as_numpy() for t in tensors})
 
     def _forward(self, sender, outputs: dict):
         """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts."""
@@ -218,6 +247,6 @@ class TritonPythonModel:
                 last_publish, dirty = time.monotonic(), False
                 try:
                     self.metrics.publish(self.gate, *self._pending)
-                except Exception:  # noqa: BLE001  metrics must never stop responses
-                    pass
+                except Exception as err:  # noqa: BLE001  metrics must never stop responses
+                    pb_utils.Logger.log_warn(f"speculation_gate: metrics not published: {_one_line(err)}")
                 self._pending = [0, 0, 0]

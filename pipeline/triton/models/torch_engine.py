@@ -9,6 +9,7 @@ backend at 40 streams (boost lock_exception / SIGSEGV); one sender thread held.
 import json
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from pipeline.compile.torch_engine import load_engine, read_engine_manifest
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import PipelineError
 from pipeline.models.tokenizer import load_tokenizer
+from pipeline.triton import cancel_marks
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Text-bearing tokens resent before each chunk, so postprocessing can rebuild a character split across
@@ -26,6 +28,54 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # tokenizer's vocabulary (a model's padded embedding rows), decode to nothing there, so they don't
 # count: a run of them would push the split bytes out of the prefix.
 PREFIX_TOKENS = 6
+METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: at most this often
+
+
+class EngineMetrics:
+    """The engine's Prometheus families (running/waiting requests, finishes by reason, tokens).
+    Touched only by the scheduler thread."""
+
+    def __init__(self, model: str):
+        self.labels = {"model": model}  # as Triton's own metrics; label-less samples did not show
+        F = pb_utils.MetricFamily
+        # A Metric outlives nothing: its family must stay referenced, or every update fails with
+        # "the corresponding 'MetricFamily' has been deleted".
+        self.families = []
+
+        def keep(family):
+            self.families.append(family)
+            return family
+
+        self.running = keep(F(name="pipeline_engine_requests_running", kind=F.GAUGE,
+                             description="Requests holding a KV-cache slot")).Metric(labels=self.labels)
+        self.waiting = keep(F(name="pipeline_engine_requests_waiting", kind=F.GAUGE,
+                             description="Requests queued for a slot")).Metric(labels=self.labels)
+        self.finished = keep(F(name="pipeline_engine_requests_finished_total", kind=F.COUNTER,
+                              description="Finished requests by reason (stop, length, cancelled)"))
+        self.tokens = keep(F(name="pipeline_engine_generation_tokens_total", kind=F.COUNTER,
+                            description="Tokens generated")).Metric(labels=self.labels)
+        self._by_reason: dict = {}
+        self._tokens_sent = 0
+        self._published = None
+        self.last = 0.0
+
+    def finish(self, reason: str):
+        if reason not in self._by_reason:
+            self._by_reason[reason] = self.finished.Metric(labels={**self.labels, "reason": reason})
+        self._by_reason[reason].increment(1)
+
+    def publish(self, engine):
+        self.last = time.monotonic()
+        state = (len(engine.running), len(engine.waiting), engine.stats.generated_tokens)
+        if state == self._published:  # idle: no IPC round trips
+            return
+        self._published = state
+        self.running.set(state[0])
+        self.waiting.set(state[1])
+        generated = state[2]
+        if generated > self._tokens_sent:
+            self.tokens.increment(generated - self._tokens_sent)
+            self._tokens_sent = generated
 
 
 @dataclass
@@ -39,6 +89,7 @@ class Stream:
     drafted: int = 0  # req.num_drafted / num_accepted / num_verify_steps at the last response
     accepted: int = 0
     verify_steps: int = 0
+    stream_id: str = ""  # the gate's id for this stream: its cancel mark is "engine-<id>"
     done: bool = False
 
 
@@ -58,6 +109,7 @@ class TritonPythonModel:
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict = {}  # Request -> Stream
         self.stopping = threading.Event()
+        self.metrics = EngineMetrics(config["name"]) if hasattr(pb_utils, "MetricFamily") else None
         self.scheduler = threading.Thread(target=self._run, name="torch_engine-scheduler", daemon=True)
         self.scheduler.start()
 
@@ -81,7 +133,9 @@ class TritonPythonModel:
         length = int(scalar("input_lengths"))
         stop_words = get("stop_words_list").reshape(2, -1)
         speculation = scalar("speculation")
+        stream_id = pb_utils.get_input_tensor_by_name(request, "stream_id")
         return {
+            "stream_id": "" if stream_id is None else str(int(stream_id.as_numpy().reshape(-1)[0])),
             "prompt_ids": [int(t) for t in get("input_ids").reshape(-1)[:length]],
             "max_tokens": int(scalar("request_output_len")),
             "end_id": int(scalar("end_id")),
@@ -111,6 +165,11 @@ class TritonPythonModel:
                     self.engine.cancel(req)
                     self._send_error(state, f"engine step failed: {_one_line(err)}")
                 self.streams.clear()
+            if self.metrics is not None and time.monotonic() - self.metrics.last >= METRICS_EVERY_S:
+                try:
+                    self.metrics.publish(self.engine)
+                except Exception as err:  # noqa: BLE001  metrics must never stop decoding
+                    pb_utils.Logger.log_warn(f"torch_engine: metrics not published: {_one_line(err)}")
 
     def _admit(self, block: bool):
         try:
@@ -119,7 +178,7 @@ class TritonPythonModel:
             return
         while True:
             parsed, sender = item
-            state = Stream(sender, parsed["stream"])
+            state = Stream(sender, parsed["stream"], stream_id=parsed["stream_id"])
             try:
                 stops = tuple(dict.fromkeys(([parsed["end_id"]] if parsed["end_id"] >= 0 else []) + parsed["stop_ids"]))
                 params = SamplingParams(max_tokens=parsed["max_tokens"], temperature=parsed["temperature"],
@@ -143,17 +202,20 @@ class TritonPythonModel:
             state.new.extend(tokens)
 
     def _cancel_abandoned(self):
+        marked = cancel_marks.take_all("engine-")
         for req, state in list(self.streams.items()):
-            if state.sender.is_cancelled():
+            if state.sender.is_cancelled() or (state.stream_id and state.stream_id in marked):
                 self.engine.cancel(req)
                 state.sender.send(flags=FINAL)
                 del self.streams[req]
+                self._count_finish("cancelled")
 
     def _send(self):
         for req, state in list(self.streams.items()):
             if req.finished:
                 self._respond(req, state, final=True)
                 del self.streams[req]
+                self._count_finish(req.finish_reason.value if req.finish_reason else "stop")
             elif state.stream and state.new:
                 self._respond(req, state, final=False)
 
@@ -174,6 +236,13 @@ class TritonPythonModel:
             state.sender.send(flags=FINAL)
         state.sent, state.new = end, []
         state.accepted, state.drafted, state.verify_steps = req.num_accepted, req.num_drafted, req.num_verify_steps
+
+    def _count_finish(self, reason: str):
+        if self.metrics is not None:
+            try:
+                self.metrics.finish(reason)
+            except Exception:  # noqa: BLE001  metrics must never stop decoding
+                pass
 
     def _prefix_start(self, ids, sent: int) -> int:
         start, text_tokens = sent, 0

@@ -1,0 +1,58 @@
+"""Client cancellations, carried from `postprocessing` back to `speculation_gate`.
+
+Triton's ensemble scheduler checks a cancelled client request only between steps: it cancels the
+NEXT step's request, never a step already running. The gate's request is one long decoupled stream,
+so it never learns that its client left, and the engine would decode to max_tokens for nobody.
+Postprocessing does see it: every response the gate streams after the cancel reaches postprocessing
+as a cancelled request. So postprocessing drops a mark named for the stream's id, and the gate checks
+for its own mark before relaying each response, then cancels the engine request, freeing the slot.
+
+The gate passes the cancel on to the portable engine the same way (key "engine-<id>"): the BLS
+response iterator of Triton 2.51's python backend has no cancel() (python_backend added it in 2025),
+so the engine model can't see that its caller stopped listening.
+
+Marks are empty files in a folder per tritonserver process (every model's stub is its child), on
+/dev/shm where it exists: a stat per response costs microseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def marks_dir() -> Path:
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return root / f"pipeline-cancel-{os.getppid()}"
+
+
+def mark(key: str) -> None:
+    folder = marks_dir()
+    folder.mkdir(exist_ok=True)
+    (folder / key).touch()
+
+
+def take(key: str) -> bool:
+    """Whether `key` was marked; removes the mark."""
+    try:
+        (marks_dir() / key).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def take_all(prefix: str) -> set[str]:
+    """Every marked key starting with `prefix` (without it), removing them: one listdir per call."""
+    try:
+        names = [n for n in os.listdir(marks_dir()) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return set()
+    for name in names:
+        take(name)
+    return {name[len(prefix):] for name in names}
+
+
+def clear() -> None:
+    shutil.rmtree(marks_dir(), ignore_errors=True)

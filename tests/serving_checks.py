@@ -1,0 +1,91 @@
+"""Calling a served repository in tests: the ensemble's inputs, a streamed call, the expected text, metrics."""
+
+from __future__ import annotations
+
+import queue
+import re
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.compile import load_engine
+
+MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
+
+
+def expected_text(engine_dir: Path, prompt: str, max_tokens: int) -> str:
+    """What the in-process engine answers (greedy), decoded as `pipeline generate` decodes it."""
+    return expected_texts(engine_dir, [prompt], max_tokens)[0]
+
+
+def expected_texts(engine_dir: Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """expected_text for each prompt, alone (speculation off: greedy output is the target's either way)."""
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    tokenizer = load_tokenizer(engine_dir / "target")
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
+    engine = load_engine(engine_dir)
+    texts = []
+    for prompt in prompts:
+        [req] = engine.generate([encode_prompt(tokenizer, prompt, raw=False)],
+                                SamplingParams(max_tokens=max_tokens, stop_token_ids=stops), speculation="off")
+        # Postprocessing holds back one trailing U+FFFD, a maybe-unfinished character: it can't tell the last chunk.
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        texts.append(text[:-1] if text.endswith("\ufffd") else text)
+    return texts
+
+
+def inputs(prompt: str, max_tokens: int, stream: bool, speculation: str = "auto"):
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    return [tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
+            tensor("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
+            tensor("stream", np.array([[stream]]), "BOOL"),
+            tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES")]
+
+
+def responses(client, prompt: str, max_tokens: int, stream: bool = True,
+              speculation: str = "auto", extra=(), raw_inputs=None) -> list[tuple[str, int, int]]:
+    """(text, accepted, drafted) per response. The ensemble has a decoupled step, so Triton serves it
+    only over the streaming RPC (unary ModelInfer refuses decoupled models); stream=False asks for one
+    response holding the whole answer. An error response raises."""
+    got = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        client.async_stream_infer("ensemble", raw_inputs or inputs(prompt, max_tokens, stream, speculation) + list(extra),
+                                  enable_empty_final_response=True)
+        chunks = []
+        while True:
+            result, error = got.get(timeout=60)
+            if error is not None:
+                raise error
+            response = result.get_response()
+            if response.outputs:
+                chunks.append((result.as_numpy("text_output")[0, 0].decode(),
+                               int(result.as_numpy("num_accepted_tokens")[0, 0]),
+                               int(result.as_numpy("num_drafted_tokens")[0, 0])))
+            if response.parameters["triton_final_response"].bool_param:
+                return chunks
+    finally:
+        client.stop_stream()
+
+
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for our own families (pipeline_*)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(pipeline_\w+(?:\{[^}]*\})?)\s+(\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out

@@ -1,0 +1,184 @@
+"""The served repository under load: the gate's switch and its metrics, client disconnects, bad inputs.
+
+A real tritonserver (the CPU one in nvidia-pytriton) serves a tiny portable engine with 8 KV-cache
+slots; the gate's threshold is 12 requests in flight with a hysteresis of 4.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.compile import CompileOptions, compile_model
+from pipeline.errors import PipelineError
+from pipeline.triton.assemble import AssembleOptions, assemble
+from ports import free_ports  # noqa: E402
+from serving_checks import expected_text, expected_texts, inputs, metrics, responses  # noqa: E402
+
+pytest.importorskip("tritonclient.grpc")
+
+THRESHOLD, HYSTERESIS = 12, 4
+MAX_TOKENS = 100
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny"
+    compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=8,
+                                 max_seq_len=256, gate_batch_size=8))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
+
+    try:
+        binary = find_tritonserver()
+    except PipelineError as err:
+        pytest.skip(str(err))
+    # No acceptance floor: n-gram drafts on a random tiny model accept little, and the load switch is
+    # what these tests watch (the floor has its own tests in test_serving_gate.py).
+    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=tmp_path_factory.mktemp("served") / "repo",
+                                         gate_batch_size=THRESHOLD, gate_hysteresis=HYSTERESIS, min_spec_tokens=20,
+                                         acceptance_floor=0.0)).repo)
+    grpc, http, metrics_port = free_ports()
+    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics_port),
+                      binary) as srv:
+        yield srv
+
+
+def value(snapshot: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, v in snapshot.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{val}"' in rest for k, val in labels.items()):
+            total += v
+    return total
+
+
+def wait_for(predicate, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def client(server):
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(server.endpoints.grpc)
+
+
+def test_forty_concurrent_streams_get_target_greedy_while_the_gate_switches_off_and_back(server, engine_dir):
+    prompts = [f"request {i}: {'ab' * (i % 5)} count {i}" for i in range(40)]
+    expected = expected_texts(engine_dir, prompts, MAX_TOKENS)
+    before = metrics(server.endpoints.metrics)
+    got: dict[int, str] = {}
+    errors: list[Exception] = []
+
+    def run(i):
+        c = client(server)
+        try:
+            got[i] = "".join(text for text, _, _ in responses(c, prompts[i], MAX_TOKENS))
+        except Exception as err:  # noqa: BLE001  reported below
+            errors.append(err)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    seen_off, most_in_flight = False, 0.0
+    while any(t.is_alive() for t in threads):
+        snap = metrics(server.endpoints.metrics)
+        seen_off |= value(snap, "pipeline_gate_speculating") == 0.0
+        most_in_flight = max(most_in_flight, value(snap, "pipeline_gate_in_flight"))
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert got == dict(enumerate(expected))
+
+    assert seen_off and most_in_flight > THRESHOLD
+    # Published every 0.1 s: wait for the last requests' numbers.
+    assert wait_for(lambda: value(metrics(server.endpoints.metrics), "pipeline_gate_in_flight") == 0.0)
+    after = metrics(server.endpoints.metrics)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("pipeline_requests_total") == 40
+    assert delta("pipeline_requests_total", mode="standard", reason="load") >= 1
+    assert delta("pipeline_requests_total", mode="speculative", reason="open") >= THRESHOLD
+    assert delta("pipeline_gate_flips_total") >= 2  # off above the threshold, on again as the load drained
+    assert value(after, "pipeline_gate_speculating") == 1.0 and value(after, "pipeline_gate_threshold") == THRESHOLD
+    drafted, accepted = delta("pipeline_spec_decode_num_draft_tokens_total"), delta(
+        "pipeline_spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert value(after, "pipeline_spec_decode_mean_acceptance_length") >= 1.0
+    assert delta("pipeline_engine_requests_finished_total") == 40
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, engine_dir):
+    import queue
+
+    c = client(server)
+    before = metrics(server.endpoints.metrics)
+    got: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    # "hi" runs the whole 220 tokens on this tiny model (no stop token), far longer than the cancel takes.
+    c.async_stream_infer("ensemble", inputs("hi", 220, True, speculation="off"),
+                         enable_empty_final_response=True)
+    result, error = got.get(timeout=30)  # the first chunk: the request holds a slot now
+    assert error is None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+
+    def freed():
+        snap = metrics(server.endpoints.metrics)
+        return (value(snap, "pipeline_engine_requests_finished_total", reason="cancelled")
+                > value(before, "pipeline_engine_requests_finished_total", reason="cancelled")
+                and value(snap, "pipeline_engine_requests_running") == 0
+                and value(snap, "pipeline_gate_in_flight") == 0)
+
+    assert wait_for(freed)
+    c = client(server)
+    try:
+        [(text, _, _)] = responses(c, "hi", 8, stream=False)
+        assert text == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()
+
+
+def test_bad_inputs_get_error_responses_and_the_server_keeps_serving(server, engine_dir):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    c = client(server)
+    try:
+        wrong_dtype = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+        wrong_dtype.set_data_from_numpy(np.array([[8.0]], np.float32))
+        text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[b"hi"]], np.object_))
+        with pytest.raises(InferenceServerException, match="max_tokens.*(FP32|INT32)"):
+            responses(c, "", 0, raw_inputs=[text, wrong_dtype])  # refused before any model runs
+        with pytest.raises(InferenceServerException, match="over the engine's max_seq_len 256"):
+            responses(c, "word " * 300, 8, stream=False)
+        with pytest.raises(InferenceServerException, match="max_tokens must be >= 1"):
+            responses(c, "hi", -3, stream=True)
+        with pytest.raises(InferenceServerException, match="text_input is empty"):
+            responses(c, "", 8)
+        with pytest.raises(InferenceServerException, match="speculation must be auto, on or off"):
+            responses(c, "hi", 8, speculation="sometimes")
+        [(result, _, _)] = responses(c, "hi", 8, stream=False)
+        assert result == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()
