@@ -85,6 +85,19 @@ def test_plan_keys_change_only_downstream_of_the_changed_option(tiny_target, tmp
     assert "quantize_target" in fp8 and fp8["compile"] != base["compile"]
 
 
+def test_plan_for_a_draft_model_quantizes_it_to_int4_awq_and_compiles_from_both_checkpoints(tiny_target, tiny_draft,
+                                                                                           tmp_path):
+    env = cpu_env(tiny_target)
+    env.weights[str(tiny_draft)] = Weights(str(tiny_draft), tiny_draft)
+    plan = plan_build(tiny_options(tiny_target, tmp_path, draft=str(tiny_draft)), env)
+    assert [st.name for st in plan.stages] == ["quantize_draft", "compile", "assemble"]
+    q, c = plan.stage("quantize_draft").options, plan.stage("compile").options
+    assert (q.model, q.qformat, plan.settings.reasons["draft_qformat"].split(":")[0]) == \
+        (str(tiny_draft), "int4_awq", "int4_awq")
+    assert c.target == tiny_target and c.draft == str(plan.build_dir / "draft-int4_awq")
+    assert plan.stage("compile").deps == ("quantize_draft",) and plan.stage("compile").models == (str(tiny_target),)
+
+
 # ---- the CLI on this machine --------------------------------------------------------------------------------------
 
 
@@ -168,6 +181,18 @@ def test_second_run_reuses_every_stage_and_a_changed_gate_rebuilds_only_assemble
     assert statuses(k) == {"compile": "built", "assemble": "built"}
     assert json.loads((tmp_path / "engines" / tiny_target.name / "engine" / "engine.json").read_text())[
         "num_draft_tokens"] == 2
+
+
+def test_fp8_target_runs_a_real_quantize_stage_that_later_runs_reuse(tiny_target, tmp_path):
+    options = tiny_options(tiny_target, tmp_path, target_qformat="fp8", calib_size=2)
+    first = run_build(options, cpu_env(tiny_target))
+    assert statuses(first) == {"quantize_target": "built", "compile": "built", "assemble": "built"}
+    engine = json.loads((tmp_path / "engines" / tiny_target.name / "engine" / "engine.json").read_text())
+    assert engine["target"]["quant_algo"] == "FP8"
+    assert engine["target"]["source"] == str(tmp_path / "engines" / tiny_target.name / "target-fp8")
+    gate = run_build(tiny_options(tiny_target, tmp_path, target_qformat="fp8", calib_size=2, gate_batch_size=3),
+                     cpu_env(tiny_target))
+    assert statuses(gate) == {"quantize_target": "reused", "compile": "reused", "assemble": "built"}
 
 
 def test_changed_model_bytes_rebuild_and_a_touched_file_does_not(tiny_target, tmp_path):

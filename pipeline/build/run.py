@@ -55,7 +55,12 @@ class BuildResult:
 
     @property
     def next_command(self) -> str:
-        return f"pipeline serve --repo {_short(self.repo)}"
+        if any(s.name == "assemble" and s.status in ("built", "reused") for s in self.stages):
+            return f"pipeline serve --repo {_short(self.repo)}"
+        # No repository yet (TensorRT-LLM without an assemble backend): serve what compile wrote.
+        script = next((f for f in ("serve.sh", "build.sh") if (Path(self.engine) / f).is_file()), "compile.json")
+        return f"bash {_short(str(Path(self.engine) / script))}" if script != "compile.json" else \
+            f"see {_short(str(Path(self.engine) / script))} for the commands"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
