@@ -1,8 +1,8 @@
 """`pipeline build`: quantize -> compile -> assemble in one command, planned purely and re-run incrementally.
 
-options (BuildOptions, Environment and its detection), plan (plan_build: defaults, memory plan, stages
-and their keys; pure), manifest (build.json, file hashes, tool versions), run (the executor), progress
-(the stderr bar), render (plan and summary text).
+options (BuildOptions, Environment and its detection), settings (the `auto` defaults with their reasons,
+and the memory plan; pure), plan (plan_build: the stages and their keys; pure), manifest (build.json,
+file hashes, tool versions), run (the executor), progress (the stderr bar), render (plan and summary text).
 """
 
 from pipeline.build.options import BuildOptions, Environment, Weights, detect_environment
