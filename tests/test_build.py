@@ -240,6 +240,14 @@ def test_build_refuses_a_repo_it_did_not_write_unless_forced(tiny_target, tmp_pa
     assert not (tmp_path / "repo" / "mine.txt").exists()
 
 
+def test_a_fresh_clones_placeholder_repo_is_built_into_and_keeps_its_readme(tiny_target, tmp_path):
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "README.md").write_text("# triton_repo/\n")
+    run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert (tmp_path / "repo" / "README.md").read_text() == "# triton_repo/\n"
+    assert read_config(tmp_path / "repo" / "ensemble").name == "ensemble"
+
+
 def test_cli_build_prints_the_summary_and_the_next_command(tiny_target, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["build", "--target", str(tiny_target), "--draft", "ngram", "--backend", "torch", "--max-batch-size", "2",

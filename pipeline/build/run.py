@@ -21,6 +21,7 @@ from pipeline.build.plan import BuildPlan, Stage, plan_build
 from pipeline.build.progress import StageProgress, progress_enabled
 from pipeline.errors import ConfigError, MissingDependencyError
 
+PLACEHOLDER = "README.md"
 # What a finished output holds: a folder without it is not reused.
 COMPLETE_MARKER = {"quantize": "report.json", "compile": "compile.json", "assemble": "ensemble/config.pbtxt"}
 # First-run ETA guesses (seconds) when build.json has no earlier duration: SmolLM2 fp8 on 2 CPU cores.
@@ -146,7 +147,13 @@ def run_stage(stage: Stage) -> None:
     else:
         from pipeline.triton.assemble import assemble
 
+        # A fresh clone's triton_repo/ holds only a tracked README (Triton ignores top-level files): the
+        # staged repository replaces the folder, so put the README back rather than leave git a deletion.
+        readme = stage.output / PLACEHOLDER
+        kept = readme.read_bytes() if readme.is_file() else None
         assemble(stage.options)
+        if kept is not None:
+            readme.write_bytes(kept)
 
 
 def _complete(stage: Stage) -> bool:
@@ -161,9 +168,16 @@ def _check_ownership(plan: BuildPlan, previous: dict | None, force: bool) -> Non
         raise ConfigError(f"{plan.build_dir} exists and has no {plan.manifest_file.name} (not a build folder); "
                           f"pass --force to replace what is in it, or pick another --engines-dir")
     built_repo = ((previous or {}).get("stages", {}).get("assemble") or {}).get("output")
-    if plan.repo.exists() and built_repo != str(plan.repo):
+    if _has_content(plan.repo) and built_repo != str(plan.repo):
         raise ConfigError(f"--repo {plan.repo} exists and was not written by this build; pass --force to replace "
                           f"it, or pick another --repo")
+
+
+def _has_content(folder: Path) -> bool:
+    """Anything but the placeholder README a fresh clone carries in triton_repo/ (a file is content too)."""
+    if not folder.is_dir():
+        return folder.exists()
+    return any(p.name != PLACEHOLDER for p in folder.iterdir())
 
 
 def _with_resolved_models(options: BuildOptions, plan: BuildPlan, env: Environment) -> tuple[BuildPlan, Environment]:
