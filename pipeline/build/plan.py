@@ -1,0 +1,225 @@
+"""`plan_build(options, environment) -> BuildPlan`: every decision of `pipeline build`, with no side effects.
+
+The settings (settings.py) fill the `auto` options and size the GPU memory; the plan then lists the stages:
+quantize the target (and a draft model), compile, assemble. Each stage carries the options object its
+library function takes, the equivalent command line, its output folder and a key over its configuration
+and its dependencies' keys, so a changed input reruns exactly the stages downstream of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.build.options import EAGLE3, EAGLE3_PREFIX, BuildOptions, Environment
+from pipeline.build.settings import Settings, check_options, model_name, plain, resolve_settings
+from pipeline.errors import ConfigError
+
+MANIFEST_FILE = "build.json"
+ENGINE_FOLDER = "engine"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # quantize_target | quantize_draft | compile | assemble
+    kind: str  # quantize | compile | assemble
+    options: Any  # the library call's options object; None: shown, not run here (see note)
+    command: tuple[str, ...]  # the equivalent `pipeline ...` command
+    output: Path
+    deps: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()  # model refs read directly: their files' hashes join the input key
+    config_key: str = ""
+    note: str = ""
+
+    @property
+    def runnable(self) -> bool:
+        return self.options is not None
+
+    def to_dict(self) -> dict:
+        config = plain(dataclasses.asdict(self.options)) if self.options is not None else None
+        return {"name": self.name, "kind": self.kind, "command": shlex.join(self.command), "output": str(self.output),
+                "deps": list(self.deps), "models": list(self.models), "config_key": self.config_key,
+                "config": config, "runnable": self.runnable, "note": self.note}
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    options: BuildOptions
+    settings: Settings
+    name: str
+    build_dir: Path  # engines/<name>: build.json, quantized checkpoints, engine/
+    repo: Path
+    stages: tuple[Stage, ...]
+    skipped: tuple[tuple[str, str], ...]  # (stage, why)
+    memory_plan: Any  # pipeline.plan.MemoryPlan on trtllm; None on the portable engine
+    missing: tuple[str, ...]  # what this machine lacks to run the plan, each with how to get it
+
+    @property
+    def manifest_file(self) -> Path:
+        return self.build_dir / MANIFEST_FILE
+
+    @property
+    def engine_dir(self) -> Path:
+        return self.build_dir / ENGINE_FOLDER
+
+    def stage(self, name: str) -> Stage:
+        return next(s for s in self.stages if s.name == name)
+
+    def missing_line(self) -> str:
+        return (f"can't build {self.name} on this machine: it lacks {'; and '.join(self.missing)} "
+                f"(`pipeline build ... --dry-run` prints the plan)")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "build_dir": str(self.build_dir), "repo": str(self.repo),
+                "options": plain(dataclasses.asdict(self.options)),
+                "settings": plain(dataclasses.asdict(self.settings)),
+                "stages": [s.to_dict() for s in self.stages],
+                "skipped": [{"stage": s, "reason": r} for s, r in self.skipped],
+                "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
+                "missing": list(self.missing)}
+
+
+def plan_build(options: BuildOptions, env: Environment) -> BuildPlan:
+    """The whole build, decided; raises a one-line PipelineError on bad input. Reads nothing but config.json."""
+    check_options(options)
+    settings, memory_plan = resolve_settings(options, env)
+    name = model_name(options.target)
+    build_dir = Path(options.engines_dir).expanduser().absolute() / name
+    repo = Path(options.repo).expanduser().absolute()
+    stages, skipped = _stages(settings, options, env, build_dir, repo)
+    return BuildPlan(options, settings, name, build_dir, repo, tuple(stages), tuple(skipped), memory_plan,
+                     _missing(settings, env))
+
+
+# ---- stages -----------------------------------------------------------------------------------------------------
+
+
+def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, repo: Path):
+    from pipeline.compile.run import CompileOptions
+    from pipeline.quantize.run import QuantizeOptions
+
+    stages: list[Stage] = []
+    skipped: list[tuple[str, str]] = []
+    quant_kv = "fp8" if s.export == "trtllm" and s.kv_cache_dtype == "fp8" else "none"
+
+    def checkpoint(role: str, ref: str, qformat: str) -> tuple[Path, str | None]:
+        """The folder compile reads for `ref`: a quantize stage's output, or the model's own folder."""
+        if qformat == "none" and s.export == "hf":
+            skipped.append((f"quantize_{role}", f"--{role}-qformat none: compile reads {ref}'s own folder"))
+            return _weights_path(ref, env), None
+        suffix = f"-trtllm-tp{s.tp_size}" if s.export == "trtllm" else ""
+        out = build_dir / f"{role}-{qformat}{suffix}"
+        local = env.weights_of(ref).path
+        opts = QuantizeOptions(model=str(local) if local is not None and local.suffix != ".gguf" else ref,
+                               output=out, qformat=qformat, kv_cache_dtype=quant_kv if qformat != "none" else "none",
+                               calib_size=o.calib_size, export=s.export,
+                               tp_size=s.tp_size if s.export == "trtllm" else 1, force=True)
+        cmd = ("pipeline", "quantize", "--model", opts.model, "--qformat", qformat, "--kv-cache-dtype",
+               opts.kv_cache_dtype, "--calib-size", str(o.calib_size), "--export", s.export, "--tp-size",
+               str(opts.tp_size), "-o", str(out), "--force")
+        stages.append(_keyed(Stage(f"quantize_{role}", "quantize", opts, cmd, out, models=(ref,)), stages))
+        return out, stages[-1].name
+
+    target_ckpt, target_dep = checkpoint("target", s.target, s.target_qformat)
+    deps = [target_dep] if target_dep else []
+    models = [] if target_dep else [s.target]
+    draft_arg = s.draft_kind
+    if s.draft_kind == "model":
+        draft_ckpt, draft_dep = checkpoint("draft", s.draft_ref, s.draft_qformat)
+        draft_arg = str(draft_ckpt)
+        deps += [draft_dep] if draft_dep else []
+        models += [] if draft_dep else [s.draft_ref]
+    elif s.draft_kind == EAGLE3:
+        if s.draft_qformat != "none":
+            raise ConfigError(f"an EAGLE-3 head is compiled as it is; drop --draft-qformat {s.draft_qformat}")
+        skipped.append(("quantize_draft", "an EAGLE-3 head is compiled as it is"))
+        draft_arg = f"{EAGLE3_PREFIX}{_weights_path(s.draft_ref, env)}"
+        models.append(s.draft_ref)
+
+    trt = s.backend == "trtllm"
+    # On the portable engine the Triton speculation_gate model sends every request an explicit on/off, so the
+    # engine folder keeps compile's default gate (used only by `pipeline generate --model engines/...`) and the
+    # gate lives in the assemble stage alone: changing --gate-batch-size rebuilds only the repository.
+    gate = s.gate_batch_size if trt else CompileOptions.gate_batch_size
+    engine = build_dir / ENGINE_FOLDER
+    copts = CompileOptions(
+        backend=s.backend, target=target_ckpt, output=engine, draft=draft_arg, num_draft_tokens=s.num_draft_tokens,
+        max_batch_size=s.max_batch_size, max_input_len=s.max_input_len, max_seq_len=s.max_seq_len,
+        gate_batch_size=gate, kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else "auto",
+        tp_size=s.tp_size if trt and s.export == "hf" else None, dtype="auto" if trt else "bf16",
+        gpu=s.gpu if trt else None, force=True)
+    cmd = ["pipeline", "compile", "-b", s.backend, "-t", str(target_ckpt), "-d", draft_arg,
+           "-k", str(s.num_draft_tokens), "--max-batch-size", str(s.max_batch_size)]
+    cmd += ["--max-input-len", str(s.max_input_len)] if s.max_input_len else []
+    cmd += ["--max-seq-len", str(s.max_seq_len)] if s.max_seq_len else []
+    cmd += ["--gate-batch-size", str(gate)] if trt else []
+    cmd += ["--kv-cache-dtype", copts.kv_cache_dtype, "--dtype", copts.dtype]
+    cmd += ["--tp-size", str(copts.tp_size)] if copts.tp_size else []
+    cmd += ["--gpu", s.gpu] if trt and s.gpu else []
+    cmd += ["-o", str(engine), "--force"]
+    stages.append(_keyed(Stage("compile", "compile", copts, tuple(cmd), engine, tuple(deps), tuple(models)), stages))
+
+    aopts, note = _assemble_options(s, engine, repo)
+    cmd = ("pipeline", "assemble", "--engine", str(engine), "--repo", str(repo), "--gate-batch-size",
+           str(s.gate_batch_size), "--force")
+    stages.append(_keyed(Stage("assemble", "assemble", aopts, cmd, repo, ("compile",), note=note), stages))
+    return stages, skipped
+
+
+def _assemble_options(s: Settings, engine: Path, repo: Path):
+    from pipeline.triton.assemble import AssembleOptions
+
+    common = dict(engine=engine, repo=repo, gate_batch_size=s.gate_batch_size, force=True)
+    if s.backend == "torch":
+        return AssembleOptions(**common), ""
+    if "backend" in {f.name for f in dataclasses.fields(AssembleOptions)}:
+        try:
+            return AssembleOptions(backend="trtllm", **common), ""
+        except (TypeError, ValueError):
+            pass
+    return None, "shown, not run: `pipeline assemble` has no TensorRT-LLM backend yet"
+
+
+def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:
+    """The stage with its config key: its options (less force) and the keys of the stages it reads."""
+    keys = {s.name: s.config_key for s in earlier}
+    config = plain(dataclasses.asdict(stage.options)) if stage.options is not None else {"note": stage.note}
+    config.pop("force", None)
+    config.pop("dry_run", None)
+    blob = json.dumps({"stage": stage.name, "config": config, "deps": [keys[d] for d in stage.deps]}, sort_keys=True)
+    return dataclasses.replace(stage, config_key=hashlib.sha256(blob.encode()).hexdigest()[:16])
+
+
+# ---- what the machine lacks -------------------------------------------------------------------------------------
+
+
+def _missing(s: Settings, env: Environment) -> tuple[str, ...]:
+    from pipeline.compile.reference import TRTLLM_CONTAINER
+
+    out = []
+    if s.backend == "trtllm":
+        if env.gpu is None:
+            out.append("an NVIDIA GPU (TensorRT-LLM builds and runs on one; use a GPU machine)")
+        if not env.trtllm:
+            out.append(f"TensorRT-LLM (run the build inside NVIDIA's container {TRTLLM_CONTAINER})")
+    flags = {s.target: "--target DIR"}
+    if s.draft_ref:
+        flags[s.draft_ref] = "--draft eagle3:DIR" if s.draft_kind == EAGLE3 else "--draft DIR"
+    for ref, flag in flags.items():
+        w = env.weights_of(ref)
+        if not w.present:
+            out.append(f"the {ref} weights ({w.how_to_get.replace('pass DIR', 'pass ' + flag)})")
+    return tuple(out)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _weights_path(ref: str, env: Environment) -> Path:
+    w = env.weights_of(ref)
+    return w.path if w.path is not None else Path(f"<{ref} weights>")

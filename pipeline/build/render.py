@@ -1,0 +1,94 @@
+"""Text for `pipeline build`: the plan (--dry-run) and the summary at the end of a build."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from pipeline.build.plan import BuildPlan
+from pipeline.build.run import BuildResult
+
+
+def render_plan(plan: BuildPlan) -> str:
+    s, why = plan.settings, plan.settings.reasons
+
+    def line(label: str, value: str, key: str | None = None) -> str:
+        reason = why.get(key or "")
+        return f"{label:<10}{value}" + (f"  ({reason})" if reason else "")
+
+    lines = [f"dry run: nothing built. {plan.name} -> {_short(plan.build_dir)}, {_short(plan.repo)}",
+             line("backend", s.backend, "backend"),
+             line("target", f"{s.target}, {s.target_qformat}", "target_qformat"),
+             line("draft", s.draft_label, "draft")]
+    if s.draft_kind in ("model", "eagle3"):
+        lines.append(line("draft fmt", s.draft_qformat, "draft_qformat"))
+    sizes = f"max batch {s.max_batch_size} x {s.max_seq_len or 'auto'} tokens"
+    lines += [line("sizes", f"{sizes}, K={s.num_draft_tokens}, kv cache {s.kv_cache_dtype}"),
+              line("gate", f"speculate at batch <= {s.gate_batch_size}", "gate_batch_size")]
+    if s.backend == "trtllm":
+        lines += [line("gpu", f"{s.gpu}", "gpu"), line("tp", str(s.tp_size), "tp_size")]
+    lines.append("")
+    for i, stage in enumerate(plan.stages, 1):
+        note = f"  [{stage.note}]" if stage.note else ""
+        lines.append(f"stage {i}: {stage.name} -> {_short(stage.output)}  (key {stage.config_key}){note}")
+        lines.append(f"  $ {shlex.join(stage.command)}")
+        if stage.options is not None:
+            config = stage.to_dict()["config"]
+            for k in ("output", "force", "dry_run"):
+                config.pop(k, None)
+            lines.append(f"  config: {json.dumps(config)}")
+    for name, reason in plan.skipped:
+        lines.append(f"skipped: {name}: {reason}")
+    if plan.memory_plan is not None:
+        from pipeline.plan.render import render_table
+
+        lines += ["", "memory plan:", render_table(plan.memory_plan)]
+    else:
+        lines += ["", "memory plan: none (the portable engine runs on this machine's CPU)"]
+    if plan.missing:
+        lines += ["", f"this machine lacks: {'; '.join(plan.missing)}. A build without --dry-run stops here."]
+    return "\n".join(lines)
+
+
+def render_summary(result: BuildResult) -> str:
+    built = sum(s.status == "built" for s in result.stages)
+    reused = sum(s.status == "reused" for s in result.stages)
+    lines = [f"built {result.name} ({result.backend} backend, draft {result.draft}) in {result.total_s:.1f} s: "
+             f"{built} stage(s) built, {reused} reused"]
+    rows = [("stage", "status", "time", "size", "output")]
+    rows.append(("prepare models", "done", _secs(result.prepare_s), "", "resolve, convert if needed, hash"))
+    for name, reason in result.skipped:
+        rows.append((name, "skipped", "", "", reason))
+    for st in result.stages:
+        time_s = _secs(st.duration_s) if st.status != "not run" else ""
+        rows.append((st.name, st.status, time_s, _size(st.bytes) if st.bytes else "", _short(st.output)
+                     + (f"  ({st.note})" if st.note else "")))
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    for r in rows:
+        lines.append("  ".join((r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]),
+                                r[3].rjust(widths[3]), r[4])).rstrip())
+    if any(st.status == "reused" for st in result.stages):
+        lines.append("(a reused stage's time is what it took when built)")
+    lines += [f"manifest  {_short(result.manifest)}", f"engine    {_short(result.engine)}",
+              f"next      {result.next_command}"]
+    return "\n".join(lines)
+
+
+def _secs(s: float) -> str:
+    return f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _short(path) -> str:
+    p = Path(path)
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)

@@ -1,0 +1,253 @@
+"""Resolve BuildOptions' `auto` fields per backend and GPU, each with the reason it is shown with. Pure.
+
+The defaults come from measurements on these machines and from TensorRT-LLM practice: bf16 is the fastest
+target on CPU, FP8 on GPUs with FP8 tensor cores; a draft model is memory-bound, so INT4-AWQ; an EAGLE-3
+head stays as published. On TensorRT-LLM the memory plan (`pipeline plan`) picks the smallest TP that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.build.options import EAGLE3, EAGLE3_PREFIX, KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment
+from pipeline.errors import ConfigError
+from pipeline.plan.gpus import GPU, get_gpu
+
+PLAN_GPU = "h100-80gb"  # what a trtllm plan assumes when there is no GPU here and no --gpu
+# Per backend: (max batch size, max sequence length, gate batch size).
+TORCH_SIZES = (8, 2048, 4)  # bench_engine: n-gram pays 1.11x at batch 4 and 0.87x at 16 on a 2-core CPU
+TRTLLM_SIZES = (16, 4096, 32)  # `pipeline plan`'s defaults; speculation pays up to batch ~32 on a GPU
+QFORMAT_REASONS = {
+    ("trtllm", "target", True): "fp8: FP8 tensor cores halve the weight reads (perplexity +2-5% measured on SmolLM2)",
+    ("trtllm", "target", False): "none (bf16): this GPU has no FP8; --target-qformat int4_awq makes the weights ~3.5x smaller",
+    ("trtllm", "model"): "int4_awq: a draft model is memory-bound, and its quality never changes the output",
+    ("trtllm", "eagle3"): "none: an EAGLE-3 head is one layer, kept in bf16 as published",
+    ("torch", "target"): "none (bf16): fastest on CPU; fp8 is dequantized at load (0.93x), int4_awq costs "
+                         "+30% perplexity on SmolLM2",
+    ("torch", "model"): "int4_awq: torch's CPU int4 kernel decodes 1.6x faster, and a draft's quality never "
+                        "changes the output",
+    ("torch", "eagle3"): "none: an EAGLE-3 head is one layer",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """BuildOptions with every `auto` resolved; `reasons` says why, per field."""
+
+    backend: str
+    target: str
+    draft_kind: str  # none | ngram | eagle3 | model
+    draft_ref: str  # the draft model or EAGLE-3 head ("" for none/ngram)
+    target_qformat: str
+    draft_qformat: str
+    kv_cache_dtype: str  # bf16 | fp8
+    num_draft_tokens: int
+    gate_batch_size: int
+    max_batch_size: int
+    max_input_len: int | None
+    max_seq_len: int | None
+    tp_size: int
+    gpu: str | None  # GPU kind planned for (trtllm)
+    export: str  # hf | trtllm
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def draft_label(self) -> str:
+        return self.draft_kind if self.draft_kind in ("none", "ngram") else f"{self.draft_kind} {self.draft_ref}"
+
+
+def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
+    reasons: dict[str, str] = {}
+    arch = _arch_or_none(o.target, env)
+    backend = _backend(o, env, arch, reasons)
+    gpu = _plan_gpu(o, env, backend, reasons)
+    draft_kind, draft_ref = _draft(o, env, backend, reasons)
+    target_q = _qformat(o.target_qformat, backend, "target", gpu, reasons, "target_qformat")
+    draft_q = (_qformat(o.draft_qformat, backend, draft_kind, gpu, reasons, "draft_qformat")
+               if draft_kind in ("model", EAGLE3) else "none")
+    kv = "bf16" if o.kv_cache_dtype in ("auto", "bf16") else "fp8"
+    if backend == "torch" and kv == "fp8":
+        raise ConfigError("the portable engine keeps its KV cache in the compute dtype; drop --kv-cache-dtype fp8 "
+                          "(or build with --backend trtllm)")
+    batch, seq, gate = TORCH_SIZES if backend == "torch" else TRTLLM_SIZES
+    max_seq = o.max_seq_len
+    if max_seq is None and backend == "torch":
+        max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
+    elif max_seq is None:
+        max_seq = seq
+    settings = Settings(
+        backend=backend, target=o.target, draft_kind=draft_kind, draft_ref=draft_ref, target_qformat=target_q,
+        draft_qformat=draft_q, kv_cache_dtype=kv, num_draft_tokens=o.num_draft_tokens,
+        gate_batch_size=o.gate_batch_size if o.gate_batch_size is not None else gate,
+        max_batch_size=o.max_batch_size if o.max_batch_size is not None else batch,
+        max_input_len=o.max_input_len, max_seq_len=max_seq, tp_size=o.tp_size or 1,
+        gpu=gpu.key if gpu is not None else None,
+        export="trtllm" if backend == "trtllm" and draft_kind == "model" else "hf", reasons=reasons)
+    if o.gate_batch_size is None:
+        reasons["gate_batch_size"] = (f"{settings.gate_batch_size}: " + (
+            "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 (0.87x)"
+            if backend == "torch" else "the gate's default (TensorRT-LLM's max_concurrency): above it decoding is compute-bound"))
+    if backend == "torch":
+        if (o.tp_size or 1) > 1:
+            raise ConfigError("the portable engine runs on one device; drop --tp-size (or build with --backend trtllm)")
+        return settings, None
+    return _with_memory_plan(settings, o, arch, gpu, reasons)
+
+
+def _with_memory_plan(s: Settings, o: BuildOptions, arch, gpu: GPU, reasons: dict) -> tuple[Settings, Any]:
+    from pipeline.plan.memory import DraftSpec, PlanInputs, check_fits, plan_memory
+    from pipeline.plan.resolve import model_arch
+
+    if arch is None:
+        return s, None  # a hub id with nothing local: nothing to size yet (`missing` says what to fetch)
+    draft = DraftSpec(s.draft_kind, s.draft_kind) if s.draft_kind != "model" else \
+        DraftSpec("model", *model_arch(s.draft_ref))
+    inputs = PlanInputs(target_name=model_name(o.target), target=arch, gpu=gpu, tp=s.tp_size,
+                        target_qformat=s.target_qformat, draft=draft, draft_qformat=s.draft_qformat,
+                        kv_cache_dtype=s.kv_cache_dtype, max_batch_size=s.max_batch_size,
+                        max_seq_len=s.max_seq_len or TRTLLM_SIZES[1])
+    plan = plan_memory(inputs)
+    if o.tp_size is None and plan.min_tp is not None and plan.min_tp != s.tp_size:
+        s = dataclasses.replace(s, tp_size=plan.min_tp)
+        plan = plan_memory(dataclasses.replace(inputs, tp=plan.min_tp))
+    if o.tp_size is None:
+        reasons["tp_size"] = f"{s.tp_size}: the smallest TP whose memory plan fits on {gpu.name}"
+    if not o.force:
+        check_fits(plan)
+    return s, plan
+
+
+def _backend(o: BuildOptions, env: Environment, arch, reasons: dict) -> str:
+    if o.backend != "auto":
+        return o.backend
+    if env.gpu is not None and env.trtllm:
+        reasons["backend"] = f"trtllm: a {env.gpu.name} and TensorRT-LLM are here"
+        return "trtllm"
+    bf16_bytes = 2 * arch.param_count if arch is not None else 0
+    if env.host_memory_bytes and bf16_bytes > env.host_memory_bytes // 2:
+        reasons["backend"] = (f"trtllm: {bf16_bytes / 1e9:.0f} GB of bf16 weights is too much for this machine's "
+                              f"{env.host_memory_bytes / 1e9:.0f} GB on the portable engine")
+        return "trtllm"
+    reasons["backend"] = "torch: the portable engine (no GPU with TensorRT-LLM here)"
+    return "torch"
+
+
+def _plan_gpu(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> GPU | None:
+    if o.gpu is not None:
+        return get_gpu(o.gpu)
+    if backend != "trtllm":
+        return None
+    if env.gpu is not None:
+        return env.gpu
+    reasons["gpu"] = f"{PLAN_GPU}: no GPU here, so the plan assumes one; pass --gpu to plan for another"
+    return get_gpu(PLAN_GPU)
+
+
+def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> tuple[str, str]:
+    from pipeline.models.presets import get_preset
+
+    text = o.draft.strip()
+    kind = text.lower()
+    preset = get_preset(o.target)
+    head = preset.eagle3_head if preset is not None else None
+    if kind == "auto":
+        if backend == "trtllm" and head:
+            reasons["draft"] = f"eagle3: {head} is published for {preset.name}"
+            return EAGLE3, head
+        reasons["draft"] = "ngram: needs no weights and pays when answers copy from the prompt"
+        return "ngram", ""
+    if kind in ("ngram", "none"):
+        return kind, ""
+    if kind.startswith(EAGLE3_PREFIX):
+        folder = text[len(EAGLE3_PREFIX):].strip()
+        if not folder:
+            raise ConfigError("--draft eagle3: needs a folder after the colon, e.g. --draft eagle3:heads/my-head")
+        return EAGLE3, folder
+    if kind == EAGLE3:
+        if backend == "torch":
+            raise ConfigError(f"--draft eagle3 on the portable engine is not yet available for {o.target}: train a "
+                              f"head with `pipeline draft train --target {o.target} --method eagle3 -o DIR` and "
+                              f"pass --draft eagle3:DIR, or use --draft ngram")
+        if not head:
+            raise ConfigError(f"{o.target} has no published EAGLE-3 head; pass --draft eagle3:DIR with a trained "
+                              f"head, or use --draft ngram")
+        return EAGLE3, head
+    return "model", text
+
+
+def _qformat(requested: str, backend: str, role: str, gpu: GPU | None, reasons: dict, key: str) -> str:
+    from pipeline.quantize.formats import get_format
+
+    value = requested.strip().lower()
+    if value != "auto":
+        return get_format(value).name  # raises with the list of formats
+    if backend == "trtllm" and role == "target":
+        reason = QFORMAT_REASONS[("trtllm", "target", bool(gpu and gpu.fp8))]
+    else:
+        reason = QFORMAT_REASONS[(backend, role)]
+    reasons[key] = reason
+    return reason.split(":")[0].split(" ")[0]
+
+
+def check_options(o: BuildOptions) -> None:
+    if o.backend not in BACKENDS:
+        raise ConfigError(f"unknown --backend {o.backend!r}; pick one of {', '.join(BACKENDS)}")
+    if o.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown --kv-cache-dtype {o.kv_cache_dtype!r}; pick one of {', '.join(KV_CACHE_DTYPES)}")
+    if o.gate_batch_size is not None and o.gate_batch_size < 1:
+        raise ConfigError(f"--gate-batch-size must be at least 1 (got {o.gate_batch_size}); "
+                          f"use --draft none to turn speculation off")
+    for flag, value in (("--max-batch-size", o.max_batch_size), ("--max-seq-len", o.max_seq_len),
+                        ("--max-input-len", o.max_input_len), ("--tp-size", o.tp_size), ("calib size", o.calib_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if o.num_draft_tokens < 1 and o.draft.strip().lower() != "none":
+        raise ConfigError(f"--num-draft-tokens must be at least 1 with a draft (got {o.num_draft_tokens}); "
+                          f"pass --num-draft-tokens 4, or --draft none")
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+
+def model_name(ref: str) -> str:
+    """The build's folder name: the preset's name, else the folder's (or .gguf's) name."""
+    from pipeline.models.presets import get_preset
+
+    preset = get_preset(ref)
+    if preset is not None:
+        return preset.name
+    path = Path(ref.rstrip("/"))
+    return (path.stem if path.suffix.lower() == ".gguf" else path.name) or "model"
+
+
+def _arch_or_none(ref: str, env: Environment):
+    from pipeline.errors import PipelineError
+    from pipeline.models.presets import get_preset
+    from pipeline.plan.resolve import model_arch
+
+    w = env.weights_of(ref)
+    local = w.path if w.path is not None and w.path.is_dir() else None
+    preset = get_preset(ref)
+    try:
+        if preset is not None and preset.arch is not None:
+            return model_arch(ref)[1]
+        return model_arch(str(local))[1] if local is not None else None
+    except PipelineError:
+        return None
+
+
+def _max_position_embeddings(ref: str, env: Environment) -> int | None:
+    w = env.weights_of(ref)
+    config = w.path / "config.json" if w.path is not None else None
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
+
+
+def plain(value):
+    """asdict() output as JSON-ready values (Paths become strings)."""
+    return json.loads(json.dumps(value, default=str))

