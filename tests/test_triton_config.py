@@ -132,8 +132,12 @@ def test_gate_and_engines_are_decoupled_and_the_tokenizer_models_are_not(spec):
 
 def test_gate_and_engine_share_the_request_and_generation_tensors():
     configs = repository_configs(TORCH)
+    request = list(interface.names(interface.REQUEST_TENSORS))
+    assert [t.name for t in configs[GATE].input] == request
+    # The engine also takes the gate's optional stream id, to hear of a client's cancel.
+    assert [t.name for t in configs[TORCH_ENGINE].input] == request + ["stream_id"]
+    assert configs[TORCH_ENGINE].input[-1].optional
     for name in (GATE, TORCH_ENGINE):
-        assert [t.name for t in configs[name].input] == list(interface.names(interface.REQUEST_TENSORS))
         assert [t.name for t in configs[name].output] == list(interface.names(interface.GENERATION_TENSORS))
 
 

@@ -90,6 +90,9 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # Target steps that verified drafts: mean acceptance length = 1 + accepted / verify_steps. The
     # gate's metrics use it; postprocessing ignores it.
     TensorSpec("verify_steps", "INT32", (1,)),
+    # The request's last response: postprocessing stops holding back a trailing U+FFFD (no more
+    # bytes can complete it). Engines that don't send it leave the gate to say False.
+    TensorSpec("final", "BOOL", (1,)),
     # Set by the gate, not the engine: names the stream, so postprocessing can tell the gate that the
     # client cancelled it (pipeline.triton.cancel_marks).
     TensorSpec("stream_id", "UINT64", (1,)),

@@ -5,6 +5,7 @@ is decode(all) minus decode(prefix), each without ONE trailing U+FFFD: a lossy U
 unfinished character at the end into exactly one U+FFFD and changes nothing before it when more bytes
 come, so holding back that one character keeps every chunk whole with no per-request state here.
 (A run of U+FFFD can't be stripped whole: its first ones may be older than the resent prefix.)
+The request's final response (`final`) keeps its trailing U+FFFD: no more bytes will come.
 """
 
 import json
@@ -25,9 +26,9 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(params["tokenizer_dir"]["string_value"])
         self.skip_special = params["skip_special_tokens"]["string_value"] == "true"
 
-    def _visible(self, ids) -> str:
+    def _visible(self, ids, final: bool = False) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
-        return text[:-1] if text.endswith(REPLACEMENT) else text
+        return text[:-1] if text.endswith(REPLACEMENT) and not final else text
 
     def execute(self, requests):
         responses = []
@@ -40,7 +41,7 @@ class TritonPythonModel:
                 continue
             ids = [int(t) for t in get("output_ids")[0]]
             start = int(get("prefix_length").reshape(-1)[0])
-            full, prefix = self._visible(ids), self._visible(ids[:start])
+            full, prefix = self._visible(ids, final=bool(get("final").reshape(-1)[0])), self._visible(ids[:start])
             text = full[len(prefix):] if full.startswith(prefix) else full
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("text_output", np.array([[text.encode()]], np.object_)),

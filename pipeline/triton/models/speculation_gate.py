@@ -37,7 +37,7 @@ from pipeline.triton.serving_gate import ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
-ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps"]
+ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps", "final"]
 GENERATION_OUTPUTS = ENGINE_OUTPUTS + ["stream_id"]
 METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather than send one per token
 
@@ -164,7 +164,8 @@ class TritonPythonModel:
             return sender.is_cancelled() or cancel_marks.take(f"stream-{stream_id}")
 
         def forward(outputs: dict):
-            self._forward(sender, {**outputs, "stream_id": np.array([[stream_id]], np.uint64)})
+            self._forward(sender, {"final": np.array([[False]]), **outputs,
+                                   "stream_id": np.array([[stream_id]], np.uint64)})
 
         try:
             if self.backend == "trtllm":

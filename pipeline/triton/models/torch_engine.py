@@ -223,17 +223,18 @@ class TritonPythonModel:
         # Streaming: the new tokens after up to PREFIX_TOKENS already sent. Not streaming: the whole answer.
         start = self._prefix_start(req.output_ids, state.sent) if state.stream else 0
         end = len(req.output_ids)
-        if not state.stream or end > state.sent:
+        # A stream's final response goes out even with no new tokens: it resends the prefix, so
+        # postprocessing releases a trailing U+FFFD it held back.
+        if not state.stream or end > state.sent or final:
             response = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("output_ids", np.array([req.output_ids[start:end]], np.int32)),
                 pb_utils.Tensor("prefix_length", np.array([[state.sent - start if state.stream else 0]], np.int32)),
                 pb_utils.Tensor("accepted_tokens", np.array([[req.num_accepted - state.accepted]], np.int32)),
                 pb_utils.Tensor("drafted_tokens", np.array([[req.num_drafted - state.drafted]], np.int32)),
                 pb_utils.Tensor("verify_steps", np.array([[req.num_verify_steps - state.verify_steps]], np.int32)),
+                pb_utils.Tensor("final", np.array([[final]], np.bool_)),
             ])
             state.sender.send(response, flags=FINAL if final else 0)
-        elif final:
-            state.sender.send(flags=FINAL)
         state.sent, state.new = end, []
         state.accepted, state.drafted, state.verify_steps = req.num_accepted, req.num_drafted, req.num_verify_steps
 
