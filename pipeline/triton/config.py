@@ -151,6 +151,7 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
     }
     if spec.backend == "trtllm":
         params["draft_model"] = TRTLLM_DRAFT
+        params["tokenizer_dir"] = spec.tokenizer_dir  # draft_target counts text tokens for the prefix resend
     return _base(GATE, spec, backend="python", inputs=REQUEST_TENSORS, outputs=GENERATION_TENSORS,
                  decoupled=True, parameters=params)
 

@@ -107,6 +107,9 @@ class TritonPythonModel:
         self.backend = params.get("backend", "torch")
         self.engine_model = params["engine_model"]
         self.draft_model = params.get("draft_model", "")
+        if self.backend == "trtllm":  # which ids are text, for the streamed prefix resend
+            from pipeline.triton.draft_target import text_token_filter
+            self.is_text = text_token_filter(params["tokenizer_dir"])
         self.num_draft_tokens = int(params.get("num_draft_tokens", "4"))
         self.gate = ServingGate(
             GatePolicy(max_batch_size=int(params["gate_max_batch_size"]),
@@ -148,7 +151,7 @@ class TritonPythonModel:
                 k = int(tensors.get("num_draft_tokens", np.array([[self.num_draft_tokens]])).reshape(-1)[0])
                 generate(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
                          draft_model=self.draft_model, send=lambda outputs: self._forward(sender, outputs),
-                         cancelled=sender.is_cancelled)
+                         cancelled=sender.is_cancelled, is_text=self.is_text)
             else:
                 self._relay_engine(request, sender, decision)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
