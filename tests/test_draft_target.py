@@ -228,6 +228,7 @@ def standin_repo(root: Path, target: Path, draft: Path) -> Path:
     for name in (TRTLLM_TARGET, TRTLLM_DRAFT):  # same names and interface, backend python
         msg = read_config(repo / name)
         msg.backend = "python"
+        msg.parameters["standin_max_draft_len"].string_value = str(spec.num_draft_tokens)
         write_config(repo / name, msg)
         shutil.copyfile(Path(__file__).parent / "trtllm_standin.py", repo / name / "1" / "model.py")
     return repo
@@ -274,7 +275,7 @@ def reference(tiny_target):
 
 
 def ask(url: str, prompt: str, max_tokens: int, *, stream: bool = True, speculation: str = "auto",
-        leave_after: int | None = None) -> list[tuple[str, int, int]]:
+        num_draft_tokens: int | None = None, leave_after: int | None = None) -> list[tuple[str, int, int]]:
     """(text, accepted, drafted) per response over the streaming RPC; leave_after: cancel after that many."""
     import tritonclient.grpc as grpcclient
 
@@ -283,6 +284,7 @@ def ask(url: str, prompt: str, max_tokens: int, *, stream: bool = True, speculat
         t.set_data_from_numpy(value)
         return t
 
+    extra = [tensor("num_draft_tokens", np.array([[num_draft_tokens]], np.int32), "INT32")] if num_draft_tokens else []
     got: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: got.put((result, error)))
@@ -292,7 +294,7 @@ def ask(url: str, prompt: str, max_tokens: int, *, stream: bool = True, speculat
             tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
             tensor("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
             tensor("stream", np.array([[stream]]), "BOOL"),
-            tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES")],
+            tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES"), *extra],
             enable_empty_final_response=True)
         while True:
             result, error = got.get(timeout=120)
@@ -322,6 +324,9 @@ def test_served_answers_equal_target_only_greedy_streamed_or_not_speculating_or_
     assert text == expected and 0 <= accepted <= drafted and drafted > 0
     if kind == "same_draft":
         assert accepted == drafted
+    # More drafts than the engine was built for: clamped to its max_draft_len (3), not refused.
+    [(text, _, _)] = ask(server.endpoints.grpc, prompt, MAX_TOKENS, stream=False, num_draft_tokens=10)
+    assert text == expected
     for speculation in ("auto", "off"):
         chunks = ask(server.endpoints.grpc, prompt, MAX_TOKENS, speculation=speculation)
         assert "".join(t for t, _, _ in chunks) == expected and len(chunks) > 1

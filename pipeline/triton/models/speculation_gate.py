@@ -149,6 +149,7 @@ class TritonPythonModel:
 
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 k = int(tensors.get("num_draft_tokens", np.array([[self.num_draft_tokens]])).reshape(-1)[0])
+                k = min(k, self.num_draft_tokens)  # the target engine's max_draft_len; TensorRT-LLM refuses more
                 generate(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
                          draft_model=self.draft_model, send=lambda outputs: self._forward(sender, outputs),
                          cancelled=sender.is_cancelled, is_text=self.is_text)
