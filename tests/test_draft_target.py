@@ -193,6 +193,7 @@ def test_accepted_count_reads_the_targets_answer():
     assert accepted_count([1, 2, 3], [7]) == (0, False)
     assert accepted_count([1, 2, 3], [1, 2]) == (2, True)  # stopped on an end_id left out of the output
     assert accepted_count([], [5]) == (0, False)
+    assert accepted_count([1, 2, 3], [1, 9, 5, 6]) == (1, False)  # tokens past the correction are the target's
 
 
 def test_stop_words_round_trip_tensorrtllm_layout():
@@ -212,6 +213,7 @@ def test_request_reads_the_gate_tensors():
 # ---- served: a trtllm repository with stand-in engine models, on a real tritonserver ------------
 
 MAX_TOKENS = 40
+DRAFT_MAX_INPUT_LEN = 120  # past every test prompt + MAX_TOKENS
 
 
 def standin_repo(root: Path, target: Path, draft: Path) -> Path:
@@ -229,6 +231,8 @@ def standin_repo(root: Path, target: Path, draft: Path) -> Path:
         msg = read_config(repo / name)
         msg.backend = "python"
         msg.parameters["standin_max_draft_len"].string_value = str(spec.num_draft_tokens)
+        if name == TRTLLM_DRAFT:  # a draft engine built for shorter inputs than the target's
+            msg.parameters["standin_max_input_len"].string_value = str(DRAFT_MAX_INPUT_LEN)
         write_config(repo / name, msg)
         shutil.copyfile(Path(__file__).parent / "trtllm_standin.py", repo / name / "1" / "model.py")
     return repo
@@ -263,12 +267,15 @@ def reference(tiny_target):
     model, tokenizer = load_model(str(tiny_target)), load_tokenizer(tiny_target)
     stops = stop_token_ids(tokenizer, ModelConfig.from_folder(tiny_target).eos_token_ids)
 
-    def text(prompt: str, max_tokens: int) -> str:
-        out = greedy_generate(model, encode_prompt(tokenizer, prompt, raw=False), max_tokens, stops[0])
+    def text(prompt: str, max_tokens: int, *, as_ids: bool = False):
+        ids = encode_prompt(tokenizer, prompt, raw=False)
+        out = greedy_generate(model, ids, max_tokens, stops[0])
         for i, t in enumerate(out):
             if t in stops:
                 out = out[:i + 1]
                 break
+        if as_ids:
+            return ids, out
         decoded = tokenizer.decode(out, skip_special_tokens=True)
         return decoded[:-1] if decoded.endswith("\ufffd") else decoded
     return text
@@ -361,4 +368,22 @@ def test_concurrent_streams_each_get_their_own_answer_beside_a_cancelled_one(ser
     assert got == {i: reference(p, MAX_TOKENS) for i, p in enumerate(prompts)}
     assert time.monotonic() - start < 180
     # The server still answers after the cancelled stream.
+    assert "".join(t for t, _, _ in ask(server.endpoints.grpc, "after", 8)) == reference("after", 8)
+
+
+@pytest.mark.slow
+def test_an_engine_error_mid_stream_reaches_the_client_in_one_line_and_others_go_on(served, reference):
+    from tritonclient.utils import InferenceServerException
+
+    _, server = served
+    # A prompt whose answer runs past the draft's max_input_len: the draft refuses the step that gets there.
+    prompt = next(p for p in (f"long answer {i}" for i in range(50))
+                  if sum(map(len, reference(p, 150, as_ids=True))) > DRAFT_MAX_INPUT_LEN + 4)
+    with pytest.raises(InferenceServerException, match=r"tensorrt_llm_draft: .*Prompt length \(12\d\) exceeds "
+                                                        r"maximum input length \(120\)") as err:
+        ask(server.endpoints.grpc, prompt, 150)
+    assert "\n" not in str(err.value)
+    # Without speculation the target alone answers it; and the next request speculates as before.
+    plain = ask(server.endpoints.grpc, prompt, 150, speculation="off")
+    assert "".join(t for t, _, _ in plain) == reference(prompt, 150)
     assert "".join(t for t, _, _ in ask(server.endpoints.grpc, "after", 8)) == reference("after", 8)

@@ -72,6 +72,8 @@ class TritonPythonModel:
         self.model = load_model(config["parameters"]["gpt_model_path"]["string_value"])
         # The engine's build-time --max_draft_len (TensorRT-LLM reads it from the engine's config.json).
         self.max_draft_len = int(config["parameters"].get("standin_max_draft_len", {}).get("string_value", "0") or 0)
+        # The engine's --max_input_len, 0 for none: longer inputs get TensorRT-LLM's error response.
+        self.max_input_len = int(config["parameters"].get("standin_max_input_len", {}).get("string_value", "0") or 0)
         self.inbox: queue.Queue = queue.Queue()
         self.worker = threading.Thread(target=self._work, daemon=True)
         self.worker.start()
@@ -117,6 +119,8 @@ class TritonPythonModel:
         drafts = [] if get("draft_input_ids") is None else [int(t) for t in get("draft_input_ids").reshape(-1)]
         if drafts and len(drafts) + 1 > n:
             raise ValueError(f"request_output_len {n} < draft length {len(drafts)} + 1")
+        if self.max_input_len and length > self.max_input_len:
+            raise ValueError(f"Prompt length ({length}) exceeds maximum input length ({self.max_input_len})")
         if self.max_draft_len and len(drafts) > self.max_draft_len:  # TensorRT-LLM's own refusal
             raise ValueError(f"Number of draft tokens ({len(drafts)}) is larger than maximum number of draft "
                              f"tokens ({self.max_draft_len})")

@@ -110,14 +110,17 @@ def stop_at(before: list[int], new: list[int], request: Request) -> int | None:
 def accepted_count(drafts: list[int], verified: list[int]) -> tuple[int, bool]:
     """(drafts accepted, whether the target stopped) from the target's answer to n drafts.
 
-    The target returns accepted + 1 tokens: the drafts it agrees with, then its own token. An answer
-    that is all drafts and shorter than n + 1 means it stopped (end_id, which TensorRT-LLM may leave
-    out of the output) before its own token.
+    Greedy verification (the target's rule, so the answer is target-only greedy whatever the draft):
+      accept d_i while d_i == argmax p_target(. | x, d_<i), for i = 0, 1, ...
+      at the first mismatch (or after all n) emit the target's own argmax instead.
+    So the answer is the accepted drafts + 1 token; anything after that is the target's too and kept.
+    An answer that is all drafts and shorter than n + 1 means it stopped (end_id, which TensorRT-LLM
+    may leave out of the output) before its own token.
     """
     n = 0
     while n < len(drafts) and n < len(verified) and verified[n] == drafts[n]:
         n += 1
-    return min(n, len(verified)), n == len(verified) and len(verified) < len(drafts) + 1
+    return n, n == len(verified) and len(verified) < len(drafts) + 1
 
 
 class Engines(Protocol):
