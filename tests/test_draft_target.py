@@ -204,6 +204,25 @@ def test_stop_words_round_trip_tensorrtllm_layout():
     assert parse_stop_words(np.array([[[-1], [-1]]], np.int32)) == ()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_tensors_sent_to_tensorrt_llm_are_inputs_of_its_config_with_their_dtype_and_rank(temperature):
+    from pipeline.triton.draft_target import TritonEngines
+    from pipeline.triton.interface import TRTLLM_INPUTS
+
+    dtypes = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
+    specs = {t.name: t for t in TRTLLM_INPUTS}
+    request = Request.from_tensors(request_tensors(PROMPT, 9, end_id=2, stop_words=[(4, 5)], temperature=temperature))
+    engines = TritonEngines("tensorrt_llm", "tensorrt_llm_draft", request, lambda: False)
+    sent = engines._inputs(PROMPT, 4, greedy=request.greedy, streaming=True) | {
+        "draft_input_ids": np.array([[1, 2]], np.int32)}
+    for name, value in sent.items():
+        spec = specs[name]
+        assert value.dtype == dtypes[spec.dtype], name
+        assert value.ndim == 1 + len(spec.dims), name  # the batch dim, then the config's dims
+    assert {t.name for t in TRTLLM_INPUTS if not t.optional} <= set(sent)
+    assert ("temperature" in sent) == (temperature > 0)
+
+
 def test_request_reads_the_gate_tensors():
     r = Request.from_tensors(request_tensors(PROMPT + [0, 0], 9, stream=True, end_id=2) |
                              {"input_lengths": np.array([[5]], np.int32)})
