@@ -296,3 +296,230 @@ def test_real_tritonserver_loads_the_written_repository_and_streams_through_the_
         client.close()
     assert "".join(chunks) == "hello" and len(chunks) == 2
     assert counts == [(1, 2), (1, 2)]
+
+
+# ---- the TensorRT-LLM routes: `pipeline assemble` on compile's folders ----------------------------
+
+
+def trt_checkpoint(folder, tokenizer_from, **shape):
+    from test_compile import write_trt_checkpoint
+
+    return write_trt_checkpoint(folder, tokenizer_from, **shape)
+
+
+def compiled(tmp_path, target, draft, **kw):
+    from pipeline.compile import CompileOptions, compile_model
+
+    out = tmp_path / "engines"
+    compile_model(CompileOptions("trtllm", target, out, draft=str(draft), dry_run=True, **kw))
+    return out
+
+
+def assembled(engine, tmp_path, **kw):
+    from pipeline.triton.assemble import AssembleOptions, assemble
+
+    return assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo", **kw))
+
+
+def test_engine_route_assembles_target_and_draft_with_the_planned_kv_split(tiny_target, tmp_path):
+    from pipeline.triton.assemble import AssembleOptions, repo_spec
+
+    draft = trt_checkpoint(tmp_path / "d", tiny_target, num_hidden_layers=1)  # half the target's KV per token
+    engine = compiled(tmp_path, trt_checkpoint(tmp_path / "t", tiny_target), draft, gpu="h100", num_draft_tokens=3,
+                      max_batch_size=16)
+    result = assembled(engine, tmp_path, gate_batch_size=8)
+    repo = tmp_path / "repo"
+    assert (result.backend, result.route) == ("trtllm", "engine")
+    assert result.models == sorted(["ensemble", "preprocessing", "postprocessing", GATE, TRTLLM_TARGET, TRTLLM_DRAFT])
+    assert "build.sh" in result.notes[0]  # a dry run: the engines still have to be built
+    configs = {name: read_config(repo / name) for name in result.models}
+    assert configs == repository_configs(repo_spec(AssembleOptions(engine=engine, gate_batch_size=8)))
+    params = {name: {k: v.string_value for k, v in configs[name].parameters.items()} for name in result.models}
+    assert params[TRTLLM_TARGET]["gpt_model_path"] == str(engine / "target")
+    assert params[TRTLLM_DRAFT]["gpt_model_path"] == str(engine / "draft")
+    kv_t, kv_d = (float(params[m]["kv_cache_free_gpu_mem_fraction"]) for m in (TRTLLM_TARGET, TRTLLM_DRAFT))
+    assert (kv_t, kv_d) == (pytest.approx(0.8 * 2 / 3, abs=1e-3), pytest.approx(0.8 / 3, abs=1e-3))
+    assert configs[TRTLLM_TARGET].backend == "tensorrtllm" and configs[TRTLLM_TARGET].max_batch_size == 16
+    gate = params[GATE]
+    assert (gate["backend"], gate["draft_model"], gate["num_draft_tokens"], gate["gate_max_batch_size"]) == (
+        "trtllm", TRTLLM_DRAFT, "3", "8")
+    assert gate["tokenizer_dir"] == str(tmp_path / "t")
+    assert not (repo / TRTLLM_TARGET / "1" / "model.py").exists()  # the tensorrtllm backend has no model.py
+    assert (repo / GATE / "1" / "model.py").is_file()
+
+
+def test_kv_fractions_follow_the_plans_kv_bytes_and_default_without_a_plan():
+    from pipeline.triton.assemble import KV_BUDGET, kv_fractions
+
+    assert kv_fractions(None) == (0.6, 0.2)
+    plan = {"kv_cache_dtype": "bf16", "kv_cache_bytes": {"target": {"bf16": 300}, "draft": {"bf16": 100}}}
+    assert kv_fractions(plan) == (0.6, 0.2)
+    tiny_draft = {"kv_cache_dtype": "fp8", "kv_cache_bytes": {"target": {"fp8": 10**9}, "draft": {"fp8": 1}}}
+    t, d = kv_fractions(tiny_draft)
+    assert d >= 0.05 and t + d == pytest.approx(KV_BUDGET)
+
+
+def test_engine_route_without_a_draft_or_without_built_engines_is_refused(tiny_target, tmp_path):
+    import json
+
+    from pipeline.compile import CompileOptions, compile_model
+
+    no_draft = tmp_path / "no-draft"
+    compile_model(CompileOptions("trtllm", trt_checkpoint(tmp_path / "t", tiny_target), no_draft, dry_run=True))
+    with pytest.raises(ConfigError, match="without a draft model.*--draft DIR"):
+        assembled(no_draft, tmp_path)
+    engine = compiled(tmp_path, tmp_path / "t", trt_checkpoint(tmp_path / "d", tiny_target))
+    manifest = json.loads((engine / "compile.json").read_text())
+    (engine / "compile.json").write_text(json.dumps({**manifest, "dry_run": False}))  # as if built, but no engines
+    with pytest.raises(ConfigError, match=r"target holds no built engine \(config.json\)"):
+        assembled(engine, tmp_path)
+    assert not (tmp_path / "repo").exists()
+
+
+def test_backend_is_told_from_the_folder_and_a_wrong_one_is_a_one_line_error(tiny_target, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+    from cli_checks import assert_one_line_error
+
+    from pipeline.cli import main
+
+    target, draft = trt_checkpoint(tmp_path / "t", tiny_target), trt_checkpoint(tmp_path / "d", tiny_target)
+    engine = compiled(tmp_path, target, draft)
+    runner = CliRunner()
+    wrong = runner.invoke(main, ["assemble", "-e", str(engine), "-r", str(tmp_path / "r"), "--backend", "torch"])
+    assert_one_line_error(wrong, "is a trtllm engine folder")
+    empty = runner.invoke(main, ["assemble", "-e", str(tmp_path), "-r", str(tmp_path / "r")])
+    assert_one_line_error(empty, "neither engine.json")
+    no_tokenizer = runner.invoke(main, ["assemble", "-e", str(engine), "-r", str(tmp_path / "r"),
+                                        "--tokenizer", str(tmp_path / "d" / "nothing")])
+    assert_one_line_error(no_tokenizer, "has no tokenizer")
+    ok = runner.invoke(main, ["assemble", "-e", str(engine), "-r", str(tmp_path / "r"), "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["route"] == "engine"
+    text = runner.invoke(main, ["assemble", "-e", str(engine), "-r", str(tmp_path / "r2")])
+    assert "trtllm, engine route" in text.output and "Note: the engines are not built yet" in text.output
+
+
+def test_llmapi_route_writes_the_llmapi_model_with_compiles_yaml(tiny_target, tiny_draft, tmp_path):
+    import yaml
+
+    from pipeline.triton.config import LLMAPI_MODEL_DIR
+
+    engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", num_draft_tokens=3, max_batch_size=16,
+                      gate_batch_size=6)
+    result = assembled(engine, tmp_path)
+    repo = tmp_path / "repo"
+    assert (result.backend, result.route, result.models) == ("llmapi", "llmapi", ["ensemble", "tensorrt_llm"])
+    assert any("max_concurrency=6" in note for note in result.notes)
+    model = read_config(repo / "tensorrt_llm")
+    assert model.backend == "python" and model.max_batch_size == 0  # both left to model.yaml's triton_config
+    assert not model.HasField("model_transaction_policy")
+    assert model.parameters["llmapi_model_dir"].string_value == LLMAPI_MODEL_DIR
+    assert [t.name for t in model.output] == ["text_output"]
+    config = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert config["model"] == str(tiny_target) and config["backend"] == "pytorch"
+    assert config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
+    assert config["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": 3,
+                                            "speculative_model_dir": str(tiny_draft), "max_concurrency": 6}
+    assert config["max_batch_size"] == 16 and config["kv_cache_config"]["enable_block_reuse"] is True
+    from pipeline.compile.reference import LLM_API_KEYS
+    assert set(config) - {"model", "backend", "triton_config"} <= LLM_API_KEYS
+    assert (repo / "tensorrt_llm" / "1" / "model.py").read_text().startswith('"""Triton python model `tensorrt_llm`')
+    # The ensemble: every input maps onto an input of the model with the same type and shape.
+    ensemble = read_config(repo / "ensemble")
+    assert ensemble.max_batch_size == 0
+    [step] = ensemble.ensemble_scheduling.step
+    inputs, model_inputs = tensors(ensemble, "input"), tensors(model, "input")
+    assert set(step.input_map.values()) == set(inputs)
+    for key, outer in step.input_map.items():
+        assert (model_inputs[key].data_type, list(model_inputs[key].dims)) == (
+            inputs[outer].data_type, list(inputs[outer].dims)), key
+    assert {"text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed",
+            "stop_words"} == set(inputs)
+    assert dict(step.output_map) == {"text_output": "text_output"}
+
+
+LLMAPI_HELPERS = '''
+import triton_python_backend_utils as pb_utils
+
+
+def scalar(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
+'''
+
+
+def llmapi_server(tmp_path, tiny_target, tiny_draft, upstream_dir):
+    server_mod = pytest.importorskip("pipeline.triton.server")
+    from pipeline.errors import PipelineError
+
+    try:
+        binary = server_mod.find_tritonserver()
+    except PipelineError as err:
+        pytest.skip(str(err))
+    engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", gate_batch_size=6)
+    assembled(engine, tmp_path, llmapi_model_dir=str(upstream_dir))
+    grpc, http, metrics = free_ports()
+    options = server_mod.ServeOptions(repo=tmp_path / "repo", grpc_port=grpc, http_port=http, metrics_port=metrics,
+                                      log_file=tmp_path / "server.log")
+    return server_mod.TritonServer(options, binary)
+
+
+def test_llmapi_repository_serves_tensorrt_llms_model_through_the_ensemble(tiny_target, tiny_draft, tmp_path):
+    """Our loader finds the llmapi model where the container keeps it (here a stand-in with upstream's
+    contract), which reads model.yaml from its own folder and streams through the ensemble."""
+    import json
+    import queue
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    upstream = tmp_path / "container" / "llmapi" / "tensorrt_llm" / "1"
+    upstream.mkdir(parents=True)
+    shutil.copyfile(Path(__file__).parent / "trtllm_standin_llmapi.py", upstream / "model.py")
+    (upstream / "helpers.py").write_text(LLMAPI_HELPERS)
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    with llmapi_server(tmp_path, tiny_target, tiny_draft, upstream) as server:
+        client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+        got = queue.Queue()
+        client.start_stream(callback=lambda result, error: got.put((result, error)))
+        client.async_stream_infer("ensemble", [
+            tensor("text_input", np.array([b"hello"], np.object_), "BYTES"),
+            tensor("max_tokens", np.array([12], np.int32), "INT32"),
+            tensor("stream", np.array([True]), "BOOL"),
+        ], enable_empty_final_response=True)
+        chunks = []
+        while True:
+            result, error = got.get(timeout=30)
+            assert error is None, error
+            if result.get_response().outputs:
+                chunks.append(result.as_numpy("text_output")[0].decode())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+        client.close()
+    echoed = json.loads(chunks[0])
+    assert chunks[1:] == ["second", "third"]
+    assert echoed["prompt"] == "hello" and echoed["max_tokens"] == 12 and echoed["temperature"] is None
+    assert echoed["model"] == str(tiny_target) and echoed["speculative_config"]["max_concurrency"] == 6
+
+
+def test_llmapi_repository_without_tensorrt_llm_fails_to_load_naming_the_container(tiny_target, tiny_draft, tmp_path):
+    from pipeline.errors import ServeError
+
+    server = llmapi_server(tmp_path, tiny_target, tiny_draft, tmp_path / "not-the-container")
+    try:
+        server.start()
+        with pytest.raises(ServeError, match=r"model 'tensorrt_llm' failed to load: .*llmapi Triton model is not at "
+                                             r".*trtllm-python-py3") as err:
+            server.wait_ready(60)
+    finally:
+        server.stop()
+    assert "\n" not in str(err.value)

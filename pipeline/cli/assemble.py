@@ -1,4 +1,4 @@
-"""`pipeline assemble`: write the Triton model repository that serves a portable engine folder."""
+"""`pipeline assemble`: write the Triton model repository that serves an engine folder from `pipeline compile`."""
 
 from __future__ import annotations
 
@@ -11,11 +11,19 @@ import click
 
 @click.command()
 @click.option("--engine", "-e", required=True, type=click.Path(path_type=Path),
-              help="Portable engine folder from `pipeline compile --backend torch`.")
+              help="Engine folder from `pipeline compile` (--backend torch, or trtllm: engine or llmapi route).")
 @click.option("--repo", "-r", type=click.Path(path_type=Path), default=Path("triton_repo"), show_default=True,
               help="Model repository to write.")
+@click.option("--backend", "-b", type=click.Choice(["auto", "torch", "trtllm"]), default="auto", show_default=True,
+              help="Which engine folder this is; auto: engine.json means torch, a TensorRT-LLM compile.json trtllm.")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="trtllm: the target's Hugging Face tokenizer folder (default: the checkpoint compile.json names).")
+@click.option("llmapi_model_dir", "--llmapi-model-dir", default=None,
+              help="llmapi route: where TensorRT-LLM's llmapi model.py is when serving "
+                   "[default: /app/all_models/llmapi/tensorrt_llm/1, as in NVIDIA's Triton TensorRT-LLM container].")
 @click.option("gate_batch_size", "--gate-batch-size", type=int, default=32, show_default=True,
-              help="Speculate while at most this many requests are in flight.")
+              help="Speculate while at most this many requests are in flight (the llmapi route takes "
+                   "compile's speculative_config.max_concurrency instead).")
 @click.option("min_spec_tokens", "--min-spec-tokens", type=int, default=50, show_default=True,
               help="Requests asking for fewer new tokens never speculate.")
 @click.option("acceptance_floor", "--acceptance-floor", type=float, default=0.5, show_default=True,
@@ -23,9 +31,17 @@ import click
                    "(every 8th still speculates, to measure); 0 turns the floor off.")
 @click.option("--force", "-f", is_flag=True, help="Replace an existing repository.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
-def assemble(engine, repo, gate_batch_size, min_spec_tokens, acceptance_floor, force, json_):
-    """Write a Triton model repository (ensemble, preprocessing, speculation_gate, torch_engine,
-    postprocessing) for a portable engine folder.
+def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size, min_spec_tokens, acceptance_floor,
+             force, json_):
+    """Write a Triton model repository for an engine folder.
+
+    \b
+    torch (portable engine): ensemble, preprocessing, speculation_gate, torch_engine, postprocessing.
+    trtllm, engine route: the same with tensorrt_llm + tensorrt_llm_draft (tensorrtllm backend); the
+      gate runs the draft -> target loop, streaming, for greedy requests.
+    trtllm, llmapi route: TensorRT-LLM's llmapi model with compile's YAML, behind an ensemble with the
+      client's names. Speculation there is TensorRT-LLM's own: speculative_config.max_concurrency turns
+      it off above that batch size, and a request's speculation on/off can't reach it.
 
     \b
     Example:
@@ -33,11 +49,16 @@ def assemble(engine, repo, gate_batch_size, min_spec_tokens, acceptance_floor, f
       pipeline serve --repo ./triton_repo
     """
     from pipeline.triton.assemble import AssembleOptions, assemble as run
+    from pipeline.triton.config import LLMAPI_MODEL_DIR
 
-    result = run(AssembleOptions(engine=engine, repo=repo, gate_batch_size=gate_batch_size,
-                                 min_spec_tokens=min_spec_tokens, acceptance_floor=acceptance_floor, force=force))
+    result = run(AssembleOptions(engine=engine, repo=repo, backend=backend, tokenizer=tokenizer,
+                                 llmapi_model_dir=llmapi_model_dir or LLMAPI_MODEL_DIR,
+                                 gate_batch_size=gate_batch_size, min_spec_tokens=min_spec_tokens,
+                                 acceptance_floor=acceptance_floor, force=force))
     if json_:
         click.echo(json.dumps(asdict(result), indent=2))
     else:
-        click.echo(f"Wrote {result.repo}: {', '.join(result.models)}")
+        click.echo(f"Wrote {result.repo} ({result.backend}, {result.route} route): {', '.join(result.models)}")
+        for note in result.notes:
+            click.echo(f"Note: {note}")
         click.echo(f"Serve it with: pipeline serve --repo {result.repo}")

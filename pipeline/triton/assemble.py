@@ -1,4 +1,11 @@
-"""`pipeline assemble`: a portable engine folder -> a Triton model repository that serves it.
+"""`pipeline assemble`: an engine folder from `pipeline compile` -> a Triton model repository that serves it.
+
+Three kinds of engine folder, told apart by what compile wrote in them:
+- portable engine (engine.json): preprocessing -> speculation_gate -> postprocessing, torch_engine;
+- TensorRT-LLM engine route (compile.json, route "engine"): the same, with tensorrt_llm (target) and
+  tensorrt_llm_draft on the tensorrtllm backend; the gate runs the draft -> target loop;
+- TensorRT-LLM LLM-API route (compile.json, route "llmapi"): TensorRT-LLM's llmapi model fed model.yaml
+  (compile's extra_llm_api_options plus the sizes) behind an ensemble with the client's names.
 
 Every config.pbtxt comes from `pipeline.triton.config` (one function per model, from one RepoSpec);
 every python model's source is copied from `pipeline/triton/models/`. The repository is written in a
@@ -7,6 +14,7 @@ staging folder beside the target and renamed into place, so a failed run leaves 
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,19 +22,29 @@ from pathlib import Path
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
 from pipeline.staging import check_output, staged_output
-from pipeline.triton.config import (GATE, POSTPROCESSING, PREPROCESSING, TORCH_ENGINE, RepoSpec, repository_configs,
-                                    write_config)
+from pipeline.triton.config import (GATE, LLMAPI_MODEL, LLMAPI_MODEL_DIR, LLMAPI_YAML, POSTPROCESSING, PREPROCESSING,
+                                    TORCH_ENGINE, RepoSpec, llmapi_model_yaml, repository_configs, write_config)
 
 MODEL_SOURCES = Path(__file__).parent / "models"
 # model name -> its source in pipeline/triton/models/
 PYTHON_MODELS = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py",
                  GATE: "speculation_gate.py", TORCH_ENGINE: "torch_engine.py"}
+LLMAPI_SOURCE = "llmapi.py"  # the llmapi route's tensorrt_llm: a loader for TensorRT-LLM's own model.py
+BACKENDS = ("auto", "torch", "trtllm")
+# kv_cache_free_gpu_mem_fraction of target + draft together on one GPU: what TensorRT-LLM's default
+# free_gpu_memory_fraction (0.9) leaves, less a margin for the second model's activations.
+KV_BUDGET = 0.8
+MIN_KV_FRACTION = 0.05
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
 class AssembleOptions:
-    engine: Path  # a `pipeline compile --backend torch` folder
+    engine: Path  # a `pipeline compile` folder
     repo: Path = Path("triton_repo")
+    backend: str = "auto"  # auto (from the folder) | torch | trtllm
+    tokenizer: Path | None = None  # trtllm: default the target checkpoint compile.json names
+    llmapi_model_dir: str = LLMAPI_MODEL_DIR  # llmapi route: where TensorRT-LLM's llmapi model.py is at serve time
     gate_batch_size: int = 32  # speculate while at most this many requests are in flight
     gate_hysteresis: int = 4
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
@@ -39,30 +57,173 @@ class AssembleResult:
     repo: str
     engine: str
     models: list[str] = field(default_factory=list)
+    backend: str = "torch"
+    route: str = "torch"  # torch | engine | llmapi
+    notes: list[str] = field(default_factory=list)  # what still has to happen before serving
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What assemble will write: the RepoSpec plus the route's extra files."""
+
+    spec: RepoSpec
+    route: str
+    llmapi_yaml: dict | None = None
+    notes: tuple[str, ...] = ()
+
+
+def detect_backend(engine: Path, requested: str = "auto") -> str:
+    """torch for a folder with engine.json, trtllm for one with compile.json from `compile -b trtllm`."""
+    from pipeline.compile.run import MANIFEST_FILE
+    from pipeline.compile.torch_engine import ENGINE_FILE
+
+    if requested not in BACKENDS:
+        raise ConfigError(f"unknown --backend {requested!r}; pick one of {', '.join(BACKENDS)}")
+    manifest = engine / MANIFEST_FILE
+    if (engine / ENGINE_FILE).is_file():
+        found = "torch"
+    elif manifest.is_file() and _read_json(manifest).get("backend") == "trtllm":
+        found = "trtllm"
+    else:
+        raise ConfigError(f"{engine} has neither engine.json (`pipeline compile -b torch`) nor a TensorRT-LLM "
+                          f"compile.json (`pipeline compile -b trtllm`); pass an engine folder that compile wrote")
+    if requested not in ("auto", found):
+        raise ConfigError(f"--backend {requested} but {engine} is a {found} engine folder; drop --backend or pass "
+                          f"a folder from `pipeline compile -b {requested}`")
+    return found
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is unreadable ({err}); rerun `pipeline compile`") from err
+
+
+def _gate(options: AssembleOptions) -> GatePolicy:
+    return GatePolicy(max_batch_size=options.gate_batch_size,
+                      hysteresis=min(options.gate_hysteresis, max(options.gate_batch_size, 0)),
+                      min_tokens=options.min_spec_tokens)
 
 
 def repo_spec(options: AssembleOptions) -> RepoSpec:
-    """The RepoSpec for a portable engine folder: sizes from its engine.json, the gate from the options."""
+    return plan_repository(options).spec
+
+
+def plan_repository(options: AssembleOptions) -> Plan:
+    """Read the engine folder and decide everything assemble writes (reads files, writes nothing)."""
+    engine = Path(options.engine).expanduser().absolute()
+    backend = detect_backend(engine, options.backend)
+    if backend == "torch":
+        return Plan(_torch_spec(engine, options), "torch")
+    from pipeline.compile.run import MANIFEST_FILE
+
+    manifest = _read_json(engine / MANIFEST_FILE)
+    if manifest.get("route") == "llmapi":
+        return _llmapi_plan(engine, manifest, options)
+    return _engine_plan(engine, manifest, options)
+
+
+def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
+    """A portable engine folder: sizes from its engine.json, the gate from the options."""
     from pipeline.compile.torch_engine import read_engine_manifest
 
-    engine = Path(options.engine).expanduser().absolute()
     manifest = read_engine_manifest(engine)
-    gate = GatePolicy(max_batch_size=options.gate_batch_size,
-                      hysteresis=min(options.gate_hysteresis, max(options.gate_batch_size, 0)),
-                      min_tokens=options.min_spec_tokens)
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
-                    num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=gate,
+                    num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
                     acceptance_floor=options.acceptance_floor)
 
 
-def write_repository(folder: Path, spec: RepoSpec) -> list[str]:
+def _tokenizer(manifest: dict, options: AssembleOptions) -> Path:
+    folder = Path(options.tokenizer).expanduser().absolute() if options.tokenizer else Path(manifest["target"]["path"])
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}); pass --tokenizer DIR with the "
+                          f"target's Hugging Face tokenizer")
+    return folder
+
+
+def kv_fractions(plan: dict | None) -> tuple[float, float]:
+    """kv_cache_free_gpu_mem_fraction for target and draft: KV_BUDGET split as the memory plan's KV bytes
+    are, or TensorRT-LLM-ish defaults (0.6, 0.2) without a plan. Each model takes its fraction of the
+    memory free when it loads, so the sum <= 1 keeps both within the GPU whichever loads first."""
+    if not plan:
+        return 0.6, 0.2
+    dtype = plan["kv_cache_dtype"]
+    target, draft = plan["kv_cache_bytes"]["target"][dtype], plan["kv_cache_bytes"]["draft"][dtype]
+    share = target / (target + draft) if target + draft > 0 else 0.75
+    t = round(min(max(KV_BUDGET * share, MIN_KV_FRACTION), KV_BUDGET - MIN_KV_FRACTION), 3)
+    return t, round(KV_BUDGET - t, 3)
+
+
+def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan:
+    """The trtllm-build route: tensorrt_llm + tensorrt_llm_draft (tensorrtllm backend) under our gate."""
+    if manifest.get("draft", {}).get("kind") != "model":
+        raise ConfigError(f"{engine} was compiled without a draft model; the engine route serves draft-target "
+                          f"speculation: rerun `pipeline compile -b trtllm --draft DIR`, or --route llmapi")
+    target, draft = engine / "target", engine / "draft"
+    notes = []
+    if manifest.get("dry_run"):
+        notes.append(f"the engines are not built yet (compile --dry-run): run {engine / 'build.sh'} in "
+                     f"{manifest.get('container', 'the TensorRT-LLM container')} before serving")
+    else:
+        for folder in (target, draft):
+            if not (folder / "config.json").is_file():
+                raise ConfigError(f"{folder} holds no built engine (config.json); rerun `pipeline compile` or "
+                                  f"{engine / 'build.sh'}")
+    sizes = manifest["sizes"]
+    kv_target, kv_draft = kv_fractions(manifest.get("plan"))
+    spec = RepoSpec(backend="trtllm", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(target),
+                    draft_engine_dir=str(draft), max_batch_size=sizes["max_batch_size"],
+                    max_seq_len=sizes["max_seq_len"], num_draft_tokens=max(1, sizes["max_draft_len"]),
+                    gate=_gate(options), acceptance_floor=options.acceptance_floor,
+                    kv_fraction_target=kv_target, kv_fraction_draft=kv_draft)
+    return Plan(spec, "engine", notes=tuple(notes))
+
+
+def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan:
+    """The PyTorch-backend route: TensorRT-LLM's llmapi model with compile's YAML and sizes."""
+    import yaml
+
+    from pipeline.compile.llmapi import OPTIONS_FILE
+
+    options_file = engine / OPTIONS_FILE
+    if not options_file.is_file():
+        raise ConfigError(f"{options_file} is missing; rerun `pipeline compile -b trtllm --route llmapi`")
+    extra = yaml.safe_load(options_file.read_text()) or {}
+    sizes = manifest["sizes"]
+    llm_args = {"tensor_parallel_size": manifest.get("tp_size", 1),
+                "pipeline_parallel_size": manifest.get("pp_size", 1),
+                "max_batch_size": sizes["max_batch_size"], "max_num_tokens": sizes["max_num_tokens"],
+                "max_seq_len": sizes["max_seq_len"], **extra}
+    model = manifest["target"]["path"]
+    spec = RepoSpec(backend="llmapi", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(engine),
+                    max_batch_size=sizes["max_batch_size"], max_seq_len=sizes["max_seq_len"],
+                    num_draft_tokens=max(1, sizes["max_draft_len"]), gate=_gate(options),
+                    acceptance_floor=options.acceptance_floor, llmapi_model_dir=options.llmapi_model_dir)
+    notes = [f"serve it in NVIDIA's Triton + TensorRT-LLM container: the tensorrt_llm model loads TensorRT-LLM's "
+             f"llmapi model.py from {options.llmapi_model_dir}"]
+    spec_cfg = extra.get("speculative_config")
+    if spec_cfg:
+        notes.append(f"speculation is TensorRT-LLM's ({spec_cfg.get('decoding_type')}): on at batch sizes up to "
+                     f"speculative_config.max_concurrency={spec_cfg.get('max_concurrency', 'unset (always)')}; "
+                     f"requests can't switch it per request on this route")
+    return Plan(spec, "llmapi", llmapi_model_yaml(model, llm_args), tuple(notes))
+
+
+def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = None) -> list[str]:
     """Write every model (config.pbtxt, and 1/model.py for python ones) under `folder`; returns the names."""
     configs = repository_configs(spec)
     for name, msg in configs.items():
         write_config(folder / name, msg)
         (folder / name / "1").mkdir()
-        if name in PYTHON_MODELS:
+        if spec.backend == "llmapi" and name == LLMAPI_MODEL:
+            import yaml
+
+            shutil.copyfile(MODEL_SOURCES / LLMAPI_SOURCE, folder / name / "1" / "model.py")
+            # upstream's model reads it from pb_utils.get_model_dir(): the version folder, beside model.py
+            (folder / name / "1" / LLMAPI_YAML).write_text(yaml.safe_dump(llmapi_yaml or {}, sort_keys=False))
+        elif name in PYTHON_MODELS:
             shutil.copyfile(MODEL_SOURCES / PYTHON_MODELS[name], folder / name / "1" / "model.py")
     return sorted(configs)
 
@@ -70,7 +231,9 @@ def write_repository(folder: Path, spec: RepoSpec) -> list[str]:
 def assemble(options: AssembleOptions) -> AssembleResult:
     repo = Path(options.repo).expanduser().absolute()
     check_output(repo, options.force, ConfigError, "--repo")
-    spec = repo_spec(options)
+    plan = plan_repository(options)
     with staged_output(repo, options.force, ConfigError, "--repo") as stage:
-        models = write_repository(stage, spec)
-    return AssembleResult(repo=str(repo), engine=spec.engine_dir, models=models)
+        models = write_repository(stage, plan.spec, plan.llmapi_yaml)
+    engine = plan.spec.engine_dir if plan.route == "torch" else str(Path(options.engine).expanduser().absolute())
+    return AssembleResult(repo=str(repo), engine=engine, models=models, backend=plan.spec.backend,
+                          route=plan.route, notes=list(plan.notes))

@@ -7,6 +7,10 @@ with protobuf's text_format: no string templates, nothing left for a later `sed`
 The graph: ensemble = preprocessing -> speculation_gate -> postprocessing. The gate is decoupled
 and streams; it calls the engine (torch_engine, or tensorrt_llm with tensorrt_llm_draft) through
 BLS, which is why the engine models are not ensemble steps.
+
+The LLM-API route ("llmapi") is different: TensorRT-LLM's llmapi Triton model takes text and gives
+text, tokenizing and speculating inside (speculative_config.max_concurrency turns speculation off
+above that batch size), so its ensemble maps the client's names straight onto that model's.
 """
 
 from __future__ import annotations
@@ -39,15 +43,21 @@ GATE = "speculation_gate"
 TORCH_ENGINE = "torch_engine"
 TRTLLM_TARGET = "tensorrt_llm"
 TRTLLM_DRAFT = "tensorrt_llm_draft"
+LLMAPI_MODEL = "tensorrt_llm"  # the llmapi route's one model, named as upstream's all_models/llmapi
+# Where NVIDIA's Triton + TensorRT-LLM container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3)
+# keeps the llmapi model's source (model.py, helpers.py); TensorRT-LLM's own checkout has it at
+# triton_backend/all_models/llmapi/tensorrt_llm/1. We reference it, we don't ship it.
+LLMAPI_MODEL_DIR = "/app/all_models/llmapi/tensorrt_llm/1"
+LLMAPI_YAML = "model.yaml"
 
 
 @dataclass(frozen=True)
 class RepoSpec:
     """Everything the repository's configs depend on, validated here and nowhere else."""
 
-    backend: Literal["torch", "trtllm"]
-    tokenizer_dir: str  # a Hugging Face folder with the tokenizer (and chat template)
-    engine_dir: str  # torch: the portable engine folder; trtllm: the target's engine folder
+    backend: Literal["torch", "trtllm", "llmapi"]
+    tokenizer_dir: str  # a Hugging Face folder with the tokenizer (and chat template); llmapi: the model
+    engine_dir: str  # torch: the portable engine folder; trtllm: the target's engine folder; llmapi: compile's
     draft_engine_dir: str = ""  # trtllm only: the draft's engine folder
     max_batch_size: int = 64
     max_seq_len: int = 2048  # prompt + new tokens; preprocessing refuses longer requests
@@ -59,10 +69,11 @@ class RepoSpec:
     acceptance_floor: float = 0.5
     kv_fraction_target: float = 0.6  # trtllm: kv_cache_free_gpu_mem_fraction of the target
     kv_fraction_draft: float = 0.2  # trtllm: the same for the draft, on the same GPU
+    llmapi_model_dir: str = LLMAPI_MODEL_DIR  # llmapi: the folder with TensorRT-LLM's llmapi model.py
 
     def __post_init__(self):
-        if self.backend not in ("torch", "trtllm"):
-            raise ConfigError(f"unknown backend {self.backend!r}; use 'torch' or 'trtllm'")
+        if self.backend not in ("torch", "trtllm", "llmapi"):
+            raise ConfigError(f"unknown backend {self.backend!r}; use 'torch', 'trtllm' or 'llmapi'")
         if not self.tokenizer_dir or not self.engine_dir:
             raise ConfigError("tokenizer_dir and engine_dir must be set; pass the model and engine folders")
         if self.backend == "trtllm" and not self.draft_engine_dir:
@@ -85,7 +96,7 @@ class RepoSpec:
 
     @property
     def engine_model(self) -> str:
-        return TRTLLM_TARGET if self.backend == "trtllm" else TORCH_ENGINE
+        return {"trtllm": TRTLLM_TARGET, "llmapi": LLMAPI_MODEL}.get(self.backend, TORCH_ENGINE)
 
 
 def _model_config_pb2():
@@ -152,6 +163,7 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
     }
     if spec.backend == "trtllm":
         params["draft_model"] = TRTLLM_DRAFT
+        params["tokenizer_dir"] = spec.tokenizer_dir  # draft_target counts text tokens for the prefix resend
     return _base(GATE, spec, backend="python", inputs=REQUEST_TENSORS, outputs=GENERATION_TENSORS,
                  decoupled=True, parameters=params)
 
@@ -215,8 +227,69 @@ def ensemble_config(spec: RepoSpec) -> ModelConfig:
     return msg
 
 
+# The llmapi model's inputs we feed (upstream's all_models/llmapi/tensorrt_llm/config.pbtxt; it reads
+# each with get_input_tensor_by_name, so one left out is simply not set) and the ensemble's name for each.
+# max_batch_size is 0 there ("does not support batching"): every dim below is the whole shape.
+LLMAPI_INPUTS: tuple[tuple[TensorSpec, str], ...] = (
+    (TensorSpec("text_input", "BYTES", (-1,)), "text_input"),
+    (TensorSpec("streaming", "BOOL", (1,), optional=True), "stream"),
+    (TensorSpec("sampling_param_max_tokens", "INT32", (1,), optional=True), "max_tokens"),
+    (TensorSpec("sampling_param_temperature", "FP32", (1,), optional=True), "temperature"),
+    (TensorSpec("sampling_param_top_k", "INT32", (1,), optional=True), "top_k"),
+    (TensorSpec("sampling_param_top_p", "FP32", (1,), optional=True), "top_p"),
+    (TensorSpec("sampling_param_seed", "UINT64", (1,), optional=True), "random_seed"),
+    (TensorSpec("sampling_param_stop", "BYTES", (-1,), optional=True), "stop_words"),
+)
+LLMAPI_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec("text_output", "BYTES", (-1,)),)
+
+
+def llmapi_model_config(spec: RepoSpec) -> ModelConfig:
+    """TensorRT-LLM's llmapi model (python backend), run through our loader models/llmapi.py.
+
+    max_batch_size and decoupled are left out on purpose: upstream's model sets them from model.yaml's
+    triton_config in auto_complete_config, which can't override values config.pbtxt already sets.
+    """
+    pb = _model_config_pb2()
+    msg = pb.ModelConfig(name=LLMAPI_MODEL, backend="python")
+    for t, _ in LLMAPI_INPUTS:
+        msg.input.append(pb.ModelInput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims),
+                                       optional=t.optional))
+    for t in LLMAPI_OUTPUTS:
+        msg.output.append(pb.ModelOutput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims)))
+    msg.instance_group.append(pb.ModelInstanceGroup(count=1, kind=pb.ModelInstanceGroup.KIND_CPU))
+    msg.parameters["llmapi_model_dir"].string_value = spec.llmapi_model_dir
+    return msg
+
+
+def llmapi_ensemble_config(spec: RepoSpec) -> ModelConfig:
+    """The client's names (text_input, max_tokens, stream, ...) onto the llmapi model's. Unbatched, as that
+    model is; there is no speculation/num_draft_tokens input: the LLM API takes no per-request switch."""
+    pb = _model_config_pb2()
+    msg = pb.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=0)
+    for t, outer in LLMAPI_INPUTS:
+        msg.input.append(pb.ModelInput(name=outer, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims),
+                                       optional=t.optional))
+    for t in LLMAPI_OUTPUTS:
+        msg.output.append(pb.ModelOutput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims)))
+    msg.ensemble_scheduling.step.append(_step(
+        LLMAPI_MODEL, {t.name: outer for t, outer in LLMAPI_INPUTS}, {t.name: t.name for t in LLMAPI_OUTPUTS}))
+    return msg
+
+
+def llmapi_model_yaml(model: str, llm_args: dict) -> dict:
+    """model.yaml for the llmapi model: LLM(...) arguments plus its triton_config.
+
+    `llm_args` are compile's extra_llm_api_options merged with the sizes; upstream's model passes
+    everything but triton_config to LLM(**args) (update_llm_args_with_extra_dict).
+    """
+    return {"model": model, "backend": "pytorch", **llm_args,
+            "triton_config": {"max_batch_size": 0, "decoupled": True}}
+
+
 def repository_configs(spec: RepoSpec) -> dict[str, ModelConfig]:
     """Every model's config for the chosen backend, by model name."""
+    if spec.backend == "llmapi":
+        return {c.name: c for c in (llmapi_ensemble_config(spec), llmapi_model_config(spec))}
     configs = [preprocessing_config(spec), postprocessing_config(spec), speculation_gate_config(spec),
                ensemble_config(spec)]
     if spec.backend == "trtllm":

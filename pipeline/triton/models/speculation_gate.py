@@ -33,7 +33,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.triton import cancel_marks
-from pipeline.triton.serving_gate import ServingGate
+from pipeline.triton.serving_gate import Decision, ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
@@ -45,6 +45,10 @@ METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather t
 def _scalar(request, name):
     value = pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0]
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _greedy(request) -> bool:
+    return float(_scalar(request, "temperature")) == 0.0 or int(_scalar(request, "top_k")) == 1
 
 
 def _one_line(err: Exception) -> str:
@@ -121,6 +125,10 @@ class TritonPythonModel:
         self.backend = params.get("backend", "torch")
         self.engine_model = params["engine_model"]
         self.draft_model = params.get("draft_model", "")
+        self.is_text = None
+        if self.backend == "trtllm":  # which ids are text, for the streamed prefix resend
+            from pipeline.triton.draft_target import text_token_filter
+            self.is_text = text_token_filter(params["tokenizer_dir"])
         self.num_draft_tokens = int(params.get("num_draft_tokens", "4"))
         self.gate = ServingGate(
             GatePolicy(max_batch_size=int(params["gate_max_batch_size"]),
@@ -145,6 +153,9 @@ class TritonPythonModel:
                 self._send(sender, pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")), FINAL)
                 continue
+            if self.backend == "trtllm" and decision.speculate and not _greedy(request):
+                # The TensorRT-LLM loop speculates for greedy requests only (see draft_target).
+                decision = Decision(False, "sampled")
             self.outbox.put(lambda d=decision: self.metrics and self.metrics.count_request(d.speculate, d.reason))
             threading.Thread(target=self._run, args=(request, sender, decision, next(self._stream_ids)),
                              daemon=True).start()
@@ -173,8 +184,9 @@ class TritonPythonModel:
 
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 k = int(tensors.get("num_draft_tokens", np.array([[self.num_draft_tokens]])).reshape(-1)[0])
+                k = min(k, self.num_draft_tokens)  # the target engine's max_draft_len; TensorRT-LLM refuses more
                 generate(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
-                         draft_model=self.draft_model, send=forward, cancelled=cancelled)
+                         draft_model=self.draft_model, send=forward, cancelled=cancelled, is_text=self.is_text)
             else:
                 self._relay_engine(request, decision, stream_id, forward, cancelled)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down

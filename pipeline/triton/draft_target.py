@@ -1,0 +1,300 @@
+"""Draft -> target speculation over TensorRT-LLM's Triton models, run by the speculation gate per request.
+
+TensorRT-LLM's own tensorrt_llm_bls runs this loop too (tensorrtllm_backend
+all_models/inflight_batcher_llm/tensorrt_llm_bls/1/lib/decode.py, `_spec_generate`), but refuses
+streaming and batch > 1. Here each request runs on its own gate worker thread, any number at once,
+and streams: every response goes out through `send`, the gate's one sender thread.
+
+One iteration, as upstream's (triton_decoder.py `_get_llm_tensors_from_request`):
+  propose: the draft model, greedy, request_output_len = n <= K, input_ids = prompt + generated
+  verify:  the target, input_ids = the same, draft_input_ids = the n drafts, request_output_len = n + 1;
+           it answers with the drafts it accepted + its own next token.
+Both tensorrt_llm models are decoupled and run with exclude_input_in_output=true (our config.pbtxt),
+so each response's output_ids [1, beam=1, len] hold generated tokens only, sequence_length [1, 1] how
+many are valid; a streaming response holds just the tokens new since the last one.
+
+Sampling: speculation runs for greedy requests only; sampled ones decode on the target alone. The
+target accepts by token match unless it gets draft_logits (externalDraftTokensLayer), and logits need
+the draft engine built with --gather_generation_logits plus a [n, vocab] FP32 tensor through BLS per
+step; `pipeline compile` doesn't build that, and upstream's BLS leaves use_draft_logits off too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from pipeline.errors import PipelineError
+
+# Text-bearing tokens resent before each streamed chunk so postprocessing can rebuild a character split
+# across chunks (as models/torch_engine.py). Special tokens and ids past the tokenizer's vocabulary
+# decode to nothing, so they don't count: a run of them would push the split bytes out of the prefix.
+PREFIX_TOKENS = 6
+TRTLLM_OUTPUTS = ["output_ids", "sequence_length"]
+
+Send = Callable[[dict], None]
+
+
+class EngineCallError(PipelineError):
+    """A tensorrt_llm model answered a request with an error."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """REQUEST_TENSORS of one request, as plain values."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    end_id: int  # -1: none
+    stop_words: tuple[tuple[int, ...], ...]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stream: bool
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, np.ndarray]) -> Request:
+        def scalar(name):
+            return tensors[name].reshape(-1)[0]
+
+        length = int(scalar("input_lengths"))
+        return cls(prompt=tuple(int(t) for t in tensors["input_ids"].reshape(-1)[:length]),
+                   max_tokens=int(scalar("request_output_len")), end_id=int(scalar("end_id")),
+                   stop_words=parse_stop_words(tensors["stop_words_list"]),
+                   temperature=float(scalar("temperature")), top_k=int(scalar("top_k")),
+                   top_p=float(scalar("top_p")), seed=int(scalar("random_seed")), stream=bool(scalar("stream")))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def parse_stop_words(flat: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """tensorrtllm's [2, W] layout (row 0 the ids, row 1 each word's end offset, -1 padded) -> words."""
+    ids, ends = flat.reshape(2, -1)
+    words, start = [], 0
+    for end in ends:
+        if end < 0:
+            break
+        words.append(tuple(int(t) for t in ids[start:end]))
+        start = int(end)
+    return tuple(w for w in words if w)
+
+
+def stop_words_tensor(words: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """words -> [1, 2, W] int32 in tensorrtllm's layout."""
+    flat = [t for w in words for t in w]
+    out = np.full((1, 2, len(flat)), -1, np.int32)
+    out[0, 0] = flat
+    out[0, 1, :len(words)] = np.cumsum([len(w) for w in words])
+    return out
+
+
+def stop_at(before: list[int], new: list[int], request: Request) -> int | None:
+    """How many of `new` to keep, up to and including the first end_id or stop word (a word may start
+    in `before`, the tokens already generated); None when nothing in `new` ends the answer."""
+    seq = before + new
+    for i in range(len(before), len(seq)):
+        if seq[i] == request.end_id:
+            return i + 1 - len(before)
+        for word in request.stop_words:
+            if i + 1 >= len(word) and tuple(seq[i + 1 - len(word):i + 1]) == word:
+                return i + 1 - len(before)
+    return None
+
+
+def accepted_count(drafts: list[int], verified: list[int]) -> tuple[int, bool]:
+    """(drafts accepted, whether the target stopped) from the target's answer to n drafts.
+
+    Greedy verification (the target's rule, so the answer is target-only greedy whatever the draft):
+      accept d_i while d_i == argmax p_target(. | x, d_<i), for i = 0, 1, ...
+      at the first mismatch (or after all n) emit the target's own argmax instead.
+    So the answer is the accepted drafts + 1 token; anything after that is the target's too and kept.
+    An answer that is all drafts and shorter than n + 1 means it stopped (end_id, which TensorRT-LLM
+    may leave out of the output) before its own token.
+    """
+    n = 0
+    while n < len(drafts) and n < len(verified) and verified[n] == drafts[n]:
+        n += 1
+    return n, n == len(verified) and len(verified) < len(drafts) + 1
+
+
+class Engines(Protocol):
+    """The two models as the loop sees them; `TritonEngines` is the real one, tests pass fakes."""
+
+    def propose(self, ids: list[int], n: int) -> list[int]: ...
+
+    def verify(self, ids: list[int], drafts: list[int]) -> list[int]: ...
+
+    def decode(self, ids: list[int], n: int, request: Request) -> Iterator[list[int]]: ...
+
+
+def text_token_filter(tokenizer_dir: str) -> Callable[[int], bool]:
+    """Whether a token id decodes to text with this tokenizer (for the prefix count)."""
+    from pipeline.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocab = len(tokenizer)
+    special = frozenset(tokenizer.all_special_ids) | frozenset(
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    return lambda t: 0 <= t < vocab and t not in special
+
+
+class Emitter:
+    """Builds GENERATION_TENSORS responses: deltas of the counts, and the prefix resend when streaming."""
+
+    def __init__(self, request: Request, send: Send, is_text: Callable[[int], bool] | None = None):
+        self.request, self.send = request, send
+        self.is_text = is_text or (lambda t: t != request.end_id)
+        self.tokens: list[int] = []
+        self.sent = 0
+        self.counts = [0, 0, 0]  # accepted, drafted, verify_steps not yet sent
+
+    def add(self, tokens: list[int], accepted: int = 0, drafted: int = 0, steps: int = 0) -> None:
+        self.tokens += tokens
+        self.counts = [self.counts[0] + accepted, self.counts[1] + drafted, self.counts[2] + steps]
+        if self.request.stream:
+            self.flush()
+
+    def flush(self, final: bool = False) -> None:
+        """Send what is new; the final response goes out even with nothing new (postprocessing then
+        releases a trailing U+FFFD it held back)."""
+        end = len(self.tokens)
+        if self.request.stream and end == self.sent and not final:
+            return
+        start = self._prefix_start() if self.request.stream else 0
+        row = np.array([self.tokens[start:end]], np.int32).reshape(1, -1)
+        self.send({"output_ids": row,
+                   "prefix_length": np.array([[self.sent - start if self.request.stream else 0]], np.int32),
+                   "accepted_tokens": np.array([[self.counts[0]]], np.int32),
+                   "drafted_tokens": np.array([[self.counts[1]]], np.int32),
+                   "verify_steps": np.array([[self.counts[2]]], np.int32),
+                   "final": np.array([[final]], np.bool_)})
+        self.sent, self.counts = end, [0, 0, 0]
+
+    def _prefix_start(self) -> int:
+        start, text = self.sent, 0
+        while start > 0 and text < PREFIX_TOKENS:
+            start -= 1
+            text += self.is_text(self.tokens[start])
+        return start
+
+
+def speculate_loop(request: Request, engines: Engines, k: int, emit: Emitter, cancelled: Callable[[], bool]) -> None:
+    """Draft proposes, target verifies, until max_tokens, end_id or a stop word; checks cancel each step."""
+    out: list[int] = []
+    while len(out) < request.max_tokens and not cancelled():
+        ids = list(request.prompt) + out
+        # Room for the target's own token after the drafts: n + 1 <= what is left.
+        n = min(k, request.max_tokens - len(out) - 1)
+        drafts = engines.propose(ids, n)[:n] if n > 0 else []
+        verified = engines.verify(ids, drafts)
+        if not verified:
+            return
+        accepted, stopped = accepted_count(drafts, verified)
+        new = verified[:request.max_tokens - len(out)]
+        end = stop_at(out, new, request)
+        new = new[:end] if end is not None else new
+        out += new
+        emit.add(new, accepted=accepted, drafted=len(drafts), steps=1 if drafts else 0)
+        if end is not None or stopped:
+            return
+
+
+def plain_loop(request: Request, engines: Engines, emit: Emitter, cancelled: Callable[[], bool]) -> None:
+    """The target alone (streaming when the request streams): relay its tokens up to a stop."""
+    out: list[int] = []
+    for tokens in engines.decode(list(request.prompt), request.max_tokens, request):
+        new = tokens[:request.max_tokens - len(out)]
+        end = stop_at(out, new, request)
+        new = new[:end] if end is not None else new
+        out += new
+        emit.add(new)
+        if end is not None or len(out) >= request.max_tokens or cancelled():
+            return
+
+
+class TritonEngines:
+    """The tensorrt_llm target and draft through BLS, both decoupled (exec(decoupled=True))."""
+
+    def __init__(self, target_model: str, draft_model: str, request: Request, cancelled: Callable[[], bool]):
+        self.target_model, self.draft_model = target_model, draft_model
+        self.request, self.cancelled = request, cancelled
+
+    def _inputs(self, ids: list[int], n: int, *, greedy: bool, streaming: bool) -> dict[str, np.ndarray]:
+        r = self.request
+        tensors = {
+            "input_ids": np.array([ids], np.int32),
+            "input_lengths": np.array([[len(ids)]], np.int32),
+            "request_output_len": np.array([[n]], np.int32),
+            "streaming": np.array([[streaming]], bool),
+        }
+        if r.end_id >= 0:
+            tensors["end_id"] = tensors["pad_id"] = np.array([[r.end_id]], np.int32)
+        if r.stop_words:
+            tensors["stop_words_list"] = stop_words_tensor(r.stop_words)
+        if greedy:
+            tensors["runtime_top_k"] = np.array([[1]], np.int32)
+        else:
+            tensors.update(temperature=np.array([[r.temperature]], np.float32),
+                           runtime_top_k=np.array([[r.top_k]], np.int32),
+                           runtime_top_p=np.array([[r.top_p]], np.float32),
+                           random_seed=np.array([[r.seed]], np.uint64))
+        return tensors
+
+    def _call(self, model: str, tensors: dict[str, np.ndarray]) -> Iterator[list[int]]:
+        import triton_python_backend_utils as pb_utils
+
+        responses = pb_utils.InferenceRequest(
+            model_name=model, inputs=[pb_utils.Tensor(k, v) for k, v in tensors.items()],
+            requested_output_names=TRTLLM_OUTPUTS).exec(decoupled=True)
+        for response in responses:
+            if response.has_error():
+                raise EngineCallError(f"{model}: {' '.join(response.error().message().split())}")
+            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            if "output_ids" in outputs:
+                ids = outputs["output_ids"].reshape(-1)  # [1, beam=1, len]
+                length = int(outputs["sequence_length"].reshape(-1)[0]) if "sequence_length" in outputs else ids.size
+                yield [int(t) for t in ids[:length]]
+            if self.cancelled():
+                if hasattr(responses, "cancel"):  # python backend >= 24.04: tells the model to stop
+                    responses.cancel()
+                return
+
+    def propose(self, ids: list[int], n: int) -> list[int]:
+        return [t for chunk in self._call(self.draft_model, self._inputs(ids, n, greedy=True, streaming=False))
+                for t in chunk]
+
+    def verify(self, ids: list[int], drafts: list[int]) -> list[int]:
+        tensors = self._inputs(ids, len(drafts) + 1, greedy=True, streaming=False)
+        if drafts:
+            tensors["draft_input_ids"] = np.array([drafts], np.int32)
+        return [t for chunk in self._call(self.target_model, tensors) for t in chunk]
+
+    def decode(self, ids: list[int], n: int, request: Request) -> Iterator[list[int]]:
+        return self._call(self.target_model, self._inputs(ids, n, greedy=request.greedy, streaming=request.stream))
+
+
+def generate(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_tokens: int, target_model: str,
+             draft_model: str, send: Send, cancelled: Callable[[], bool], engines: Engines | None = None,
+             is_text: Callable[[int], bool] | None = None) -> None:
+    """Answer one request (REQUEST_TENSORS as numpy arrays) with GENERATION_TENSORS responses via `send`.
+
+    Streaming: one response per iteration with new tokens; otherwise one response with the whole
+    answer. The last response has `final` set; the caller sends Triton's FINAL flag. Raises
+    EngineCallError (one line) if a model fails.
+    is_text: `text_token_filter(tokenizer_dir)`; without it every token but end_id counts as text.
+    """
+    request = Request.from_tensors(tensors)
+    engines = engines or TritonEngines(target_model, draft_model, request, cancelled)
+    emit = Emitter(request, send, is_text)
+    if speculate and request.greedy and num_draft_tokens > 0:
+        speculate_loop(request, engines, num_draft_tokens, emit, cancelled)
+    else:
+        plain_loop(request, engines, emit, cancelled)
+    if not cancelled():
+        emit.flush(final=True)

@@ -1,0 +1,412 @@
+"""pipeline.triton.draft_target: the draft -> target loop the gate runs over TensorRT-LLM's models.
+
+Pure loop tests use seeded toy "models" (a next-token function); the served tests assemble a trtllm
+repository, swap tensorrt_llm and tensorrt_llm_draft for python stand-ins that follow the tensorrtllm
+backend's interface (tests/trtllm_standin.py) and serve it with a real tritonserver.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.triton.draft_target import (Emitter, Request, accepted_count, generate, parse_stop_words, stop_at,
+                                          stop_words_tensor)
+
+# ---- the loop on toy models ---------------------------------------------------------------------
+
+
+def toy(seed: int):
+    """A deterministic next-token function over a 40-token vocabulary."""
+    return lambda ids: (sum(ids) * 31 + len(ids) * seed + seed) % 40
+
+
+class ToyEngines:
+    """propose / verify / decode with TensorRT-LLM's semantics, over two next-token functions."""
+
+    def __init__(self, target, draft, end_id=-1, stream_chunk=1):
+        self.target, self.draft, self.end_id, self.chunk = target, draft, end_id, stream_chunk
+        self.calls: list[tuple[str, int]] = []
+
+    def _greedy(self, f, ids, n):
+        out = []
+        while len(out) < n:
+            out.append(f(ids + out))
+            if out[-1] == self.end_id:
+                break
+        return out
+
+    def propose(self, ids, n):
+        self.calls.append(("draft", n))
+        return self._greedy(self.draft, ids, n)
+
+    def verify(self, ids, drafts):
+        self.calls.append(("verify", len(drafts)))
+        out = []
+        for d in drafts:
+            t = self.target(ids + out)
+            out.append(t)
+            if t != d or t == self.end_id:
+                return out
+        return out + [self.target(ids + out)]
+
+    def decode(self, ids, n, request):
+        self.calls.append(("decode", n))
+        out = self._greedy(self.target, ids, n)
+        if request.stream:
+            for i in range(0, len(out), self.chunk):
+                yield out[i:i + self.chunk]
+        else:
+            yield out
+
+
+def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(), temperature=0.0):
+    # Preprocessing's layout: -1 padded, one column even with no words.
+    words = stop_words_tensor(tuple(tuple(w) for w in stop_words)) if stop_words else np.full((1, 2, 1), -1, np.int32)
+    return {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+            "request_output_len": np.array([[max_tokens]], np.int32), "end_id": np.array([[end_id]], np.int32),
+            "temperature": np.array([[temperature]], np.float32), "top_k": np.array([[0]], np.int32),
+            "top_p": np.array([[1.0]], np.float32), "random_seed": np.array([[0]], np.uint64),
+            "stream": np.array([[stream]], bool), "stop_words_list": words,
+            "speculation": np.array([[b"auto"]], np.object_), "num_draft_tokens": np.array([[4]], np.int32)}
+
+
+def run(engines, tensors, *, speculate=True, k=4, cancel_after=None):
+    sent = []
+    cancelled = (lambda: len(sent) >= cancel_after) if cancel_after else (lambda: False)
+    generate(tensors, speculate=speculate, num_draft_tokens=k, target_model="t", draft_model="d",
+             send=sent.append, cancelled=cancelled, engines=engines)
+    return sent
+
+
+def tokens_of(sent):
+    """Rebuild the answer from GENERATION_TENSORS responses: each is prefix_length resent + new."""
+    out = []
+    for r in sent:
+        ids = r["output_ids"].reshape(-1).tolist()
+        prefix = int(r["prefix_length"][0, 0])
+        assert ids[:prefix] == out[len(out) - prefix:] if prefix else True
+        out += ids[prefix:]
+    return out
+
+
+def counts(sent):
+    return tuple(sum(int(r[name][0, 0]) for r in sent) for name in ("accepted_tokens", "drafted_tokens",
+                                                                        "verify_steps"))
+
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("draft_seed", [7, 8])  # 7: the target itself; 8: a different draft
+def test_speculative_answer_equals_target_only_greedy_streamed_or_not(stream, draft_seed):
+    target = toy(7)
+    engines = ToyEngines(target, toy(draft_seed))
+    expected = ToyEngines(target, target)._greedy(target, PROMPT, 30)
+    sent = run(engines, request_tensors(PROMPT, 30, stream=stream))
+    assert tokens_of(sent) == expected
+    assert len(sent) > 1 if stream else len(sent) == 1
+    accepted, drafted, steps = counts(sent)
+    assert 0 <= accepted <= drafted and steps > 0
+    if draft_seed == 7:
+        assert accepted == drafted  # a draft equal to the target is always accepted
+        assert steps == -(-30 // 5)  # K + 1 tokens per step
+    assert all(kind != "decode" for kind, _ in engines.calls)
+
+
+def test_drafts_shrink_near_max_tokens_so_the_target_token_fits():
+    target = toy(7)
+    engines = ToyEngines(target, target)
+    sent = run(engines, request_tensors(PROMPT, 7))
+    assert len(tokens_of(sent)) == 7
+    assert engines.calls == [("draft", 4), ("verify", 4), ("draft", 1), ("verify", 1)]
+
+
+def test_speculation_off_and_sampled_requests_call_the_target_alone():
+    target = toy(7)
+    expected = ToyEngines(target, target)._greedy(target, PROMPT, 20)
+    engines = ToyEngines(target, toy(8), stream_chunk=3)
+    sent = run(engines, request_tensors(PROMPT, 20, stream=True), speculate=False)
+    # 20 tokens in chunks of 3: 7 chunks, then the final response (nothing new, `final` set).
+    assert tokens_of(sent) == expected and counts(sent) == (0, 0, 0) and len(sent) == 8
+    assert [bool(r["final"][0, 0]) for r in sent] == [False] * 7 + [True]
+    assert engines.calls == [("decode", 20)]
+    sampled = ToyEngines(target, toy(8))
+    run(sampled, request_tensors(PROMPT, 20, temperature=0.8))
+    assert sampled.calls == [("decode", 20)]
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+def test_stops_on_end_id_and_on_a_stop_word(speculate):
+    target = toy(7)
+    full = ToyEngines(target, target)._greedy(target, PROMPT, 30)
+    end_id = full[9]
+    first = full.index(end_id)
+    sent = run(ToyEngines(target, toy(8), end_id=end_id), request_tensors(PROMPT, 30, end_id=end_id),
+               speculate=speculate)
+    assert tokens_of(sent) == full[:first + 1]
+    word = tuple(full[12:14])
+    stop = next(i for i in range(1, len(full)) if tuple(full[i - 1:i + 1]) == word)
+    sent = run(ToyEngines(target, toy(8)), request_tensors(PROMPT, 30, stop_words=[word]), speculate=speculate)
+    assert tokens_of(sent) == full[:stop + 1]
+
+
+def test_cancellation_stops_between_iterations():
+    target = toy(7)
+    engines = ToyEngines(target, target)
+    sent = run(engines, request_tensors(PROMPT, 200, stream=True), cancel_after=2)
+    assert len(sent) == 2 and len(engines.calls) == 4
+
+
+def test_streamed_chunks_resend_a_prefix_for_split_characters():
+    target = toy(7)
+    sent = run(ToyEngines(target, target), request_tensors(PROMPT, 20, stream=True))
+    # The final response resends only the prefix: all of its ids are already-sent ones.
+    assert [int(r["prefix_length"][0, 0]) for r in sent] == [0, 5, 6, 6, 6]
+    assert sent[-1]["output_ids"].shape[1] == 6
+
+
+def test_the_prefix_counts_only_text_tokens():
+    """Ids past the tokenizer's vocabulary decode to nothing: a run of them must not push a split
+    character's first bytes out of the resent prefix."""
+    sent = []
+    emit = Emitter(Request.from_tensors(request_tensors(PROMPT, 20, stream=True)), sent.append, lambda t: t < 50)
+    for t in [1, 2, 3] + [99] * 7 + [4]:
+        emit.add([t])
+    assert sent[-1]["output_ids"].tolist() == [[1, 2, 3] + [99] * 7 + [4]]
+    assert int(sent[-1]["prefix_length"][0, 0]) == 10
+
+
+def test_a_stop_word_straddling_two_steps_still_stops():
+    r = Request.from_tensors(request_tensors(PROMPT, 9, stop_words=[(4, 5, 6)]))
+    assert stop_at([1, 4], [5, 6, 7], r) == 2
+    assert stop_at([1, 4, 5], [6], r) == 1
+    assert stop_at([], [4, 5], r) is None
+
+
+def test_accepted_count_reads_the_targets_answer():
+    assert accepted_count([1, 2, 3], [1, 2, 9]) == (2, False)
+    assert accepted_count([1, 2, 3], [1, 2, 3, 4]) == (3, False)
+    assert accepted_count([1, 2, 3], [7]) == (0, False)
+    assert accepted_count([1, 2, 3], [1, 2]) == (2, True)  # stopped on an end_id left out of the output
+    assert accepted_count([], [5]) == (0, False)
+    assert accepted_count([1, 2, 3], [1, 9, 5, 6]) == (1, False)  # tokens past the correction are the target's
+
+
+def test_stop_words_round_trip_tensorrtllm_layout():
+    words = ((5,), (7, 8, 9), (2, 2))
+    tensor = stop_words_tensor(words)
+    assert tensor.tolist() == [[[5, 7, 8, 9, 2, 2], [1, 4, 6, -1, -1, -1]]]
+    assert parse_stop_words(tensor) == words
+    assert parse_stop_words(np.array([[[-1], [-1]]], np.int32)) == ()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_tensors_sent_to_tensorrt_llm_are_inputs_of_its_config_with_their_dtype_and_rank(temperature):
+    from pipeline.triton.draft_target import TritonEngines
+    from pipeline.triton.interface import TRTLLM_INPUTS
+
+    dtypes = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
+    specs = {t.name: t for t in TRTLLM_INPUTS}
+    request = Request.from_tensors(request_tensors(PROMPT, 9, end_id=2, stop_words=[(4, 5)], temperature=temperature))
+    engines = TritonEngines("tensorrt_llm", "tensorrt_llm_draft", request, lambda: False)
+    sent = engines._inputs(PROMPT, 4, greedy=request.greedy, streaming=True) | {
+        "draft_input_ids": np.array([[1, 2]], np.int32)}
+    for name, value in sent.items():
+        spec = specs[name]
+        assert value.dtype == dtypes[spec.dtype], name
+        assert value.ndim == 1 + len(spec.dims), name  # the batch dim, then the config's dims
+    assert {t.name for t in TRTLLM_INPUTS if not t.optional} <= set(sent)
+    assert ("temperature" in sent) == (temperature > 0)
+
+
+def test_request_reads_the_gate_tensors():
+    r = Request.from_tensors(request_tensors(PROMPT + [0, 0], 9, stream=True, end_id=2) |
+                             {"input_lengths": np.array([[5]], np.int32)})
+    assert (r.prompt, r.max_tokens, r.end_id, r.stream, r.greedy) == (tuple(PROMPT), 9, 2, True, True)
+
+
+# ---- served: a trtllm repository with stand-in engine models, on a real tritonserver ------------
+
+MAX_TOKENS = 40
+DRAFT_MAX_INPUT_LEN = 120  # past every test prompt + MAX_TOKENS
+
+
+def standin_repo(root: Path, target: Path, draft: Path) -> Path:
+    from pipeline.engine.gate_policy import GatePolicy
+    from pipeline.triton.assemble import write_repository
+    from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, read_config, write_config
+
+    spec = RepoSpec(backend="trtllm", tokenizer_dir=str(target), engine_dir=str(target), draft_engine_dir=str(draft),
+                    max_batch_size=16, max_seq_len=256, num_draft_tokens=3,
+                    gate=GatePolicy(max_batch_size=16, hysteresis=2, min_tokens=0), acceptance_floor=0.0)
+    repo = root / "repo"
+    repo.mkdir(parents=True)
+    write_repository(repo, spec)
+    for name in (TRTLLM_TARGET, TRTLLM_DRAFT):  # same names and interface, backend python
+        msg = read_config(repo / name)
+        msg.backend = "python"
+        msg.parameters["standin_max_draft_len"].string_value = str(spec.num_draft_tokens)
+        if name == TRTLLM_DRAFT:  # a draft engine built for shorter inputs than the target's
+            msg.parameters["standin_max_input_len"].string_value = str(DRAFT_MAX_INPUT_LEN)
+        write_config(repo / name, msg)
+        shutil.copyfile(Path(__file__).parent / "trtllm_standin.py", repo / name / "1" / "model.py")
+    return repo
+
+
+@pytest.fixture(scope="module", params=["same_draft", "other_draft"])
+def served(request, tiny_target, tiny_draft, tmp_path_factory):
+    pytest.importorskip("tritonclient.grpc")
+    from pipeline.errors import PipelineError
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
+    from ports import free_ports
+
+    try:
+        binary = find_tritonserver()
+    except PipelineError as err:
+        pytest.skip(str(err))
+    draft = tiny_target if request.param == "same_draft" else tiny_draft
+    repo = standin_repo(tmp_path_factory.mktemp("trtllm"), tiny_target, draft)
+    grpc, http, metrics = free_ports()
+    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics), binary) as srv:
+        yield request.param, srv
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    """prompt, max_tokens -> the target-only greedy text, decoded as postprocessing decodes it."""
+    from trtllm_standin import greedy_generate, load_model
+
+    from pipeline.engine.config import ModelConfig
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    model, tokenizer = load_model(str(tiny_target)), load_tokenizer(tiny_target)
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(tiny_target).eos_token_ids)
+
+    def text(prompt: str, max_tokens: int, *, as_ids: bool = False):
+        ids = encode_prompt(tokenizer, prompt, raw=False)
+        out = greedy_generate(model, ids, max_tokens, stops[0])
+        for i, t in enumerate(out):
+            if t in stops:
+                out = out[:i + 1]
+                break
+        if as_ids:
+            return ids, out
+        decoded = tokenizer.decode(out, skip_special_tokens=True)
+        return decoded[:-1] if decoded.endswith("\ufffd") else decoded
+    return text
+
+
+def ask(url: str, prompt: str, max_tokens: int, *, stream: bool = True, speculation: str = "auto",
+        num_draft_tokens: int | None = None, leave_after: int | None = None) -> list[tuple[str, int, int]]:
+    """(text, accepted, drafted) per response over the streaming RPC; leave_after: cancel after that many."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    extra = [tensor("num_draft_tokens", np.array([[num_draft_tokens]], np.int32), "INT32")] if num_draft_tokens else []
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    chunks: list[tuple[str, int, int]] = []
+    try:
+        client.async_stream_infer("ensemble", [
+            tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
+            tensor("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
+            tensor("stream", np.array([[stream]]), "BOOL"),
+            tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES"), *extra],
+            enable_empty_final_response=True)
+        while True:
+            result, error = got.get(timeout=120)
+            if error is not None:
+                raise error
+            response = result.get_response()
+            if response.outputs:
+                chunks.append((result.as_numpy("text_output")[0, 0].decode(),
+                               int(result.as_numpy("num_accepted_tokens")[0, 0]),
+                               int(result.as_numpy("num_drafted_tokens")[0, 0])))
+            if leave_after is not None and len(chunks) >= leave_after:
+                client.stop_stream(cancel_requests=True)
+                return chunks
+            if response.parameters["triton_final_response"].bool_param:
+                return chunks
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.slow  # two tritonservers with five python models each: 20-60 s to start on 2 cores
+def test_served_answers_equal_target_only_greedy_streamed_or_not_speculating_or_not(served, reference):
+    kind, server = served
+    prompt = "abcabcabc hello"
+    expected = reference(prompt, MAX_TOKENS)
+    [(text, accepted, drafted)] = ask(server.endpoints.grpc, prompt, MAX_TOKENS, stream=False)
+    assert text == expected and 0 <= accepted <= drafted and drafted > 0
+    if kind == "same_draft":
+        assert accepted == drafted
+    # More drafts than the engine was built for: clamped to its max_draft_len (3), not refused.
+    [(text, _, _)] = ask(server.endpoints.grpc, prompt, MAX_TOKENS, stream=False, num_draft_tokens=10)
+    assert text == expected
+    for speculation in ("auto", "off"):
+        chunks = ask(server.endpoints.grpc, prompt, MAX_TOKENS, speculation=speculation)
+        assert "".join(t for t, _, _ in chunks) == expected and len(chunks) > 1
+        accepted, drafted = sum(a for _, a, _ in chunks), sum(d for _, _, d in chunks)
+        assert (drafted == 0) == (speculation == "off") and 0 <= accepted <= drafted
+        if kind == "same_draft":
+            assert accepted == drafted
+
+
+@pytest.mark.slow
+def test_concurrent_streams_each_get_their_own_answer_beside_a_cancelled_one(served, reference):
+    _, server = served
+    prompts = [f"prompt {i} {'xy' * i}" for i in range(8)]
+    got: dict[int, str] = {}
+    errors: list[Exception] = []
+
+    def one(i):
+        try:
+            got[i] = "".join(t for t, _, _ in ask(server.endpoints.grpc, prompts[i], MAX_TOKENS,
+                                                  speculation="off" if i % 4 == 3 else "auto"))
+        except Exception as err:  # noqa: BLE001  reported below
+            errors.append(err)
+
+    leaver = threading.Thread(target=ask, args=(server.endpoints.grpc, "walk away", 200), kwargs={"leave_after": 2})
+    threads = [leaver] + [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert not errors
+    assert got == {i: reference(p, MAX_TOKENS) for i, p in enumerate(prompts)}
+    assert time.monotonic() - start < 180
+    # The server still answers after the cancelled stream.
+    assert "".join(t for t, _, _ in ask(server.endpoints.grpc, "after", 8)) == reference("after", 8)
+
+
+@pytest.mark.slow
+def test_an_engine_error_mid_stream_reaches_the_client_in_one_line_and_others_go_on(served, reference):
+    from tritonclient.utils import InferenceServerException
+
+    _, server = served
+    # A prompt whose answer runs past the draft's max_input_len: the draft refuses the step that gets there.
+    prompt = next(p for p in (f"long answer {i}" for i in range(50))
+                  if sum(map(len, reference(p, 150, as_ids=True))) > DRAFT_MAX_INPUT_LEN + 4)
+    with pytest.raises(InferenceServerException, match=r"tensorrt_llm_draft: .*Prompt length \(12\d\) exceeds "
+                                                        r"maximum input length \(120\)") as err:
+        ask(server.endpoints.grpc, prompt, 150)
+    assert "\n" not in str(err.value)
+    # Without speculation the target alone answers it; and the next request speculates as before.
+    plain = ask(server.endpoints.grpc, prompt, 150, speculation="off")
+    assert "".join(t for t, _, _ in plain) == reference(prompt, 150)
+    assert "".join(t for t, _, _ in ask(server.endpoints.grpc, "after", 8)) == reference("after", 8)

@@ -1,0 +1,54 @@
+"""A stand-in for TensorRT-LLM's llmapi Triton model (triton_backend/all_models/llmapi/tensorrt_llm/1/model.py),
+copied by the tests into a folder as model.py beside a helpers.py, where our loader
+(pipeline/triton/models/llmapi.py) finds it as it would find NVIDIA's in the container.
+
+It keeps upstream's contract: model.yaml read from pb_utils.get_model_dir(), its triton_config setting
+max_batch_size and decoupled in auto_complete_config, everything else being LLM(...) arguments; text in
+(text_input, streaming, sampling_param_*), text_output out. Instead of generating it echoes what it got,
+so a test can see that the YAML and each mapped input arrived.
+"""
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import yaml
+from helpers import scalar  # upstream imports its helpers.py the same way
+
+
+def _model_yaml():
+    with open(os.path.join(pb_utils.get_model_dir(), "model.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+class TritonPythonModel:
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config):
+        triton_config = _model_yaml()["triton_config"]
+        auto_complete_model_config.set_model_transaction_policy(dict(decoupled=bool(triton_config["decoupled"])))
+        auto_complete_model_config.set_max_batch_size(int(triton_config["max_batch_size"]))
+        return auto_complete_model_config
+
+    def initialize(self, args):
+        config = _model_yaml()
+        self.llm_args = {k: v for k, v in config.items() if k != "triton_config"}
+
+    def execute(self, requests):
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request in requests:
+            sender = request.get_response_sender()
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0].decode()
+            got = {"prompt": text, "model": self.llm_args["model"],
+                   "speculative_config": self.llm_args.get("speculative_config"),
+                   "max_tokens": scalar(request, "sampling_param_max_tokens"),
+                   "temperature": scalar(request, "sampling_param_temperature")}
+            pieces = [json.dumps(got)]
+            if scalar(request, "streaming"):
+                pieces += ["second", "third"]
+            for i, piece in enumerate(pieces):
+                sender.send(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("text_output", np.array([piece.encode()], np.object_))]),
+                    flags=final if i == len(pieces) - 1 else 0)
+        return None
+
