@@ -174,15 +174,8 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
 def _assemble_options(s: Settings, engine: Path, repo: Path):
     from pipeline.triton.assemble import AssembleOptions
 
-    common = dict(engine=engine, repo=repo, gate_batch_size=s.gate_batch_size, force=True)
-    if s.backend == "torch":
-        return AssembleOptions(**common), ""
-    if "backend" in {f.name for f in dataclasses.fields(AssembleOptions)}:
-        try:
-            return AssembleOptions(backend="trtllm", **common), ""
-        except (TypeError, ValueError):
-            pass
-    return None, "shown, not run: `pipeline assemble` has no TensorRT-LLM backend yet"
+    return AssembleOptions(engine=engine, repo=repo, backend=s.backend, gate_batch_size=s.gate_batch_size,
+                           force=True), ""
 
 
 def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:

@@ -24,6 +24,9 @@ import click
 @click.option("gate_batch_size", "--gate-batch-size", type=int, default=32, show_default=True,
               help="Speculate while at most this many requests are in flight (the llmapi route takes "
                    "compile's speculative_config.max_concurrency instead).")
+@click.option("gate_hysteresis", "--gate-hysteresis", type=int, default=None,
+              help="Once off, speculation comes back only at --gate-batch-size minus this many in flight "
+                   "[default: gate batch size / 8, at least 1].")
 @click.option("min_spec_tokens", "--min-spec-tokens", type=int, default=50, show_default=True,
               help="Requests asking for fewer new tokens never speculate.")
 @click.option("acceptance_floor", "--acceptance-floor", type=float, default=0.5, show_default=True,
@@ -31,8 +34,8 @@ import click
                    "(every 8th still speculates, to measure); 0 turns the floor off.")
 @click.option("--force", "-f", is_flag=True, help="Replace an existing repository.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
-def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size, min_spec_tokens, acceptance_floor,
-             force, json_):
+def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size, gate_hysteresis, min_spec_tokens,
+             acceptance_floor, force, json_):
     """Write a Triton model repository for an engine folder.
 
     \b
@@ -53,7 +56,8 @@ def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size
 
     result = run(AssembleOptions(engine=engine, repo=repo, backend=backend, tokenizer=tokenizer,
                                  llmapi_model_dir=llmapi_model_dir or LLMAPI_MODEL_DIR,
-                                 gate_batch_size=gate_batch_size, min_spec_tokens=min_spec_tokens,
+                                 gate_batch_size=gate_batch_size, gate_hysteresis=gate_hysteresis,
+                                 min_spec_tokens=min_spec_tokens,
                                  acceptance_floor=acceptance_floor, force=force))
     if json_:
         click.echo(json.dumps(asdict(result), indent=2))

@@ -46,7 +46,7 @@ class AssembleOptions:
     tokenizer: Path | None = None  # trtllm: default the target checkpoint compile.json names
     llmapi_model_dir: str = LLMAPI_MODEL_DIR  # llmapi route: where TensorRT-LLM's llmapi model.py is at serve time
     gate_batch_size: int = 32  # speculate while at most this many requests are in flight
-    gate_hysteresis: int = 4
+    gate_hysteresis: int | None = None  # back on at gate_batch_size - this; default gate_batch_size // 8, >= 1
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
     acceptance_floor: float = 0.5  # auto requests stop speculating while the rolling acceptance is below; 0 = off
     force: bool = False
@@ -70,6 +70,11 @@ class Plan:
     route: str
     llmapi_yaml: dict | None = None
     notes: tuple[str, ...] = ()
+
+
+def default_hysteresis(gate_batch_size: int) -> int:
+    """4 at the default threshold of 32; 1 at a CPU's 4, where 4 would wait for an empty server."""
+    return max(1, gate_batch_size // 8)
 
 
 def detect_backend(engine: Path, requested: str = "auto") -> str:
@@ -102,7 +107,8 @@ def _read_json(path: Path) -> dict:
 
 def _gate(options: AssembleOptions) -> GatePolicy:
     return GatePolicy(max_batch_size=options.gate_batch_size,
-                      hysteresis=min(options.gate_hysteresis, max(options.gate_batch_size, 0)),
+                      hysteresis=min(default_hysteresis(options.gate_batch_size) if options.gate_hysteresis is None
+                                     else options.gate_hysteresis, max(options.gate_batch_size, 0)),
                       min_tokens=options.min_spec_tokens)
 
 
