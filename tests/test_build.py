@@ -224,8 +224,8 @@ def test_interrupted_stage_leaves_no_half_folder_and_the_next_run_resumes(tiny_t
 
     real = assemble_mod.write_repository
 
-    def crash_midway(folder, spec):
-        real(folder, spec)  # everything written into the staging folder...
+    def crash_midway(folder, spec, *rest):
+        real(folder, spec, *rest)  # everything written into the staging folder...
         raise KeyboardInterrupt  # ...then the user hits Ctrl-C before the rename
 
     monkeypatch.setattr(assemble_mod, "write_repository", crash_midway)
