@@ -250,7 +250,8 @@ def print_table(rows: list[Row], meta: dict) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
     print(f"\n{meta['engine']} ({meta['model']}, draft {meta['draft']}, k={meta['num_draft_tokens']}, "
           f"{meta['dtype']}, gate {meta['gate_batch_size']}), {meta['max_tokens']} max new tokens, greedy, "
-          f"best of {meta['repeats']}, {meta['threads']} threads, load average {meta['load_avg'][0]} before, {meta['load_avg'][1]} after.\n"
+          f"best of {meta['repeats']}, {meta['threads']} threads, load average {meta['load_avg'][0]} before, "
+          f"{meta['load_avg'][1]} after.\n"
           "TTFT per request; ITL per token (a response's or engine step's gap over the tokens it brought). "
           "Same text: triton answers equal to the in-process ones.")
 

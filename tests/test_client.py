@@ -120,7 +120,8 @@ def test_refused_requests_are_one_line_errors_and_the_server_keeps_serving(url, 
                           "server refused the request", "beyond the engine's max_seq_len")
     with pytest.raises(RequestError, match="text_input is empty"):
         generate(ClientOptions(url), "   ", RequestOptions(max_tokens=4))
-    assert generate(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS)).text == expected[PROMPTS[0]][0]
+    after = generate(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS))
+    assert after.text == expected[PROMPTS[0]][0]
 
 
 def test_closing_a_stream_early_cancels_it_and_the_connection_serves_the_next_request(url, expected):
@@ -146,11 +147,22 @@ def test_an_unreachable_server_or_a_missing_model_is_a_one_line_error(url):
 
 def test_url_refuses_in_process_options_and_url_options_need_a_url():
     runner = CliRunner()
-    assert_one_line_error(runner.invoke(main, ["generate", "hi", "--url", "h:1", "--draft", "ngram", "--dtype", "fp32"]),
-                          "--draft, --dtype", "pipeline compile")
+    both = runner.invoke(main, ["generate", "hi", "--url", "h:1", "--draft", "ngram", "--dtype", "fp32"])
+    assert_one_line_error(both, "--draft, --dtype", "pipeline compile")
     assert_one_line_error(runner.invoke(main, ["generate", "hi", "--speculation", "off"]), "--speculation", "--url")
     assert_one_line_error(runner.invoke(main, ["generate", "hi", "--url", "http://h:8000"]), "gRPC endpoint")
     assert grpc_target("grpc://localhost:8001/") == "localhost:8001"
     for bad in ("localhost", ":8001", "h:port", "h:70000"):
         with pytest.raises(RequestError, match="HOST:PORT"):
             grpc_target(bad)
+
+
+def test_stream_failures_are_serve_errors_and_model_errors_are_request_errors():
+    from tritonclient.utils import InferenceServerException
+
+    with Connection(ClientOptions("127.0.0.1:1")) as conn:  # never used: nothing connects
+        lost = conn._error(InferenceServerException("Socket closed", status="StatusCode.UNAVAILABLE"))
+        refused = conn._error(InferenceServerException("in ensemble 'ensemble', text_input is empty; send a prompt"))
+    assert isinstance(lost, ServeError) and "lost tritonserver at 127.0.0.1:1" in str(lost)
+    assert isinstance(refused, RequestError) and str(refused) == ("the server refused the request: text_input is "
+                                                                  "empty; send a prompt")

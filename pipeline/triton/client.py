@@ -300,18 +300,19 @@ class Connection:
                 self._stop_stream(cancel=True)
 
     def _error(self, error: Exception) -> Exception:
+        """A model's error response -> RequestError; a broken or cancelled stream (a gRPC status) -> ServeError."""
         message = _message(error)
-        lowered = message.lower()
-        if any(s in lowered for s in ("unavailable", "failed to connect", "connection refused", "socket closed",
-                                      "server is stopping")):
+        status = error.status() if hasattr(error, "status") and callable(error.status) else None
+        status = str(status) if status else ""  # model errors carry none; gRPC failures a StatusCode
+        if "UNAVAILABLE" in status or "server is stopping" in message.lower():
             return ServeError(f"lost tritonserver at {self.target} ({message[:160]}); check it is still running "
                               "(`pipeline serve`) and retry")
-        if "cancel" in lowered:
-            return ServeError(f"the request was cancelled by the server at {self.target} ({message[:160]})")
+        if status:
+            return ServeError(f"the stream to {self.target} failed ({status}: {message[:160]}); retry, or check "
+                              "the server's log")
         return RequestError(f"the server refused the request: {message}")
 
-    def generate(self, prompt: str, options: RequestOptions,
-                 on_chunk=None) -> Result:
+    def generate(self, prompt: str, options: RequestOptions, on_chunk=None) -> Result:
         """Run one request to the end; on_chunk(chunk) is called for each response as it arrives."""
         t0 = time.perf_counter()
         chunks = []
@@ -425,7 +426,8 @@ def remote_stats_line(results: list[Result], wall_s: float, url: str) -> str:
     if None in tokens:
         parts.append(f"{wall_s:.2f} s (not streamed: no token count)")
     else:
-        parts.append(f"{sum(tokens)} tokens, {sum(tokens) / wall_s:.1f} tok/s" if wall_s > 0 else f"{sum(tokens)} tokens")
+        rate = f", {sum(tokens) / wall_s:.1f} tok/s" if wall_s > 0 else ""
+        parts.append(f"{sum(tokens)} tokens{rate}")
     if ttfts:
         parts.append(f"TTFT {ttfts[0]:.3f} s" if len(ttfts) == 1 else f"TTFT {ttfts[0]:.3f}-{ttfts[-1]:.3f} s")
     parts.append(f"acceptance {accepted / drafted:.2f} ({accepted}/{drafted} drafts)" if drafted else "no drafts")
