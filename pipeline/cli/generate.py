@@ -1,4 +1,4 @@
-"""`pipeline generate`: decode prompts in process with the portable engine."""
+"""`pipeline generate`: decode prompts in process with the portable engine, or call a server with --url."""
 
 from __future__ import annotations
 
@@ -6,8 +6,15 @@ import json
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
+from pipeline.errors import RequestError
 from pipeline.generate import DEFAULT_MODEL, GenerateOptions
+
+# Settings of the in-process engine: a served repository fixes them at `pipeline compile` / `assemble`.
+IN_PROCESS_ONLY = ("model", "draft", "dtype", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",
+                   "min_spec_tokens")
+URL_ONLY = ("speculation", "no_stream", "timeout")
 
 
 @click.command()
@@ -36,25 +43,70 @@ from pipeline.generate import DEFAULT_MODEL, GenerateOptions
               help="Speculate only while the decoding batch is at or below this (0 = never).")
 @click.option("min_spec_tokens", "--min-spec-tokens", type=int, default=50, show_default=True,
               help="Requests with --max-tokens below this never speculate.")
+@click.option("--url", "-u", metavar="HOST:PORT", default=None,
+              help="Call tritonserver's gRPC endpoint (`pipeline serve`) instead of running the engine in process.")
+@click.option("--speculation", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="With --url: auto lets the server's gate decide; on/off override it for these requests.")
+@click.option("no_stream", "--no-stream", is_flag=True,
+              help="With --url: get each answer as one response instead of streaming it.")
+@click.option("--timeout", type=float, default=300.0, show_default=True,
+              help="With --url: seconds to wait for the server's next response.")
 @click.option("json_", "--json", is_flag=True, help="Print outputs and stats as JSON.")
-def generate(prompt, prompts_file, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
-             dtype, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, json_):
+@click.pass_context
+def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
+             dtype, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, url, speculation, no_stream,
+             timeout, json_):
     """Generate text for PROMPT (and/or every prompt in --prompts-file).
 
     Several prompts are decoded together as one in-flight batch. Greedy by default; with
     speculation (--draft ngram or a draft model) the output is the same as without it.
 
+    With --url HOST:PORT the prompts go to a served repository over gRPC instead, all at once. One
+    prompt streams: its text prints as it arrives. The served engine fixes the model, draft, dtype,
+    chat template, sizes and gate, so --model, --draft, --dtype, --raw, --max-seq-len,
+    --max-batch-size, --gate-batch-size and --min-spec-tokens are refused with --url; -k is sent
+    only when given (else the repository's own). --speculation, --no-stream and --timeout need --url.
+
     \b
-    Example:
+    Examples:
       pipeline generate "Write a Python function that reverses a string." --draft ngram
+      pipeline generate "Write a Python function that reverses a string." --url 127.0.0.1:8001
     """
-    from pipeline.generate import generate as run_generate, read_prompts_file, stats_line
+    from pipeline.generate import read_prompts_file
 
     prompts = [prompt] if prompt is not None else []
     if prompts_file is not None:
         prompts += read_prompts_file(prompts_file)
     if not prompts:
         raise click.UsageError("give a PROMPT or --prompts-file FILE")
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if url is not None:
+        if refused := [flag(n) for n in IN_PROCESS_ONLY if given(n)]:
+            raise RequestError(f"with --url the served repository fixes {', '.join(refused)}; drop it, or rebuild "
+                               "the engine with `pipeline compile` and `pipeline assemble`")
+        _generate_remote(prompts, url, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         seed=seed, speculation=speculation,
+                         num_draft_tokens=num_draft_tokens if given("num_draft_tokens") else None,
+                         stream=not no_stream, timeout=timeout, json_=json_)
+        return
+    if misplaced := [flag(n) for n in URL_ONLY if given(n)]:
+        raise RequestError(f"{', '.join(misplaced)} only apply with --url HOST:PORT; add --url, or drop them "
+                           "(in process, --draft picks the proposer)")
+    _generate_in_process(prompts, model=model, draft=draft, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
+                         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype, raw=raw,
+                         max_seq_len=max_seq_len, max_batch_size=max_batch_size, gate_batch_size=gate_batch_size,
+                         min_spec_tokens=min_spec_tokens, json_=json_)
+
+
+def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
+                         dtype, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, json_):
+    from pipeline.generate import generate as run_generate, stats_line
 
     result = run_generate(GenerateOptions(
         prompts=tuple(prompts), model=model, draft=draft, num_draft_tokens=num_draft_tokens,
@@ -74,3 +126,30 @@ def generate(prompt, prompts_file, model, draft, num_draft_tokens, max_tokens, t
         if many and i < len(result.outputs):
             click.echo()
     click.echo(stats_line(result), err=True)
+
+
+def _generate_remote(prompts, url, *, max_tokens, temperature, top_p, top_k, seed, speculation, num_draft_tokens,
+                     stream, timeout, json_):
+    from pipeline.triton.client import ClientOptions, RequestOptions, generate_many, remote_stats_line
+    from pipeline.triton.client import generate as run_remote
+
+    client = ClientOptions(url=url, response_timeout_s=timeout)
+    options = RequestOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                             speculation=speculation, num_draft_tokens=num_draft_tokens, stream=stream)
+    if len(prompts) == 1 and not json_:
+        # One prompt: print each response's text as it arrives (click.echo flushes).
+        result = run_remote(client, prompts[0], options, on_chunk=lambda chunk: click.echo(chunk.text, nl=False))
+        click.echo()
+        click.echo(remote_stats_line([result], result.total_s, url), err=True)
+        return
+    batch = generate_many(client, prompts, options)
+    if json_:
+        click.echo(json.dumps(batch.to_json_dict(), indent=2))
+        return
+    for i, out in enumerate(batch.results, 1):
+        head = " ".join(out.prompt.split())
+        click.echo(f"=== [{i}/{len(batch.results)}] {head[:70]}{'...' if len(head) > 70 else ''}")
+        click.echo(out.text)
+        if i < len(batch.results):
+            click.echo()
+    click.echo(remote_stats_line(batch.results, batch.wall_s, url), err=True)

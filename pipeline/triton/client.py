@@ -1,0 +1,434 @@
+"""Call a served repository's `ensemble` over gRPC: the library behind `pipeline generate --url`.
+
+The ensemble has a decoupled step (the speculation gate), so Triton serves it only over the gRPC
+streaming RPC; unary ModelInfer refuses decoupled models. Every request therefore goes over a stream,
+with `enable_empty_final_response` so the end is marked by the `triton_final_response` parameter, and
+every input carries a batch dimension ([[value]]), as the ensemble's max_batch_size > 0 requires.
+`stream=False` asks the server for one response holding the whole answer, on that same stream.
+
+A `Connection` holds one channel and one stream and runs one request at a time on it; concurrent
+requests use one connection each (`generate_many`). tritonclient loses the request id on error
+responses, so one request per stream is what makes an error attributable to its request.
+tritonclient is imported inside the functions that use it, so `pipeline --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
+
+ENSEMBLE = "ensemble"
+SPECULATION_MODES = ("auto", "on", "off")
+_ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
+_ids = itertools.count()
+
+
+class Cancelled(PipelineError):
+    """A request stopped because a sibling request failed or the user interrupted (generate_many)."""
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """One request's settings; None leaves the repository's default (its num_draft_tokens, seed 0)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    speculation: str = "auto"  # auto: the server's gate decides; on / off override it
+    num_draft_tokens: int | None = None
+    stream: bool = True
+
+    def validate(self) -> RequestOptions:
+        """Check what the server would refuse anyway, so a typo fails before any connection."""
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1 (got {self.max_tokens}); pass --max-tokens N with N >= 1")
+        if self.speculation not in SPECULATION_MODES:
+            raise RequestError(f"speculation must be auto, on or off (got {self.speculation!r})")
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
+            raise RequestError(f"num_draft_tokens must be >= 1 (got {self.num_draft_tokens}); "
+                               "use --speculation off to decode without drafts")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise RequestError(f"seed must be in [0, 2**64) (got {self.seed})")
+        return self
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    url: str  # HOST:PORT of tritonserver's gRPC endpoint
+    model: str = ENSEMBLE
+    connect_timeout_s: float = 10.0  # server and model readiness checks
+    response_timeout_s: float = 300.0  # longest wait for the next response of a stream
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One response: the text it adds and the drafts it accepted and drafted; t_s since the request was sent."""
+
+    text: str
+    accepted: int
+    drafted: int
+    t_s: float
+
+    @property
+    def tokens(self) -> int:
+        # The portable engine sends one response per engine step: one token, plus the accepted drafts
+        # when that step speculated. Exact except a last step cut short by a stop token or max_tokens.
+        return 1 + self.accepted
+
+
+@dataclass(frozen=True)
+class Result:
+    prompt: str
+    text: str
+    chunks: list[Chunk]
+    max_tokens: int
+    streamed: bool
+    total_s: float
+
+    @property
+    def accepted(self) -> int:
+        return sum(c.accepted for c in self.chunks)
+
+    @property
+    def drafted(self) -> int:
+        return sum(c.drafted for c in self.chunks)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return round(self.accepted / self.drafted, 4) if self.drafted else None
+
+    @property
+    def tokens(self) -> int | None:
+        """New tokens, counted from the stream's responses (see Chunk.tokens); None for one unstreamed response."""
+        if not self.streamed:
+            return None
+        return min(self.max_tokens, sum(c.tokens for c in self.chunks))
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to the first response that carries text (the whole answer when not streaming)."""
+        return next((c.t_s for c in self.chunks if c.text), self.chunks[0].t_s if self.chunks else None)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return round(self.tokens / self.total_s, 2) if self.tokens and self.total_s > 0 else None
+
+    def stats(self) -> dict:
+        return {"tokens": self.tokens, "responses": len(self.chunks), "accepted_tokens": self.accepted,
+                "drafted_tokens": self.drafted, "acceptance_rate": self.acceptance_rate,
+                "ttft_s": _round(self.ttft_s), "total_s": _round(self.total_s), "tokens_per_s": self.tokens_per_s}
+
+    def to_json_dict(self) -> dict:
+        return {"prompt": self.prompt, "text": self.text, "stats": self.stats()}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def grpc_target(url: str) -> str:
+    """HOST:PORT for tritonclient.grpc from what a user types (grpc:// allowed; http URLs are the wrong port)."""
+    target = url.strip()
+    if target.startswith(("http://", "https://")):
+        raise RequestError(f"--url {url} is an HTTP URL; pass tritonserver's gRPC endpoint as HOST:PORT "
+                           "(`pipeline serve` prints it, default 127.0.0.1:8001)")
+    target = target.removeprefix("grpc://").rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RequestError(f"--url {url!r} is not HOST:PORT; pass tritonserver's gRPC endpoint, e.g. 127.0.0.1:8001")
+    return target
+
+
+def _grpcclient():
+    try:
+        import tritonclient.grpc as grpcclient
+    except ImportError:
+        raise MissingDependencyError("tritonclient is not installed; pip install 'tritonclient[grpc]'") from None
+    return grpcclient
+
+
+def _message(err: Exception) -> str:
+    msg = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
+    return " ".join(str(msg or err).split()).removeprefix(_ENSEMBLE_PREFIX)
+
+
+def _unreachable(target: str, err: Exception) -> ServeError:
+    reason = _message(err).split(";")[0]  # grpc appends per-address details; the first clause says what failed
+    return ServeError(f"cannot reach tritonserver at {target} ({reason}); start it with "
+                      "`pipeline serve` or check --url (the gRPC port, default 8001)")
+
+
+def build_inputs(prompt: str, options: RequestOptions) -> list:
+    """The ensemble's input tensors for one request; optional ones only when set."""
+    import numpy as np
+
+    grpcclient = _grpcclient()
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    tensors = [tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
+               tensor("max_tokens", np.array([[options.max_tokens]], np.int32), "INT32"),
+               tensor("stream", np.array([[options.stream]], np.bool_), "BOOL"),
+               tensor("temperature", np.array([[options.temperature]], np.float32), "FP32"),
+               tensor("top_p", np.array([[options.top_p]], np.float32), "FP32"),
+               tensor("top_k", np.array([[options.top_k]], np.int32), "INT32"),
+               tensor("speculation", np.array([[options.speculation.encode()]], np.object_), "BYTES")]
+    if options.seed is not None:
+        tensors.append(tensor("random_seed", np.array([[options.seed]], np.uint64), "UINT64"))
+    if options.num_draft_tokens is not None:
+        tensors.append(tensor("num_draft_tokens", np.array([[options.num_draft_tokens]], np.int32), "INT32"))
+    return tensors
+
+
+class Connection:
+    """One gRPC channel and one stream to tritonserver; one request at a time. Use as a context manager."""
+
+    def __init__(self, options: ClientOptions, cancel: threading.Event | None = None):
+        self.options = options
+        self.cancel = cancel  # set from another thread: the request in flight is cancelled, stream() raises Cancelled
+        self.target = grpc_target(options.url)
+        grpcclient = _grpcclient()
+        self._client = grpcclient.InferenceServerClient(self.target)
+        self._responses: queue.Queue = queue.Queue()
+        self._streaming = False
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop_stream(cancel=False)
+        self._client.close()
+
+    def check_ready(self) -> None:
+        """A one-line ServeError unless the server answers and the model is ready."""
+        from tritonclient.utils import InferenceServerException
+
+        timeout = self.options.connect_timeout_s
+        try:
+            live = self._client.is_server_live(client_timeout=timeout)
+        except InferenceServerException as err:
+            raise _unreachable(self.target, err) from None
+        if not live:
+            raise ServeError(f"tritonserver at {self.target} is not live; restart it with `pipeline serve`")
+        try:
+            ready = self._client.is_model_ready(self.options.model, client_timeout=timeout)
+        except InferenceServerException as err:
+            raise _unreachable(self.target, err) from None
+        if not ready:
+            raise ServeError(f"model '{self.options.model}' is not ready on {self.target}; serve a repository made "
+                             "by `pipeline assemble` (`pipeline serve --repo DIR`) and wait for it to load")
+
+    def _start_stream(self) -> None:
+        if not self._streaming:
+            # tritonclient calls back with keywords, from its own stream thread.
+            self._client.start_stream(callback=lambda result=None, error=None: self._responses.put((result, error)))
+            self._streaming = True
+
+    def _stop_stream(self, cancel: bool) -> None:
+        if self._streaming:
+            self._streaming = False
+            try:
+                self._client.stop_stream(cancel_requests=cancel)
+            except Exception:  # noqa: BLE001  a broken stream is already gone; nothing left to stop
+                pass
+            self._responses = queue.Queue()
+
+    def stream(self, prompt: str, options: RequestOptions) -> Iterator[Chunk]:
+        """Send one request; yield its responses as they arrive. Closing the iterator early (Ctrl-C, break)
+        cancels the request on the server."""
+        from tritonclient.utils import InferenceServerException
+
+        request_id = f"pipeline-{os.getpid()}-{next(_ids)}"
+        self._start_stream()
+        responses = self._responses
+        done = False
+        try:
+            t0 = time.perf_counter()
+            try:
+                self._client.async_stream_infer(self.options.model, build_inputs(prompt, options),
+                                                request_id=request_id, enable_empty_final_response=True)
+            except InferenceServerException as err:
+                raise _unreachable(self.target, err) from None
+            deadline = time.monotonic() + self.options.response_timeout_s
+            while True:
+                try:
+                    # Short waits, so a cancel from another thread is seen; an arriving response returns at once.
+                    result, error = responses.get(timeout=0.1)
+                except queue.Empty:
+                    if self.cancel is not None and self.cancel.is_set():
+                        raise Cancelled(f"request {request_id} cancelled") from None
+                    if time.monotonic() > deadline:
+                        raise ServeError(f"no response from {self.target} in {self.options.response_timeout_s:g} s; "
+                                         "the server may be overloaded: raise --timeout or check its log") from None
+                    continue
+                deadline = time.monotonic() + self.options.response_timeout_s
+                if error is not None:
+                    done = True  # the stream may be broken: start a fresh one for the next request
+                    self._stop_stream(cancel=True)
+                    raise self._error(error)
+                response = result.get_response()
+                if response.id != request_id:
+                    continue  # a late final response of an earlier request on this stream
+                if response.outputs:
+                    yield Chunk(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"),
+                                int(result.as_numpy("num_accepted_tokens").reshape(-1)[0]),
+                                int(result.as_numpy("num_drafted_tokens").reshape(-1)[0]),
+                                time.perf_counter() - t0)
+                if response.parameters["triton_final_response"].bool_param:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self._stop_stream(cancel=True)
+
+    def _error(self, error: Exception) -> Exception:
+        """A model's error response -> RequestError; a broken or cancelled stream (a gRPC status) -> ServeError."""
+        message = _message(error)
+        status = error.status() if hasattr(error, "status") and callable(error.status) else None
+        status = str(status) if status else ""  # model errors carry none; gRPC failures a StatusCode
+        if "UNAVAILABLE" in status or "server is stopping" in message.lower():
+            return ServeError(f"lost tritonserver at {self.target} ({message[:160]}); check it is still running "
+                              "(`pipeline serve`) and retry")
+        if status:
+            return ServeError(f"the stream to {self.target} failed ({status}: {message[:160]}); retry, or check "
+                              "the server's log")
+        return RequestError(f"the server refused the request: {message}")
+
+    def generate(self, prompt: str, options: RequestOptions, on_chunk=None) -> Result:
+        """Run one request to the end; on_chunk(chunk) is called for each response as it arrives."""
+        t0 = time.perf_counter()
+        chunks = []
+        for chunk in self.stream(prompt, options):
+            chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+        return Result(prompt, "".join(c.text for c in chunks), chunks, options.max_tokens, options.stream,
+                      time.perf_counter() - t0)
+
+
+def stream_generate(client: ClientOptions, prompt: str, options: RequestOptions) -> Iterator[Chunk]:
+    """Check the server, then yield one request's responses as they arrive."""
+    options.validate()
+    with Connection(client) as conn:
+        conn.check_ready()
+        yield from conn.stream(prompt, options)
+
+
+def generate(client: ClientOptions, prompt: str, options: RequestOptions, on_chunk=None) -> Result:
+    """Check the server, then run one request to the end."""
+    options.validate()
+    with Connection(client) as conn:
+        conn.check_ready()
+        return conn.generate(prompt, options, on_chunk)
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    results: list[Result]
+    wall_s: float
+    concurrency: int
+    target: str = ""
+    options: dict = field(default_factory=dict)
+
+    def stats(self) -> dict:
+        tokens = [r.tokens for r in self.results]
+        known = None if any(t is None for t in tokens) else sum(tokens)
+        ttfts = [r.ttft_s for r in self.results if r.ttft_s is not None]
+        drafted = sum(r.drafted for r in self.results)
+        return {"requests": len(self.results), "concurrency": self.concurrency, "tokens": known,
+                "wall_s": round(self.wall_s, 4),
+                "tokens_per_s": round(known / self.wall_s, 2) if known and self.wall_s > 0 else None,
+                "ttft_s_mean": round(sum(ttfts) / len(ttfts), 4) if ttfts else None,
+                "accepted_tokens": sum(r.accepted for r in self.results), "drafted_tokens": drafted,
+                "acceptance_rate": round(sum(r.accepted for r in self.results) / drafted, 4) if drafted else None}
+
+    def to_json_dict(self) -> dict:
+        return {"outputs": [r.to_json_dict() for r in self.results], "stats": self.stats(),
+                "config": {"url": self.target, **self.options}}
+
+
+def generate_many(client: ClientOptions, prompts: list[str], options: RequestOptions,
+                  concurrency: int | None = None) -> BatchResult:
+    """Send every prompt, up to `concurrency` at once (default: all), one connection each; results in order.
+
+    The first failure cancels what is still running and raises.
+    """
+    options.validate()
+    if not prompts:
+        raise RequestError("no prompt given; pass PROMPT or --prompts-file FILE")
+    workers = max(1, min(concurrency or len(prompts), len(prompts)))
+    with Connection(client) as probe:
+        probe.check_ready()
+        target = probe.target
+    pending = list(enumerate(prompts))
+    lock = threading.Lock()
+    results: list[Result | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+    stop = threading.Event()  # the first failure (or Ctrl-C) cancels every request still running
+
+    def worker() -> None:
+        with Connection(client, cancel=stop) as conn:
+            while not stop.is_set():
+                with lock:
+                    if not pending:
+                        return
+                    i, prompt = pending.pop(0)
+                try:
+                    results[i] = conn.generate(prompt, options)
+                except Cancelled:
+                    return
+                except BaseException as err:
+                    with lock:
+                        errors.append(err)
+                    stop.set()
+                    return
+
+    t0 = time.perf_counter()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="pipeline-client")
+    futures = [pool.submit(worker) for _ in range(workers)]
+    try:
+        for future in futures:
+            future.result()
+    except BaseException:  # Ctrl-C while waiting: cancel the requests in flight, then let the workers close
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    if errors:
+        raise errors[0]
+    return BatchResult(list(results), time.perf_counter() - t0, workers, target, asdict(options))
+
+
+def remote_stats_line(results: list[Result], wall_s: float, url: str) -> str:
+    """One human line for what the server did: tokens, tok/s, TTFT and acceptance."""
+    tokens = [r.tokens for r in results]
+    ttfts = sorted(r.ttft_s for r in results if r.ttft_s is not None)
+    drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
+    parts = [f"[{url}, {len(results)} request{'s' if len(results) > 1 else ''}]"]
+    if None in tokens:
+        parts.append(f"{wall_s:.2f} s (not streamed: no token count)")
+    else:
+        rate = f", {sum(tokens) / wall_s:.1f} tok/s" if wall_s > 0 else ""
+        parts.append(f"{sum(tokens)} tokens{rate}")
+    if ttfts:
+        parts.append(f"TTFT {ttfts[0]:.3f} s" if len(ttfts) == 1 else f"TTFT {ttfts[0]:.3f}-{ttfts[-1]:.3f} s")
+    parts.append(f"acceptance {accepted / drafted:.2f} ({accepted}/{drafted} drafts)" if drafted else "no drafts")
+    return ", ".join(parts[:1]) + " " + ", ".join(parts[1:])

@@ -1,0 +1,168 @@
+"""`pipeline generate --url` and pipeline/triton/client.py against a real tritonserver (the CPU one in
+nvidia-pytriton) serving a tiny portable engine: one server for the whole file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli_checks import assert_one_line_error
+from pipeline.cli import main
+from pipeline.compile import CompileOptions, compile_model, load_engine
+from pipeline.errors import PipelineError, RequestError, ServeError
+from pipeline.triton.assemble import AssembleOptions, assemble
+from pipeline.triton.client import ClientOptions, Connection, RequestOptions, generate, grpc_target, stream_generate
+from ports import free_ports
+
+pytest.importorskip("tritonclient.grpc")
+
+MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
+PROMPTS = ["abcabcabc hello", "one two one two one", "x"]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny"
+    compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=4,
+                                 max_seq_len=256, gate_batch_size=4))
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(engine_dir) -> dict[str, tuple[str, int]]:
+    """prompt -> (text, new tokens) from the in-process engine (greedy), decoded as the server decodes it."""
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    tokenizer = load_tokenizer(engine_dir / "target")
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
+    reqs = load_engine(engine_dir).generate([encode_prompt(tokenizer, p, raw=False) for p in PROMPTS],
+                                            SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=stops))
+    out = {}
+    for prompt, req in zip(PROMPTS, reqs):
+        # Postprocessing holds back one trailing U+FFFD, a maybe-unfinished character: it can't tell the last chunk.
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        out[prompt] = (text[:-1] if text.endswith("\ufffd") else text, len(req.output_ids))
+    return out
+
+
+@pytest.fixture(scope="module")
+def url(engine_dir, tmp_path_factory) -> str:
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
+
+    try:
+        binary = find_tritonserver()
+    except PipelineError as err:
+        pytest.skip(str(err))
+    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=tmp_path_factory.mktemp("served") / "repo")).repo)
+    grpc, http, metrics = free_ports()
+    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics), binary) as srv:
+        yield srv.endpoints.grpc
+
+
+def test_streamed_cli_output_equals_the_in_process_greedy_text(url, expected):
+    prompt = PROMPTS[0]
+    result = CliRunner().invoke(main, ["generate", prompt, "--url", url, "-n", str(MAX_TOKENS)])
+    assert result.exit_code == 0, result.output
+    text, tokens = expected[prompt]
+    assert result.stdout == text + "\n"
+    [stats] = result.stderr.splitlines()
+    assert f"{tokens} tokens" in stats and "tok/s" in stats and "TTFT" in stats and "acceptance" in stats
+
+
+def test_stream_arrives_in_chunks_whose_counts_add_up_to_the_engine_tokens(url, expected):
+    text, tokens = expected[PROMPTS[0]]
+    seen = []
+    result = generate(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS, speculation="on"),
+                      on_chunk=seen.append)
+    assert result.text == text and seen == result.chunks and len(seen) > 1
+    assert result.tokens == tokens and 0 < result.accepted <= result.drafted
+    assert [c.t_s for c in seen] == sorted(c.t_s for c in seen) and 0 < result.ttft_s <= result.total_s
+
+
+def test_json_gives_each_concurrent_prompt_its_own_answer_and_stats(url, expected, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(PROMPTS[1:]) + "\n")
+    runner = CliRunner()
+    on = runner.invoke(main, ["generate", PROMPTS[0], "-f", str(prompts_file), "--url", url, "-n", str(MAX_TOKENS),
+                              "--speculation", "on", "-k", "2", "--json"])
+    assert on.exit_code == 0, on.output
+    report = json.loads(on.stdout)
+    assert [o["prompt"] for o in report["outputs"]] == PROMPTS
+    assert [o["text"] for o in report["outputs"]] == [expected[p][0] for p in PROMPTS]
+    assert [o["stats"]["tokens"] for o in report["outputs"]] == [expected[p][1] for p in PROMPTS]
+    for out in report["outputs"]:
+        s = out["stats"]
+        assert 0 < s["ttft_s"] <= s["total_s"] and s["responses"] > 1 and s["tokens_per_s"] > 0
+        assert s["drafted_tokens"] > 0 and 0 <= s["acceptance_rate"] <= 1
+    totals = report["stats"]
+    assert totals["requests"] == 3 and totals["concurrency"] == 3
+    assert totals["tokens"] == sum(expected[p][1] for p in PROMPTS)
+    assert report["config"] == {**report["config"], "url": url, "speculation": "on", "num_draft_tokens": 2}
+
+    off = runner.invoke(main, ["generate", PROMPTS[0], "--url", url, "-n", str(MAX_TOKENS), "--speculation", "off",
+                               "--no-stream", "--json"])
+    assert off.exit_code == 0, off.output
+    [out] = json.loads(off.stdout)["outputs"]
+    assert out["text"] == expected[PROMPTS[0]][0]
+    assert out["stats"]["responses"] == 1 and out["stats"]["drafted_tokens"] == 0 and out["stats"]["tokens"] is None
+
+
+def test_refused_requests_are_one_line_errors_and_the_server_keeps_serving(url, expected):
+    runner = CliRunner()
+    assert_one_line_error(runner.invoke(main, ["generate", "hi", "--url", url, "-n", "0"]), "max_tokens must be >= 1")
+    # Refused by the server (preprocessing), not the client: the engine's max_seq_len is 256.
+    assert_one_line_error(runner.invoke(main, ["generate", "hi", "--url", url, "-n", "10000"]),
+                          "server refused the request", "beyond the engine's max_seq_len")
+    with pytest.raises(RequestError, match="text_input is empty"):
+        generate(ClientOptions(url), "   ", RequestOptions(max_tokens=4))
+    after = generate(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS))
+    assert after.text == expected[PROMPTS[0]][0]
+
+
+def test_closing_a_stream_early_cancels_it_and_the_connection_serves_the_next_request(url, expected):
+    first = next(stream_generate(ClientOptions(url), PROMPTS[1], RequestOptions(max_tokens=MAX_TOKENS)))
+    assert expected[PROMPTS[1]][0].startswith(first.text)  # the generator is dropped here: its request is cancelled
+    with Connection(ClientOptions(url)) as conn:
+        stream = conn.stream("walk away", RequestOptions(max_tokens=200))
+        next(stream)
+        stream.close()  # what Ctrl-C does to the CLI's loop
+        # Runs to the end after the cancelled ones, so none is left in flight when the server stops: stopping
+        # tritonserver right after a cancel waits out its 30 s exit timeout.
+        again = conn.generate(PROMPTS[2], RequestOptions(max_tokens=MAX_TOKENS))
+    assert again.text == expected[PROMPTS[2]][0]
+
+
+def test_an_unreachable_server_or_a_missing_model_is_a_one_line_error(url):
+    [port] = free_ports(1)
+    result = CliRunner().invoke(main, ["generate", "hi", "--url", f"127.0.0.1:{port}"])
+    assert_one_line_error(result, f"cannot reach tritonserver at 127.0.0.1:{port}", "pipeline serve")
+    with pytest.raises(ServeError, match="model 'nope' is not ready"):
+        generate(ClientOptions(url, model="nope"), "hi", RequestOptions(max_tokens=4))
+
+
+def test_url_refuses_in_process_options_and_url_options_need_a_url():
+    runner = CliRunner()
+    both = runner.invoke(main, ["generate", "hi", "--url", "h:1", "--draft", "ngram", "--dtype", "fp32"])
+    assert_one_line_error(both, "--draft, --dtype", "pipeline compile")
+    assert_one_line_error(runner.invoke(main, ["generate", "hi", "--speculation", "off"]), "--speculation", "--url")
+    assert_one_line_error(runner.invoke(main, ["generate", "hi", "--url", "http://h:8000"]), "gRPC endpoint")
+    assert grpc_target("grpc://localhost:8001/") == "localhost:8001"
+    for bad in ("localhost", ":8001", "h:port", "h:70000"):
+        with pytest.raises(RequestError, match="HOST:PORT"):
+            grpc_target(bad)
+
+
+def test_stream_failures_are_serve_errors_and_model_errors_are_request_errors():
+    from tritonclient.utils import InferenceServerException
+
+    with Connection(ClientOptions("127.0.0.1:1")) as conn:  # never used: nothing connects
+        lost = conn._error(InferenceServerException("Socket closed", status="StatusCode.UNAVAILABLE"))
+        refused = conn._error(InferenceServerException("in ensemble 'ensemble', text_input is empty; send a prompt"))
+    assert isinstance(lost, ServeError) and "lost tritonserver at 127.0.0.1:1" in str(lost)
+    assert isinstance(refused, RequestError) and str(refused) == ("the server refused the request: text_input is "
+                                                                  "empty; send a prompt")
