@@ -133,9 +133,9 @@ def run_triton(url: str, concurrency: int, n: int, max_tokens: int) -> tuple[lis
                     if i is None:
                         return
                     result = conn.generate(PROMPTS[i % len(PROMPTS)], options)
-                    tokens = [c.tokens for c in result.chunks]
-                    tokens[-1] -= sum(tokens) - result.tokens  # the last step cut short by max_tokens
-                    traces[i] = Trace(i, [c.t_s for c in result.chunks], tokens, result.text,
+                    # Responses that carry tokens: a stream's final one may resend only its prefix.
+                    chunks = [c for c in result.chunks if c.tokens]
+                    traces[i] = Trace(i, [c.t_s for c in chunks], [c.tokens for c in chunks], result.text,
                                       result.accepted, result.drafted)
         except BaseException as err:  # noqa: BLE001  reported by the main thread
             errors.append(err)

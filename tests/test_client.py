@@ -4,6 +4,7 @@ nvidia-pytriton) serving a tiny portable engine: one server for the whole file."
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,7 @@ def expected(engine_dir) -> dict[str, tuple[str, int]]:
                                             SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=stops))
     out = {}
     for prompt, req in zip(PROMPTS, reqs):
-        # Postprocessing holds back one trailing U+FFFD, a maybe-unfinished character: it can't tell the last chunk.
-        text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        out[prompt] = (text[:-1] if text.endswith("\ufffd") else text, len(req.output_ids))
+        out[prompt] = (tokenizer.decode(req.output_ids, skip_special_tokens=True), len(req.output_ids))
     return out
 
 
@@ -109,7 +108,8 @@ def test_json_gives_each_concurrent_prompt_its_own_answer_and_stats(url, expecte
     assert off.exit_code == 0, off.output
     [out] = json.loads(off.stdout)["outputs"]
     assert out["text"] == expected[PROMPTS[0]][0]
-    assert out["stats"]["responses"] == 1 and out["stats"]["drafted_tokens"] == 0 and out["stats"]["tokens"] is None
+    assert out["stats"]["responses"] == 1 and out["stats"]["drafted_tokens"] == 0
+    assert out["stats"]["tokens"] == expected[PROMPTS[0]][1]  # exact unstreamed too: num_output_tokens
 
 
 def test_refused_requests_are_one_line_errors_and_the_server_keeps_serving(url, expected):
@@ -141,6 +141,10 @@ def test_an_unreachable_server_or_a_missing_model_is_a_one_line_error(url):
     [port] = free_ports(1)
     result = CliRunner().invoke(main, ["generate", "hi", "--url", f"127.0.0.1:{port}"])
     assert_one_line_error(result, f"cannot reach tritonserver at 127.0.0.1:{port}", "pipeline serve")
+    t0 = time.monotonic()  # --wait keeps retrying a server that may still be starting, then gives the same error
+    waited = CliRunner().invoke(main, ["generate", "hi", "--url", f"127.0.0.1:{port}", "--wait", "1.5"])
+    assert_one_line_error(waited, "cannot reach tritonserver")
+    assert time.monotonic() - t0 >= 1.5
     with pytest.raises(ServeError, match="model 'nope' is not ready"):
         generate(ClientOptions(url, model="nope"), "hi", RequestOptions(max_tokens=4))
 

@@ -14,7 +14,7 @@ from pipeline.generate import DEFAULT_MODEL, GenerateOptions
 # Settings of the in-process engine: a served repository fixes them at `pipeline compile` / `assemble`.
 IN_PROCESS_ONLY = ("model", "draft", "dtype", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",
                    "min_spec_tokens")
-URL_ONLY = ("speculation", "no_stream", "timeout")
+URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 
 
 @click.command()
@@ -51,11 +51,13 @@ URL_ONLY = ("speculation", "no_stream", "timeout")
               help="With --url: get each answer as one response instead of streaming it.")
 @click.option("--timeout", type=float, default=300.0, show_default=True,
               help="With --url: seconds to wait for the server's next response.")
+@click.option("--wait", type=float, default=0.0, show_default=True,
+              help="With --url: keep retrying this many seconds while the server starts and loads its models.")
 @click.option("json_", "--json", is_flag=True, help="Print outputs and stats as JSON.")
 @click.pass_context
 def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
              dtype, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, url, speculation, no_stream,
-             timeout, json_):
+             timeout, wait, json_):
     """Generate text for PROMPT (and/or every prompt in --prompts-file).
 
     Several prompts are decoded together as one in-flight batch. Greedy by default; with
@@ -93,7 +95,7 @@ def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_toke
         _generate_remote(prompts, url, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                          seed=seed, speculation=speculation,
                          num_draft_tokens=num_draft_tokens if given("num_draft_tokens") else None,
-                         stream=not no_stream, timeout=timeout, json_=json_)
+                         stream=not no_stream, timeout=timeout, wait=wait, json_=json_)
         return
     if misplaced := [flag(n) for n in URL_ONLY if given(n)]:
         raise RequestError(f"{', '.join(misplaced)} only apply with --url HOST:PORT; add --url, or drop them "
@@ -129,11 +131,11 @@ def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens,
 
 
 def _generate_remote(prompts, url, *, max_tokens, temperature, top_p, top_k, seed, speculation, num_draft_tokens,
-                     stream, timeout, json_):
+                     stream, timeout, wait, json_):
     from pipeline.triton.client import ClientOptions, RequestOptions, generate_many, remote_stats_line
     from pipeline.triton.client import generate as run_remote
 
-    client = ClientOptions(url=url, response_timeout_s=timeout)
+    client = ClientOptions(url=url, response_timeout_s=timeout, wait_s=wait)
     options = RequestOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                              speculation=speculation, num_draft_tokens=num_draft_tokens, stream=stream)
     if len(prompts) == 1 and not json_:

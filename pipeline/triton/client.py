@@ -70,6 +70,7 @@ class ClientOptions:
     model: str = ENSEMBLE
     connect_timeout_s: float = 10.0  # server and model readiness checks
     response_timeout_s: float = 300.0  # longest wait for the next response of a stream
+    wait_s: float = 0.0  # keep retrying an unreachable or loading server this long (a server just started)
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,7 @@ class Chunk:
     accepted: int
     drafted: int
     t_s: float
-
-    @property
-    def tokens(self) -> int:
-        # The portable engine sends one response per engine step: one token, plus the accepted drafts
-        # when that step speculated. Exact except a last step cut short by a stop token or max_tokens.
-        return 1 + self.accepted
+    tokens: int  # new tokens in this response (the ensemble's num_output_tokens)
 
 
 @dataclass(frozen=True)
@@ -110,11 +106,9 @@ class Result:
         return round(self.accepted / self.drafted, 4) if self.drafted else None
 
     @property
-    def tokens(self) -> int | None:
-        """New tokens, counted from the stream's responses (see Chunk.tokens); None for one unstreamed response."""
-        if not self.streamed:
-            return None
-        return min(self.max_tokens, sum(c.tokens for c in self.chunks))
+    def tokens(self) -> int:
+        """New tokens: the sum of each response's num_output_tokens."""
+        return sum(c.tokens for c in self.chunks)
 
     @property
     def ttft_s(self) -> float | None:
@@ -218,7 +212,17 @@ class Connection:
         self._client.close()
 
     def check_ready(self) -> None:
-        """A one-line ServeError unless the server answers and the model is ready."""
+        """A one-line ServeError unless the server answers and the model is ready (within wait_s)."""
+        deadline = time.monotonic() + self.options.wait_s
+        while True:
+            try:
+                return self._check_ready_once()
+            except ServeError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    def _check_ready_once(self) -> None:
         from tritonclient.utils import InferenceServerException
 
         timeout = self.options.connect_timeout_s
@@ -291,7 +295,8 @@ class Connection:
                     yield Chunk(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"),
                                 int(result.as_numpy("num_accepted_tokens").reshape(-1)[0]),
                                 int(result.as_numpy("num_drafted_tokens").reshape(-1)[0]),
-                                time.perf_counter() - t0)
+                                time.perf_counter() - t0,
+                                int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
                 if response.parameters["triton_final_response"].bool_param:
                     done = True
                     return
@@ -349,8 +354,7 @@ class BatchResult:
     options: dict = field(default_factory=dict)
 
     def stats(self) -> dict:
-        tokens = [r.tokens for r in self.results]
-        known = None if any(t is None for t in tokens) else sum(tokens)
+        known = sum(r.tokens for r in self.results)
         ttfts = [r.ttft_s for r in self.results if r.ttft_s is not None]
         drafted = sum(r.drafted for r in self.results)
         return {"requests": len(self.results), "concurrency": self.concurrency, "tokens": known,
@@ -423,11 +427,8 @@ def remote_stats_line(results: list[Result], wall_s: float, url: str) -> str:
     ttfts = sorted(r.ttft_s for r in results if r.ttft_s is not None)
     drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
     parts = [f"[{url}, {len(results)} request{'s' if len(results) > 1 else ''}]"]
-    if None in tokens:
-        parts.append(f"{wall_s:.2f} s (not streamed: no token count)")
-    else:
-        rate = f", {sum(tokens) / wall_s:.1f} tok/s" if wall_s > 0 else ""
-        parts.append(f"{sum(tokens)} tokens{rate}")
+    rate = f", {sum(tokens) / wall_s:.1f} tok/s" if wall_s > 0 else ""
+    parts.append(f"{sum(tokens)} tokens{rate}")
     if ttfts:
         parts.append(f"TTFT {ttfts[0]:.3f} s" if len(ttfts) == 1 else f"TTFT {ttfts[0]:.3f}-{ttfts[-1]:.3f} s")
     parts.append(f"acceptance {accepted / drafted:.2f} ({accepted}/{drafted} drafts)" if drafted else "no drafts")

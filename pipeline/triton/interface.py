@@ -58,6 +58,7 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "BYTES", (-1,)),
     TensorSpec("num_accepted_tokens", "INT32", (1,)),
     TensorSpec("num_drafted_tokens", "INT32", (1,)),
+    TensorSpec("num_output_tokens", "INT32", (1,)),  # new tokens in this response
 )
 
 # A request after preprocessing: tokenized, validated, every default filled in. Preprocessing emits

@@ -47,5 +47,6 @@ class TritonPythonModel:
                 pb_utils.Tensor("text_output", np.array([[text.encode()]], np.object_)),
                 pb_utils.Tensor("num_accepted_tokens", get("accepted_tokens").astype(np.int32)),
                 pb_utils.Tensor("num_drafted_tokens", get("drafted_tokens").astype(np.int32)),
+                pb_utils.Tensor("num_output_tokens", np.array([[len(ids) - start]], np.int32)),
             ]))
         return responses
