@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import urllib.request
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.compile import load_engine
+from ports import free_ports
 
 MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
 
@@ -87,3 +89,24 @@ def metrics(url: str) -> dict[str, float]:
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+@contextlib.contextmanager
+def served_engine(engine_dir: Path, folder: Path, **assemble_options):
+    """Assemble a repository for a portable engine folder under `folder` and serve it on free ports;
+    yields the TritonServer. Skips the test where no tritonserver can be found."""
+    import pytest
+
+    from pipeline.errors import PipelineError
+    from pipeline.triton.assemble import AssembleOptions, assemble
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
+
+    try:
+        binary = find_tritonserver()
+    except PipelineError as err:
+        pytest.skip(str(err))
+    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=folder / "repo", **assemble_options)).repo)
+    grpc, http, metrics_port = free_ports()
+    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics_port),
+                      binary) as server:
+        yield server

@@ -11,11 +11,10 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.compile import CompileOptions, compile_model
-from pipeline.errors import ConfigError, PipelineError
+from pipeline.errors import ConfigError
 from pipeline.triton.assemble import PYTHON_MODELS, AssembleOptions, assemble
 from pipeline.triton.config import read_config
-from ports import free_ports  # noqa: E402
-from serving_checks import MAX_TOKENS, expected_text, inputs, responses  # noqa: E402
+from serving_checks import MAX_TOKENS, expected_text, inputs, responses, served_engine  # noqa: E402
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -71,19 +70,9 @@ def test_assemble_cli_prints_the_repo_and_refuses_a_folder_without_an_engine(eng
 
 @pytest.fixture(scope="module")
 def server(engine_dir, tmp_path_factory):
-    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
-
-    try:
-        binary = find_tritonserver()
-    except PipelineError as err:
-        pytest.skip(str(err))
     # No acceptance floor: n-gram drafts on a random tiny model accept little, and these tests need
     # "auto" to speculate (the floor has its own tests).
-    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=tmp_path_factory.mktemp("served") / "repo",
-                                         acceptance_floor=0.0)).repo)
-    grpc, http, metrics = free_ports()
-    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics),
-                      binary) as srv:
+    with served_engine(engine_dir, tmp_path_factory.mktemp("served"), acceptance_floor=0.0) as srv:
         yield srv
 
 

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from cli_checks import assert_one_line_error
 from pipeline.cli import main
 from pipeline.compile import CompileOptions, compile_model, load_engine
-from pipeline.errors import PipelineError, RequestError, ServeError
-from pipeline.triton.assemble import AssembleOptions, assemble
+from pipeline.errors import RequestError, ServeError
 from pipeline.triton.client import ClientOptions, Connection, RequestOptions, generate, grpc_target, stream_generate
 from ports import free_ports
+from serving_checks import served_engine
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -51,15 +51,7 @@ def expected(engine_dir) -> dict[str, tuple[str, int]]:
 
 @pytest.fixture(scope="module")
 def url(engine_dir, tmp_path_factory) -> str:
-    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
-
-    try:
-        binary = find_tritonserver()
-    except PipelineError as err:
-        pytest.skip(str(err))
-    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=tmp_path_factory.mktemp("served") / "repo")).repo)
-    grpc, http, metrics = free_ports()
-    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics), binary) as srv:
+    with served_engine(engine_dir, tmp_path_factory.mktemp("served")) as srv:
         yield srv.endpoints.grpc
 
 

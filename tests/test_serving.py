@@ -14,10 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.compile import CompileOptions, compile_model
-from pipeline.errors import PipelineError
-from pipeline.triton.assemble import AssembleOptions, assemble
-from ports import free_ports  # noqa: E402
-from serving_checks import expected_text, expected_texts, inputs, metrics, responses  # noqa: E402
+from serving_checks import expected_text, expected_texts, inputs, metrics, responses, served_engine  # noqa: E402
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -35,20 +32,10 @@ def engine_dir(tiny_target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(engine_dir, tmp_path_factory):
-    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
-
-    try:
-        binary = find_tritonserver()
-    except PipelineError as err:
-        pytest.skip(str(err))
     # No acceptance floor: n-gram drafts on a random tiny model accept little, and the load switch is
     # what these tests watch (the floor has its own tests in test_serving_gate.py).
-    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=tmp_path_factory.mktemp("served") / "repo",
-                                         gate_batch_size=THRESHOLD, gate_hysteresis=HYSTERESIS, min_spec_tokens=20,
-                                         acceptance_floor=0.0)).repo)
-    grpc, http, metrics_port = free_ports()
-    with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics_port),
-                      binary) as srv:
+    with served_engine(engine_dir, tmp_path_factory.mktemp("served"), gate_batch_size=THRESHOLD,
+                       gate_hysteresis=HYSTERESIS, min_spec_tokens=20, acceptance_floor=0.0) as srv:
         yield srv
 
 
@@ -180,5 +167,45 @@ def test_bad_inputs_get_error_responses_and_the_server_keeps_serving(server, eng
             responses(c, "hi", 8, speculation="sometimes")
         [(result, _, _)] = responses(c, "hi", 8, stream=False)
         assert result == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()
+
+
+def test_an_engine_error_reaches_the_client_through_the_gate_as_the_engines_own_line(server, engine_dir):
+    """Called directly with token ids past the vocabulary (preprocessing never sends those), the engine
+    refuses the request; the gate relays its message, and serves the next request."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    bad = [tensor("input_ids", np.array([[1, 99_999]], np.int32), "INT32"),
+           tensor("input_lengths", np.array([[2]], np.int32), "INT32"),
+           tensor("request_output_len", np.array([[8]], np.int32), "INT32"),
+           tensor("end_id", np.array([[-1]], np.int32), "INT32"),
+           tensor("temperature", np.array([[0.0]], np.float32), "FP32"),
+           tensor("top_k", np.array([[0]], np.int32), "INT32"),
+           tensor("top_p", np.array([[1.0]], np.float32), "FP32"),
+           tensor("random_seed", np.array([[0]], np.uint64), "UINT64"),
+           tensor("stream", np.array([[True]]), "BOOL"),
+           tensor("stop_words_list", np.array([[[-1], [-1]]], np.int32), "INT32"),
+           tensor("speculation", np.array([[b"auto"]], np.object_), "BYTES"),
+           tensor("num_draft_tokens", np.array([[3]], np.int32), "INT32")]
+    c = client(server)
+    got: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        c.async_stream_infer("speculation_gate", bad, enable_empty_final_response=True)
+        result, error = got.get(timeout=30)
+        assert error is not None and "outside the vocabulary" in str(error) and "speculation_gate:" not in str(error)
+    finally:
+        c.stop_stream()
+    try:
+        [(text, _, _)] = responses(c, "hi", 8, stream=False)
+        assert text == expected_text(engine_dir, "hi", 8)
     finally:
         c.close()

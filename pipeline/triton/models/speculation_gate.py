@@ -47,6 +47,10 @@ def _scalar(request, name):
     return value.decode() if isinstance(value, bytes) else value
 
 
+class EngineError(Exception):
+    """The engine model answered with an error response."""
+
+
 def _greedy(request) -> bool:
     return float(_scalar(request, "temperature")) == 0.0 or int(_scalar(request, "top_k")) == 1
 
@@ -189,6 +193,8 @@ class TritonPythonModel:
                          draft_model=self.draft_model, send=forward, cancelled=cancelled, is_text=self.is_text)
             else:
                 self._relay_engine(request, decision, stream_id, forward, cancelled)
+        except EngineError as err:  # the engine's own one-line message, as it is
+            self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(_one_line(err))))
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
             self._send(sender, pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")))
@@ -214,8 +220,7 @@ class TritonPythonModel:
                     responses.cancel()
                 break
             if response.has_error():
-                self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error().message())))
-                break
+                raise EngineError(response.error().message())
             tensors = response.output_tensors()
             if tensors:
                 forward({t.name(): t.as_numpy() for t in tensors})
