@@ -278,3 +278,36 @@ def test_head_matches_modelopt_drafts(tmp_path, target):
         assert ours == theirs[0].tolist()
         agree += len(set(ours)) > 1
     assert agree >= 2  # drafts that vary, not one token repeated
+
+
+def test_compile_torch_engine_with_an_eagle3_head_and_generate_with_it(tmp_path, target, head):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    runner = CliRunner()
+    out = tmp_path / "engine"
+    res = runner.invoke(main, ["compile", "-b", "torch", "-t", str(target), "-d", f"eagle3:{head}", "-k", "3",
+                               "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((out / "engine.json").read_text())
+    assert manifest["draft"]["kind"] == "eagle3" and (out / "draft" / "model.safetensors").is_file()
+    args = ["generate", "hello there", "--dtype", "fp32", "-n", "56", "--raw", "--json"]  # > 50: the folder gate's min tokens
+    from_dir = json.loads(runner.invoke(main, [*args, "--model", str(out)]).output)
+    direct = json.loads(runner.invoke(main, [*args, "--model", str(target), "--draft", f"eagle3:{head}", "-k", "3"]).output)
+    plain = json.loads(runner.invoke(main, [*args, "--model", str(target)]).output)
+    assert from_dir["config"]["draft"] == direct["config"]["draft"] == "eagle3"
+    assert from_dir["stats"]["drafted_tokens"] > 0 and direct["stats"]["drafted_tokens"] > 0
+    tokens = [r["outputs"][0]["token_ids"] for r in (from_dir, direct, plain)]
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
+def test_compile_refuses_a_plain_model_as_an_eagle3_head(tmp_path, target):
+    from click.testing import CliRunner
+
+    from cli_checks import assert_one_line_error
+    from pipeline.cli import main
+
+    res = CliRunner().invoke(main, ["compile", "-b", "torch", "-t", str(target), "-d", f"eagle3:{target}",
+                                    "-o", str(tmp_path / "e")])
+    assert_one_line_error(res, "not an EAGLE-3 head")
