@@ -68,7 +68,11 @@ def make_tiny_eagle3_head(path: Path, target: Path, seed: int = 0, layout: str =
                "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": False,
                "target_hidden_size": H}
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    if layout == "eagle":  # the published heads ship a pytorch_model.bin, with the target's embeddings
+        t["embed_tokens.weight"] = rand(tcfg.vocab_size, H)
+        torch.save(t, path / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 

@@ -135,8 +135,11 @@ class Eagle3Proposer:
         self.pending: dict[int, list[torch.Tensor]] = {}  # request id -> captured [n, A] not yet consumed
 
     def on_target_hidden(self, req: Request, aux: torch.Tensor) -> None:
-        """aux: [n, A], the target's captured states for the next n positions it has settled."""
-        self.pending.setdefault(req.id, []).append(aux)
+        """aux: [n, A], the target's captured states for the next n positions it has settled.
+
+        Kept until the next proposal for this request (no head work runs while the gate is off), so a
+        request that never speculates holds up to max_seq_len x A values until it leaves."""
+        self.pending.setdefault(req.id, []).append(aux.clone())  # a row, not the whole batch's tensor
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
         B, K = len(reqs), max(ks)
@@ -268,7 +271,14 @@ def load_eagle3_head(folder: str | Path, target_cfg: ModelConfig, max_seq_len: i
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise ModelFormatError(f"{cfg_file} is missing; an EAGLE-3 head folder needs config.json and *.safetensors")
-    hf = read_safetensors(folder)
+    # The published EAGLE-3 heads ship pytorch_model.bin; weights_only refuses pickled code.
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if bins and not any(folder.glob("*.safetensors")):
+        hf = {}
+        for f in bins:
+            hf.update(torch.load(f, map_location="cpu", weights_only=True))
+    else:
+        hf = read_safetensors(folder)
     cfg = read_eagle3_config(json.loads(cfg_file.read_text()), set(hf), target_cfg)
     with torch.device("meta"):
         head = Eagle3Head(cfg, max_seq_len)
