@@ -34,7 +34,10 @@ from pipeline.errors import ConfigError, MissingDependencyError, PipelineError
 METHODS = ("eagle3",)
 CHECKPOINT_EVERY_S = 60.0
 EXPORT_RESERVE_S = 5.0  # left in the budget for export + report
-ANSWER_SHARE = 0.5  # of the budget, at most, for the target's answers (a rerun adds more)
+# On a loaded 2-core box the target's answers and hidden states can eat the whole budget; these caps
+# keep at least half of it for training. A rerun with the same settings adds more data.
+ANSWER_SHARE = 0.3  # answers stop being generated after this share of the budget
+FEATURE_DEADLINE = 0.5  # hidden states stop being computed after this share
 ANSWER_BATCH = 16
 
 
@@ -159,6 +162,14 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
     with torch.no_grad():
         if hasattr(em, "d2t"):
             em.d2t.copy_(d2t)
+        # Start the head's output side as the target's own: its final norm, and the lm_head rows of
+        # the draft vocabulary. The head then first has to learn to predict the target's next final
+        # state, which a few hundred CPU steps can start to do; from random it learns token statistics.
+        ids = torch.arange(len(d2t)) + d2t
+        em.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
+        norm = model._base_model_norm if hasattr(model, "_base_model_norm") else None
+        if norm is not None and hasattr(em, "norm"):
+            em.norm.weight.copy_(norm.weight)
     return model
 
 
@@ -239,10 +250,14 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
     feats: list = torch.load(feat_file) if feat_file.is_file() else []
     if len(feats) < len(seqs):
         model, _ = _load_target(target, max(len(s) for s in seqs) + 1)
+        feature_deadline = t_start + FEATURE_DEADLINE * opts.budget_minutes * 60
         with _bar(len(seqs) - len(feats), "target hidden states", opts.progress) as bar:
-            feats += target_features(model, seqs[len(feats):], aux_layers, on_seq=bar.update)
+            for i in range(len(feats), len(seqs), ANSWER_BATCH):
+                if feats and time.monotonic() > feature_deadline:
+                    break
+                feats += target_features(model, seqs[i:i + ANSWER_BATCH], aux_layers, on_seq=bar.update)
+                _save(feats, feat_file)
         del model
-        _save(feats, feat_file)
     seqs = seqs[:len(feats)]
 
     # 3. train with ModelOpt.
