@@ -321,7 +321,9 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
                 train_s += dt
                 step += 1
                 loss_v, accs = float(out.loss), [round(float(a), 4) for a in out.train_acc[0]]
-                left = max(0.0, deadline - time.monotonic())
+                left = max(0.0, deadline - time.monotonic() - EXPORT_RESERVE_S)
+                # The bar's total (and so its ETA) is what the budget allows, not max_epochs' steps.
+                bar.total = min(opts.max_epochs * per_epoch, step + int(left / step_s))
                 bar.set_postfix(loss=f"{loss_v:.3f}", acc=accs[0] if accs else None, budget_left=f"{left:.0f}s")
                 bar.update(1)
                 if time.monotonic() - last_ck > CHECKPOINT_EVERY_S:
