@@ -51,11 +51,12 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_in_id_order():
 def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, target, prompts_file):
     out = tmp_path / "head"
     args = ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",
-            "--draft-vocab-size", "64", "--budget-minutes", "3", "--json", "-o", str(out)]
+            "--draft-vocab-size", "64", "--text-samples", "8", "--budget-minutes", "3", "--json", "-o", str(out)]
     res = CliRunner().invoke(main, [*args, "--epochs", "2"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
-    assert report["steps"] == 6 and report["stopped_by"] == "epochs"  # 11 prompts, batch 4, 2 epochs
+    # 11 answers + 8 text samples, batch 4 -> 5 steps per epoch
+    assert report["steps"] == 10 and report["stopped_by"] == "epochs" and report["epochs"] == 2
     assert report["resumed_from_step"] == 0 and report["aux_layers"] == [1, 3, 4]
     assert report["head"]["hidden_size"] == 64 and report["head"]["intermediate_size"] == 128
     assert set(report["acceptance"]["by_k"]["6"]) >= {"accepted_through_position", "mean_acceptance_length"}
@@ -78,7 +79,7 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     assert res.exit_code == 0, res.output
     again = json.loads(res.stdout)
     assert again["work_dir"] == report["work_dir"]
-    assert again["resumed_from_step"] == 6 and again["steps"] == 9
+    assert again["resumed_from_step"] == 10 and again["steps"] == 15
 
 
 def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):

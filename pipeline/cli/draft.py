@@ -27,12 +27,16 @@ def draft():
               help="Reduced draft vocabulary (most frequent tokens of the answers). Default: min(vocab, 8192).")
 @click.option("max_new_tokens", "--max-new-tokens", type=int, default=128, show_default=True,
               help="Length of the target's answer to each prompt (the training text).")
+@click.option("text_samples", "--text-samples", type=int, default=128, show_default=True,
+              help="Also distil on this many 256-token samples of the built-in prose/code text (one target "
+                   "forward each, no generation); 0 trains on the answers only.")
 @click.option("max_epochs", "--epochs", type=int, default=50, show_default=True, help="At most this many epochs.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("json_", "--json", is_flag=True, help="Print the report as JSON.")
 @click.option("output", "--output", "-o", required=True, type=click.Path(path_type=Path),
               help="Output folder for the exported head (must not exist unless --force).")
-def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens, max_epochs, force, json_, output):
+def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens, text_samples, max_epochs, force,
+          json_, output):
     """Train a draft head for TARGET by self-distillation, and export it to -o DIR.
 
     The target answers the prompts (this project's engine), its hidden states are cached, and
@@ -49,7 +53,8 @@ def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens
 
     result = train_draft(TrainOptions(
         target=target, output=output, method=method.strip().lower(), data=data, budget_minutes=budget_minutes,
-        draft_vocab_size=draft_vocab_size, max_new_tokens=max_new_tokens, max_epochs=max_epochs, force=force,
+        draft_vocab_size=draft_vocab_size, max_new_tokens=max_new_tokens, text_samples=text_samples,
+        max_epochs=max_epochs, force=force,
         progress=not json_))
     if json_:
         click.echo(json.dumps(result.to_dict(), indent=2))

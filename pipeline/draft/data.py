@@ -83,6 +83,15 @@ def target_features(model, seqs: list[list[int]], aux_layers: tuple[int, ...], d
     return out
 
 
+def text_samples(tokenizer, num_samples: int, seq_len: int = 256) -> list[list[int]]:
+    """Token samples of the built-in calibration text (prose and Python code; its held-out part is left
+    out). EAGLE's loss distils the target's own distribution at every position, so any text teaches the
+    head; this text needs only one target forward per sample, no generation."""
+    from pipeline.quantize.calib import calibration_text, make_samples
+
+    return make_samples(tokenizer, calibration_text("builtin"), num_samples, seq_len).tolist()
+
+
 def draft_vocab(seqs: list[list[int]], vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
     """EAGLE-3's reduced vocabulary: the draft_vocab_size tokens most frequent in the training data
     (then the lowest ids, to fill), in target-id order. Returns d2t: target_id = draft_id + d2t[draft_id]."""

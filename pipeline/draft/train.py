@@ -59,6 +59,7 @@ class TrainOptions:
     learning_rate: float = 1e-3
     seed: int = 0
     eval_tokens: int = 64  # new tokens per held-out prompt when measuring acceptance
+    text_samples: int = 128  # plus this many 256-token samples of built-in text (0: answers only)
     force: bool = False
     progress: bool = True
 
@@ -82,6 +83,7 @@ class TrainResult:
     train_tokens: int
     draft_vocab_size: int
     aux_layers: list[int]
+    text_samples: int
     head: dict
     epochs: float
     steps: int
@@ -259,6 +261,20 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
                 _save(feats, feat_file)
         del model
     seqs = seqs[:len(feats)]
+    if opts.text_samples:
+        # Built-in text, distilled on the target's soft labels: many positions for one prefill each.
+        # Its features are cached apart, so the answers' cache stays valid for any --text-samples.
+        text_file = work / f"text-{opts.text_samples}.pt"
+        if not text_file.is_file():
+            from pipeline.draft.data import text_samples
+
+            texts = text_samples(tok, opts.text_samples)
+            model, _ = _load_target(target, max(len(t) for t in texts) + 1)
+            with _bar(len(texts), "target hidden states (text)", opts.progress) as bar:
+                _save((texts, target_features(model, texts, aux_layers, on_seq=bar.update)), text_file)
+            del model
+        texts, text_feats = torch.load(text_file)
+        seqs, feats = seqs + texts, feats + text_feats
 
     # 3. train with ModelOpt.
     # The draft vocabulary is fixed when training first starts, so a resumed run (maybe with more
@@ -275,13 +291,15 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
     params = [p for p in model.eagle_module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.learning_rate, weight_decay=0.0)
     ckpt_file = work / "checkpoint.pt"
-    step = epoch = 0
+    step = epoch = in_epoch = 0  # in_epoch: batches of the current epoch already trained
     train_s = 0.0
     if ckpt_file.is_file():
         ck = torch.load(ckpt_file)
         model.eagle_module.load_state_dict(ck["head"])
         opt.load_state_dict(ck["optimizer"])
         step, epoch, train_s = ck["step"], ck["epoch"], ck["train_seconds"]
+        # Same data: continue the epoch; more data since (a rerun added answers): start a new one.
+        in_epoch = ck.get("in_epoch", 0) if ck.get("num_seqs") == len(seqs) else 0
     resumed_from = step
     per_epoch = math.ceil(len(seqs) / opts.batch_size)
     warmup = 20
@@ -291,17 +309,18 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
 
     def checkpoint():
         _save({"head": model.eagle_module.state_dict(), "optimizer": opt.state_dict(), "step": step,
-               "epoch": epoch, "train_seconds": train_s}, ckpt_file)
+               "epoch": epoch, "in_epoch": in_epoch, "num_seqs": len(seqs), "train_seconds": train_s}, ckpt_file)
 
     model.train()
     loss_v, accs, stopped_by = None, [], "epochs"
+    bar_start = epoch * per_epoch + in_epoch
     last_ck = time.monotonic()
     step_s = None
     with _bar(opts.max_epochs * per_epoch, "train eagle3 head", opts.progress) as bar:
-        bar.update(step)
+        bar.update(bar_start)
         while epoch < opts.max_epochs:
             batches = _batches(len(seqs), opts.batch_size, epoch, opts.seed)
-            for b in batches[step - epoch * per_epoch:]:
+            for b in batches[in_epoch:]:
                 reserve = EXPORT_RESERVE_S + (step_s or 0.0)
                 if time.monotonic() + reserve > deadline:
                     stopped_by = "budget"
@@ -320,17 +339,19 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
                 step_s = dt if step_s is None else 0.8 * step_s + 0.2 * dt
                 train_s += dt
                 step += 1
+                in_epoch += 1
                 loss_v, accs = float(out.loss), [round(float(a), 4) for a in out.train_acc[0]]
                 left = max(0.0, deadline - time.monotonic() - EXPORT_RESERVE_S)
                 # The bar's total (and so its ETA) is what the budget allows, not max_epochs' steps.
-                bar.total = min(opts.max_epochs * per_epoch, step + int(left / step_s))
+                done = epoch * per_epoch + in_epoch
+                bar.total = min(opts.max_epochs * per_epoch, done + int(left / step_s))
                 bar.set_postfix(loss=f"{loss_v:.3f}", acc=accs[0] if accs else None, budget_left=f"{left:.0f}s")
                 bar.update(1)
                 if time.monotonic() - last_ck > CHECKPOINT_EVERY_S:
                     checkpoint()
                     last_ck = time.monotonic()
             else:
-                epoch += 1
+                epoch, in_epoch = epoch + 1, 0
                 checkpoint()
                 last_ck = time.monotonic()
                 continue
@@ -355,7 +376,8 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
             draft_vocab_size=dv, aux_layers=list(aux_layers),
             head={k: arch[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                        "intermediate_size", "num_hidden_layers")},
-            epochs=round(step / per_epoch, 2), steps=step, resumed_from_step=resumed_from,
+            text_samples=opts.text_samples,
+            epochs=round(epoch + in_epoch / per_epoch, 2), steps=step, resumed_from_step=resumed_from,
             train_seconds=round(train_s, 1), total_seconds=round(time.monotonic() - t_start, 1),
             budget_minutes=opts.budget_minutes, stopped_by=stopped_by, final_loss=loss_v, train_acc=accs,
             acceptance=acceptance)
