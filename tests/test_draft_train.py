@@ -95,3 +95,17 @@ def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):
     ]
     for args, needle in cases:
         assert_one_line_error(CliRunner().invoke(main, args), needle)
+
+
+def test_acceptance_report_derives_mean_length_per_k_from_one_run():
+    from pipeline.draft.report import acceptance_from_stats, acceptance_table
+    from pipeline.engine.stats import EngineStats
+
+    stats = EngineStats()
+    for accepted in (0, 1, 3, 3):  # four verify steps with K=3
+        stats.record_verification(3, accepted)
+    acc = acceptance_from_stats(stats)
+    assert acc["accepted_through_position"] == [0.75, 0.5, 0.5]
+    assert acc["mean_acceptance_length"] == 1 + 7 / 4
+    assert acc["mean_acceptance_length_at_k"] == {1: 1.75, 2: 2.25, 3: 2.75}  # K=3 equals the measured one
+    assert "| 3 | 0.75 0.50 0.50 | 2.75 |" in acceptance_table({"by_k": {3: acc}})
