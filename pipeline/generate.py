@@ -41,8 +41,10 @@ class GenerateOptions:
 
     @property
     def draft_kind(self) -> str:
-        """"none", "ngram" or "model"."""
+        """"none", "ngram", "eagle3" (eagle3:DIR, an EAGLE-3 head) or "model"."""
         d = self.draft.strip().lower()
+        if d.startswith("eagle3:"):
+            return "eagle3"
         return d if d in (NO_DRAFT, NGRAM_DRAFT) else "model"
 
 
@@ -162,7 +164,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
                                "engine")
         if draft_kind == NO_DRAFT and manifest["draft"]["kind"] != NO_DRAFT:
             draft_kind = manifest["draft"]["kind"]
-            draft_ref = str(engine_dir / manifest["draft"]["path"]) if draft_kind == "model" else draft_kind
+            draft_ref = str(engine_dir / manifest["draft"]["path"]) if draft_kind in ("model", "eagle3") else draft_kind
     else:
         target = resolve_model(options.model)
     draft_arg: str | Path | None = None
@@ -174,6 +176,10 @@ def generate(options: GenerateOptions) -> GenerateResult:
         check_draft_compatible(target.path, draft.path)
         draft_arg = draft_path = draft.path
         draft_name = draft.name
+    elif draft_kind == "eagle3":
+        draft_path = Path(draft_ref.split(":", 1)[1] if draft_ref.lower().startswith("eagle3:") else draft_ref)
+        draft_path = draft_path.expanduser().absolute()
+        draft_arg = f"eagle3:{draft_path}"
 
     tokenizer = load_tokenizer(target.path)
     chat = uses_chat_template(tokenizer, options.raw)

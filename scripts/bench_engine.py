@@ -12,6 +12,12 @@ counting read + write bytes.
 
     python scripts/bench_engine.py                       # smollm2-135m, bf16, batch 1 4 16, 128 tokens
     python scripts/bench_engine.py --dtype both --batch-sizes 1 --json
+    python scripts/bench_engine.py --eagle3 DIR          # + an EAGLE-3 head row, and its acceptance
+                                                         #   per position at K=1..6 on held-out prompts
+
+With --eagle3, a second table reports the head on the built-in held-out prompts (the ones
+`pipeline draft train` never trains on), greedy, one engine run per K: the share of verify steps
+whose first j drafts were all accepted, and the mean acceptance length (tokens per target forward).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pipeline.engine.config import EngineConfig, GatePolicy, ModelConfig
+from pipeline.engine.eagle3 import Eagle3Proposer, load_eagle3_head
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer
 from pipeline.engine.sampling import SamplingParams
@@ -143,6 +150,18 @@ def same_until_stop(ids: list[int], base: list[int], stops: tuple[int, ...]) -> 
     return ids[:end] == base[:end]
 
 
+def eagle3_acceptance(args, target, tokenizer, dtype_name) -> dict:
+    """Acceptance per position and mean acceptance length at each K, on the held-out built-in prompts."""
+    from pipeline.draft.data import load_prompts, split_prompts
+    from pipeline.draft.report import measure_acceptance
+
+    held = split_prompts(load_prompts("builtin"))[1]
+    ids = [encode_prompt(tokenizer, p, raw=False) for p in held]
+    return measure_acceptance(target.path, args.eagle3, ids, ks=tuple(args.acceptance_ks),
+                              max_new_tokens=args.max_tokens, eos_token_ids=args.stop_ids, dtype=dtype_name,
+                              batch_size=len(ids))
+
+
 def run_dtype(dtype_name, args, target, draft_path, tokenizer, prompt_ids, pad_id) -> tuple[list[Row], dict]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     max_seq_len = max(map(len, prompt_ids)) + args.max_tokens + 8
@@ -151,6 +170,7 @@ def run_dtype(dtype_name, args, target, draft_path, tokenizer, prompt_ids, pad_i
                           gate=GatePolicy(min_tokens=0))  # speculation rows always speculate, even in short runs
     model = load_transformer(target.path, max_seq_len, dtype)
     draft_model = load_transformer(draft_path, max_seq_len, dtype) if draft_path else None
+    head = load_eagle3_head(args.eagle3, model.cfg, max_seq_len, dtype) if args.eagle3 else None
     floor = {"weight_bytes": weight_bytes(model)}
     floor["max_tokens_per_s_bs1"] = round(args.bandwidth_gbs * 1e9 / floor["weight_bytes"], 1)
 
@@ -162,6 +182,9 @@ def run_dtype(dtype_name, args, target, draft_path, tokenizer, prompt_ids, pad_i
         base_tps, _, base_ids = bench_engine(model, None, config, prompt_ids, batch, args.max_tokens)
         rows.append(Row(dtype_name, "engine, no speculation", batch, base_tps))
         proposers = [("engine + n-gram", NgramProposer)]
+        if head is not None:
+            proposers.append(("engine + eagle3", lambda: Eagle3Proposer(head, model, config.max_batch_size,
+                                                                         config.max_seq_len)))
         if draft_model is not None:
             proposers.append((f"engine + draft {args.draft}",
                               lambda: DraftModelProposer(draft_model, config.max_batch_size, config.max_seq_len)))
@@ -209,6 +232,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="target: preset, folder, .gguf or hub id")
     ap.add_argument("--draft", default=None, help="draft model (preset, folder, .gguf, hub id); default: none")
+    ap.add_argument("--eagle3", default=None, help="an EAGLE-3 head folder (e.g. from `pipeline draft train`)")
+    ap.add_argument("--acceptance-ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6],
+                    help="K values for the EAGLE-3 held-out acceptance table (empty: skip it)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
@@ -236,11 +262,20 @@ def main() -> None:
     for dtype_name in (["bf16", "fp32"] if args.dtype == "both" else [args.dtype]):
         r, floors[dtype_name] = run_dtype(dtype_name, args, target, draft_path, tokenizer, prompt_ids, pad_id)
         rows += r
+    acceptance = None
+    if args.eagle3 and args.acceptance_ks:
+        acceptance = eagle3_acceptance(args, target, tokenizer, "bf16" if args.dtype == "both" else args.dtype)
     # Other processes on the box skew every row; say how busy it was.
     args.load_avg = (round(load_before, 2), round(os.getloadavg()[0], 2))
     print_table(rows, floors, args)
+    if acceptance is not None:
+        from pipeline.draft.report import acceptance_table
+
+        print(f"\nEAGLE-3 head {args.eagle3} on {acceptance['prompts']} held-out prompts, greedy, "
+              f"{acceptance['max_new_tokens']} new tokens, one run per K:")
+        print(acceptance_table(acceptance))
     if args.json:
-        print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+        print(json.dumps({"eagle3_acceptance": acceptance, "model": args.model, "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
                           "num_draft_tokens": args.num_draft_tokens, "load_avg": args.load_avg,
                           "copy_bandwidth_gbs": round(args.bandwidth_gbs, 2),
                           "bandwidth_floor": floors, "rows": [asdict(r) for r in rows]}, indent=2))

@@ -40,6 +40,7 @@ from pipeline.cli.plan import plan  # noqa: E402
 from pipeline.cli.serve import serve  # noqa: E402
 from pipeline.cli.assemble import assemble  # noqa: E402
 from pipeline.cli.build import build  # noqa: E402
+from pipeline.cli.draft import draft  # noqa: E402
 
 main.add_command(generate)
 main.add_command(quantize)
@@ -48,3 +49,4 @@ main.add_command(plan)
 main.add_command(serve)
 main.add_command(assemble)
 main.add_command(build)
+main.add_command(draft)

@@ -3,7 +3,7 @@
 Layout:
   engine.json    sizes (max batch, max sequence length, max draft length), dtypes, gate, draft kind
   target/        the target's Hugging Face checkpoint files: config, *.safetensors, tokenizer
-  draft/         a draft model's checkpoint (only with a draft model)
+  draft/         a draft model's checkpoint, or an EAGLE-3 head's (only with one of those)
 
 Weights stay in the checkpoint's own (Hugging Face, maybe ModelOpt-quantized) layout rather than the
 engine's fused one: the loader's HF path is the tested one for quantized tensors and their scales, and
@@ -105,4 +105,6 @@ def load_engine(path: str | Path, device: str | None = None, dtype: str | None =
     draft_arg = {"none": None, "ngram": "ngram"}.get(draft["kind"])
     if draft["kind"] == "model":
         draft_arg = folder / draft["path"]
+    elif draft["kind"] == "eagle3":  # draft/ holds the head's checkpoint, in whichever layout it came
+        draft_arg = f"eagle3:{folder / draft['path']}"
     return LLMEngine.load(folder / manifest["target"]["path"], engine_config(manifest, device, dtype), draft=draft_arg)

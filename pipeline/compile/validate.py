@@ -22,9 +22,6 @@ def pick_route(backend: str, route: str, target: Checkpoint, draft: DraftSpec) -
         if target.layout != "hf":
             raise ConfigError(f"--backend torch loads Hugging Face checkpoints, and {target.path} is a TensorRT-LLM "
                               f"checkpoint; quantize with --export hf for the portable engine")
-        if draft.kind == "eagle3":
-            raise ConfigError("the portable engine has no EAGLE-3 proposer; use --backend trtllm --route llmapi, "
-                              "or --draft DIR|ngram")
         return "torch"
     if route == "auto":
         route = "llmapi" if draft.kind in ("eagle3", "ngram") or target.layout == "hf" else "engine"
@@ -56,6 +53,9 @@ def check_draft_matches(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkp
     if draft.kind == "model" and draft_ckpt.is_eagle3:
         raise ConfigError(f"{draft_ckpt.path.name} is an EAGLE-3 head, not a draft model; pass "
                           f"--draft eagle3:{draft_ckpt.path}")
+    if draft.kind == "eagle3" and not draft_ckpt.is_eagle3:
+        raise ConfigError(f"{draft_ckpt.path.name} is not an EAGLE-3 head (its config.json names no Eagle3 "
+                          f"architecture or eagle_config); pass a head folder, e.g. from `pipeline draft train`")
     fix = "pick a draft from the target's model family, or use --draft ngram"
     if draft_ckpt.vocab_size != target.vocab_size:
         raise DraftMismatchError(f"draft '{draft_ckpt.path.name}' has vocab_size {draft_ckpt.vocab_size} but the "

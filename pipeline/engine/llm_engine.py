@@ -28,6 +28,9 @@ from pipeline.engine.stats import EngineStats
 from pipeline.errors import DraftMismatchError, RequestError
 
 
+EAGLE3_PREFIX = "eagle3:"
+
+
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, proposer: Proposer | None = None,
                  eos_token_ids: tuple[int, ...] = (), max_prefill_tokens: int = 4096):
@@ -46,7 +49,8 @@ class LLMEngine:
     @classmethod
     def load(cls, target: str | Path, config: EngineConfig, draft: str | Path | None = None,
              eos_token_ids: tuple[int, ...] = ()) -> "LLMEngine":
-        """target: a HF folder. draft: None, "ngram", or a HF folder of a draft model."""
+        """target: a HF folder. draft: None, "ngram", "eagle3:FOLDER" (an EAGLE-3 head), or a HF folder
+        of a draft model."""
         from pipeline.engine.weights import load_transformer
 
         dtype, device = config.torch_dtype, config.device
@@ -54,6 +58,11 @@ class LLMEngine:
         proposer: Proposer | None = None
         if draft == "ngram":
             proposer = NgramProposer()
+        elif isinstance(draft, str) and draft.startswith(EAGLE3_PREFIX):
+            from pipeline.engine.eagle3 import Eagle3Proposer, load_eagle3_head
+
+            head = load_eagle3_head(draft[len(EAGLE3_PREFIX):], model.cfg, config.max_seq_len, dtype, device)
+            proposer = Eagle3Proposer(head, model, config.max_batch_size, config.max_seq_len)
         elif draft is not None:
             draft_model = load_transformer(draft, config.max_seq_len, dtype, device)
             if draft_model.cfg.vocab_size != model.cfg.vocab_size:
@@ -76,6 +85,10 @@ class LLMEngine:
         desc = {"target": self.model.describe(), "proposer": self.proposer.name if self.proposer else None}
         if isinstance(self.proposer, DraftModelProposer):
             desc["draft"] = self.proposer.model.describe()
+        elif getattr(self.proposer, "name", None) == "eagle3":
+            head = self.proposer.head.cfg
+            desc["draft"] = {"kind": "eagle3", "layout": head.layout, "aux_layers": list(head.aux_layer_ids),
+                             "draft_vocab_size": head.draft_vocab_size, "dtype": str(self.proposer.head.fc.weight.dtype).removeprefix("torch.")}
         return desc
 
     # ---- requests -------------------------------------------------------------------------
@@ -158,10 +171,13 @@ class LLMEngine:
         ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=self.config.device)
         fb = ForwardBatch.build([r.slot for r in reqs], [0] * len(reqs), lengths, self.cache, self.config.device)
         last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
-        logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0]  # [B, V]
+        logits, hidden = self._target_forward(ids, fb, last)
+        logits = logits[:, 0]  # [B, V]
         greedy = logits.argmax(-1).tolist()
         for i, r in enumerate(reqs):
             r.target_len = lengths[i]
+            if hidden is not None:
+                self.proposer.on_target_hidden(r, hidden[i, : lengths[i]])
             tok = greedy[i] if r.params.greedy else sample(probs_from_logits(logits[i].cpu(), r.params), r.generator)
             self._emit(r, [tok], finished)
         self.stats.prefill_steps += 1
@@ -195,7 +211,7 @@ class LLMEngine:
         T = max(lengths)
         ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
         fb = ForwardBatch.build([r.slot for r in reqs], [r.target_len for r in reqs], lengths, self.cache, dev)
-        logits = self.model(ids, fb, self.cache)  # [B, T, V]
+        logits, hidden = self._target_forward(ids, fb)  # [B, T, V]
         # Greedy rows need only the argmax; sampled rows go to the CPU, where their generators live.
         argmax = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None
 
@@ -215,12 +231,24 @@ class LLMEngine:
                 r.num_verify_steps += 1
                 self.stats.record_verification(len(d), m)
                 self.proposer.on_verified(r, prev_len, len(d), m)
+            if hidden is not None:  # the states of the pending token and the accepted drafts
+                self.proposer.on_target_hidden(r, hidden[i, : m + 1])
             self._emit(r, d[:m] + [nxt], finished)
         self.stats.steps += 1
         if any(drafts):
             self.stats.spec_steps += 1
         else:
             self.stats.nonspec_steps += 1
+
+    def _target_forward(self, ids: torch.Tensor, fb: ForwardBatch, logits_index: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's logits, plus [B, T, A] hidden states of the layers an EAGLE-3 proposer reads
+        (None for every other proposer, whose forward stays exactly as before)."""
+        capture = getattr(self.proposer, "capture_layers", ())
+        if not capture:
+            return self.model(ids, fb, self.cache, logits_index=logits_index), None
+        logits, captured = self.model(ids, fb, self.cache, logits_index=logits_index, capture_layers=capture)
+        return logits, torch.cat(captured, dim=-1)
 
     def _emit(self, req: Request, tokens: list[int], finished: list[Request]) -> None:
         new: list[int] = []

@@ -3,6 +3,10 @@
 - NgramProposer: prompt lookup. Free to run; pays on outputs that copy from the context.
 - DraftModelProposer: a smaller model with the same tokenizer, with its own KV cache that it keeps
   in sync with the target's accepted tokens (and catches up after speculation was off).
+- Eagle3Proposer (pipeline/engine/eagle3.py): an EAGLE-3 head that reads the target's hidden states.
+  It sets `capture_layers`, and the engine then hands it the target's states of every token the target
+  settles through `on_target_hidden(req, states)`. Proposers without `capture_layers` get neither, so
+  their target forward is unchanged.
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""Training data for a draft head: prompts, the target's own answers (self-distillation), the target's
+hidden states for them (computed once, then cached), and the reduced draft vocabulary.
+
+The built-in prompts (data/prompts.jsonl, see data/NOTICE) ship with the package, so training never
+needs the network. Every HELDOUT_EVERY-th prompt is held out for measuring acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import ConfigError
+
+BUILTIN = "builtin"
+BUILTIN_FILE = Path(__file__).parent / "data" / "prompts.jsonl"
+HELDOUT_EVERY = 10
+
+
+def load_prompts(data: str = BUILTIN) -> list[str]:
+    """--data: "builtin", or a file with one prompt per line (plain text, or JSONL with a "prompt" field)."""
+    path = BUILTIN_FILE if data == BUILTIN else Path(data).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--data {data}: no such file; pass a file with one prompt per line, or --data builtin")
+    prompts = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                line = json.loads(line)["prompt"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"--data {path}: a JSON line needs a \"prompt\" field; fix line {line[:40]!r}") from None
+        prompts.append(line)
+    if len(prompts) < 2:
+        raise ConfigError(f"--data {path} has {len(prompts)} prompt(s); training needs at least 2 (one is held out)")
+    return prompts
+
+
+def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:
+    """(train, held out): deterministic, by position; at least one of each."""
+    held = [p for i, p in enumerate(prompts) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1] or prompts[-1:]
+    train = [p for p in prompts if p not in held] if len(held) < len(prompts) else prompts
+    return train, held
+
+
+def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int = 16,
+                     on_batch=None) -> list[list[int]]:
+    """The target's own greedy answers, through this project's engine: prompt + answer ids per prompt."""
+    from pipeline.engine.sampling import SamplingParams
+
+    seqs = []
+    for i in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[i:i + batch_size]
+        reqs = engine.generate(chunk, SamplingParams(max_tokens=max_new_tokens))
+        seqs += [p + r.output_ids for p, r in zip(chunk, reqs)]
+        if on_batch:
+            on_batch(len(chunk))
+    return seqs
+
+
+@torch.inference_mode()
+def target_features(model, seqs: list[list[int]], aux_layers: tuple[int, ...], dtype=torch.bfloat16,
+                    on_seq=None) -> list[dict[str, torch.Tensor]]:
+    """Per sequence: the outputs of the aux layers, concatenated ([T, 3H]), and the final pre-norm hidden
+    state ([T, H]), from one target forward each, stored in `dtype` (bf16 halves the cache)."""
+    from pipeline.engine.kv_cache import ForwardBatch
+
+    capture = tuple(i + 1 for i in aux_layers) + (model.cfg.num_layers,)
+    cache = model.new_cache(1, max(len(s) for s in seqs) + 1)
+    out = []
+    for s in seqs:
+        fb = ForwardBatch.build([0], [0], [len(s)], cache)
+        last = torch.tensor([[len(s) - 1]])
+        _, captured = model(torch.tensor([s]), fb, cache, logits_index=last, capture_layers=capture)
+        out.append({"aux": torch.cat(captured[:-1], -1)[0].to(dtype), "final": captured[-1][0].to(dtype)})
+        if on_seq:
+            on_seq()
+    return out
+
+
+def text_samples(tokenizer, num_samples: int, seq_len: int = 256) -> list[list[int]]:
+    """Token samples of the built-in calibration text (prose and Python code; its held-out part is left
+    out). EAGLE's loss distils the target's own distribution at every position, so any text teaches the
+    head; this text needs only one target forward per sample, no generation."""
+    from pipeline.quantize.calib import calibration_text, make_samples
+
+    return make_samples(tokenizer, calibration_text("builtin"), num_samples, seq_len).tolist()
+
+
+def draft_vocab(seqs: list[list[int]], vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """EAGLE-3's reduced vocabulary: the draft_vocab_size tokens most frequent in the training data
+    (then the lowest ids, to fill), in target-id order. Returns d2t: target_id = draft_id + d2t[draft_id]."""
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ConfigError(f"--draft-vocab-size must be between 1 and the target's vocabulary ({vocab_size})")
+    counts = Counter(t for s in seqs for t in s)
+    chosen = [t for t, _ in counts.most_common(draft_vocab_size)]
+    taken = set(chosen)
+    chosen += [t for t in range(vocab_size) if t not in taken][: draft_vocab_size - len(chosen)]
+    ids = torch.tensor(sorted(chosen), dtype=torch.long)
+    return ids - torch.arange(draft_vocab_size)

@@ -1,0 +1,52 @@
+"""Acceptance of a draft head on held-out prompts: per position, and the mean acceptance length at K.
+
+Greedy chain drafting makes the first K drafts of a K=6 proposal the very drafts a K proposal would
+make from the same state, so one K=6 run also gives, for every K <= 6, the expected tokens per
+target forward at the states it visits: 1 + sum_{j<=K} P(drafts 1..j all accepted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def acceptance_from_stats(stats) -> dict:
+    """P(the first j drafts are all accepted), j = 1..K, and the derived mean acceptance length per K."""
+    cum = stats.acceptance_per_position  # accepted_per_position[j] counts rows with > j accepted
+    return {
+        "verify_steps": stats.verified_rows,
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "accepted_through_position": [round(x, 4) for x in cum],
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+        "mean_acceptance_length_at_k": {k: round(1 + sum(cum[:k]), 4) for k in range(1, len(cum) + 1)},
+    }
+
+
+def measure_acceptance(target: Path, head_dir: Path, prompt_ids: list[list[int]], ks=(6,),
+                       max_new_tokens: int = 64, eos_token_ids: tuple[int, ...] = (), dtype: str = "fp32",
+                       batch_size: int = 8) -> dict:
+    """Run the engine with the head at each K over the prompts (greedy); JSON-ready per K."""
+    from pipeline.engine.config import EngineConfig, GatePolicy
+    from pipeline.engine.llm_engine import LLMEngine
+    from pipeline.engine.sampling import SamplingParams
+
+    max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 8
+    out = {"prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "by_k": {}}
+    for k in ks:
+        config = EngineConfig(max_batch_size=batch_size, max_seq_len=max_len, dtype=dtype, num_draft_tokens=k,
+                              gate=GatePolicy(max_batch_size=batch_size, hysteresis=0, min_tokens=0))
+        engine = LLMEngine.load(target, config, draft=f"eagle3:{head_dir}", eos_token_ids=eos_token_ids)
+        engine.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens))
+        out["by_k"][k] = acceptance_from_stats(engine.stats)
+    return out
+
+
+def acceptance_table(acc: dict) -> str:
+    """A markdown table: K, measured mean acceptance length, and P(first j accepted) per position."""
+    rows = ["| K run | accepted through position 1..K | mean acceptance length | derived mean length at K=1..K |",
+            "|---|---|---|---|"]
+    for k, a in acc["by_k"].items():
+        pos = " ".join(f"{x:.2f}" for x in a["accepted_through_position"])
+        derived = " ".join(f"{v:.2f}" for v in a["mean_acceptance_length_at_k"].values())
+        rows.append(f"| {k} | {pos} | {a['mean_acceptance_length']:.2f} | {derived} |")
+    return "\n".join(rows)

@@ -1,0 +1,111 @@
+"""`pipeline draft train`: ModelOpt EAGLE-3 training on a tiny target, export, resume, and the engine
+running the exported head losslessly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli_checks import assert_one_line_error
+from pipeline.cli import main
+from pipeline.draft.data import draft_vocab, load_prompts, split_prompts
+from pipeline.engine.config import EngineConfig, GatePolicy
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.sampling import SamplingParams
+from tiny_models import make_tiny_llama
+
+pytest.importorskip("modelopt")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("train-target"), seed=0, layers=8)
+
+
+@pytest.fixture
+def prompts_file(tmp_path) -> Path:
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(f"Write a Python function number {i} that adds two numbers." for i in range(12)))
+    return f
+
+
+def test_builtin_prompts_ship_with_a_notice_and_a_held_out_slice():
+    prompts = load_prompts("builtin")
+    train, held = split_prompts(prompts)
+    assert len(prompts) >= 100 and len(held) == len(prompts) // 10
+    assert not set(train) & set(held)
+    assert (Path(__file__).parents[1] / "pipeline" / "draft" / "data" / "NOTICE").is_file()
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens_in_id_order():
+    d2t = draft_vocab([[5, 5, 5, 9, 9, 2]], vocab_size=12, draft_vocab_size=3)
+    assert (torch.arange(3) + d2t).tolist() == [2, 5, 9]
+    filled = torch.arange(5) + draft_vocab([[7]], vocab_size=12, draft_vocab_size=5)
+    assert filled.tolist() == [0, 1, 2, 3, 7]
+
+
+def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, target, prompts_file):
+    out = tmp_path / "head"
+    args = ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",
+            "--draft-vocab-size", "64", "--text-samples", "8", "--budget-minutes", "3", "--json", "-o", str(out)]
+    res = CliRunner().invoke(main, [*args, "--epochs", "2"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    # 11 answers + 8 text samples, batch 4 -> 5 steps per epoch
+    assert report["steps"] == 10 and report["stopped_by"] == "epochs" and report["epochs"] == 2
+    assert report["resumed_from_step"] == 0 and report["aux_layers"] == [1, 3, 4]
+    assert report["head"]["hidden_size"] == 64 and report["head"]["intermediate_size"] == 128
+    assert set(report["acceptance"]["by_k"]["6"]) >= {"accepted_through_position", "mean_acceptance_length"}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 64 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert (out / "train_report.json").is_file()
+
+    # The engine runs the exported head, and the output is still the target's own.
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=128, num_draft_tokens=3, gate=GatePolicy(min_tokens=0))
+    prompts = [[10, 20, 30, 40], [50, 60, 70]]
+    spec = LLMEngine.load(target, cfg, draft=f"eagle3:{out}")
+    plain = LLMEngine.load(target, cfg)
+    a = spec.generate(prompts, SamplingParams(max_tokens=20))
+    b = plain.generate(prompts, SamplingParams(max_tokens=20))
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert spec.stats.drafted_tokens > 0 and spec.describe()["draft"]["layout"] == "modelopt"
+
+    # Same settings, more epochs: answers and hidden states come from the cache, training resumes.
+    res = CliRunner().invoke(main, [*args, "--epochs", "3", "--force"])
+    assert res.exit_code == 0, res.output
+    again = json.loads(res.stdout)
+    assert again["work_dir"] == report["work_dir"]
+    assert again["resumed_from_step"] == 10 and again["steps"] == 15
+
+
+def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    base = ["draft", "train", "--target", str(target), "--data", str(prompts_file)]
+    cases = [
+        ([*base, "--method", "medusa", "-o", str(tmp_path / "a")], "--method"),
+        ([*base, "-o", str(existing)], "--force"),
+        (["draft", "train", "--target", str(target), "--data", str(tmp_path / "none.txt"), "-o", str(tmp_path / "b")],
+         "--data"),
+        ([*base, "--draft-vocab-size", "100000", "-o", str(tmp_path / "c")], "--draft-vocab-size"),
+    ]
+    for args, needle in cases:
+        assert_one_line_error(CliRunner().invoke(main, args), needle)
+
+
+def test_acceptance_report_derives_mean_length_per_k_from_one_run():
+    from pipeline.draft.report import acceptance_from_stats, acceptance_table
+    from pipeline.engine.stats import EngineStats
+
+    stats = EngineStats()
+    for accepted in (0, 1, 3, 3):  # four verify steps with K=3
+        stats.record_verification(3, accepted)
+    acc = acceptance_from_stats(stats)
+    assert acc["accepted_through_position"] == [0.75, 0.5, 0.5]
+    assert acc["mean_acceptance_length"] == 1 + 7 / 4
+    assert acc["mean_acceptance_length_at_k"] == {1: 1.75, 2: 2.25, 3: 2.75}  # K=3 equals the measured one
+    assert "| 3 | 0.75 0.50 0.50 | 2.75 |" in acceptance_table({"by_k": {3: acc}})

@@ -1,0 +1,317 @@
+"""EAGLE-3 heads in the portable engine: lossless drafting, the proposer's own cache kept in step
+with the target (catch-up, rollback, joins and leaves), and the three checkpoint layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.engine.config import EngineConfig, GatePolicy, ModelConfig
+from pipeline.engine.eagle3 import Eagle3Proposer, default_aux_layer_ids, load_eagle3_head
+from pipeline.engine.kv_cache import ForwardBatch
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.request import Request
+from pipeline.engine.sampling import SamplingParams
+from pipeline.errors import DraftMismatchError, ModelFormatError
+from tiny_models import make_tiny_llama
+
+MAX_TOKENS = 24
+DRAFT_VOCAB = 100
+
+
+def make_tiny_eagle3_head(path: Path, target: Path, seed: int = 0, layout: str = "modelopt",
+                          draft_vocab: int = DRAFT_VOCAB, std: float = 0.1) -> Path:
+    """A seeded random EAGLE-3 head for `target`, written in one of the three checkpoint layouts."""
+    from safetensors.torch import save_file
+
+    tcfg = ModelConfig.from_folder(target)
+    H, heads, kv, hd, inter = tcfg.hidden_size, 4, 2, tcfg.hidden_size // 4, 2 * tcfg.hidden_size
+    aux = default_aux_layer_ids(tcfg.num_layers)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm():
+        return 1 + rand(H) * 3
+
+    kept = torch.randperm(tcfg.vocab_size, generator=g)[:draft_vocab].sort().values  # target ids in the draft vocab
+    p = "midlayer." if layout == "eagle" else "layers.0."
+    t = {
+        "fc.weight": rand(H, len(aux) * H), p + "hidden_norm.weight": norm(), p + "input_layernorm.weight": norm(),
+        p + "self_attn.q_proj.weight": rand(heads * hd, 2 * H), p + "self_attn.k_proj.weight": rand(kv * hd, 2 * H),
+        p + "self_attn.v_proj.weight": rand(kv * hd, 2 * H), p + "self_attn.o_proj.weight": rand(H, heads * hd),
+        p + "post_attention_layernorm.weight": norm(), p + "mlp.gate_proj.weight": rand(inter, H),
+        p + "mlp.up_proj.weight": rand(inter, H), p + "mlp.down_proj.weight": rand(H, inter),
+        "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, H) * 10,
+        "d2t": kept - torch.arange(draft_vocab),
+    }
+    layer = {"model_type": "llama", "hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv,
+             "head_dim": hd, "intermediate_size": inter, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
+             "rope_theta": 10000.0, "vocab_size": tcfg.vocab_size, "max_position_embeddings": 1024}
+    if layout == "modelopt":  # what export_speculative_decoding writes (run on a tiny model, ModelOpt 0.47)
+        cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+               "rope_scaling": {"rope_type": "default", "rope_theta": 10000},
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True,
+                                "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True}}
+    elif layout == "eagle":  # yuhuili/EAGLE3-*: aux layers implied by the target's depth
+        t["t2d"] = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        t["t2d"][kept] = True
+        cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
+    else:  # vLLM speculators
+        t["t2d"] = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        t["t2d"][kept] = True
+        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+               "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": False,
+               "target_hidden_size": H}
+    path.mkdir(parents=True, exist_ok=True)
+    if layout == "eagle":  # the published heads ship a pytorch_model.bin, with the target's embeddings
+        t["embed_tokens.weight"] = rand(tcfg.vocab_size, H)
+        torch.save(t, path / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    # 8 layers, so the low/middle/high aux layers (1, 3, 4) are three distinct layers.
+    return make_tiny_llama(tmp_path_factory.mktemp("eagle-target"), seed=0, layers=8)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory, target) -> Path:
+    return make_tiny_eagle3_head(tmp_path_factory.mktemp("eagle-head"), target, seed=3)
+
+
+def config(**kw) -> EngineConfig:
+    gate = kw.pop("gate", GatePolicy(min_tokens=0))
+    return EngineConfig(**{"max_batch_size": 8, "max_seq_len": 256, "gate": gate, **kw})
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (L,), generator=g).tolist() for L in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    engine = LLMEngine.load(target, config(max_batch_size=1))
+    cache = {}
+
+    def ref(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_ids
+        return cache[key]
+
+    return ref
+
+
+class Recorder:
+    """Wraps an Eagle3Proposer and records, per greedy proposal, the sequence it drafted after."""
+
+    def __init__(self, proposer: Eagle3Proposer):
+        self.proposer, self.records = proposer, []
+        original = proposer.propose
+
+        def propose(reqs, ks):
+            prop = original(reqs, ks)
+            for r, k, toks in zip(reqs, ks, prop.tokens):
+                self.records.append((list(r.all_ids), r.target_len, k, list(toks)))
+            return prop
+
+        proposer.propose = propose
+
+
+def drafts_from_scratch(engine: LLMEngine, ids: list[int], target_len: int, k: int) -> list[int]:
+    """What a fresh head drafts after `ids`, fed the target's states for the whole prefix at once."""
+    model, proposer = engine.model, engine.proposer
+    cache = model.new_cache(1, engine.config.max_seq_len)
+    fb = ForwardBatch.build([0], [0], [target_len], cache)
+    _, captured = model(torch.tensor([ids[:target_len]]), fb, cache, capture_layers=proposer.capture_layers)
+    fresh = Eagle3Proposer(proposer.head, model, 1, engine.config.max_seq_len)
+    req = Request(list(ids), SamplingParams(max_tokens=1))
+    req.slot = 0
+    fresh.on_target_hidden(req, torch.cat(captured, -1)[0])
+    return fresh.propose([req], [k]).tokens[0]
+
+
+def check_incremental_drafts(engine: LLMEngine, rec: Recorder, every: int = 3) -> int:
+    checked = 0
+    for ids, target_len, k, toks in rec.records[::every]:
+        assert toks == drafts_from_scratch(engine, ids, target_len, k)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_output_identical_to_target_only_with_an_eagle3_head(target, head, reference, batch, k):
+    engine = LLMEngine.load(target, config(num_draft_tokens=k), draft=f"eagle3:{head}")
+    prompts = make_prompts(batch, seed=k + batch)
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference(p)
+    assert engine.stats.drafted_tokens > 0
+    assert engine.describe()["draft"]["kind"] == "eagle3"
+
+
+def test_drafts_equal_a_fresh_head_after_joins_leaves_and_gate_flips(target, head, reference):
+    # The head's incremental cache (catch-up after the gate was off, rollback past rejected drafts,
+    # rows joining and leaving) must give exactly the drafts a fresh head computes from the whole prefix.
+    gate = GatePolicy(max_batch_size=2, hysteresis=1, min_tokens=0)
+    engine = LLMEngine.load(target, config(num_draft_tokens=3, gate=gate), draft=f"eagle3:{head}")
+    rec = Recorder(engine.proposer)
+    prompts = make_prompts(4, seed=5)
+    budgets = [30, 10, 16, 30]
+    reqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=budgets[0]))]
+    for _ in range(4):
+        engine.step()
+    reqs += [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[1:], budgets[1:])]
+    while engine.has_unfinished():
+        engine.step()
+    for p, n, r in zip(prompts, budgets, reqs):
+        assert r.output_ids == reference(p, n)
+    assert engine.gate.flips >= 2 and engine.stats.nonspec_steps > 0
+    assert check_incremental_drafts(engine, rec, every=1) >= 5
+    assert not engine.proposer.pending and not engine.proposer.head_len  # released with their requests
+
+
+def test_incremental_drafts_check_catches_a_proposer_that_drops_target_states(target, head, reference, monkeypatch):
+    engine = LLMEngine.load(target, config(num_draft_tokens=3), draft=f"eagle3:{head}")
+    rec = Recorder(engine.proposer)
+    prompts = make_prompts(3, seed=9)
+    engine.generate(prompts, SamplingParams(max_tokens=20))
+    assert check_incremental_drafts(engine, rec, every=1) > 0
+    # Negative control: a proposer that forgets to consume a verification's states drifts from the
+    # fresh head, and the same check sees it.
+    broken = LLMEngine.load(target, config(num_draft_tokens=3), draft=f"eagle3:{head}")
+    rec2 = Recorder(broken.proposer)
+    real = broken.proposer.on_target_hidden
+    monkeypatch.setattr(broken.proposer, "on_target_hidden", lambda r, aux: real(r, aux[:1]))
+    broken.generate(prompts, SamplingParams(max_tokens=20))
+    with pytest.raises((AssertionError, RuntimeError, IndexError)):
+        check_incremental_drafts(broken, rec2, every=1)
+
+
+def test_sampled_generation_runs_and_is_seeded(target, head):
+    engine = LLMEngine.load(target, config(num_draft_tokens=3), draft=f"eagle3:{head}")
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    a = engine.generate(make_prompts(2, seed=1), params)
+    b = engine.generate(make_prompts(2, seed=1), params)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert engine.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_published_and_speculators_layouts_load_the_same_weights(tmp_path, target, layout):
+    ref = load_eagle3_head(make_tiny_eagle3_head(tmp_path / "mo", target, seed=4), ModelConfig.from_folder(target), 64)
+    other = load_eagle3_head(make_tiny_eagle3_head(tmp_path / layout, target, seed=4, layout=layout),
+                             ModelConfig.from_folder(target), 64)
+    assert other.cfg.layout == layout and ref.cfg.layout == "modelopt"
+    assert other.cfg.aux_layer_ids == ref.cfg.aux_layer_ids == (1, 3, 4)
+    assert torch.equal(other.draft_to_target, ref.draft_to_target)
+    for (n, a), (_, b) in zip(ref.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), n
+    # ModelOpt trains the fused state through input_layernorm and then hidden_norm; the others don't.
+    assert ref.cfg.hidden_norm_after_input_norm and not other.cfg.hidden_norm_after_input_norm
+
+
+def test_head_for_another_target_is_refused(tmp_path, target, head):
+    other = make_tiny_llama(tmp_path / "other", seed=1, layers=8, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    with pytest.raises(DraftMismatchError, match="trained for this target"):
+        LLMEngine.load(other, config(), draft=f"eagle3:{head}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFormatError, match="config.json"):
+        LLMEngine.load(target, config(), draft=f"eagle3:{tmp_path / 'empty'}")
+
+
+def test_no_capture_without_an_eagle3_proposer(target, monkeypatch):
+    engine = LLMEngine.load(target, config(num_draft_tokens=3), draft="ngram")
+    seen = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda *a, **kw: (seen.append(kw.get("capture_layers", ())),
+                                                                    forward(*a, **kw))[1])
+    engine.generate(make_prompts(2, seed=2), SamplingParams(max_tokens=8))
+    assert seen and not any(seen)
+
+
+def test_head_matches_modelopt_drafts(tmp_path, target):
+    """Our head, loaded from ModelOpt's export, drafts exactly what ModelOpt's own
+    pseudo_speculative_generate drafts (random weights, norms far from 1, a random d2t)."""
+    import copy
+
+    pytest.importorskip("modelopt")
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.export import export_speculative_decoding
+    from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
+    cfg["eagle_architecture_config"].update(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=16, intermediate_size=128, num_hidden_layers=1,
+                                            draft_vocab_size=DRAFT_VOCAB, rope_theta=10000.0, rms_norm_eps=1e-5)
+    cfg.update(eagle_use_torch_compile=False, eagle_export_rope_scaling={})
+    mtsp.convert(m, [("eagle", cfg)])
+    em = m.eagle_module
+    em.rotary_emb = LlamaRotaryEmbedding(config=em.config)
+    with torch.no_grad():
+        for n, prm in em.named_parameters():
+            prm.copy_(1 + 0.5 * torch.randn_like(prm) if "norm" in n else 0.1 * torch.randn_like(prm))
+        em.d2t.copy_(torch.randint(0, 200, (DRAFT_VOCAB,)))
+    m.eval()
+    export_speculative_decoding(m, export_dir=tmp_path / "export")
+    engine = LLMEngine.load(target, config(max_batch_size=1), draft=f"eagle3:{tmp_path / 'export'}")
+    agree = 0
+    for prompt in make_prompts(4, seed=13):
+        base, theirs = m.pseudo_speculative_generate(torch.tensor([prompt]), steps=4)
+        req = engine.add_request(prompt, SamplingParams(max_tokens=8))
+        engine._prefill(engine._admit(), [])
+        assert req.output_ids == base[0].tolist()
+        ours = engine.proposer.propose([req], [4]).tokens[0]
+        engine.cancel(req)
+        assert ours == theirs[0].tolist()
+        agree += len(set(ours)) > 1
+    assert agree >= 2  # drafts that vary, not one token repeated
+
+
+def test_compile_torch_engine_with_an_eagle3_head_and_generate_with_it(tmp_path, target, head):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    runner = CliRunner()
+    out = tmp_path / "engine"
+    res = runner.invoke(main, ["compile", "-b", "torch", "-t", str(target), "-d", f"eagle3:{head}", "-k", "3",
+                               "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((out / "engine.json").read_text())
+    assert manifest["draft"]["kind"] == "eagle3" and (out / "draft" / "model.safetensors").is_file()
+    args = ["generate", "hello there", "--dtype", "fp32", "-n", "56", "--raw", "--json"]  # > 50: the folder gate's min tokens
+    from_dir = json.loads(runner.invoke(main, [*args, "--model", str(out)]).output)
+    direct = json.loads(runner.invoke(main, [*args, "--model", str(target), "--draft", f"eagle3:{head}", "-k", "3"]).output)
+    plain = json.loads(runner.invoke(main, [*args, "--model", str(target)]).output)
+    assert from_dir["config"]["draft"] == direct["config"]["draft"] == "eagle3"
+    assert from_dir["stats"]["drafted_tokens"] > 0 and direct["stats"]["drafted_tokens"] > 0
+    tokens = [r["outputs"][0]["token_ids"] for r in (from_dir, direct, plain)]
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
+def test_compile_refuses_a_plain_model_as_an_eagle3_head(tmp_path, target):
+    from click.testing import CliRunner
+
+    from cli_checks import assert_one_line_error
+    from pipeline.cli import main
+
+    res = CliRunner().invoke(main, ["compile", "-b", "torch", "-t", str(target), "-d", f"eagle3:{target}",
+                                    "-o", str(tmp_path / "e")])
+    assert_one_line_error(res, "not an EAGLE-3 head")
