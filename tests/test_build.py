@@ -16,6 +16,7 @@ from cli_checks import assert_one_line_error
 from pipeline.build import BuildOptions, Environment, Weights, plan_build, run_build
 from pipeline.build.progress import StageProgress, format_bar, progress_enabled
 from pipeline.cli import main
+from pipeline.compile import load_engine
 from pipeline.errors import ConfigError, PlanError
 from pipeline.plan.gpus import get_gpu
 from pipeline.triton.config import read_config
@@ -304,3 +305,33 @@ def test_default_build_of_the_embedded_model_then_a_cached_rerun(smollm2, tmp_pa
     second = json.loads(runner.invoke(main, ["build", "--json"]).output)
     assert [s["status"] for s in second["stages"]] == ["reused", "reused"]
     assert read_config(tmp_path / "triton_repo" / "torch_engine").name == "torch_engine"
+
+
+def test_eagle3_on_the_portable_engine_plans_a_training_stage_that_feeds_compile(tiny_target, tmp_path):
+    plan = plan_build(tiny_options(tiny_target, tmp_path, draft="eagle3", draft_budget_minutes=3),
+                      cpu_env(tiny_target))
+    train, compile_ = plan.stages[0], plan.stages[1]
+    assert [s.name for s in plan.stages] == ["train_draft", "compile", "assemble"]
+    assert train.options.budget_minutes == 3 and train.options.output == plan.build_dir / "draft-eagle3"
+    assert compile_.options.draft == f"eagle3:{train.output}" and "train_draft" in compile_.deps
+    assert "trains one" in plan.settings.reasons["draft"]
+    # A longer budget trains a different head: train, compile and assemble all change keys.
+    longer = plan_build(tiny_options(tiny_target, tmp_path, draft="eagle3", draft_budget_minutes=5),
+                        cpu_env(tiny_target))
+    assert all(a.config_key != b.config_key for a, b in zip(plan.stages, longer.stages))
+
+
+@pytest.mark.slow
+def test_eagle3_build_trains_a_head_once_and_the_engine_runs_it(tmp_path):
+    from tiny_models import make_tiny_llama
+
+    target = make_tiny_llama(tmp_path / "target", seed=0, layers=8)  # EAGLE-3 reads 3 layers: needs depth
+    options = tiny_options(target, tmp_path, draft="eagle3", draft_budget_minutes=0.4)
+    first = run_build(options, cpu_env(target))
+    assert statuses(first) == {"train_draft": "built", "compile": "built", "assemble": "built"}
+    head = tmp_path / "engines" / target.name / "draft-eagle3"
+    assert (head / "config.json").is_file() and (head / "train_report.json").is_file()
+    engine = load_engine(tmp_path / "engines" / target.name / "engine")
+    assert engine.describe()["draft"]["layout"] == "modelopt"
+    again = run_build(options, cpu_env(target))
+    assert set(statuses(again).values()) == {"reused"}

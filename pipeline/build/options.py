@@ -38,6 +38,7 @@ class BuildOptions:
     engines_dir: Path = Path("engines")
     repo: Path = Path("triton_repo")
     calib_size: int = 32  # quantize stages: calibration samples of 256 tokens
+    draft_budget_minutes: float = 10.0  # train_draft stage (EAGLE-3 on the portable engine without a head)
     force: bool = False  # rebuild every stage, and build even if the memory plan doesn't fit
 
 

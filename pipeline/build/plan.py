@@ -26,8 +26,8 @@ ENGINE_FOLDER = "engine"
 
 @dataclass(frozen=True)
 class Stage:
-    name: str  # quantize_target | quantize_draft | compile | assemble
-    kind: str  # quantize | compile | assemble
+    name: str  # quantize_target | quantize_draft | train_draft | compile | assemble
+    kind: str  # quantize | train | compile | assemble
     options: Any  # the library call's options object; None: shown, not run here (see note)
     command: tuple[str, ...]  # the equivalent `pipeline ...` command
     output: Path
@@ -138,8 +138,13 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
         if s.draft_qformat != "none":
             raise ConfigError(f"an EAGLE-3 head is compiled as it is; drop --draft-qformat {s.draft_qformat}")
         skipped.append(("quantize_draft", "an EAGLE-3 head is compiled as it is"))
-        draft_arg = f"{EAGLE3_PREFIX}{_weights_path(s.draft_ref, env)}"
-        models.append(s.draft_ref)
+        if s.draft_ref:
+            draft_arg = f"{EAGLE3_PREFIX}{_weights_path(s.draft_ref, env)}"
+            models.append(s.draft_ref)
+        else:
+            head = _train_stage(s, o, env, build_dir, stages)
+            draft_arg = f"{EAGLE3_PREFIX}{head}"
+            deps.append(stages[-1].name)
 
     trt = s.backend == "trtllm"
     # On the portable engine the Triton speculation_gate model sends every request an explicit on/off, so the
@@ -169,6 +174,22 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
            str(s.gate_batch_size), "--force")
     stages.append(_keyed(Stage("assemble", "assemble", aopts, cmd, repo, ("compile",), note=note), stages))
     return stages, skipped
+
+
+def _train_stage(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, stages: list[Stage]) -> Path:
+    """An EAGLE-3 head for the target, trained with ModelOpt on its own answers (`pipeline draft train`)."""
+    from pipeline.draft.train import TrainOptions
+
+    head = build_dir / "draft-eagle3"
+    local = env.weights_of(s.target).path
+    target = str(local) if local is not None and local.suffix != ".gguf" else s.target
+    # The build's own bar shows the stage's ETA; the trainer's tqdm bars would interleave with it.
+    opts = TrainOptions(target=target, output=head, budget_minutes=o.draft_budget_minutes, force=True,
+                        progress=False)
+    cmd = ("pipeline", "draft", "train", "--target", target, "--method", "eagle3", "--budget-minutes",
+           f"{o.draft_budget_minutes:g}", "-o", str(head), "--force")
+    stages.append(_keyed(Stage("train_draft", "train", opts, cmd, head, models=(s.target,)), stages))
+    return head
 
 
 def _assemble_options(s: Settings, engine: Path, repo: Path):

@@ -23,9 +23,10 @@ from pipeline.errors import ConfigError, MissingDependencyError
 
 PLACEHOLDER = "README.md"
 # What a finished output holds: a folder without it is not reused.
-COMPLETE_MARKER = {"quantize": "report.json", "compile": "compile.json", "assemble": "ensemble/config.pbtxt"}
+COMPLETE_MARKER = {"quantize": "report.json", "train": "train_report.json", "compile": "compile.json",
+                   "assemble": "ensemble/config.pbtxt"}
 # First-run ETA guesses (seconds) when build.json has no earlier duration: SmolLM2 fp8 on 2 CPU cores.
-FIRST_ESTIMATE_S = {"quantize": 135.0, "compile": 5.0, "assemble": 2.0}
+FIRST_ESTIMATE_S = {"quantize": 135.0, "train": 600.0, "compile": 5.0, "assemble": 2.0}
 
 
 @dataclass
@@ -140,6 +141,10 @@ def run_stage(stage: Stage) -> None:
         from pipeline.quantize.run import quantize
 
         quantize(stage.options)
+    elif stage.kind == "train":
+        from pipeline.draft.train import train_draft
+
+        train_draft(stage.options)
     elif stage.kind == "compile":
         from pipeline.compile.run import compile_model
 

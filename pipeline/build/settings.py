@@ -169,9 +169,11 @@ def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> tu
         return EAGLE3, folder
     if kind == EAGLE3:
         if backend == "torch":
-            raise ConfigError(f"--draft eagle3 on the portable engine is not yet available for {o.target}: train a "
-                              f"head with `pipeline draft train --target {o.target} --method eagle3 -o DIR` and "
-                              f"pass --draft eagle3:DIR, or use --draft ngram")
+            # "" = the build trains the head (a train_draft stage), reused by later builds like any stage.
+            reasons["draft"] = (f"eagle3: no head given, so the build trains one for {o.target} with ModelOpt "
+                                f"(`pipeline draft train`, at most {o.draft_budget_minutes:g} minutes) and reuses "
+                                f"it on later builds; --draft eagle3:DIR takes a trained or published head")
+            return EAGLE3, ""
         if not head:
             raise ConfigError(f"{o.target} has no published EAGLE-3 head; pass --draft eagle3:DIR with a trained "
                               f"head, or use --draft ngram")

@@ -12,8 +12,12 @@ import click
 @click.option("--target", "-t", default="smollm2-135m", show_default=True,
               help="Target model: a preset (smollm2-135m is embedded; llama-70b, ...), a folder, a .gguf or a hub id.")
 @click.option("--draft", "-d", default="auto", show_default=True,
-              help="eagle3 (the preset's published head; eagle3:DIR for your own), ngram, none, or a draft model. "
-                   "auto: eagle3 on TensorRT-LLM where the target has a head, else ngram (no weights).")
+              help="eagle3 (the preset's published head on TensorRT-LLM; on the portable engine the build trains "
+                   "one with ModelOpt, see --draft-budget-minutes; eagle3:DIR for your own), ngram, none, or a "
+                   "draft model. auto: eagle3 on TensorRT-LLM where the target has a head, else ngram (no weights).")
+@click.option("draft_budget_minutes", "--draft-budget-minutes", type=float, default=10.0, show_default=True,
+              help="--draft eagle3 on the portable engine: the most minutes training the head may take "
+                   "(once: later builds reuse it).")
 @click.option("target_qformat", "--target-qformat", default="auto", show_default=True,
               help="fp8, int4_awq, w4a8_awq, int8_sq or none. auto: fp8 on an FP8 GPU with TensorRT-LLM (halves "
                    "the weight reads; +2-5% perplexity measured on SmolLM2); none (bf16) on the portable engine, the fastest on CPU "
@@ -49,7 +53,7 @@ import click
                                                   "and build even if the memory plan doesn't fit.")
 @click.option("json_", "--json", is_flag=True, help="Print the plan or the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars (they show only when stderr is a terminal).")
-def build(target, draft, target_qformat, draft_qformat, kv_cache_dtype, num_draft_tokens, gate_batch_size, backend,
+def build(target, draft, draft_budget_minutes, target_qformat, draft_qformat, kv_cache_dtype, num_draft_tokens, gate_batch_size, backend,
           max_batch_size, max_input_len, max_seq_len, tp_size, gpu, engines_dir, repo, dry_run, force, json_, quiet):
     """Build everything `pipeline serve` needs: quantize -> compile -> assemble, for target and draft.
 
@@ -69,7 +73,8 @@ def build(target, draft, target_qformat, draft_qformat, kv_cache_dtype, num_draf
         target=target, draft=draft, target_qformat=target_qformat, draft_qformat=draft_qformat,
         kv_cache_dtype=kv_cache_dtype, num_draft_tokens=num_draft_tokens, gate_batch_size=gate_batch_size,
         backend=backend, max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
-        tp_size=tp_size, gpu=gpu, engines_dir=engines_dir, repo=repo, force=force)
+        tp_size=tp_size, gpu=gpu, engines_dir=engines_dir, repo=repo, draft_budget_minutes=draft_budget_minutes,
+        force=force)
     env = detect_environment(options)
     if dry_run:
         plan = plan_build(options, env)

@@ -168,7 +168,8 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
         # the draft vocabulary. The head then first has to learn to predict the target's next final
         # state, which a few hundred CPU steps can start to do; from random it learns token statistics.
         ids = torch.arange(len(d2t)) + d2t
-        em.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
+        if hasattr(em, "lm_head"):  # absent when the draft vocabulary is the target's whole vocabulary
+            em.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
         norm = model._base_model_norm if hasattr(model, "_base_model_norm") else None
         if norm is not None and hasattr(em, "norm"):
             em.norm.weight.copy_(norm.weight)
