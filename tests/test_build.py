@@ -137,7 +137,7 @@ def test_build_without_gpu_or_weights_stops_with_one_line_saying_what_is_missing
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--backend", "torch", "--draft", "eagle3"], "pipeline draft train"),
+    (["--backend", "torch", "--draft", "eagle3", "--draft-budget-minutes", "0"], "--draft-budget-minutes"),
     (["--target-qformat", "fp9"], "fp9"),
     (["--num-draft-tokens", "0"], "--num-draft-tokens"),
     (["--backend", "torch", "--tp-size", "2"], "--tp-size"),
@@ -335,3 +335,22 @@ def test_eagle3_build_trains_a_head_once_and_the_engine_runs_it(tmp_path):
     assert engine.describe()["draft"]["layout"] == "modelopt"
     again = run_build(options, cpu_env(target))
     assert set(statuses(again).values()) == {"reused"}
+
+
+def test_eagle3_uses_a_head_trained_earlier_from_the_cache(tiny_target, tmp_path, monkeypatch):
+    import dataclasses
+
+    from pipeline.build.options import trained_head
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("PIPELINE_HOME", str(home))
+    assert trained_head(str(tiny_target)) is None
+    head = home / "heads" / f"{tiny_target.name}-eagle3"
+    head.mkdir(parents=True)
+    (head / "config.json").write_text("{}")
+    assert trained_head(str(tiny_target)) == head
+    env = dataclasses.replace(cpu_env(tiny_target), trained_head=head,
+                              weights={**cpu_env(tiny_target).weights, str(head): Weights(str(head), head)})
+    plan = plan_build(tiny_options(tiny_target, tmp_path, draft="eagle3"), env)
+    assert [s.name for s in plan.stages] == ["compile", "assemble"]
+    assert plan.stages[0].options.draft == f"eagle3:{head}" and "in the cache" in plan.settings.reasons["draft"]

@@ -61,6 +61,7 @@ class Environment:
     trtllm: bool = False  # tensorrt_llm importable or trtllm-build on PATH
     host_memory_bytes: int = 0
     weights: dict[str, Weights] = field(default_factory=dict)  # model ref -> where its files are
+    trained_head: Path | None = None  # an EAGLE-3 head for the target in $PIPELINE_HOME/heads (draft train)
 
     def weights_of(self, ref: str) -> Weights:
         return self.weights.get(ref) or Weights(ref, None, f"make {ref} available locally")
@@ -84,8 +85,20 @@ def detect_environment(options: BuildOptions) -> Environment:
         head = _eagle3_ref(options.target)
         if head:
             weights[head] = locate_weights(head)
+    head = trained_head(options.target) if draft.lower() == EAGLE3 else None
+    if head is not None:
+        weights[str(head)] = Weights(str(head), head)
     return Environment(gpu=detect_gpu(), trtllm=trtllm_available(), host_memory_bytes=_host_memory(),
-                       weights=weights)
+                       weights=weights, trained_head=head)
+
+
+def trained_head(target: str) -> Path | None:
+    """A head `pipeline draft train` left in the cache for this target: $PIPELINE_HOME/heads/<name>-eagle3."""
+    from pipeline.build.settings import model_name
+
+    home = Path(os.environ.get("PIPELINE_HOME") or Path.home() / ".cache" / "pipeline").expanduser()
+    folder = home / "heads" / f"{model_name(target)}-eagle3"
+    return folder if (folder / "config.json").is_file() else None
 
 
 def _eagle3_ref(target: str) -> str:

@@ -168,6 +168,9 @@ def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> tu
             raise ConfigError("--draft eagle3: needs a folder after the colon, e.g. --draft eagle3:heads/my-head")
         return EAGLE3, folder
     if kind == EAGLE3:
+        if backend == "torch" and env.trained_head is not None:
+            reasons["draft"] = f"eagle3: the head trained for {o.target} in the cache ({env.trained_head})"
+            return EAGLE3, str(env.trained_head)
         if backend == "torch":
             # "" = the build trains the head (a train_draft stage), reused by later builds like any stage.
             reasons["draft"] = (f"eagle3: no head given, so the build trains one for {o.target} with ModelOpt "
@@ -196,6 +199,8 @@ def _qformat(requested: str, backend: str, role: str, gpu: GPU | None, reasons: 
 
 
 def check_options(o: BuildOptions) -> None:
+    if o.draft_budget_minutes <= 0:
+        raise ConfigError(f"--draft-budget-minutes must be > 0 (got {o.draft_budget_minutes:g})")
     if o.backend not in BACKENDS:
         raise ConfigError(f"unknown --backend {o.backend!r}; pick one of {', '.join(BACKENDS)}")
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:
