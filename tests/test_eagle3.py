@@ -315,3 +315,22 @@ def test_compile_refuses_a_plain_model_as_an_eagle3_head(tmp_path, target):
     res = CliRunner().invoke(main, ["compile", "-b", "torch", "-t", str(target), "-d", f"eagle3:{target}",
                                     "-o", str(tmp_path / "e")])
     assert_one_line_error(res, "not an EAGLE-3 head")
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_compile_takes_published_and_speculators_heads_and_output_stays_the_targets(tmp_path, target, layout):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    head = make_tiny_eagle3_head(tmp_path / "head", target, layout=layout)
+    runner = CliRunner()
+    out = tmp_path / "engine"
+    res = runner.invoke(main, ["compile", "-b", "torch", "-t", str(target), "-d", f"eagle3:{head}", "-k", "3",
+                               "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    args = ["generate", "hello there", "--dtype", "fp32", "-n", "56", "--raw", "--json"]
+    served = json.loads(runner.invoke(main, [*args, "--model", str(out)]).output)
+    plain = json.loads(runner.invoke(main, [*args, "--model", str(target)]).output)
+    assert served["stats"]["drafted_tokens"] > 0
+    assert served["outputs"][0]["token_ids"] == plain["outputs"][0]["token_ids"]

@@ -49,7 +49,10 @@ def read_checkpoint(folder: str | Path) -> Checkpoint:
         cfg = json.loads(config_file.read_text())
     except (OSError, ValueError) as err:
         raise ModelFormatError(f"can't read {config_file} ({err}); re-export the checkpoint") from None
-    if "vocab_size" not in cfg:
+    if "vocab_size" not in cfg and isinstance(cfg.get("transformer_layer_config"), dict):
+        # vLLM speculators' EAGLE-3 heads keep the decoder's sizes one level down.
+        cfg = {**cfg, "vocab_size": cfg["transformer_layer_config"].get("vocab_size")}
+    if cfg.get("vocab_size") is None:
         raise ModelFormatError(f"{config_file} has no vocab_size; is this a decoder checkpoint?")
     if "mapping" in cfg and "architecture" in cfg:
         return _trtllm(path, cfg)
@@ -73,15 +76,17 @@ def _trtllm(path: Path, cfg: dict) -> Checkpoint:
 
 
 def _hf(path: Path, cfg: dict) -> Checkpoint:
-    if not any(path.glob("*.safetensors")):
+    arch = " ".join(cfg.get("architectures") or []).lower()
+    is_eagle3 = "eagle3" in arch or "eagle_config" in cfg or cfg.get("speculators_model_type") == "eagle3"
+    # The published yuhuili/EAGLE3-* heads ship a pytorch_model.bin (the engine reads it weights_only).
+    if not any(path.glob("*.safetensors")) and not (is_eagle3 and (path / "pytorch_model.bin").is_file()):
         raise ModelFormatError(f"no *.safetensors in {path}; pass a folder written by `pipeline quantize`")
     quant: dict = {}
     qfile = path / "hf_quant_config.json"
     if qfile.is_file():
         quant = json.loads(qfile.read_text()).get("quantization", {})
-    arch = " ".join(cfg.get("architectures") or []).lower()
     return Checkpoint(path=path, layout="hf", vocab_size=int(cfg["vocab_size"]),
                       dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
                       max_position_embeddings=cfg.get("max_position_embeddings"),
                       quant_algo=quant.get("quant_algo"), kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
-                      is_eagle3="eagle3" in arch or "eagle_config" in cfg)
+                      is_eagle3=is_eagle3)
