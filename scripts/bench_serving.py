@@ -33,22 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-CODE = '''def merge_intervals(intervals):
-    intervals = sorted(intervals, key=lambda x: x[0])
-    merged = []
-    for start, end in intervals:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-'''
-# Answers that copy from the prompt (where n-gram lookup pays) and free-form ones, cycled over the requests.
-PROMPTS = (
-    f"Rewrite this code with comments:\n\n{CODE}",
-    "Write a Python function that checks whether a string is a palindrome, with a docstring and tests.",
-    f"Add type hints to this function and return the full code:\n\n{CODE}",
-    "Explain the difference between a list and a tuple in Python, with examples.",
+from bench_engine import CODE  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
+from bench_engine import PROMPTS as ENGINE_PROMPTS  # noqa: E402
+
+# bench_engine's prompts (answers that copy from the prompt, where n-gram lookup pays, and free-form ones)
+# and four more, cycled over the requests.
+PROMPTS = ENGINE_PROMPTS + (
     "Write a Python class for a stack with push, pop and peek, and a short usage example.",
     f"Rename the variables in this function to longer, clearer names:\n\n{CODE}",
     "Describe how a hash map handles collisions, in a few paragraphs.",
