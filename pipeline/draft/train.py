@@ -198,14 +198,15 @@ def _collate(items: list[tuple[list[int], dict]]) -> dict:
 
 
 def train_draft(opts: TrainOptions) -> TrainResult:
-    # ModelOpt reports its progress with print(); keep stdout for our own result (--json).
-    with contextlib.redirect_stdout(sys.stderr):
+    # ModelOpt reports its progress with print(); keep stdout for our own result (--json). Gradients on
+    # whatever mode an earlier caller in this process left (a quantize run turns them off).
+    with contextlib.redirect_stdout(sys.stderr), torch.enable_grad():
         return _train_draft(opts)
 
 
 def _train_draft(opts: TrainOptions) -> TrainResult:
     from pipeline.draft.data import draft_vocab, generate_answers, load_prompts, split_prompts, target_features
-    from pipeline.engine.config import EngineConfig, GatePolicy, ModelConfig
+    from pipeline.engine.config import ModelConfig
     from pipeline.engine.eagle3 import default_aux_layer_ids
     from pipeline.engine.llm_engine import LLMEngine
     from pipeline.models.resolve import resolve_model

@@ -38,7 +38,6 @@ def device_and_dtype():
 
 
 def load_model(path: Path):
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -48,7 +47,6 @@ def load_model(path: Path):
     if not getattr(model.config, "architectures", None):
         # export_hf_checkpoint fails inside is_multimodal_model without it.
         model.config.architectures = [type(model).__name__]
-    torch.set_grad_enabled(False)
     return model
 
 

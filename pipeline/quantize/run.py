@@ -40,6 +40,14 @@ class QuantizeOptions:
 
 
 def quantize(options: QuantizeOptions) -> QuantizeReport:
+    import torch
+
+    # PTQ needs no gradients; no_grad restores the caller's mode after (a trainer may run next).
+    with torch.no_grad():
+        return _quantize(options)
+
+
+def _quantize(options: QuantizeOptions) -> QuantizeReport:
     from pipeline.staging import check_output
 
     t_start = time.perf_counter()
