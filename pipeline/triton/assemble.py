@@ -48,7 +48,9 @@ class AssembleOptions:
     gate_batch_size: int = 32  # speculate while at most this many requests are in flight
     gate_hysteresis: int | None = None  # back on at gate_batch_size - this; default gate_batch_size // 8, >= 1
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
-    acceptance_floor: float = 0.5  # auto requests stop speculating while the rolling acceptance is below; 0 = off
+    # Auto requests stop speculating while the rolling acceptance rate is below this; 0 = off. None: by
+    # draft kind (acceptance_floor_for).
+    acceptance_floor: float | None = None
     force: bool = False
 
 
@@ -130,6 +132,20 @@ def plan_repository(options: AssembleOptions) -> Plan:
     return _engine_plan(engine, manifest, options)
 
 
+# The floor is where a draft stops paying. A draft model or EAGLE-3 head costs real compute per drafted
+# token, so it needs about half its drafts accepted. N-gram lookup costs nothing and a verify of k+1
+# tokens costs about one step at small batch: it still paid 2.5x on SmolLM2 at acceptance 0.28-0.5
+# (bench_engine, bench_serving), so its floor only catches a lookup that never hits.
+ACCEPTANCE_FLOORS = {"ngram": 0.1}
+DEFAULT_ACCEPTANCE_FLOOR = 0.5
+
+
+def acceptance_floor_for(draft_kind: str, requested: float | None) -> float:
+    if requested is not None:
+        return requested
+    return ACCEPTANCE_FLOORS.get(draft_kind, DEFAULT_ACCEPTANCE_FLOOR)
+
+
 def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     """A portable engine folder: sizes from its engine.json, the gate from the options."""
     from pipeline.compile.torch_engine import read_engine_manifest
@@ -138,7 +154,7 @@ def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                     num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
-                    acceptance_floor=options.acceptance_floor)
+                    acceptance_floor=acceptance_floor_for(manifest["draft"]["kind"], options.acceptance_floor))
 
 
 def _tokenizer(manifest: dict, options: AssembleOptions) -> Path:
@@ -182,7 +198,7 @@ def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
     spec = RepoSpec(backend="trtllm", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(target),
                     draft_engine_dir=str(draft), max_batch_size=sizes["max_batch_size"],
                     max_seq_len=sizes["max_seq_len"], num_draft_tokens=max(1, sizes["max_draft_len"]),
-                    gate=_gate(options), acceptance_floor=options.acceptance_floor,
+                    gate=_gate(options), acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
                     kv_fraction_target=kv_target, kv_fraction_draft=kv_draft)
     return Plan(spec, "engine", notes=tuple(notes))
 
@@ -206,7 +222,8 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
     spec = RepoSpec(backend="llmapi", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(engine),
                     max_batch_size=sizes["max_batch_size"], max_seq_len=sizes["max_seq_len"],
                     num_draft_tokens=max(1, sizes["max_draft_len"]), gate=_gate(options),
-                    acceptance_floor=options.acceptance_floor, llmapi_model_dir=options.llmapi_model_dir)
+                    acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
+                    llmapi_model_dir=options.llmapi_model_dir)
     notes = [f"serve it in NVIDIA's Triton + TensorRT-LLM container: the tensorrt_llm model loads TensorRT-LLM's "
              f"llmapi model.py from {options.llmapi_model_dir}"]
     spec_cfg = extra.get("speculative_config")

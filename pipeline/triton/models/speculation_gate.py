@@ -67,7 +67,7 @@ class Metrics:
         # with no labels at all did not show on the metrics port).
         self.labels = {"model": model}
         F = pb_utils.MetricFamily
-        # A Metric outlives nothing: its family must stay referenced, or every update fails with
+        # Each Metric needs its family kept referenced, or every update fails with
         # "the corresponding 'MetricFamily' has been deleted".
         self.families = []
 

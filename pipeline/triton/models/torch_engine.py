@@ -38,7 +38,7 @@ class EngineMetrics:
     def __init__(self, model: str):
         self.labels = {"model": model}  # as Triton's own metrics; label-less samples did not show
         F = pb_utils.MetricFamily
-        # A Metric outlives nothing: its family must stay referenced, or every update fails with
+        # Each Metric needs its family kept referenced, or every update fails with
         # "the corresponding 'MetricFamily' has been deleted".
         self.families = []
 
