@@ -207,18 +207,23 @@ def fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 
 
-def print_table(rows: list[Row], floors: dict, args) -> None:
-    head = ("dtype", "method", "batch", "tok/s", "vs HF", "vs engine", "accept", "mean acc len", "same tokens")
-    lines = [(r.dtype, r.method, str(r.batch), fmt(r.tokens_per_s, ".1f"), fmt(r.vs_transformers, ".2f") + "x",
-              fmt(r.vs_engine, ".2f") + "x", fmt(r.acceptance_rate, ".2f"), fmt(r.mean_acceptance_length, ".2f"),
-              r.same_as_engine or "") for r in rows]
-    lines = [tuple(c.replace("n/ax", "n/a") for c in line) for line in lines]
+def print_markdown(head: tuple[str, ...], lines: list[tuple[str, ...]]) -> None:
+    """One markdown table, columns padded to their widest cell."""
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     print()
     print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for line in lines:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+
+
+def print_table(rows: list[Row], floors: dict, args) -> None:
+    head = ("dtype", "method", "batch", "tok/s", "vs HF", "vs engine", "accept", "mean acc len", "same tokens")
+    lines = [(r.dtype, r.method, str(r.batch), fmt(r.tokens_per_s, ".1f"), fmt(r.vs_transformers, ".2f") + "x",
+              fmt(r.vs_engine, ".2f") + "x", fmt(r.acceptance_rate, ".2f"), fmt(r.mean_acceptance_length, ".2f"),
+              r.same_as_engine or "") for r in rows]
+    lines = [tuple(c.replace("n/ax", "n/a") for c in line) for line in lines]
+    print_markdown(head, lines)
     print(f"\n{args.model}, {args.max_tokens} new tokens per prompt, k={args.num_draft_tokens}, "
           f"{torch.get_num_threads()} threads, load average {args.load_avg[0]} before, {args.load_avg[1]} after.\n"
           f"Copy bandwidth {args.bandwidth_gbs:.1f} GB/s (read + write). Same tokens: rows whose output equals the "

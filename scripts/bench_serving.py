@@ -35,6 +35,7 @@ import numpy as np
 
 from bench_engine import CODE  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from bench_engine import PROMPTS as ENGINE_PROMPTS  # noqa: E402
+from bench_engine import print_markdown  # noqa: E402
 
 # bench_engine's prompts (answers that copy from the prompt, where n-gram lookup pays, and free-form ones)
 # and four more, cycled over the requests.
@@ -232,12 +233,7 @@ def print_table(rows: list[Row], meta: dict) -> None:
     lines = [(str(r.concurrency), r.path, str(r.requests), fmt(r.tokens_per_s), fmt(r.ttft_p50_ms),
               fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms), fmt(r.itl_p99_ms), fmt(r.acceptance_rate, ".2f"),
               "" if r.ratio is None else f"{r.ratio:.2f}x", r.same_text) for r in rows]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    print()
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for line in lines:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    print_markdown(head, lines)
     print(f"\n{meta['engine']} ({meta['model']}, draft {meta['draft']}, k={meta['num_draft_tokens']}, "
           f"{meta['dtype']}, gate {meta['gate_batch_size']}), {meta['max_tokens']} max new tokens, greedy, "
           f"best of {meta['repeats']}, {meta['threads']} threads, load average {meta['load_avg'][0]} before, "
