@@ -36,7 +36,12 @@ def server(engine_dir, tmp_path_factory):
     # what these tests watch (the floor has its own tests in test_serving_gate.py).
     with served_engine(engine_dir, tmp_path_factory.mktemp("served"), gate_batch_size=THRESHOLD,
                        gate_hysteresis=HYSTERESIS, min_spec_tokens=20, acceptance_floor=0.0) as srv:
+        pid = srv.process.pid
         yield srv
+    # The disconnect test leaves cancel marks; stopping the server takes their folder with it.
+    from pipeline.triton.cancel_marks import marks_dir
+
+    assert not marks_dir(pid).exists()
 
 
 def value(snapshot: dict[str, float], name: str, **labels: str) -> float:

@@ -23,9 +23,11 @@ import tempfile
 from pathlib import Path
 
 
-def marks_dir() -> Path:
+def marks_dir(server_pid: int | None = None) -> Path:
+    """The folder of one tritonserver's marks: from a model's stub, its parent's; from `pipeline serve`, the
+    pid of the server it started."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return root / f"pipeline-cancel-{os.getppid()}"
+    return root / f"pipeline-cancel-{os.getppid() if server_pid is None else server_pid}"
 
 
 def mark(key: str) -> None:
@@ -54,5 +56,5 @@ def take_all(prefix: str) -> set[str]:
     return {name[len(prefix):] for name in names}
 
 
-def clear() -> None:
-    shutil.rmtree(marks_dir(), ignore_errors=True)
+def clear(server_pid: int | None = None) -> None:
+    shutil.rmtree(marks_dir(server_pid), ignore_errors=True)

@@ -281,6 +281,9 @@ class TritonServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
             _wait_group_gone(process.pid)
+            from pipeline.triton import cancel_marks
+
+            cancel_marks.clear(process.pid)  # postprocessing may mark a cancel after the gate's last clear
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             with contextlib.suppress(OSError):
                 region.unlink()
