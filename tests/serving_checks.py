@@ -38,25 +38,28 @@ def expected_texts(engine_dir: Path, prompts: list[str], max_tokens: int) -> lis
     return texts
 
 
-def inputs(prompt: str, max_tokens: int, stream: bool, speculation: str = "auto"):
+def tensor(name: str, value: np.ndarray, dtype: str):
+    """A tritonclient gRPC input holding `value`."""
     import tritonclient.grpc as grpcclient
 
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
+    t = grpcclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
 
+
+def inputs(prompt: str, max_tokens: int, stream: bool, speculation: str = "auto"):
     return [tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
             tensor("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
             tensor("stream", np.array([[stream]]), "BOOL"),
             tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES")]
 
 
-def responses(client, prompt: str, max_tokens: int, stream: bool = True,
-              speculation: str = "auto", extra=(), raw_inputs=None) -> list[tuple[str, int, int]]:
+def responses(client, prompt: str, max_tokens: int, stream: bool = True, speculation: str = "auto", extra=(),
+              raw_inputs=None, leave_after: int | None = None, timeout: float = 60) -> list[tuple[str, int, int]]:
     """(text, accepted, drafted) per response. The ensemble has a decoupled step, so Triton serves it
     only over the streaming RPC (unary ModelInfer refuses decoupled models); stream=False asks for one
-    response holding the whole answer. An error response raises."""
+    response holding the whole answer. An error response raises. leave_after: cancel the request
+    after that many responses, as a client walking away."""
     got = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
     try:
@@ -64,7 +67,7 @@ def responses(client, prompt: str, max_tokens: int, stream: bool = True,
                                   enable_empty_final_response=True)
         chunks = []
         while True:
-            result, error = got.get(timeout=60)
+            result, error = got.get(timeout=timeout)
             if error is not None:
                 raise error
             response = result.get_response()
@@ -72,6 +75,9 @@ def responses(client, prompt: str, max_tokens: int, stream: bool = True,
                 chunks.append((result.as_numpy("text_output")[0, 0].decode(),
                                int(result.as_numpy("num_accepted_tokens")[0, 0]),
                                int(result.as_numpy("num_drafted_tokens")[0, 0])))
+            if leave_after is not None and len(chunks) >= leave_after:
+                client.stop_stream(cancel_requests=True)
+                return chunks
             if response.parameters["triton_final_response"].bool_param:
                 return chunks
     finally:

@@ -7,7 +7,6 @@ backend's interface (tests/trtllm_standin.py) and serve it with a real tritonser
 
 from __future__ import annotations
 
-import queue
 import shutil
 import threading
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serving_checks import responses, tensor  # noqa: E402
 from pipeline.triton.draft_target import (Emitter, Request, accepted_count, generate, parse_stop_words, stop_at,
                                           stop_words_tensor)
 
@@ -299,49 +299,22 @@ def reference(tiny_target):
                 break
         if as_ids:
             return ids, out
-        decoded = tokenizer.decode(out, skip_special_tokens=True)
-        return decoded[:-1] if decoded.endswith("\ufffd") else decoded
+        # The final response releases any trailing U+FFFD postprocessing held back, so the text is whole.
+        return tokenizer.decode(out, skip_special_tokens=True)
     return text
 
 
 def ask(url: str, prompt: str, max_tokens: int, *, stream: bool = True, speculation: str = "auto",
         num_draft_tokens: int | None = None, leave_after: int | None = None) -> list[tuple[str, int, int]]:
-    """(text, accepted, drafted) per response over the streaming RPC; leave_after: cancel after that many."""
+    """(text, accepted, drafted) per response on a connection of its own; leave_after: cancel after that many."""
     import tritonclient.grpc as grpcclient
 
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
-
     extra = [tensor("num_draft_tokens", np.array([[num_draft_tokens]], np.int32), "INT32")] if num_draft_tokens else []
-    got: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: got.put((result, error)))
-    chunks: list[tuple[str, int, int]] = []
     try:
-        client.async_stream_infer("ensemble", [
-            tensor("text_input", np.array([[prompt.encode()]], np.object_), "BYTES"),
-            tensor("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
-            tensor("stream", np.array([[stream]]), "BOOL"),
-            tensor("speculation", np.array([[speculation.encode()]], np.object_), "BYTES"), *extra],
-            enable_empty_final_response=True)
-        while True:
-            result, error = got.get(timeout=120)
-            if error is not None:
-                raise error
-            response = result.get_response()
-            if response.outputs:
-                chunks.append((result.as_numpy("text_output")[0, 0].decode(),
-                               int(result.as_numpy("num_accepted_tokens")[0, 0]),
-                               int(result.as_numpy("num_drafted_tokens")[0, 0])))
-            if leave_after is not None and len(chunks) >= leave_after:
-                client.stop_stream(cancel_requests=True)
-                return chunks
-            if response.parameters["triton_final_response"].bool_param:
-                return chunks
+        return responses(client, prompt, max_tokens, stream, speculation, extra=extra, leave_after=leave_after,
+                         timeout=120)
     finally:
-        client.stop_stream()
         client.close()
 
 

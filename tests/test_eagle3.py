@@ -16,7 +16,7 @@ from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import DraftMismatchError, ModelFormatError
-from tiny_models import make_tiny_llama
+from tiny_models import greedy_reference, make_tiny_llama
 
 MAX_TOKENS = 24
 DRAFT_VOCAB = 100
@@ -101,16 +101,7 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(target):
-    engine = LLMEngine.load(target, config(max_batch_size=1))
-    cache = {}
-
-    def ref(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            cache[key] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_ids
-        return cache[key]
-
-    return ref
+    return greedy_reference(LLMEngine.load(target, config(max_batch_size=1)), MAX_TOKENS)
 
 
 class Recorder:

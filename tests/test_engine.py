@@ -9,6 +9,7 @@ from pipeline.engine.proposers import NgramProposer
 from pipeline.engine.request import FinishReason
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import ConfigError, RequestError
+from tiny_models import greedy_reference
 
 MAX_TOKENS = 40
 
@@ -27,16 +28,7 @@ def config(**kw) -> EngineConfig:
 @pytest.fixture(scope="module")
 def reference(tiny_target):
     """Target-only greedy decoding, one request at a time: the ground truth for every greedy test."""
-    engine = LLMEngine.load(tiny_target, config(max_batch_size=1))
-    cache = {}
-
-    def ref(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            cache[key] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_ids
-        return cache[key]
-
-    return ref
+    return greedy_reference(LLMEngine.load(tiny_target, config(max_batch_size=1)), MAX_TOKENS)
 
 
 def drafts(tiny_target, tiny_draft):

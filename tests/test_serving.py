@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from pipeline.compile import CompileOptions, compile_model
-from serving_checks import expected_text, expected_texts, inputs, metrics, responses, served_engine  # noqa: E402
+from serving_checks import (expected_text, expected_texts, inputs, metrics, responses, served_engine,  # noqa: E402
+                            tensor)
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -151,15 +152,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, engine_dir)
 
 
 def test_bad_inputs_get_error_responses_and_the_server_keeps_serving(server, engine_dir):
-    import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     c = client(server)
     try:
-        wrong_dtype = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
-        wrong_dtype.set_data_from_numpy(np.array([[8.0]], np.float32))
-        text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-        text.set_data_from_numpy(np.array([[b"hi"]], np.object_))
+        wrong_dtype = tensor("max_tokens", np.array([[8.0]], np.float32), "FP32")
+        text = tensor("text_input", np.array([[b"hi"]], np.object_), "BYTES")
         with pytest.raises(InferenceServerException, match="max_tokens.*(FP32|INT32)"):
             responses(c, "", 0, raw_inputs=[text, wrong_dtype])  # refused before any model runs
         with pytest.raises(InferenceServerException, match="over the engine's max_seq_len 256"):
@@ -180,13 +178,6 @@ def test_an_engine_error_reaches_the_client_through_the_gate_as_the_engines_own_
     """Called directly with token ids past the vocabulary (preprocessing never sends those), the engine
     refuses the request; the gate relays its message, and serves the next request."""
     import queue
-
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
 
     bad = [tensor("input_ids", np.array([[1, 99_999]], np.int32), "INT32"),
            tensor("input_lengths", np.array([[2]], np.int32), "INT32"),

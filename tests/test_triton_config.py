@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 from ports import free_ports
+from serving_checks import tensor as grpc_input
 
 from pipeline.errors import ConfigError
 from pipeline.triton import interface
@@ -265,21 +266,16 @@ def test_real_tritonserver_loads_the_written_repository_and_streams_through_the_
     grpc, http, metrics = free_ports()
     options = server_mod.ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics)
 
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
-
     with server_mod.TritonServer(options, binary) as server:
         client = grpcclient.InferenceServerClient(server.endpoints.grpc)
         got = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((result, error)))
         client.async_stream_infer("ensemble", [
-            tensor("text_input", np.array([[b"hello"]], np.object_), "BYTES"),
-            tensor("max_tokens", np.array([[8]], np.int32), "INT32"),
-            tensor("stream", np.array([[True]]), "BOOL"),
-            tensor("speculation", np.array([[b"on"]], np.object_), "BYTES"),
-            tensor("num_draft_tokens", np.array([[2]], np.int32), "INT32"),
+            grpc_input("text_input", np.array([[b"hello"]], np.object_), "BYTES"),
+            grpc_input("max_tokens", np.array([[8]], np.int32), "INT32"),
+            grpc_input("stream", np.array([[True]]), "BOOL"),
+            grpc_input("speculation", np.array([[b"on"]], np.object_), "BYTES"),
+            grpc_input("num_draft_tokens", np.array([[2]], np.int32), "INT32"),
         ], enable_empty_final_response=True)
         chunks, counts = [], []
         while True:
@@ -481,19 +477,14 @@ def test_llmapi_repository_serves_tensorrt_llms_model_through_the_ensemble(tiny_
     shutil.copyfile(Path(__file__).parent / "trtllm_standin_llmapi.py", upstream / "model.py")
     (upstream / "helpers.py").write_text(LLMAPI_HELPERS)
 
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
-        t.set_data_from_numpy(value)
-        return t
-
     with llmapi_server(tmp_path, tiny_target, tiny_draft, upstream) as server:
         client = grpcclient.InferenceServerClient(server.endpoints.grpc)
         got = queue.Queue()
         client.start_stream(callback=lambda result, error: got.put((result, error)))
         client.async_stream_infer("ensemble", [
-            tensor("text_input", np.array([b"hello"], np.object_), "BYTES"),
-            tensor("max_tokens", np.array([12], np.int32), "INT32"),
-            tensor("stream", np.array([True]), "BOOL"),
+            grpc_input("text_input", np.array([b"hello"], np.object_), "BYTES"),
+            grpc_input("max_tokens", np.array([12], np.int32), "INT32"),
+            grpc_input("stream", np.array([True]), "BOOL"),
         ], enable_empty_final_response=True)
         chunks = []
         while True:

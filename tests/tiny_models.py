@@ -62,3 +62,19 @@ def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int =
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def greedy_reference(engine, default_max_tokens: int):
+    """prompt ids (, max_tokens) -> the engine's greedy output ids, one request at a time, memoized: the
+    ground truth the greedy-equivalence tests compare speculative and batched runs against."""
+    from pipeline.engine.sampling import SamplingParams
+
+    cache: dict = {}
+
+    def ref(prompt: list[int], max_tokens: int = default_max_tokens) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_ids
+        return cache[key]
+
+    return ref
