@@ -27,14 +27,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def write_trt_checkpoint(folder: Path, tokenizer_from: Path, *, vocab: int = 320, tp: int = 1, pp: int = 1,
-                         kv_quant: str | None = None, **shape) -> Path:
+                         kv_quant: str | None = None, quant: str | None = None, **shape) -> Path:
     """A minimal TensorRT-LLM checkpoint: what compile reads (config.json, rank files, tokenizer), no weights."""
     folder.mkdir(parents=True)
     config = {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "vocab_size": vocab,
               "max_position_embeddings": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "hidden_size": 64, "head_size": 16, "intermediate_size": 128,
               "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
-              "quantization": {"quant_algo": None, "kv_cache_quant_algo": kv_quant}, **shape}
+              "quantization": {"quant_algo": quant, "kv_cache_quant_algo": kv_quant}, **shape}
     (folder / "config.json").write_text(json.dumps(config))
     for rank in range(tp * pp):
         (folder / f"rank{rank}.safetensors").write_bytes(b"")
@@ -121,7 +121,9 @@ def test_tp_and_pp_come_from_a_real_quantize_export(tmp_path_factory):
 # ---- LLM-API YAML (pure) ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,decoding_type", [("model", "Draft_Target"), ("eagle3", "Eagle3"), ("ngram", "NGram")])
+# TensorRT-LLM 1.2.1's DecodingBaseConfig.from_dict (llm_args.py): "Eagle" (EagleDecodingConfig serves EAGLE-3),
+# "DraftTarget", "NGram"; "Eagle3" and "Draft_Target" raise "Invalid decoding type" there.
+@pytest.mark.parametrize("kind,decoding_type", [("model", "DraftTarget"), ("eagle3", "Eagle"), ("ngram", "NGram")])
 def test_llm_api_yaml_uses_only_known_keys_with_the_right_values(kind, decoding_type):
     draft = DraftSpec(kind, None if kind == "ngram" else Path("/ckpt/draft"))
     sizes = derive_sizes(64, 3, 4096)
@@ -138,6 +140,35 @@ def test_llm_api_yaml_uses_only_known_keys_with_the_right_values(kind, decoding_
     assert kv == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True, "dtype": "fp8"}
     if kind != "ngram":
         assert spec["speculative_model_dir"] == "/ckpt/draft"
+    assert decoding_type in ref.DECODING_TYPES_BY_RELEASE["1.2"].values()
+
+
+def test_eagle3_with_a_gate_is_two_model_so_max_concurrency_can_turn_it_off():
+    """1.2's max_concurrency is read only by Drafter.should_use_spec_decode, and one-model EAGLE-3 gets no
+    Drafter (get_spec_drafter): a gate asked for means eagle3_one_model false; no gate, one-model."""
+    from pipeline.compile.llmapi import gate_note
+
+    head = DraftSpec("eagle3", Path("/heads/eagle3"))
+    gated = llm_api_options(head, derive_sizes(16, 4, 4096), LlmApiSettings(32, "auto", 0.9))
+    assert gated["speculative_config"]["eagle3_one_model"] is False
+    assert gated["speculative_config"]["max_concurrency"] == 32
+    assert gated["disable_overlap_scheduler"] is True  # two-model has no overlap scheduler (1.2.1 docs)
+    always = llm_api_options(head, derive_sizes(16, 4, 4096), LlmApiSettings(None, "auto", 0.9))
+    assert always["speculative_config"]["eagle3_one_model"] is True
+    assert "max_concurrency" not in always["speculative_config"] and "disable_overlap_scheduler" not in always
+    assert "two-model EAGLE-3" in gate_note(head, 32) and "draft engine" in gate_note(head, 32)
+    assert "stays on at every batch size" in gate_note(head, None)
+
+
+def test_decoding_type_names_follow_the_installed_release_and_an_unknown_one_is_refused(monkeypatch):
+    from pipeline import trtllm_version
+    from pipeline.compile.llmapi import decoding_type
+
+    assert decoding_type("eagle3", "1.2.1") == decoding_type("eagle3", "1.2.0rc8") == "Eagle"
+    monkeypatch.setattr(trtllm_version, "installed", lambda: "1.3.0rc2")
+    with pytest.raises(ConfigError, match=r"TensorRT-LLM 1\.3\.0rc2 is installed.*writes for 1\.2\.1.*"
+                                          r"tritonserver:25\.12-trtllm-python-py3"):
+        trtllm_version.check_supported(trtllm_version.installed(), "pipeline compile")
 
 
 def test_llm_api_yaml_without_a_draft_or_gate():
@@ -198,7 +229,7 @@ def test_an_eagle3_head_passed_as_a_draft_model_is_refused(tiny_target, tmp_path
                               "-o", str(tmp_path / "e")), f"--draft eagle3:{head}")
     result = compile_model(CompileOptions("trtllm", tiny_target, tmp_path / "e", draft=f"eagle3:{head}", dry_run=True))
     assert result.route == "llmapi"
-    assert result.manifest["configs"]["extra_llm_api_options.yaml"]["speculative_config"]["decoding_type"] == "Eagle3"
+    assert result.manifest["configs"]["extra_llm_api_options.yaml"]["speculative_config"]["decoding_type"] == "Eagle"
 
 
 def test_zero_draft_tokens_is_refused_quoting_trtllms_error(trt, tmp_path):
@@ -217,8 +248,23 @@ def test_tp_mismatch_between_target_and_draft_is_refused(trt, tmp_path):
 def test_fp8_kv_on_the_engine_route_needs_an_fp8_checkpoint(trt, tmp_path):
     result = run("-b", "trtllm", "-t", str(trt("t")), "--kv-cache-dtype", "fp8", "--dry-run", "-o", str(tmp_path / "e"))
     assert_one_line_error(result, "--kv-cache-dtype fp8")
-    ok = compile_model(CompileOptions("trtllm", trt("t8", kv_quant="FP8"), tmp_path / "e8", dry_run=True))
+    ok = compile_model(CompileOptions("trtllm", trt("t8", kv_quant="FP8", quant="FP8"), tmp_path / "e8", dry_run=True))
     assert ok.manifest["kv_cache_dtype"] == "fp8"
+
+
+def test_an_int4_awq_draft_with_an_fp8_kv_cache_is_refused_as_trtllm_build_would(trt, tmp_path):
+    """builder.py: FP8 paged context FMHA "only works with fp8 quantization workflow", and the draft-target
+    recipe needs paged context FMHA; the draft's checkpoint is checked as the target's is."""
+    target = trt("t", kv_quant="FP8", quant="FP8")
+    draft = trt("d", kv_quant="FP8", quant="W4A16_AWQ")
+    result = run("-b", "trtllm", "-t", str(target), "-d", str(draft), "--kv-cache-dtype", "fp8", "--dry-run",
+                 "-o", str(tmp_path / "e"))
+    assert_one_line_error(result, "draft checkpoint d is W4A16_AWQ with an FP8 KV cache",
+                          "FP8 Paged Context FMHA only works with fp8 quantization workflow")
+    # The same draft without an FP8 KV cache builds beside the FP8-KV target: each engine takes its own.
+    ok = compile_model(CompileOptions("trtllm", target, tmp_path / "ok", draft=str(trt("d2", quant="W4A16_AWQ")),
+                                      kv_cache_dtype="fp8", dry_run=True))
+    assert ok.manifest["kv_cache_dtype"] == "fp8" and ok.manifest["draft"]["kv_cache_quant_algo"] is None
 
 
 def test_sizes_are_checked_against_the_gpu_plan(trt, tmp_path):
@@ -272,7 +318,7 @@ def test_llmapi_route_writes_yaml_and_serve_command(tiny_target, tiny_draft, tmp
     report = json.loads(result.output)
     assert report["route"] == "llmapi"
     spec = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())["speculative_config"]
-    assert spec == {"decoding_type": "Draft_Target", "max_draft_len": 3,
+    assert spec == {"decoding_type": "DraftTarget", "max_draft_len": 3,
                     "speculative_model_dir": str(tiny_draft), "max_concurrency": 16}
     assert str(out / "extra_llm_api_options.yaml") in " ".join(report["commands"]["serve"])
 

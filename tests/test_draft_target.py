@@ -72,7 +72,7 @@ def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(
     return {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
             "request_output_len": np.array([[max_tokens]], np.int32), "end_id": np.array([[end_id]], np.int32),
             "temperature": np.array([[temperature]], np.float32), "top_k": np.array([[0]], np.int32),
-            "top_p": np.array([[1.0]], np.float32), "random_seed": np.array([[0]], np.uint64),
+            "top_p": np.array([[1.0]], np.float32), "seed": np.array([[0]], np.uint64),
             "stream": np.array([[stream]], bool), "stop_words_list": words,
             "speculation": np.array([[b"auto"]], np.object_), "num_draft_tokens": np.array([[4]], np.int32)}
 

@@ -186,7 +186,7 @@ def test_an_engine_error_reaches_the_client_through_the_gate_as_the_engines_own_
            tensor("temperature", np.array([[0.0]], np.float32), "FP32"),
            tensor("top_k", np.array([[0]], np.int32), "INT32"),
            tensor("top_p", np.array([[1.0]], np.float32), "FP32"),
-           tensor("random_seed", np.array([[0]], np.uint64), "UINT64"),
+           tensor("seed", np.array([[0]], np.uint64), "UINT64"),
            tensor("stream", np.array([[True]]), "BOOL"),
            tensor("stop_words_list", np.array([[[-1], [-1]]], np.int32), "INT32"),
            tensor("speculation", np.array([[b"auto"]], np.object_), "BYTES"),

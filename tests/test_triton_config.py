@@ -27,10 +27,6 @@ TORCH = RepoSpec(backend="torch", tokenizer_dir="/models/smollm2", engine_dir="/
 TRTLLM = RepoSpec(backend="trtllm", tokenizer_dir="/models/llama", engine_dir="/engines/target",
                   draft_engine_dir="/engines/draft", kv_fraction_target=0.7, kv_fraction_draft=0.3)
 
-# TensorRT-LLM's ensemble (tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/config.pbtxt):
-# the names genai-perf and TensorRT-LLM client scripts send and read.
-TRTLLM_ENSEMBLE_INPUTS = {"text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed",
-                          "end_id", "stop_words"}
 
 
 def both_backends():
@@ -52,14 +48,23 @@ def test_every_config_round_trips_through_written_file(spec, tmp_path):
 
 @both_backends()
 def test_no_config_leaves_a_placeholder_or_empty_parameter(spec):
+    """Only the tensorrt_llm models keep placeholders, and only where fill_template.py would leave one: a
+    guarded key left at its default. The two guided-decoding keys are "" (off), as NVIDIA's CI fills them."""
+    from pipeline.triton import upstream
+
+    guarded = {p.key: p.value for p in upstream.TEMPLATE_PARAMETERS if p.guarded}
     for name, msg in repository_configs(spec).items():
-        text = config_text(msg)
-        assert "${" not in text, name
         assert msg.name == name
         assert msg.backend or msg.platform, name
         assert msg.max_batch_size == spec.max_batch_size
+        trtllm = msg.backend == "tensorrtllm"
         for key, value in msg.parameters.items():
-            assert value.string_value.strip(), f"{name}: parameter {key} is empty"
+            if trtllm and value.string_value.startswith("${"):
+                assert guarded.get(key) == value.string_value, f"{name}: {key} left unfilled but read unguarded"
+            elif trtllm and key in ("guided_decoding_backend", "xgrammar_tokenizer_info_path"):
+                assert value.string_value == ""
+            else:
+                assert value.string_value.strip() and "${" not in value.string_value, f"{name}: {key} is empty"
 
 
 def test_repository_holds_the_engine_models_of_the_chosen_backend():
@@ -77,16 +82,39 @@ def test_ensemble_interface_matches_the_table_and_tensorrt_llm_names(spec):
                for t in getattr(ensemble, kind)]
         assert got == [(t.name, t.config_dtype, t.dims, t.optional) for t in table]
     inputs = tensors(ensemble, "input")
-    assert TRTLLM_ENSEMBLE_INPUTS <= set(inputs)
     assert {n for n, t in inputs.items() if not t.optional} == {"text_input", "max_tokens"}
-    assert inputs["text_input"].data_type == pb.TYPE_STRING
-    assert inputs["max_tokens"].data_type == pb.TYPE_INT32
-    assert inputs["stream"].data_type == pb.TYPE_BOOL
     assert inputs["speculation"].data_type == pb.TYPE_STRING
     assert inputs["num_draft_tokens"].data_type == pb.TYPE_INT32
     outputs = tensors(ensemble, "output")
     assert outputs["text_output"].data_type == pb.TYPE_STRING
-    assert {"num_accepted_tokens", "num_drafted_tokens"} <= set(outputs)
+    assert {"num_accepted_tokens", "num_drafted_tokens", "num_output_tokens"} <= set(outputs)
+
+
+@both_backends()
+def test_ensemble_is_a_superset_of_tensorrt_llms_name_for_name_and_dtype_for_dtype(spec):
+    """A client written for upstream's ensemble (ensemble/config.pbtxt) sends nothing we call unexpected;
+    every upstream output we lack is listed with the reason."""
+    from pipeline.triton import upstream
+
+    ensemble = repository_configs(spec)[ENSEMBLE]
+    inputs, outputs = tensors(ensemble, "input"), tensors(ensemble, "output")
+    for theirs in upstream.ENSEMBLE_INPUTS:
+        ours = inputs.get(theirs.name)
+        assert ours is not None, f"upstream input {theirs.name} missing"
+        assert pb.DataType.Name(ours.data_type) == theirs.config_dtype, theirs.name
+        assert tuple(ours.dims) == theirs.dims, theirs.name
+        assert ours.optional == theirs.optional, theirs.name
+    for theirs in upstream.ENSEMBLE_OUTPUTS:
+        if theirs.name in interface.UPSTREAM_OUTPUTS_NOT_PRODUCED:
+            assert theirs.name not in outputs
+        else:
+            assert pb.DataType.Name(outputs[theirs.name].data_type) == theirs.config_dtype, theirs.name
+    # Every upstream input we don't implement is either refused off its neutral value or harmless.
+    handled = set(interface.UNSUPPORTED_INPUTS) | set(interface.IGNORED_INPUTS) | {"min_tokens"}
+    implemented = {"text_input", "max_tokens", "stop_words", "end_id", "top_k", "top_p", "temperature", "seed",
+                   "stream"}
+    assert {t.name for t in upstream.ENSEMBLE_INPUTS} == handled | implemented
+    assert "random_seed" not in inputs  # upstream's name is seed (InputFieldsNames::seed)
 
 
 @both_backends()
@@ -143,7 +171,8 @@ def test_gate_and_engine_share_the_request_and_generation_tensors():
 
 
 def test_trtllm_configs_carry_engine_paths_batching_and_kv_fractions():
-    configs = repository_configs(TRTLLM)
+    spec = replace(TRTLLM, draft_max_tokens=4096, gpu_device_ids="0,1")
+    configs = repository_configs(spec)
     target, draft = configs[TRTLLM_TARGET], configs[TRTLLM_DRAFT]
     for msg, path, fraction in ((target, "/engines/target", "0.7"), (draft, "/engines/draft", "0.3")):
         assert msg.backend == "tensorrtllm"
@@ -151,21 +180,28 @@ def test_trtllm_configs_carry_engine_paths_batching_and_kv_fractions():
         assert params["gpt_model_path"] == path
         assert params["gpt_model_type"] == "inflight_fused_batching"
         assert params["kv_cache_free_gpu_mem_fraction"] == fraction
-        assert {"input_ids", "input_lengths", "request_output_len", "draft_input_ids"} <= set(tensors(msg, "input"))
+        assert params["gpu_device_ids"] == "0,1"
+        assert params["tokenizer_dir"] == "/models/llama"
+        assert {"input_ids", "input_lengths", "request_output_len", "draft_input_ids", "seed"} <= set(
+            tensors(msg, "input"))
         assert "output_ids" in tensors(msg, "output")
+        assert msg.model_transaction_policy.decoupled
+        assert list(msg.dynamic_batching.preferred_batch_size) == [spec.max_batch_size]
+    assert draft.parameters["max_tokens_in_paged_kv_cache"].string_value == "4096"
+    assert target.parameters["max_tokens_in_paged_kv_cache"].string_value == "${max_tokens_in_paged_kv_cache}"
     assert configs[GATE].parameters["draft_model"].string_value == TRTLLM_DRAFT
     assert tensors(target, "input")["input_lengths"].HasField("reshape")
 
 
-def test_kv_fractions_over_one_are_refused_with_a_fix():
-    with pytest.raises(ConfigError, match=r"> 1 on one GPU; lower them"):
-        replace(TRTLLM, kv_fraction_target=0.8, kv_fraction_draft=0.3)
-    replace(TRTLLM, kv_fraction_target=0.8, kv_fraction_draft=0.2)  # exactly 1 is allowed
+def test_trtllm_without_a_draft_serves_the_target_alone():
+    configs = repository_configs(replace(TRTLLM, draft_engine_dir=""))
+    assert TRTLLM_TARGET in configs and TRTLLM_DRAFT not in configs
+    assert "draft_model" not in configs[GATE].parameters
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(backend="vllm"), "unknown backend"),
-    (dict(draft_engine_dir=""), "needs draft_engine_dir"),
+    (dict(draft_max_tokens=0), "draft_max_tokens"),
     (dict(max_batch_size=0), "max_batch_size"),
     (dict(num_draft_tokens=0), "num_draft_tokens"),
     (dict(acceptance_floor=1.5), "acceptance_floor"),
@@ -318,6 +354,8 @@ def assembled(engine, tmp_path, **kw):
 
 
 def test_engine_route_assembles_target_and_draft_with_the_planned_kv_split(tiny_target, tmp_path):
+    import json
+
     from pipeline.triton.assemble import AssembleOptions, repo_spec
 
     draft = trt_checkpoint(tmp_path / "d", tiny_target, num_hidden_layers=1)  # half the target's KV per token
@@ -333,8 +371,13 @@ def test_engine_route_assembles_target_and_draft_with_the_planned_kv_split(tiny_
     params = {name: {k: v.string_value for k, v in configs[name].parameters.items()} for name in result.models}
     assert params[TRTLLM_TARGET]["gpt_model_path"] == str(engine / "target")
     assert params[TRTLLM_DRAFT]["gpt_model_path"] == str(engine / "draft")
-    kv_t, kv_d = (float(params[m]["kv_cache_free_gpu_mem_fraction"]) for m in (TRTLLM_TARGET, TRTLLM_DRAFT))
-    assert (kv_t, kv_d) == (pytest.approx(0.8 * 2 / 3, abs=1e-3), pytest.approx(0.8 / 3, abs=1e-3))
+    # A tiny draft beside a tiny target on an H100: the target keeps TensorRT-LLM's 0.9, the draft is bounded
+    # to its batch x seq tokens, and both run on the orchestrator's GPUs (one here: tp 1).
+    assert params[TRTLLM_TARGET]["kv_cache_free_gpu_mem_fraction"] == "0.9"
+    sizes = json.loads((engine / "compile.json").read_text())["sizes"]
+    assert params[TRTLLM_DRAFT]["max_tokens_in_paged_kv_cache"] == str(16 * sizes["max_seq_len"])
+    assert params[TRTLLM_TARGET]["gpu_device_ids"] == params[TRTLLM_DRAFT]["gpu_device_ids"] == "0"
+    assert json.loads((repo / "launch.json").read_text())["mode"] == "orchestrator"
     assert configs[TRTLLM_TARGET].backend == "tensorrtllm" and configs[TRTLLM_TARGET].max_batch_size == 16
     gate = params[GATE]
     assert (gate["backend"], gate["draft_model"], gate["num_draft_tokens"], gate["gate_max_batch_size"]) == (
@@ -344,32 +387,55 @@ def test_engine_route_assembles_target_and_draft_with_the_planned_kv_split(tiny_
     assert (repo / GATE / "1" / "model.py").is_file()
 
 
-def test_kv_fractions_follow_the_plans_kv_bytes_and_default_without_a_plan():
-    from pipeline.triton.assemble import KV_BUDGET, kv_fractions
+def test_kv_budget_leaves_the_draft_room_whichever_model_loads_first():
+    """70B FP8 target + 1B INT4 draft on 2 x H100: if the target loads first and takes its fraction of what
+    is free after its weights, what is left still holds the draft's weights, KV, CUDA context and workspace."""
+    from pipeline.models.presets import get_preset
+    from pipeline.plan.gpus import get_gpu
+    from pipeline.plan.memory import CUDA_CONTEXT_BYTES, DraftSpec, PlanInputs, plan_memory
+    from pipeline.triton.assemble import DRAFT_WORKSPACE_BYTES, kv_budget
 
-    assert kv_fractions(None) == (0.6, 0.2)
-    plan = {"kv_cache_dtype": "bf16", "kv_cache_bytes": {"target": {"bf16": 300}, "draft": {"bf16": 100}}}
-    assert kv_fractions(plan) == (0.6, 0.2)
-    tiny_draft = {"kv_cache_dtype": "fp8", "kv_cache_bytes": {"target": {"fp8": 10**9}, "draft": {"fp8": 1}}}
-    t, d = kv_fractions(tiny_draft)
-    assert d >= 0.05 and t + d == pytest.approx(KV_BUDGET)
+    draft = get_preset("llama-3.2-1b")
+    plan = plan_memory(PlanInputs("llama-70b", get_preset("llama-70b").arch, get_gpu("h100-80gb"), tp=2,
+                                  target_qformat="fp8", draft=DraftSpec("model", "llama-1b", draft.arch),
+                                  draft_qformat="int4_awq", max_batch_size=16, max_seq_len=4096)).to_dict()
+    kv = kv_budget(plan, 16, 4096, has_draft=True)
+    free = plan["gpu_memory_bytes"] - CUDA_CONTEXT_BYTES - plan["reserve_bytes"]["activations"] \
+        - plan["target_weight_bytes"]["fp8"]["per_gpu"]
+    left = (1 - kv.target_fraction) * free
+    draft_need = plan["draft_weight_bytes"]["per_gpu"] + plan["kv_cache_bytes"]["draft"]["bf16"] \
+        + CUDA_CONTEXT_BYTES + DRAFT_WORKSPACE_BYTES
+    assert draft_need <= left < draft_need + 0.01 * free  # room for the draft, and not much more
+    assert kv.target_fraction * free >= plan["kv_cache_bytes"]["target"]["bf16"]  # the target's planned KV fits
+    assert kv.draft_max_tokens == 16 * 4096
+    # Without a plan: the draft-target README's 0.5 each; alone, TensorRT-LLM's default 0.9.
+    def triple(k):
+        return k.target_fraction, k.draft_fraction, k.draft_max_tokens
+
+    assert triple(kv_budget(None, 8, 1024, has_draft=True)) == (0.5, 0.5, 8 * 1024)
+    assert triple(kv_budget(plan, 8, 1024, has_draft=False)) == (0.9, 0.9, None)
 
 
-def test_engine_route_without_a_draft_or_without_built_engines_is_refused(tiny_target, tmp_path):
+def test_engine_route_serves_a_target_alone_in_leader_mode_and_refuses_missing_engines(tiny_target, tmp_path):
     import json
 
     from pipeline.compile import CompileOptions, compile_model
 
     no_draft = tmp_path / "no-draft"
-    compile_model(CompileOptions("trtllm", trt_checkpoint(tmp_path / "t", tiny_target), no_draft, dry_run=True))
-    with pytest.raises(ConfigError, match="without a draft model.*--draft DIR"):
-        assembled(no_draft, tmp_path)
-    engine = compiled(tmp_path, tmp_path / "t", trt_checkpoint(tmp_path / "d", tiny_target))
+    compile_model(CompileOptions("trtllm", trt_checkpoint(tmp_path / "t", tiny_target, tp=2), no_draft,
+                                 dry_run=True))
+    result = assembled(no_draft, tmp_path)
+    assert TRTLLM_TARGET in result.models and TRTLLM_DRAFT not in result.models
+    launch = json.loads((tmp_path / "repo" / "launch.json").read_text())
+    assert (launch["mode"], launch["world_size"], launch["trtllm_models"]) == ("leader", 2, ["tensorrt_llm"])
+    # In leader mode every rank takes its own GPU: gpu_device_ids stays the template's.
+    target = read_config(tmp_path / "repo" / TRTLLM_TARGET)
+    assert target.parameters["gpu_device_ids"].string_value == "${gpu_device_ids}"
+    engine = compiled(tmp_path, tmp_path / "t", trt_checkpoint(tmp_path / "d", tiny_target, tp=2))
     manifest = json.loads((engine / "compile.json").read_text())
     (engine / "compile.json").write_text(json.dumps({**manifest, "dry_run": False}))  # as if built, but no engines
     with pytest.raises(ConfigError, match=r"target holds no built engine \(config.json\)"):
-        assembled(engine, tmp_path)
-    assert not (tmp_path / "repo").exists()
+        assembled(engine, tmp_path, force=True)
 
 
 def test_backend_is_told_from_the_folder_and_a_wrong_one_is_a_one_line_error(tiny_target, tmp_path):
@@ -398,42 +464,43 @@ def test_backend_is_told_from_the_folder_and_a_wrong_one_is_a_one_line_error(tin
 
 
 def test_llmapi_route_writes_the_llmapi_model_with_compiles_yaml(tiny_target, tiny_draft, tmp_path):
+    import json
+
     import yaml
 
-    from pipeline.triton.config import LLMAPI_MODEL_DIR
+    from pipeline.triton import upstream
+    from pipeline.triton.config import LLMAPI_FRONTEND, LLMAPI_MODEL_DIR
 
     engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", num_draft_tokens=3, max_batch_size=16,
                       gate_batch_size=6)
     result = assembled(engine, tmp_path)
     repo = tmp_path / "repo"
-    assert (result.backend, result.route, result.models) == ("llmapi", "llmapi", ["ensemble", "tensorrt_llm"])
+    assert (result.backend, result.route) == ("llmapi", "llmapi")
+    assert result.models == ["ensemble", LLMAPI_FRONTEND, "tensorrt_llm"]
     assert any("max_concurrency=6" in note for note in result.notes)
     model = read_config(repo / "tensorrt_llm")
-    assert model.backend == "python" and model.max_batch_size == 0  # both left to model.yaml's triton_config
-    assert not model.HasField("model_transaction_policy")
+    # max_batch_size and decoupled as model.yaml's triton_config says: the MPI launch skips auto-complete.
+    assert model.backend == "python" and model.max_batch_size == 0 and model.model_transaction_policy.decoupled
     assert model.parameters["llmapi_model_dir"].string_value == LLMAPI_MODEL_DIR
+    assert [(t.name, pb.DataType.Name(t.data_type), tuple(t.dims)) for t in model.input] == [
+        (t.name, t.config_dtype, t.dims) for t in upstream.LLMAPI_INPUTS]
     assert [t.name for t in model.output] == ["text_output"]
     config = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert config["model"] == str(tiny_target) and config["backend"] == "pytorch"
-    assert config["triton_config"] == {"max_batch_size": 0, "decoupled": True}
-    assert config["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": 3,
+    assert config["triton_config"] == upstream.LLMAPI_TRITON_CONFIG
+    assert config["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
                                             "speculative_model_dir": str(tiny_draft), "max_concurrency": 6}
     assert config["max_batch_size"] == 16 and config["kv_cache_config"]["enable_block_reuse"] is True
     from pipeline.compile.reference import LLM_API_KEYS
     assert set(config) - {"model", "backend", "triton_config"} <= LLM_API_KEYS
     assert (repo / "tensorrt_llm" / "1" / "model.py").read_text().startswith('"""Triton python model `tensorrt_llm`')
-    # The ensemble: every input maps onto an input of the model with the same type and shape.
+    assert json.loads((repo / "launch.json").read_text())["mode"] == "llmapi"
+    # The ensemble speaks the engine route's interface; its one step is the frontend.
     ensemble = read_config(repo / "ensemble")
-    assert ensemble.max_batch_size == 0
+    assert [t.name for t in ensemble.input] == list(interface.names(interface.ENSEMBLE_INPUTS))
+    assert [t.name for t in ensemble.output] == list(interface.names(interface.ENSEMBLE_OUTPUTS))
     [step] = ensemble.ensemble_scheduling.step
-    inputs, model_inputs = tensors(ensemble, "input"), tensors(model, "input")
-    assert set(step.input_map.values()) == set(inputs)
-    for key, outer in step.input_map.items():
-        assert (model_inputs[key].data_type, list(model_inputs[key].dims)) == (
-            inputs[outer].data_type, list(inputs[outer].dims)), key
-    assert {"text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "random_seed",
-            "stop_words"} == set(inputs)
-    assert dict(step.output_map) == {"text_output": "text_output"}
+    assert step.model_name == LLMAPI_FRONTEND
 
 
 LLMAPI_HELPERS = '''
@@ -447,58 +514,95 @@ def scalar(request, name):
 
 
 def llmapi_server(tmp_path, tiny_target, tiny_draft, upstream_dir):
+    """The llmapi repository on the CPU server: launch.json set to plain (no MPI, no TensorRT-LLM here)."""
     server_mod = pytest.importorskip("pipeline.triton.server")
     from pipeline.errors import PipelineError
+    from pipeline.triton.launch import Launch, write_launch
 
     try:
         binary = server_mod.find_tritonserver()
     except PipelineError as err:
         pytest.skip(str(err))
-    engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", gate_batch_size=6)
+    engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", gate_batch_size=6, num_draft_tokens=3)
     assembled(engine, tmp_path, llmapi_model_dir=str(upstream_dir))
+    write_launch(tmp_path / "repo", Launch("llmapi", "plain"))
     grpc, http, metrics = free_ports()
     options = server_mod.ServeOptions(repo=tmp_path / "repo", grpc_port=grpc, http_port=http, metrics_port=metrics,
                                       log_file=tmp_path / "server.log")
     return server_mod.TritonServer(options, binary)
 
 
-def test_llmapi_repository_serves_tensorrt_llms_model_through_the_ensemble(tiny_target, tiny_draft, tmp_path):
-    """Our loader finds the llmapi model where the container keeps it (here a stand-in with upstream's
-    contract), which reads model.yaml from its own folder and streams through the ensemble."""
-    import json
+def stream_call(url: str, inputs: list, timeout: float = 30) -> tuple[list[dict], str | None]:
+    """One streamed ensemble call: each response's outputs as numpy, and the error if any."""
     import queue
+
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    client = grpcclient.InferenceServerClient(url)
+    got = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    client.async_stream_infer("ensemble", inputs, enable_empty_final_response=True)
+    responses, error = [], None
+    while True:
+        result, err = got.get(timeout=timeout)
+        if err is not None:
+            error = " ".join(str(err).split())
+            break
+        if result.get_response().outputs:
+            responses.append({o.name: result.as_numpy(o.name) for o in result.get_response().outputs})
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return responses, error
+
+
+def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft, tmp_path):
+    """Through the ensemble with the same inputs as the other routes: our loader finds the llmapi model
+    where the container keeps it (here a stand-in with upstream's contract: model.yaml from its own folder,
+    the running text in every streamed response), and the frontend answers with deltas and token counts."""
+    import json
     import shutil
     from pathlib import Path
 
     import numpy as np
-    grpcclient = pytest.importorskip("tritonclient.grpc")
-    upstream = tmp_path / "container" / "llmapi" / "tensorrt_llm" / "1"
-    upstream.mkdir(parents=True)
-    shutil.copyfile(Path(__file__).parent / "trtllm_standin_llmapi.py", upstream / "model.py")
-    (upstream / "helpers.py").write_text(LLMAPI_HELPERS)
 
-    with llmapi_server(tmp_path, tiny_target, tiny_draft, upstream) as server:
-        client = grpcclient.InferenceServerClient(server.endpoints.grpc)
-        got = queue.Queue()
-        client.start_stream(callback=lambda result, error: got.put((result, error)))
-        client.async_stream_infer("ensemble", [
-            grpc_input("text_input", np.array([b"hello"], np.object_), "BYTES"),
-            grpc_input("max_tokens", np.array([12], np.int32), "INT32"),
-            grpc_input("stream", np.array([True]), "BOOL"),
-        ], enable_empty_final_response=True)
-        chunks = []
-        while True:
-            result, error = got.get(timeout=30)
-            assert error is None, error
-            if result.get_response().outputs:
-                chunks.append(result.as_numpy("text_output")[0].decode())
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
-        client.close()
-    echoed = json.loads(chunks[0])
-    assert chunks[1:] == ["second", "third"]
-    assert echoed["prompt"] == "hello" and echoed["max_tokens"] == 12 and echoed["temperature"] is None
+    from pipeline.models.tokenizer import load_tokenizer, prompt_text
+
+    upstream_dir = tmp_path / "container" / "llmapi" / "tensorrt_llm" / "1"
+    upstream_dir.mkdir(parents=True)
+    shutil.copyfile(Path(__file__).parent / "trtllm_standin_llmapi.py", upstream_dir / "model.py")
+    (upstream_dir / "helpers.py").write_text(LLMAPI_HELPERS)
+    tokenizer = load_tokenizer(tiny_target)
+
+    def request(stream: bool, **extra):
+        tensors = [grpc_input("text_input", np.array([[b"hello"]], np.object_), "BYTES"),
+                   grpc_input("max_tokens", np.array([[12]], np.int32), "INT32"),
+                   grpc_input("stream", np.array([[stream]]), "BOOL")]
+        return tensors + [grpc_input(name, *value) for name, value in extra.items()]
+
+    with llmapi_server(tmp_path, tiny_target, tiny_draft, upstream_dir) as server:
+        url = server.endpoints.grpc
+        streamed, error = stream_call(url, request(True, seed=(np.array([[7]], np.uint64), "UINT64")))
+        assert error is None, error
+        whole, error = stream_call(url, request(False))
+        assert error is None, error
+        refused, error = stream_call(url, request(True, speculation=(np.array([[b"off"]], np.object_), "BYTES")))
+        assert refused == [] and "can't be set per request on the LLM-API route" in error
+        beams, error = stream_call(url, request(True, beam_width=(np.array([[2]], np.int32), "INT32")))
+        assert beams == [] and "beam_width 2" in error
+        after, error = stream_call(url, request(False))  # the server serves on after bad requests
+        assert error is None and after
+
+    texts = [r["text_output"].reshape(-1)[0].decode() for r in streamed]
+    assert len(texts) == 3 and texts[1:] == [" second", " third"]  # deltas of the stand-in's running text
+    full = "".join(texts)
+    assert [r["text_output"].reshape(-1)[0].decode() for r in whole] == [full]
+    counts = [int(r["num_output_tokens"].reshape(-1)[0]) for r in streamed]
+    assert sum(counts) == len(tokenizer(full, add_special_tokens=False).input_ids) and all(c > 0 for c in counts)
+    echoed = json.loads(texts[0])
+    assert echoed["prompt"] == prompt_text(tokenizer, "hello", raw=False)  # the chat template, as preprocessing
+    assert echoed["max_tokens"] == 12 and echoed["top_k"] == 1 and echoed["temperature"] is None  # greedy
+    assert echoed["exclude_input_from_output"] is True
     assert echoed["model"] == str(tiny_target) and echoed["speculative_config"]["max_concurrency"] == 6
 
 

@@ -4,8 +4,10 @@ copied by the tests into a folder as model.py beside a helpers.py, where our loa
 
 It keeps upstream's contract: model.yaml read from pb_utils.get_model_dir(), its triton_config setting
 max_batch_size and decoupled in auto_complete_config, everything else being LLM(...) arguments; text in
-(text_input, streaming, sampling_param_*), text_output out. Instead of generating it echoes what it got,
-so a test can see that the YAML and each mapped input arrived.
+(text_input, streaming, sampling_param_*), text_output out, and when streaming every response holds the
+text so far (CompletionOutput.text), not the new part. Instead of generating it echoes what it got, as
+JSON, then grows the text by two words, so a test can see that the YAML and each mapped input arrived
+and that the frontend turns the running text into deltas.
 """
 
 import json
@@ -13,13 +15,18 @@ import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-import yaml
 from helpers import scalar  # upstream imports its helpers.py the same way
 
 
 def _model_yaml():
     with open(os.path.join(pb_utils.get_model_dir(), "model.yaml")) as f:
-        return yaml.safe_load(f)
+        return yaml_load(f)
+
+
+def yaml_load(f):
+    import yaml
+
+    return yaml.safe_load(f)
 
 
 class TritonPythonModel:
@@ -39,16 +46,22 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0].decode()
+            stop = pb_utils.get_input_tensor_by_name(request, "sampling_param_stop")
             got = {"prompt": text, "model": self.llm_args["model"],
                    "speculative_config": self.llm_args.get("speculative_config"),
                    "max_tokens": scalar(request, "sampling_param_max_tokens"),
-                   "temperature": scalar(request, "sampling_param_temperature")}
-            pieces = [json.dumps(got)]
-            if scalar(request, "streaming"):
-                pieces += ["second", "third"]
+                   "temperature": scalar(request, "sampling_param_temperature"),
+                   "top_k": scalar(request, "sampling_param_top_k"),
+                   "seed": scalar(request, "sampling_param_seed"),
+                   "exclude_input_from_output": scalar(request, "sampling_param_exclude_input_from_output"),
+                   "stop": None if stop is None else [w.decode() for w in stop.as_numpy().reshape(-1)]}
+            pieces = [json.dumps(got), " second", " third"]
+            if not scalar(request, "streaming"):
+                pieces = ["".join(pieces)]
+            so_far = ""
             for i, piece in enumerate(pieces):
+                so_far += piece
                 sender.send(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("text_output", np.array([piece.encode()], np.object_))]),
+                    pb_utils.Tensor("text_output", np.array([so_far.encode()], np.object_))]),
                     flags=final if i == len(pieces) - 1 else 0)
         return None
-

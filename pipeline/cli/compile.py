@@ -26,8 +26,9 @@ import click
               help="Prompt + output tokens [default: min(4096, the target's max_position_embeddings)].")
 @click.option("max_num_tokens", "--max-num-tokens", type=int,
               help="Tokens per iteration [default: max-batch-size x (K+1) + one context chunk].")
-@click.option("gate_batch_size", "--gate-batch-size", type=int, default=32, show_default=True,
-              help="Speculate only while the batch is at or below this (TensorRT-LLM: max_concurrency).")
+@click.option("gate_batch_size", "--gate-batch-size", default="32", show_default=True,
+              help="Speculate only while the batch is at or below this (TensorRT-LLM: max_concurrency; EAGLE-3 is "
+                   "then written two-model, which 1.2 can gate). none: always speculate (one-model EAGLE-3).")
 @click.option("kv_cache_dtype", "--kv-cache-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp8"]), help="auto: the checkpoint's.")
 @click.option("free_gpu_memory_fraction", "--free-gpu-memory-fraction", type=float, default=0.9, show_default=True,
@@ -61,6 +62,14 @@ def compile(backend, target, draft, route, num_draft_tokens, max_batch_size, max
 
     if output is None:
         output = DEFAULT_ENGINES_DIR / f"{Path(target).name}-{backend}"
+    if gate_batch_size.strip().lower() == "none":
+        gate_batch_size = None
+    else:
+        try:
+            gate_batch_size = int(gate_batch_size)
+        except ValueError:
+            raise click.BadParameter(f"{gate_batch_size!r} is not a whole number or none",
+                                     param_hint="--gate-batch-size") from None
     result = compile_model(CompileOptions(
         backend=backend, target=target, output=output, draft=draft, route=route, num_draft_tokens=num_draft_tokens,
         max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,

@@ -15,26 +15,39 @@ import click
 @click.option("grpc_port", "--grpc-port", type=int, default=8001, show_default=True)
 @click.option("http_port", "--http-port", type=int, default=8000, show_default=True)
 @click.option("metrics_port", "--metrics-port", type=int, default=8002, show_default=True)
-@click.option("--timeout", type=float, default=120.0, show_default=True,
-              help="Seconds to wait for every model to become ready.")
+@click.option("--timeout", type=float, default=None,
+              help="Seconds to wait for every model to become ready [default: 120; 1800 for TensorRT-LLM engines, "
+                   "which take minutes to load].")
 @click.option("log_file", "--log-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the server log here (default: a temp file, printed at start).")
 @click.option("log_verbose", "--log-verbose", type=int, default=0, show_default=True, help="tritonserver log verbosity.")
-def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log_verbose):
+@click.option("dry_run", "--dry-run", is_flag=True,
+              help="Print the launch command and exit (works on any machine, e.g. for a TensorRT-LLM repository).")
+def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log_verbose, dry_run):
     """Serve a model repository on Triton Inference Server until Ctrl-C or SIGTERM.
 
     Uses `tritonserver` on PATH (NVIDIA's containers), else the CPU server bundled in nvidia-pytriton.
-    Waits until every model is ready, then prints the endpoints. Stopping also reaps the python
-    backend stubs and their shared memory.
+    A TensorRT-LLM repository launches the way its backend needs (the repository's launch.json, written
+    by assemble): under mpirun, one rank per GPU of a tp*pp engine (leader mode), or one orchestrator
+    rank when a draft and a target engine share the server. It prints the command, waits until every
+    model is ready, then prints the endpoints. Stopping also reaps the python backend stubs and their
+    shared memory.
 
     \b
     Example:
       pipeline serve --repo ./triton_repo --grpc-port 8001
+      pipeline serve --repo ./triton_repo --dry-run      # the launch command only
     """
-    from pipeline.triton.server import ServeOptions, serve as run_server
+    from pipeline.triton.server import ServeOptions, planned_command, serve as run_server
 
     options = ServeOptions(repo=repo, host=host, grpc_port=grpc_port, http_port=http_port,
                            metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose)
+    if dry_run:
+        click.echo(planned_command(options))
+        return
+
+    def started(server):
+        click.echo(f"launch: {server.command}")
 
     def ready(server):
         click.echo(f"Serving {repo} with {server.binary.path}; Ctrl-C to stop.")
@@ -42,5 +55,5 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
             click.echo(f"  {line}")
         click.echo(f"  log      {server.log_path}")
 
-    run_server(options, timeout=timeout, on_ready=ready)
+    run_server(options, timeout=timeout, on_ready=ready, on_start=started)
     click.echo("Stopped.")

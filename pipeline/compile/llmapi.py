@@ -1,7 +1,12 @@
 """The LLM-API route (PyTorch backend): an extra_llm_api_options YAML plus the trtllm-serve line that uses it.
 
-Keys follow TensorRT-LLM 1.2's tensorrt_llm/llmapi/llm_args.py (see reference.py). The batch-size gate
-is TensorRT-LLM's own: speculative_config.max_concurrency turns speculation off above that batch size.
+Keys follow TensorRT-LLM 1.2.1's tensorrt_llm/llmapi/llm_args.py (see reference.py). The batch-size gate
+is TensorRT-LLM's own: speculative_config.max_concurrency turns speculation off above that batch size,
+for the speculation modes that have a Drafter. One-model EAGLE-3 (eagle3_one_model: true, TensorRT-LLM's
+default) has none, so in 1.2 nothing turns it off under load; whenever a gate is asked for, EAGLE-3 is
+written two-model (eagle3_one_model: false), which max_concurrency does gate. The cost, said in the plan:
+a separate draft engine and draft KV cache, a draft loop driven from Python, no overlap scheduler, and
+TensorRT-LLM finds one-model faster at low latency. Without a gate (--gate-batch-size none) one-model it is.
 """
 
 from __future__ import annotations
@@ -10,10 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.compile.draft import DraftSpec
+from pipeline.compile.reference import DECODING_TYPES_BY_RELEASE, TRTLLM_VERSION
 from pipeline.compile.trtllm_build import BuildSizes
 
-DECODING_TYPE = {"model": "Draft_Target", "eagle3": "Eagle3", "ngram": "NGram"}
 OPTIONS_FILE = "extra_llm_api_options.yaml"
+EAGLE3_TWO_MODEL_COST = ("two-model EAGLE-3, so max_concurrency can turn it off (1.2's one-model EAGLE-3 has no "
+                         "Drafter and never turns off): a separate draft engine and KV cache, a Python-driven draft "
+                         "loop and no overlap scheduler; TensorRT-LLM finds one-model faster at low latency")
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,13 @@ class LlmApiSettings:
     free_gpu_memory_fraction: float
     tp_size: int = 1
     pp_size: int = 1
+    tensorrt_llm_version: str = TRTLLM_VERSION  # whose decoding_type names to write
+
+
+def decoding_type(kind: str, version: str) -> str:
+    from pipeline.trtllm_version import release
+
+    return DECODING_TYPES_BY_RELEASE[release(version)][kind]
 
 
 def llm_api_options(draft: DraftSpec, sizes: BuildSizes, settings: LlmApiSettings) -> dict:
@@ -33,15 +48,31 @@ def llm_api_options(draft: DraftSpec, sizes: BuildSizes, settings: LlmApiSetting
         kv["dtype"] = "fp8"
     options: dict = {"kv_cache_config": kv}
     if draft.speculates:
-        spec: dict = {"decoding_type": DECODING_TYPE[draft.kind], "max_draft_len": sizes.max_draft_len}
+        spec: dict = {"decoding_type": decoding_type(draft.kind, settings.tensorrt_llm_version),
+                      "max_draft_len": sizes.max_draft_len}
         if draft.path is not None:
             spec["speculative_model_dir"] = str(draft.path)
         if draft.kind == "ngram":
             spec["max_matching_ngram_size"] = 2  # NGramDecodingConfig's default, written out
+        if draft.kind == "eagle3":
+            spec["eagle3_one_model"] = settings.gate_batch_size is None
+            if settings.gate_batch_size is not None:
+                options["disable_overlap_scheduler"] = True
         if settings.gate_batch_size is not None:
             spec["max_concurrency"] = settings.gate_batch_size
         options["speculative_config"] = spec
     return options
+
+
+def gate_note(draft: DraftSpec, gate_batch_size: int | None) -> str:
+    """What the LLM-API route does under load, for the plan and compile's output."""
+    if not draft.speculates:
+        return ""
+    if gate_batch_size is None:
+        what = "one-model EAGLE-3" if draft.kind == "eagle3" else "speculation"
+        return f"gate: none (--gate-batch-size none): {what} stays on at every batch size"
+    gate = f"gate: TensorRT-LLM turns speculation off above {gate_batch_size} active requests (max_concurrency)"
+    return f"{gate}; {EAGLE3_TWO_MODEL_COST}" if draft.kind == "eagle3" else gate
 
 
 def to_yaml(options: dict) -> str:

@@ -63,6 +63,7 @@ class CompileResult:
     commands: dict[str, list[str]] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     manifest: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # choices worth knowing (the gate, its cost)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,6 +72,7 @@ class CompileResult:
         what = "dry run: nothing built" if self.dry_run else "compiled"
         lines = [f"{what}; {self.backend}/{self.route} -> {self.output}"]
         lines += [f"  wrote {f}" for f in self.files]
+        lines += [f"note: {n}" for n in self.notes]
         for name, cmd in self.commands.items():
             lines += [f"# {name}", shlex.join(cmd)]
         return "\n".join(lines)
@@ -99,6 +101,10 @@ def compile_model(options: CompileOptions) -> CompileResult:
     sizes = derive_sizes(options.max_batch_size, k, target.max_position_embeddings, options.max_seq_len,
                          options.max_input_len, options.max_num_tokens)
     kv_dtype = _kv_cache_dtype(options.kv_cache_dtype, target, route)
+    if route != "torch" and draft_ckpt is not None and draft.kind == "model":
+        # An engine's KV dtype comes from its own checkpoint; the LLM API's kv_cache_config covers both models.
+        _kv_cache_dtype(options.kv_cache_dtype if route == "llmapi" else "auto", draft_ckpt, route, role="draft")
+    version = _tensorrt_llm_version(route)
     tp, pp = _parallel(options, target, route)
     plan = check_plan(target, draft, draft_ckpt, options.gpu, sizes.max_batch_size, sizes.max_seq_len, kv_dtype,
                       force=options.force)
@@ -109,7 +115,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
 
     result = CompileResult(options.backend, route, str(output), options.dry_run)
     manifest = {
-        "tensorrt_llm_version": TRTLLM_VERSION, "container": TRTLLM_CONTAINER,
+        "tensorrt_llm_version": version, "container": TRTLLM_CONTAINER,
         "backend": options.backend, "route": route, "dry_run": options.dry_run,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "target": _describe(target), "draft": {"kind": draft.kind, **(_describe(draft_ckpt) if draft_ckpt else {})},
@@ -120,7 +126,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
         if route == "engine":
             _engine_route(stage, output, target, draft_ckpt, sizes, options, result)
         elif route == "llmapi":
-            _llmapi_route(stage, output, target, draft, sizes, options, kv_dtype, tp, pp, result, manifest)
+            _llmapi_route(stage, output, target, draft, sizes, options, kv_dtype, tp, pp, result, manifest, version)
         else:
             _torch_route(stage, target, draft, draft_ckpt, sizes, options, result, manifest)
         manifest["commands"] = {name: shlex.join(cmd) for name, cmd in result.commands.items()}
@@ -158,9 +164,11 @@ def _engine_route(stage: Path, output: Path, target: Checkpoint, draft_ckpt: Che
 
 def _llmapi_route(stage: Path, output: Path, target: Checkpoint, draft: DraftSpec, sizes: BuildSizes,
                   options: CompileOptions, kv_dtype: str, tp: int, pp: int, result: CompileResult,
-                  manifest: dict) -> None:
+                  manifest: dict, version: str) -> None:
     # Nothing to build: the PyTorch backend loads the HF checkpoint at serve time; the YAML is the product.
-    settings = llmapi.LlmApiSettings(options.gate_batch_size, kv_dtype, options.free_gpu_memory_fraction, tp, pp)
+    settings = llmapi.LlmApiSettings(options.gate_batch_size, kv_dtype, options.free_gpu_memory_fraction, tp, pp,
+                                     version)
+    result.notes += [n for n in (llmapi.gate_note(draft, options.gate_batch_size),) if n]
     config = llmapi.llm_api_options(draft, sizes, settings)
     (stage / llmapi.OPTIONS_FILE).write_text(llmapi.to_yaml(config))
     serve = llmapi.serve_command(target.path, output / llmapi.OPTIONS_FILE, sizes, settings)
@@ -205,15 +213,40 @@ def _check_options(o: CompileOptions) -> None:
         raise ConfigError(f"unknown --dtype {o.dtype!r}; pick one of auto, fp32, bf16, fp16")
 
 
-def _kv_cache_dtype(requested: str, target: Checkpoint, route: str) -> str:
-    quantized = (target.kv_cache_quant_algo or "").upper() == "FP8"
+def _kv_cache_dtype(requested: str, ckpt: Checkpoint, route: str, role: str = "target") -> str:
+    """The KV cache dtype for one checkpoint; on the engine route an FP8 KV cache needs an FP8 checkpoint."""
+    from pipeline.compile.reference import FP8_KV_QUANT_ALGOS
+
+    quantized = (ckpt.kv_cache_quant_algo or "").upper() == "FP8"
     if route == "engine" and requested == "fp8" and not quantized:
         # trtllm-build takes the KV cache dtype from the checkpoint's quantization.kv_cache_quant_algo.
-        raise ConfigError(f"the TensorRT-LLM checkpoint {target.path.name} has no FP8 KV cache; re-quantize with "
+        raise ConfigError(f"the TensorRT-LLM {role} checkpoint {ckpt.path.name} has no FP8 KV cache; re-quantize with "
                           f"`pipeline quantize --kv-cache-dtype fp8 --export trtllm`, or drop --kv-cache-dtype fp8")
+    if route == "engine" and quantized and (ckpt.quant_algo or "") not in FP8_KV_QUANT_ALGOS:
+        # builder.py: FP8 paged context FMHA "only works with fp8 quantization workflow"; the draft-target
+        # recipe needs --use_paged_context_fmha enable for KV reuse.
+        raise ConfigError(f"the {role} checkpoint {ckpt.path.name} is {ckpt.quant_algo or 'unquantized'} with an FP8 KV "
+                          f"cache, which trtllm-build refuses with paged context FMHA (\"FP8 Paged Context FMHA only "
+                          f"works with fp8 quantization workflow\"); re-quantize it with --kv-cache-dtype none, or as fp8")
+    if route == "llmapi" and requested == "fp8" and (ckpt.quant_algo or "").startswith("W4A16"):
+        # The PyTorch flow fails the same way ("FMHA kernels are not found", NVIDIA/TensorRT-LLM#8862).
+        raise ConfigError(f"the {role} checkpoint {ckpt.path.name} is {ckpt.quant_algo}, and TensorRT-LLM's PyTorch "
+                          f"backend has no attention kernels for INT4-AWQ with an FP8 KV cache; drop --kv-cache-dtype "
+                          f"fp8, or quantize the {role} as fp8")
     if route == "torch" and requested == "fp8":
         raise ConfigError("the portable engine keeps its KV cache in the compute dtype; drop --kv-cache-dtype fp8")
     return "fp8" if requested == "fp8" or quantized else "auto"
+
+
+def _tensorrt_llm_version(route: str) -> str:
+    """The TensorRT-LLM the output is for: the installed one in NVIDIA's container (refused unless its names are
+    the ones this pipeline writes), else the release the tables follow."""
+    from pipeline import trtllm_version
+
+    found = trtllm_version.installed() if route != "torch" else None
+    if found is not None:
+        trtllm_version.check_supported(found, "pipeline compile")
+    return found or TRTLLM_VERSION
 
 
 def _parallel(options: CompileOptions, target: Checkpoint, route: str) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from pipeline.errors import ConfigError
 
 DEFAULT_MAX_SEQ_LEN = 4096
 CONTEXT_CHUNK = 8192  # trtllm-build's default max_num_tokens: the most prompt tokens one iteration takes
+SHARED_KV_FRACTION = 0.5  # examples/draft_target_model/README.md: "--kv_cache_free_gpu_memory_fraction=0.5"
 
 
 @dataclass(frozen=True)
@@ -88,16 +89,26 @@ def flags_of(cmd: list[str]) -> list[str]:
 
 def run_command(target_engine: Path, draft_engine: Path | None, tokenizer_dir: Path, sizes: BuildSizes,
                 free_gpu_memory_fraction: float, world_size: int = 1) -> list[str]:
-    """examples/run.py invocation from the draft-target README (for a smoke test in the container)."""
+    """examples/run.py invocation from the draft-target README (a smoke test in the container), where NVIDIA's
+    Triton container keeps it (/app/examples/run.py).
+
+    Two models on the same GPUs: run.py gives both ModelRunnerCpp the same KV fraction, and the one that loads
+    first takes that share of all free memory, so the README lowers it to 0.5; a one-sequence token bound
+    (--max_tokens_in_paged_kv_cache, the smaller of the two bounds wins) keeps either from crowding the other
+    out whatever the load order."""
+    from pipeline.triton.upstream import CONTAINER_APP, CONTAINER_RUN_PY
+
     mpi = ["mpirun", "-n", str(world_size), "--allow-run-as-root"] if world_size > 1 else []
-    cmd = [*mpi, "python3", "examples/run.py", "--engine_dir", str(target_engine),
+    fraction = min(free_gpu_memory_fraction, SHARED_KV_FRACTION) if draft_engine is not None else free_gpu_memory_fraction
+    cmd = [*mpi, "python3", f"{CONTAINER_APP}/{CONTAINER_RUN_PY}", "--engine_dir", str(target_engine),
            "--tokenizer_dir", str(tokenizer_dir), "--max_output_len", "128", "--kv_cache_enable_block_reuse",
-           "--kv_cache_free_gpu_memory_fraction", str(free_gpu_memory_fraction),
+           "--kv_cache_free_gpu_memory_fraction", f"{fraction:g}",
            "--input_text", "How does speculative decoding work?"]
     if draft_engine is not None:
         # [draft_len, draft device list, target device list, use_logits]: one device per TP rank, both
         # models sharing the GPUs (the README's single-GPU layout, which it finds faster).
         devices = "[" + ",".join(str(d) for d in range(world_size)) + "]"
-        cmd += ["--draft_engine_dir", str(draft_engine),
+        cmd += ["--max_tokens_in_paged_kv_cache", str(sizes.max_seq_len),
+                "--draft_engine_dir", str(draft_engine),
                 "--draft_target_model_config", f"[{sizes.max_draft_len},{devices},{devices},False]"]
     return cmd

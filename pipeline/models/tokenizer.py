@@ -51,6 +51,23 @@ def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+def prompt_text(tokenizer, prompt: str, raw: bool) -> str:
+    """The prompt as text for an engine that tokenizes it itself with special tokens (TensorRT-LLM's LLM API
+    does: tokenizer.encode(prompt, add_special_tokens=True)), so that it sees the ids `encode_prompt` gives.
+
+    The chat template writes the BOS itself; a tokenizer that adds one too would double it, so the
+    rendered text drops its leading BOS when the tokenizer adds that BOS anyway.
+    """
+    if not uses_chat_template(tokenizer, raw):
+        return prompt
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    bos = tokenizer.bos_token
+    adds_bos = bos is not None and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]
+    return text[len(bos):] if adds_bos and text.startswith(bos) else text
+
+
 def stop_token_ids(tokenizer, config_eos: tuple[int, ...], *, chat: bool = True) -> tuple[int, ...]:
     """Ids that end generation: the tokenizer's eos, the config's, and (for chat) the end-of-turn
     markers the chat template writes and the vocabulary has."""

@@ -15,6 +15,7 @@ staging folder beside the target and renamed into place, so a failed run leaves 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,19 +23,24 @@ from pathlib import Path
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
 from pipeline.staging import check_output, staged_output
-from pipeline.triton.config import (GATE, LLMAPI_MODEL, LLMAPI_MODEL_DIR, LLMAPI_YAML, POSTPROCESSING, PREPROCESSING,
-                                    TORCH_ENGINE, RepoSpec, llmapi_model_yaml, repository_configs, write_config)
+from pipeline.triton.config import (GATE, LLMAPI_FRONTEND, LLMAPI_MODEL, LLMAPI_MODEL_DIR, LLMAPI_YAML,
+                                    POSTPROCESSING, PREPROCESSING,
+                                    TORCH_ENGINE, TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, llmapi_model_yaml,
+                                    repository_configs, trtllm_models, write_config)
+from pipeline.triton.launch import Launch, gpu_device_ids, plan_launch, write_launch
+from pipeline.triton.trtllm_template import ContainerTools, check_config, container_config, find_container_tools
+from pipeline.triton.upstream import TRITON_CONTAINER
 
 MODEL_SOURCES = Path(__file__).parent / "models"
 # model name -> its source in pipeline/triton/models/
 PYTHON_MODELS = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py",
-                 GATE: "speculation_gate.py", TORCH_ENGINE: "torch_engine.py"}
+                 GATE: "speculation_gate.py", TORCH_ENGINE: "torch_engine.py", LLMAPI_FRONTEND: "llmapi_frontend.py"}
 LLMAPI_SOURCE = "llmapi.py"  # the llmapi route's tensorrt_llm: a loader for TensorRT-LLM's own model.py
 BACKENDS = ("auto", "torch", "trtllm")
-# kv_cache_free_gpu_mem_fraction of target + draft together on one GPU: what TensorRT-LLM's default
-# free_gpu_memory_fraction (0.9) leaves, less a margin for the second model's activations.
-KV_BUDGET = 0.8
+DEFAULT_KV_FRACTION = 0.9  # TensorRT-LLM's own default free_gpu_memory_fraction
+SHARED_KV_FRACTION = 0.5  # examples/draft_target_model/README.md, both models on one GPU
 MIN_KV_FRACTION = 0.05
+DRAFT_WORKSPACE_BYTES = 2 * 1024 ** 3  # the draft worker's activations, as the memory plan's minimum reserve
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -62,16 +68,18 @@ class AssembleResult:
     backend: str = "torch"
     route: str = "torch"  # torch | engine | llmapi
     notes: list[str] = field(default_factory=list)  # what still has to happen before serving
+    launch: str = "plain"  # how `pipeline serve` launches it (pipeline.triton.launch)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What assemble will write: the RepoSpec plus the route's extra files."""
+    """What assemble will write: the RepoSpec plus the route's extra files and how to launch it."""
 
     spec: RepoSpec
     route: str
     llmapi_yaml: dict | None = None
     notes: tuple[str, ...] = ()
+    launch: Launch = Launch("torch", "plain")
 
 
 def default_hysteresis(gate_batch_size: int) -> int:
@@ -165,42 +173,88 @@ def _tokenizer(manifest: dict, options: AssembleOptions) -> Path:
     return folder
 
 
-def kv_fractions(plan: dict | None) -> tuple[float, float]:
-    """kv_cache_free_gpu_mem_fraction for target and draft: KV_BUDGET split as the memory plan's KV bytes
-    are, or TensorRT-LLM-ish defaults (0.6, 0.2) without a plan. Each model takes its fraction of the
-    memory free when it loads, so the sum <= 1 keeps both within the GPU whichever loads first."""
+@dataclass(frozen=True)
+class KvBudget:
+    """KV cache settings of the two tensorrt_llm models on shared GPUs."""
+
+    target_fraction: float  # kv_cache_free_gpu_mem_fraction of the target
+    draft_fraction: float
+    draft_max_tokens: int | None  # max_tokens_in_paged_kv_cache of the draft
+    note: str
+
+
+def kv_budget(plan: dict | None, max_batch_size: int, max_seq_len: int, has_draft: bool) -> KvBudget:
+    """How the target and the draft split the GPUs' memory. Pure.
+
+    Each model takes its kv_cache_free_gpu_mem_fraction of the memory free when *it* loads, and Triton
+    loads the two at once, in no set order. So the draft's KV is bounded in tokens as well
+    (max_tokens_in_paged_kv_cache = max batch x max seq len; the backend takes the smaller of the two
+    bounds), and the target's fraction leaves room for the draft's weights, KV, CUDA context and workspace
+    even when the target loads first. Without a memory plan: 0.5 each, as examples/draft_target_model's
+    README does when both models share a GPU. Alone, the target takes TensorRT-LLM's default 0.9.
+    """
+    if not has_draft:
+        return KvBudget(DEFAULT_KV_FRACTION, DEFAULT_KV_FRACTION, None, "")
+    tokens = max_batch_size * max_seq_len
     if not plan:
-        return 0.6, 0.2
-    dtype = plan["kv_cache_dtype"]
-    target, draft = plan["kv_cache_bytes"]["target"][dtype], plan["kv_cache_bytes"]["draft"][dtype]
-    share = target / (target + draft) if target + draft > 0 else 0.75
-    t = round(min(max(KV_BUDGET * share, MIN_KV_FRACTION), KV_BUDGET - MIN_KV_FRACTION), 3)
-    return t, round(KV_BUDGET - t, 3)
+        return KvBudget(SHARED_KV_FRACTION, SHARED_KV_FRACTION, tokens,
+                        f"KV cache: target and draft take {SHARED_KV_FRACTION:g} of the free GPU memory each "
+                        f"(no memory plan; pass --gpu to compile to size it), the draft at most {tokens} tokens")
+    kv_dtype = plan.get("draft_kv_cache_dtype", plan["kv_cache_dtype"])
+    draft_need = (plan["draft_weight_bytes"]["per_gpu"] + plan["kv_cache_bytes"]["draft"][kv_dtype]
+                  + plan["reserve_bytes"]["cuda_context"] + DRAFT_WORKSPACE_BYTES)
+    free = (plan["gpu_memory_bytes"] - plan["reserve_bytes"]["cuda_context"] - plan["reserve_bytes"]["activations"]
+            - plan["target_weight_bytes"][plan["target_qformat"]]["per_gpu"])
+    target = math.floor(100 * (1 - draft_need / free)) / 100 if free > 0 else MIN_KV_FRACTION
+    target = min(max(target, MIN_KV_FRACTION), DEFAULT_KV_FRACTION)
+    return KvBudget(target, target, tokens,
+                    f"KV cache: the target takes {target:g} of the GPU memory free after its weights, leaving "
+                    f"{draft_need / 1e9:.1f} GB per GPU for the draft (weights, {tokens}-token KV cache, CUDA "
+                    f"context, workspace) whichever loads first")
 
 
 def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan:
-    """The trtllm-build route: tensorrt_llm + tensorrt_llm_draft (tensorrtllm backend) under our gate."""
-    if manifest.get("draft", {}).get("kind") != "model":
-        raise ConfigError(f"{engine} was compiled without a draft model; the engine route serves draft-target "
-                          f"speculation: rerun `pipeline compile -b trtllm --draft DIR`, or --route llmapi")
+    """The trtllm-build route: tensorrt_llm (+ tensorrt_llm_draft) on the tensorrtllm backend under our gate."""
+    kind = manifest.get("draft", {}).get("kind", "none")
+    if kind not in ("model", "none"):
+        raise ConfigError(f"{engine} was compiled with --draft {kind}, which runs on the LLM-API route; rerun "
+                          f"`pipeline compile -b trtllm --route llmapi`")
+    has_draft = kind == "model"
     target, draft = engine / "target", engine / "draft"
     notes = []
     if manifest.get("dry_run"):
         notes.append(f"the engines are not built yet (compile --dry-run): run {engine / 'build.sh'} in "
-                     f"{manifest.get('container', 'the TensorRT-LLM container')} before serving")
+                     f"{TRITON_CONTAINER} before serving")
     else:
-        for folder in (target, draft):
+        for folder in (target, draft) if has_draft else (target,):
             if not (folder / "config.json").is_file():
                 raise ConfigError(f"{folder} holds no built engine (config.json); rerun `pipeline compile` or "
                                   f"{engine / 'build.sh'}")
     sizes = manifest["sizes"]
-    kv_target, kv_draft = kv_fractions(manifest.get("plan"))
+    models = (TRTLLM_TARGET, TRTLLM_DRAFT) if has_draft else (TRTLLM_TARGET,)
+    world = int(manifest.get("tp_size", 1)) * int(manifest.get("pp_size", 1))
+    launch = plan_launch("engine", world_size=world, trtllm_models=models,
+                         tensorrt_llm_version=manifest.get("tensorrt_llm_version"))
+    kv = kv_budget(manifest.get("plan"), sizes["max_batch_size"], sizes["max_seq_len"], has_draft)
     spec = RepoSpec(backend="trtllm", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(target),
-                    draft_engine_dir=str(draft), max_batch_size=sizes["max_batch_size"],
+                    draft_engine_dir=str(draft) if has_draft else "", max_batch_size=sizes["max_batch_size"],
                     max_seq_len=sizes["max_seq_len"], num_draft_tokens=max(1, sizes["max_draft_len"]),
                     gate=_gate(options), acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
-                    kv_fraction_target=kv_target, kv_fraction_draft=kv_draft)
-    return Plan(spec, "engine", notes=tuple(notes))
+                    kv_fraction_target=kv.target_fraction, kv_fraction_draft=kv.draft_fraction,
+                    draft_max_tokens=kv.draft_max_tokens, gpu_device_ids=gpu_device_ids(launch))
+    notes += [n for n in (kv.note, _launch_note(launch)) if n]
+    return Plan(spec, "engine", notes=tuple(notes), launch=launch)
+
+
+def _launch_note(launch: Launch) -> str:
+    if launch.mode == "orchestrator":
+        return (f"launch: orchestrator mode (TRTLLM_ORCHESTRATOR=1, one rank): the backend spawns each model's "
+                f"{launch.gpus} worker(s) on GPUs {gpu_device_ids(launch)}; one node")
+    if launch.mode == "leader":
+        return f"launch: leader mode, mpirun with {launch.world_size} rank(s), one per GPU"
+    if launch.mode == "llmapi":
+        return f"launch: mpirun with one rank; the LLM API starts {launch.gpus} worker(s)"
+    return ""
 
 
 def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan:
@@ -231,12 +285,24 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
         notes.append(f"speculation is TensorRT-LLM's ({spec_cfg.get('decoding_type')}): on at batch sizes up to "
                      f"speculative_config.max_concurrency={spec_cfg.get('max_concurrency', 'unset (always)')}; "
                      f"requests can't switch it per request on this route")
-    return Plan(spec, "llmapi", llmapi_model_yaml(model, llm_args), tuple(notes))
+    launch = plan_launch("llmapi", world_size=int(manifest.get("tp_size", 1)) * int(manifest.get("pp_size", 1)),
+                         tensorrt_llm_version=manifest.get("tensorrt_llm_version"))
+    notes.append(_launch_note(launch))
+    return Plan(spec, "llmapi", llmapi_model_yaml(model, llm_args), tuple(notes), launch)
 
 
-def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = None) -> list[str]:
-    """Write every model (config.pbtxt, and 1/model.py for python ones) under `folder`; returns the names."""
+def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = None, launch: Launch | None = None,
+                     container: ContainerTools | None = None) -> list[str]:
+    """Write every model (config.pbtxt, and 1/model.py for python ones) under `folder`, and launch.json;
+    returns the model names. `container`: fill the tensorrt_llm models from NVIDIA's own template there."""
+    from pipeline.triton.draft_target import SENT_INPUTS
+
     configs = repository_configs(spec)
+    for model in trtllm_models(spec) if spec.backend == "trtllm" else ():
+        if container is not None:
+            configs[model.name] = container_config(container, model, max_batch_size=spec.max_batch_size,
+                                                   tokenizer_dir=spec.tokenizer_dir)
+        check_config(configs[model.name], SENT_INPUTS)
     for name, msg in configs.items():
         write_config(folder / name, msg)
         (folder / name / "1").mkdir()
@@ -248,6 +314,7 @@ def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = No
             (folder / name / "1" / LLMAPI_YAML).write_text(yaml.safe_dump(llmapi_yaml or {}, sort_keys=False))
         elif name in PYTHON_MODELS:
             shutil.copyfile(MODEL_SOURCES / PYTHON_MODELS[name], folder / name / "1" / "model.py")
+    write_launch(folder, launch or Launch("torch", "plain"))
     return sorted(configs)
 
 
@@ -255,8 +322,12 @@ def assemble(options: AssembleOptions) -> AssembleResult:
     repo = Path(options.repo).expanduser().absolute()
     check_output(repo, options.force, ConfigError, "--repo")
     plan = plan_repository(options)
+    container = find_container_tools() if plan.spec.backend == "trtllm" else None
+    notes = list(plan.notes)
+    if container is not None:
+        notes.append(f"tensorrt_llm config: the container's {container.template}, filled by {container.fill_template}")
     with staged_output(repo, options.force, ConfigError, "--repo") as stage:
-        models = write_repository(stage, plan.spec, plan.llmapi_yaml)
+        models = write_repository(stage, plan.spec, plan.llmapi_yaml, plan.launch, container)
     engine = plan.spec.engine_dir if plan.route == "torch" else str(Path(options.engine).expanduser().absolute())
     return AssembleResult(repo=str(repo), engine=engine, models=models, backend=plan.spec.backend,
-                          route=plan.route, notes=list(plan.notes))
+                          route=plan.route, notes=notes, launch=plan.launch.mode)

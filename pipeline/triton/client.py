@@ -183,7 +183,7 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
                tensor("top_k", np.array([[options.top_k]], np.int32), "INT32"),
                tensor("speculation", np.array([[options.speculation.encode()]], np.object_), "BYTES")]
     if options.seed is not None:
-        tensors.append(tensor("random_seed", np.array([[options.seed]], np.uint64), "UINT64"))
+        tensors.append(tensor("seed", np.array([[options.seed]], np.uint64), "UINT64"))
     if options.num_draft_tokens is not None:
         tensors.append(tensor("num_draft_tokens", np.array([[options.num_draft_tokens]], np.int32), "INT32"))
     return tensors

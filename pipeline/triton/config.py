@@ -8,9 +8,11 @@ The graph: ensemble = preprocessing -> speculation_gate -> postprocessing. The g
 and streams; it calls the engine (torch_engine, or tensorrt_llm with tensorrt_llm_draft) through
 BLS, which is why the engine models are not ensemble steps.
 
-The LLM-API route ("llmapi") is different: TensorRT-LLM's llmapi Triton model takes text and gives
-text, tokenizing and speculating inside (speculative_config.max_concurrency turns speculation off
-above that batch size), so its ensemble maps the client's names straight onto that model's.
+The LLM-API route ("llmapi"): TensorRT-LLM's llmapi Triton model takes text and gives text, tokenizing
+and speculating inside (speculative_config.max_concurrency turns speculation off above that batch
+size). The same ensemble interface fronts it: ensemble = llmapi_frontend, which validates, applies
+the chat template, calls that model through BLS and turns its running text into per-response deltas
+with token counts, so a client can't tell the routes apart.
 """
 
 from __future__ import annotations
@@ -23,12 +25,10 @@ from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError, MissingDependencyError
 from pipeline.triton.interface import (
     ENSEMBLE_INPUTS,
-    STREAM_ID,
     ENSEMBLE_OUTPUTS,
     GENERATION_TENSORS,
     REQUEST_TENSORS,
-    TRTLLM_INPUTS,
-    TRTLLM_OUTPUTS,
+    STREAM_ID,
     TensorSpec,
 )
 
@@ -43,7 +43,8 @@ GATE = "speculation_gate"
 TORCH_ENGINE = "torch_engine"
 TRTLLM_TARGET = "tensorrt_llm"
 TRTLLM_DRAFT = "tensorrt_llm_draft"
-LLMAPI_MODEL = "tensorrt_llm"  # the llmapi route's one model, named as upstream's all_models/llmapi
+LLMAPI_MODEL = "tensorrt_llm"  # the llmapi route's engine model, named as upstream's all_models/llmapi
+LLMAPI_FRONTEND = "llmapi_frontend"  # the llmapi route's ensemble step: our interface onto LLMAPI_MODEL
 # Where NVIDIA's Triton + TensorRT-LLM container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3)
 # keeps the llmapi model's source (model.py, helpers.py); TensorRT-LLM's own checkout has it at
 # triton_backend/all_models/llmapi/tensorrt_llm/1. We reference it, we don't ship it.
@@ -58,7 +59,7 @@ class RepoSpec:
     backend: Literal["torch", "trtllm", "llmapi"]
     tokenizer_dir: str  # a Hugging Face folder with the tokenizer (and chat template); llmapi: the model
     engine_dir: str  # torch: the portable engine folder; trtllm: the target's engine folder; llmapi: compile's
-    draft_engine_dir: str = ""  # trtllm only: the draft's engine folder
+    draft_engine_dir: str = ""  # trtllm only: the draft's engine folder; "" serves the target alone
     max_batch_size: int = 64
     max_seq_len: int = 2048  # prompt + new tokens; preprocessing refuses longer requests
     apply_chat_template: bool = True
@@ -67,8 +68,13 @@ class RepoSpec:
     # The gate stops speculating on "auto" while the rolling acceptance rate (accepted / drafted over
     # recent verifications) is below this; 0 turns the floor off.
     acceptance_floor: float = 0.5
-    kv_fraction_target: float = 0.6  # trtllm: kv_cache_free_gpu_mem_fraction of the target
-    kv_fraction_draft: float = 0.2  # trtllm: the same for the draft, on the same GPU
+    # trtllm: kv_cache_free_gpu_mem_fraction of each model. The draft's KV is also bounded in tokens
+    # (max_tokens_in_paged_kv_cache; the backend takes the smaller), so whichever model loads first, the
+    # other still fits (pipeline.triton.assemble.kv_budget).
+    kv_fraction_target: float = 0.5
+    kv_fraction_draft: float = 0.5
+    draft_max_tokens: int | None = None
+    gpu_device_ids: str | None = None  # trtllm, orchestrator mode: the GPUs both models use, "0,1"
     llmapi_model_dir: str = LLMAPI_MODEL_DIR  # llmapi: the folder with TensorRT-LLM's llmapi model.py
 
     def __post_init__(self):
@@ -76,8 +82,6 @@ class RepoSpec:
             raise ConfigError(f"unknown backend {self.backend!r}; use 'torch', 'trtllm' or 'llmapi'")
         if not self.tokenizer_dir or not self.engine_dir:
             raise ConfigError("tokenizer_dir and engine_dir must be set; pass the model and engine folders")
-        if self.backend == "trtllm" and not self.draft_engine_dir:
-            raise ConfigError("the trtllm backend needs draft_engine_dir; build the draft engine and pass its folder")
         if self.max_batch_size < 1:
             raise ConfigError("max_batch_size must be >= 1")
         if self.max_seq_len < 2:
@@ -89,17 +93,19 @@ class RepoSpec:
         for name in ("kv_fraction_target", "kv_fraction_draft"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
-        total = self.kv_fraction_target + self.kv_fraction_draft
-        if self.backend == "trtllm" and total > 1.0:
-            raise ConfigError(f"kv_fraction_target + kv_fraction_draft = {total:g} > 1 on one GPU; "
-                              f"lower them, e.g. 0.6 and 0.2")
+        if self.draft_max_tokens is not None and self.draft_max_tokens < 1:
+            raise ConfigError("draft_max_tokens must be >= 1")
+
+    @property
+    def has_draft(self) -> bool:
+        return self.backend == "trtllm" and bool(self.draft_engine_dir)
 
     @property
     def engine_model(self) -> str:
         return {"trtllm": TRTLLM_TARGET, "llmapi": LLMAPI_MODEL}.get(self.backend, TORCH_ENGINE)
 
 
-def _model_config_pb2():
+def model_config_pb2():
     try:
         from tritonclient.grpc import model_config_pb2
     except ImportError as err:
@@ -113,7 +119,7 @@ def _flag(value: bool) -> str:
 
 def _base(name: str, spec: RepoSpec, *, backend: str, inputs: tuple[TensorSpec, ...],
           outputs: tuple[TensorSpec, ...], parameters: dict[str, str], decoupled: bool) -> ModelConfig:
-    pb = _model_config_pb2()
+    pb = model_config_pb2()
     msg = pb.ModelConfig(name=name, backend=backend, max_batch_size=spec.max_batch_size)
     for t in inputs:
         msg.input.append(pb.ModelInput(
@@ -162,7 +168,8 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
         "acceptance_floor": str(spec.acceptance_floor),
     }
     if spec.backend == "trtllm":
-        params["draft_model"] = TRTLLM_DRAFT
+        if spec.has_draft:
+            params["draft_model"] = TRTLLM_DRAFT
         params["tokenizer_dir"] = spec.tokenizer_dir  # draft_target counts text tokens for the prefix resend
     return _base(GATE, spec, backend="python", inputs=REQUEST_TENSORS, outputs=GENERATION_TENSORS,
                  decoupled=True, parameters=params)
@@ -180,37 +187,34 @@ def torch_engine_config(spec: RepoSpec) -> ModelConfig:
                  })
 
 
-def tensorrt_llm_config(spec: RepoSpec, *, draft: bool = False) -> ModelConfig:
-    """The tensorrtllm backend's model, target or draft.
+def trtllm_models(spec: RepoSpec) -> list:
+    """The tensorrt_llm model (the target), and tensorrt_llm_draft when there is a draft engine."""
+    from pipeline.triton.trtllm_template import TrtllmModel
 
-    Parameter keys as in tensorrtllm_backend's all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt
-    (there `gpt_model_type` takes the template's ${batching_strategy}).
-    """
-    params = {
-        "gpt_model_type": "inflight_fused_batching",
-        "gpt_model_path": spec.draft_engine_dir if draft else spec.engine_dir,
-        # Both models take their fraction of the GPU memory free when each loads; the sum <= 1
-        # check in RepoSpec is the necessary condition, the memory plan is the sufficient one.
-        "kv_cache_free_gpu_mem_fraction": str(spec.kv_fraction_draft if draft else spec.kv_fraction_target),
-        "max_beam_width": "1",
-        "batch_scheduler_policy": "guaranteed_no_evict",
-        "exclude_input_in_output": "true",
-        # Draft-target resends the accepted prefix every step; reuse keeps it from being recomputed.
-        "enable_kv_cache_reuse": "true",
-        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-    }
-    return _base(TRTLLM_DRAFT if draft else TRTLLM_TARGET, spec, backend="tensorrtllm",
-                 inputs=TRTLLM_INPUTS, outputs=TRTLLM_OUTPUTS, decoupled=True, parameters=params)
+    models = [TrtllmModel(TRTLLM_TARGET, spec.engine_dir, spec.kv_fraction_target, None, spec.gpu_device_ids)]
+    if spec.has_draft:
+        models.append(TrtllmModel(TRTLLM_DRAFT, spec.draft_engine_dir, spec.kv_fraction_draft, spec.draft_max_tokens,
+                                  spec.gpu_device_ids))
+    return models
+
+
+def tensorrt_llm_config(spec: RepoSpec, *, draft: bool = False) -> ModelConfig:
+    """The tensorrtllm backend's model, target or draft: upstream's whole template, filled
+    (pipeline.triton.trtllm_template; in NVIDIA's container assemble fills the container's own copy)."""
+    from pipeline.triton.trtllm_template import table_config
+
+    model = trtllm_models(spec)[1 if draft else 0]
+    return table_config(model, max_batch_size=spec.max_batch_size, tokenizer_dir=spec.tokenizer_dir)
 
 
 def _step(model: str, input_map: dict[str, str], output_map: dict[str, str]):
-    pb = _model_config_pb2()
+    pb = model_config_pb2()
     return pb.ModelEnsembling.Step(model_name=model, model_version=-1, input_map=input_map, output_map=output_map)
 
 
 def ensemble_config(spec: RepoSpec) -> ModelConfig:
     """preprocessing -> speculation_gate -> postprocessing; intermediate tensors are `_`-prefixed."""
-    pb = _model_config_pb2()
+    pb = model_config_pb2()
     msg = pb.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.max_batch_size)
     for t in ENSEMBLE_INPUTS:
         msg.input.append(pb.ModelInput(name=t.name, data_type=pb.DataType.Value(t.config_dtype),
@@ -227,31 +231,29 @@ def ensemble_config(spec: RepoSpec) -> ModelConfig:
     return msg
 
 
-# The llmapi model's inputs we feed (upstream's all_models/llmapi/tensorrt_llm/config.pbtxt; it reads
-# each with get_input_tensor_by_name, so one left out is simply not set) and the ensemble's name for each.
-# max_batch_size is 0 there ("does not support batching"): every dim below is the whole shape.
-LLMAPI_INPUTS: tuple[tuple[TensorSpec, str], ...] = (
-    (TensorSpec("text_input", "BYTES", (-1,)), "text_input"),
-    (TensorSpec("streaming", "BOOL", (1,), optional=True), "stream"),
-    (TensorSpec("sampling_param_max_tokens", "INT32", (1,), optional=True), "max_tokens"),
-    (TensorSpec("sampling_param_temperature", "FP32", (1,), optional=True), "temperature"),
-    (TensorSpec("sampling_param_top_k", "INT32", (1,), optional=True), "top_k"),
-    (TensorSpec("sampling_param_top_p", "FP32", (1,), optional=True), "top_p"),
-    (TensorSpec("sampling_param_seed", "UINT64", (1,), optional=True), "random_seed"),
-    (TensorSpec("sampling_param_stop", "BYTES", (-1,), optional=True), "stop_words"),
-)
-LLMAPI_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec("text_output", "BYTES", (-1,)),)
+def llmapi_frontend_config(spec: RepoSpec) -> ModelConfig:
+    """The LLM-API route's one ensemble step: our interface in, TensorRT-LLM's llmapi model behind it (BLS)."""
+    return _base(LLMAPI_FRONTEND, spec, backend="python", inputs=ENSEMBLE_INPUTS, outputs=ENSEMBLE_OUTPUTS,
+                 decoupled=True, parameters={
+                     "tokenizer_dir": spec.tokenizer_dir,
+                     "apply_chat_template": _flag(spec.apply_chat_template),
+                     "max_seq_len": str(spec.max_seq_len),
+                     "num_draft_tokens": str(spec.num_draft_tokens),
+                     "llmapi_model": LLMAPI_MODEL,
+                 })
 
 
 def llmapi_model_config(spec: RepoSpec) -> ModelConfig:
     """TensorRT-LLM's llmapi model (python backend), run through our loader models/llmapi.py.
 
-    max_batch_size and decoupled are left out on purpose: upstream's model sets them from model.yaml's
-    triton_config in auto_complete_config, which can't override values config.pbtxt already sets.
-    """
-    pb = _model_config_pb2()
-    msg = pb.ModelConfig(name=LLMAPI_MODEL, backend="python")
-    for t, _ in LLMAPI_INPUTS:
+    max_batch_size and decoupled are written out as model.yaml's triton_config has them: upstream's model sets
+    them in auto_complete_config, which the MPI launch (--disable-auto-complete-config) skips."""
+    from pipeline.triton.upstream import LLMAPI_INPUTS, LLMAPI_OUTPUTS, LLMAPI_TRITON_CONFIG
+
+    pb = model_config_pb2()
+    msg = pb.ModelConfig(name=LLMAPI_MODEL, backend="python", max_batch_size=LLMAPI_TRITON_CONFIG["max_batch_size"])
+    msg.model_transaction_policy.decoupled = LLMAPI_TRITON_CONFIG["decoupled"]
+    for t in LLMAPI_INPUTS:
         msg.input.append(pb.ModelInput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims),
                                        optional=t.optional))
     for t in LLMAPI_OUTPUTS:
@@ -262,17 +264,16 @@ def llmapi_model_config(spec: RepoSpec) -> ModelConfig:
 
 
 def llmapi_ensemble_config(spec: RepoSpec) -> ModelConfig:
-    """The client's names (text_input, max_tokens, stream, ...) onto the llmapi model's. Unbatched, as that
-    model is; there is no speculation/num_draft_tokens input: the LLM API takes no per-request switch."""
-    pb = _model_config_pb2()
-    msg = pb.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=0)
-    for t, outer in LLMAPI_INPUTS:
-        msg.input.append(pb.ModelInput(name=outer, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims),
-                                       optional=t.optional))
-    for t in LLMAPI_OUTPUTS:
+    """The same ensemble interface as the other routes, answered by llmapi_frontend."""
+    pb = model_config_pb2()
+    msg = pb.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.max_batch_size)
+    for t in ENSEMBLE_INPUTS:
+        msg.input.append(pb.ModelInput(name=t.name, data_type=pb.DataType.Value(t.config_dtype),
+                                       dims=list(t.dims), optional=t.optional))
+    for t in ENSEMBLE_OUTPUTS:
         msg.output.append(pb.ModelOutput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims)))
     msg.ensemble_scheduling.step.append(_step(
-        LLMAPI_MODEL, {t.name: outer for t, outer in LLMAPI_INPUTS}, {t.name: t.name for t in LLMAPI_OUTPUTS}))
+        LLMAPI_FRONTEND, {t.name: t.name for t in ENSEMBLE_INPUTS}, {t.name: t.name for t in ENSEMBLE_OUTPUTS}))
     return msg
 
 
@@ -282,18 +283,20 @@ def llmapi_model_yaml(model: str, llm_args: dict) -> dict:
     `llm_args` are compile's extra_llm_api_options merged with the sizes; upstream's model passes
     everything but triton_config to LLM(**args) (update_llm_args_with_extra_dict).
     """
-    return {"model": model, "backend": "pytorch", **llm_args,
-            "triton_config": {"max_batch_size": 0, "decoupled": True}}
+    from pipeline.triton.upstream import LLMAPI_TRITON_CONFIG
+
+    return {"model": model, "backend": "pytorch", **llm_args, "triton_config": dict(LLMAPI_TRITON_CONFIG)}
 
 
 def repository_configs(spec: RepoSpec) -> dict[str, ModelConfig]:
     """Every model's config for the chosen backend, by model name."""
     if spec.backend == "llmapi":
-        return {c.name: c for c in (llmapi_ensemble_config(spec), llmapi_model_config(spec))}
+        return {c.name: c for c in (llmapi_ensemble_config(spec), llmapi_frontend_config(spec),
+                                    llmapi_model_config(spec))}
     configs = [preprocessing_config(spec), postprocessing_config(spec), speculation_gate_config(spec),
                ensemble_config(spec)]
     if spec.backend == "trtllm":
-        configs += [tensorrt_llm_config(spec), tensorrt_llm_config(spec, draft=True)]
+        configs += [tensorrt_llm_config(spec, draft=m.name == TRTLLM_DRAFT) for m in trtllm_models(spec)]
     else:
         configs.append(torch_engine_config(spec))
     return {c.name: c for c in configs}
@@ -323,6 +326,6 @@ def read_config(path: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{path} is missing; write the repository first")
     try:
-        return text_format.Parse(path.read_text(), _model_config_pb2().ModelConfig())
+        return text_format.Parse(path.read_text(), model_config_pb2().ModelConfig())
     except text_format.ParseError as err:
         raise ConfigError(f"{path} is not a valid ModelConfig: {err}") from err

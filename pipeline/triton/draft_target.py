@@ -34,6 +34,11 @@ from pipeline.errors import PipelineError
 # decode to nothing, so they don't count: a run of them would push the split bytes out of the prefix.
 PREFIX_TOKENS = 6
 TRTLLM_OUTPUTS = ["output_ids", "sequence_length"]
+# Every input TritonEngines may send the tensorrt_llm models, with its dtype (tritonclient's names):
+# assemble checks each against the model config it writes (pipeline.triton.trtllm_template.check_config).
+SENT_INPUTS = {"input_ids": "INT32", "input_lengths": "INT32", "request_output_len": "INT32", "streaming": "BOOL",
+               "end_id": "INT32", "pad_id": "INT32", "stop_words_list": "INT32", "runtime_top_k": "INT32",
+               "temperature": "FP32", "runtime_top_p": "FP32", "seed": "UINT64", "draft_input_ids": "INT32"}
 
 Send = Callable[[dict], None]
 
@@ -66,7 +71,7 @@ class Request:
                    max_tokens=int(scalar("request_output_len")), end_id=int(scalar("end_id")),
                    stop_words=parse_stop_words(tensors["stop_words_list"]),
                    temperature=float(scalar("temperature")), top_k=int(scalar("top_k")),
-                   top_p=float(scalar("top_p")), seed=int(scalar("random_seed")), stream=bool(scalar("stream")))
+                   top_p=float(scalar("top_p")), seed=int(scalar("seed")), stream=bool(scalar("stream")))
 
     @property
     def greedy(self) -> bool:
@@ -243,7 +248,7 @@ class TritonEngines:
             tensors.update(temperature=np.array([[r.temperature]], np.float32),
                            runtime_top_k=np.array([[r.top_k]], np.int32),
                            runtime_top_p=np.array([[r.top_p]], np.float32),
-                           random_seed=np.array([[r.seed]], np.uint64))
+                           seed=np.array([[r.seed]], np.uint64))
         return tensors
 
     def _call(self, model: str, tensors: dict[str, np.ndarray]) -> Iterator[list[int]]:

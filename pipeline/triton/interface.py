@@ -1,56 +1,90 @@
 """The tensors that flow through the Triton repository: one table that every model config derives from.
 
-The ensemble's request and response follow TensorRT-LLM's Triton ensemble
-(tensorrtllm_backend all_models/inflight_batcher_llm/ensemble/config.pbtxt: text_input, max_tokens,
-stream, temperature, top_k, top_p, random_seed, end_id, stop_words -> text_output), so tritonclient
-scripts and genai-perf written for TensorRT-LLM work unchanged. We add `speculation` and
-`num_draft_tokens` in, and per-response acceptance counts out.
+The ensemble's request is a superset of TensorRT-LLM's Triton ensemble, name for name and dtype for dtype
+(pipeline.triton.upstream.ENSEMBLE_INPUTS, from tensorrtllm_backend's ensemble/config.pbtxt), so
+tritonclient scripts and genai-perf written for TensorRT-LLM send what they always send. We add
+`speculation` and `num_draft_tokens`. Inputs upstream has and this pipeline can't honour (beam search,
+LoRA, log probs, ...) are accepted at their neutral values and refused otherwise, in one line
+(UNSUPPORTED_INPUTS): never ignored. Out come `text_output` and `num_output_tokens` as upstream names
+them, plus per-response acceptance counts; UPSTREAM_OUTPUTS_NOT_PRODUCED says which upstream outputs
+aren't produced, and why.
 
 Dims exclude the batch dimension: every model has max_batch_size > 0, as upstream's ensemble does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pipeline.triton import upstream
+from pipeline.triton.tensors import TensorSpec, names, required  # noqa: F401  (re-exported)
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # tritonclient's name: "BYTES", "INT32", "FP32", "BOOL", "UINT64"
-    dims: tuple[int, ...]
-    optional: bool = False
-    ragged: bool = False  # allow_ragged_batch: rows of different lengths in one batch (tensorrtllm inputs)
-    squeeze: bool = False  # reshape [1] -> [] as the tensorrtllm backend expects for per-request scalars
-
-    @property
-    def config_dtype(self) -> str:
-        """The DataType enum name in config.pbtxt; BYTES is TYPE_STRING there."""
-        return "TYPE_STRING" if self.dtype == "BYTES" else f"TYPE_{self.dtype}"
-
-
-def names(specs: tuple[TensorSpec, ...]) -> tuple[str, ...]:
-    return tuple(s.name for s in specs)
-
-
-def required(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-    return tuple(s for s in specs if not s.optional)
-
-
-# What a client sends. text_input/max_tokens dims follow upstream's current ensemble ([1] per row).
-ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = (
-    TensorSpec("text_input", "BYTES", (1,)),
-    TensorSpec("max_tokens", "INT32", (1,)),
-    TensorSpec("stream", "BOOL", (1,), optional=True),
-    TensorSpec("temperature", "FP32", (1,), optional=True),
-    TensorSpec("top_k", "INT32", (1,), optional=True),
-    TensorSpec("top_p", "FP32", (1,), optional=True),
-    TensorSpec("random_seed", "UINT64", (1,), optional=True),
-    TensorSpec("end_id", "INT32", (1,), optional=True),
-    TensorSpec("stop_words", "BYTES", (-1,), optional=True),
+# What a client sends: upstream's ensemble inputs as they are (no reshape, no ragged batching at the
+# ensemble), then ours.
+OUR_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("speculation", "BYTES", (1,), optional=True),  # "auto" (the gate decides) | "on" | "off"
     TensorSpec("num_draft_tokens", "INT32", (1,), optional=True),  # k for this request; the repo default if absent
 )
+ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = tuple(
+    TensorSpec(t.name, t.dtype, t.dims, optional=t.optional) for t in upstream.ENSEMBLE_INPUTS) + OUR_INPUTS
+
+# Upstream inputs this pipeline doesn't implement: the value that means "off" (a request may send it, as
+# upstream clients often send every field), and the one line a request sending anything else gets back.
+# None as the neutral value: any non-empty value is refused.
+UNSUPPORTED_INPUTS: dict[str, tuple[object, str]] = {
+    "decoder_text_input": (None, "encoder-decoder models aren't served here; drop decoder_text_input"),
+    "num_return_sequences": (1, "one sequence per request; send num_return_sequences 1 or leave it out"),
+    "bad_words": (None, "bad_words isn't supported; leave it out"),
+    "exclude_input_in_output": (True, "the output never repeats the prompt here; send exclude_input_in_output "
+                                      "true or leave it out"),
+    "repetition_penalty": (1.0, "repetition_penalty isn't supported; send 1.0 or leave it out"),
+    "presence_penalty": (0.0, "presence_penalty isn't supported; send 0.0 or leave it out"),
+    "frequency_penalty": (0.0, "frequency_penalty isn't supported; send 0.0 or leave it out"),
+    "return_log_probs": (False, "log probs aren't returned here; send return_log_probs false or leave it out"),
+    "return_context_logits": (False, "logits aren't returned here; send return_context_logits false or leave it out"),
+    "return_generation_logits": (False, "logits aren't returned here; send return_generation_logits false or "
+                                        "leave it out"),
+    "return_perf_metrics": (False, "per-request perf metrics aren't returned here (see the metrics port); send "
+                                   "return_perf_metrics false or leave it out"),
+    "return_num_input_tokens": (False, "num_input_tokens isn't returned here; send return_num_input_tokens false "
+                                       "or leave it out"),
+    "beam_width": (1, "beam search isn't supported (speculation verifies one beam); send beam_width 1 or leave "
+                      "it out"),
+    "prompt_embedding_table": (None, "prompt tuning isn't supported; drop prompt_embedding_table"),
+    "prompt_table_extra_id": (None, "prompt tuning isn't supported; drop prompt_table_extra_id"),
+    "prompt_vocab_size": (None, "prompt tuning isn't supported; drop prompt_vocab_size"),
+    "embedding_bias_words": (None, "embedding bias isn't supported; drop embedding_bias_words"),
+    "embedding_bias_weights": (None, "embedding bias isn't supported; drop embedding_bias_weights"),
+    "lora_task_id": (None, "LoRA adapters aren't served here; drop lora_task_id"),
+    "lora_weights": (None, "LoRA adapters aren't served here; drop lora_weights"),
+    "lora_config": (None, "LoRA adapters aren't served here; drop lora_config"),
+    "guided_decoding_guide_type": (None, "guided decoding isn't supported; drop guided_decoding_guide_type"),
+    "guided_decoding_guide": (None, "guided decoding isn't supported; drop guided_decoding_guide"),
+}
+# Accepted and honoured without changing anything: pad_id pads batched outputs, and every answer here is
+# returned unpadded; length_penalty only scores beams, and there is one; min_tokens <= 1 is always met;
+# return_num_output_tokens: num_output_tokens is always returned.
+IGNORED_INPUTS: dict[str, str] = {
+    "pad_id": "answers are never padded",
+    "length_penalty": "it scores beams, and beam_width is 1",
+    "return_num_output_tokens": "num_output_tokens is always returned",
+}
+# min_tokens is checked on its own: values <= 1 are accepted (one token is always generated), more refused.
+
+# Upstream ensemble outputs we don't produce, and why; a client asking for one gets Triton's "unexpected
+# inference output" (every other upstream output has the same name and dtype here).
+UPSTREAM_OUTPUTS_NOT_PRODUCED: dict[str, str] = {
+    "cum_log_probs": "log probs are not computed", "output_log_probs": "log probs are not computed",
+    "context_logits": "logits are not returned", "generation_logits": "logits are not returned",
+    "batch_index": "one request per call", "sequence_index": "one sequence per request",
+    "kv_cache_alloc_new_blocks": "KV cache block stats are on the metrics port",
+    "kv_cache_reused_blocks": "KV cache block stats are on the metrics port",
+    "kv_cache_alloc_total_blocks": "KV cache block stats are on the metrics port",
+    "arrival_time_ns": "timings are on the metrics port", "first_scheduled_time_ns": "timings are on the metrics port",
+    "first_token_time_ns": "timings are on the metrics port", "last_token_time_ns": "timings are on the metrics port",
+    "acceptance_rate": "num_accepted_tokens / num_drafted_tokens per response instead",
+    "total_accepted_draft_tokens": "num_accepted_tokens per response instead (sum them)",
+    "total_draft_tokens": "num_drafted_tokens per response instead (sum them)",
+    "num_input_tokens": "not returned",
+}
 
 # What every response carries. Counts are for the tokens this response adds (a stream's chunk,
 # or the whole answer when not streaming); accepted / drafted is the acceptance rate.
@@ -72,7 +106,7 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("temperature", "FP32", (1,)),
     TensorSpec("top_k", "INT32", (1,)),
     TensorSpec("top_p", "FP32", (1,)),
-    TensorSpec("random_seed", "UINT64", (1,)),
+    TensorSpec("seed", "UINT64", (1,)),
     TensorSpec("stream", "BOOL", (1,)),
     TensorSpec("stop_words_list", "INT32", (2, -1)),  # tensorrtllm's layout: [flat token ids; end offsets], -1 padded
     TensorSpec("speculation", "BYTES", (1,)),
@@ -103,29 +137,7 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
 # (pipeline.triton.cancel_marks); a client calling the engine model directly needn't send it.
 STREAM_ID = TensorSpec("stream_id", "UINT64", (1,), optional=True)
 
-# The tensorrtllm backend's own names, a subset of upstream's
-# all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt: what draft-target speculation needs.
-TRTLLM_INPUTS: tuple[TensorSpec, ...] = (
-    TensorSpec("input_ids", "INT32", (-1,), ragged=True),
-    TensorSpec("input_lengths", "INT32", (1,), squeeze=True),
-    TensorSpec("request_output_len", "INT32", (1,)),
-    TensorSpec("draft_input_ids", "INT32", (-1,), optional=True, ragged=True),
-    TensorSpec("draft_logits", "FP32", (-1, -1), optional=True, ragged=True),
-    TensorSpec("draft_acceptance_threshold", "FP32", (1,), optional=True, squeeze=True),
-    TensorSpec("end_id", "INT32", (1,), optional=True, squeeze=True),
-    TensorSpec("pad_id", "INT32", (1,), optional=True, squeeze=True),
-    TensorSpec("stop_words_list", "INT32", (2, -1), optional=True, ragged=True),
-    TensorSpec("temperature", "FP32", (1,), optional=True, squeeze=True),
-    TensorSpec("runtime_top_k", "INT32", (1,), optional=True, squeeze=True),
-    TensorSpec("runtime_top_p", "FP32", (1,), optional=True, squeeze=True),
-    TensorSpec("random_seed", "UINT64", (1,), optional=True, squeeze=True),
-    TensorSpec("return_generation_logits", "BOOL", (1,), optional=True, squeeze=True),
-    TensorSpec("streaming", "BOOL", (1,), optional=True),
-    TensorSpec("stop", "BOOL", (1,), optional=True),
-)
-
-TRTLLM_OUTPUTS: tuple[TensorSpec, ...] = (
-    TensorSpec("output_ids", "INT32", (-1, -1)),
-    TensorSpec("sequence_length", "INT32", (-1,)),
-    TensorSpec("generation_logits", "FP32", (-1, -1, -1)),
-)
+# The tensorrtllm backend's own tensors: all of upstream's tensorrt_llm/config.pbtxt, so the model config we
+# write is the template's, and the draft -> target loop (pipeline.triton.draft_target) sends a subset.
+TRTLLM_INPUTS: tuple[TensorSpec, ...] = upstream.TENSORRT_LLM_INPUTS
+TRTLLM_OUTPUTS: tuple[TensorSpec, ...] = upstream.TENSORRT_LLM_OUTPUTS

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.errors import ServeError
+from pipeline.triton.launch import Launch, launch_command, read_launch
+from pipeline.triton.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
 
 STUB_NAME = "triton_python_backend_stub"
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -94,6 +97,40 @@ def find_tritonserver() -> ServerBinary:
     return binary
 
 
+def server_binary(launch: Launch) -> ServerBinary:
+    """The tritonserver for this launch. A TensorRT-LLM repository needs NVIDIA's container: its tritonserver
+    (on PATH, or where launch_triton_server.py expects it) has the tensorrtllm backend; the bundled CPU
+    server doesn't."""
+    if not launch.mpi:
+        return find_tritonserver()
+    on_path = shutil.which("tritonserver")
+    return ServerBinary(Path(on_path or CONTAINER_TRITONSERVER))
+
+
+def check_launchable(launch: Launch, binary: ServerBinary) -> None:
+    """One line, before anything starts, when this machine can't run the launch."""
+    if not launch.mpi:
+        return
+    what = "TensorRT-LLM engines" if launch.route == "engine" else "TensorRT-LLM's LLM API"
+    where = (f"serve it in NVIDIA's container {TRITON_CONTAINER}; `pipeline serve --dry-run` prints the command")
+    if not binary.path.is_file():
+        raise ServeError(f"this repository serves {what} and there is no tritonserver with the tensorrtllm backend "
+                         f"here ({binary.path}); {where}")
+    if shutil.which("mpirun") is None:
+        raise ServeError(f"this repository serves {what} under MPI and mpirun is not installed; {where}")
+    from pipeline import trtllm_version
+
+    running = trtllm_version.installed()
+    trtllm_version.check_same(launch.tensorrt_llm_version, running,
+                              "the engines" if launch.route == "engine" else "the LLM-API options",
+                              exact=launch.route == "engine")
+
+
+def shell_line(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """The command as one shell line, environment first: what `pipeline serve` prints and --dry-run shows."""
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()] + [shlex.join(argv)])
+
+
 def model_names(repo: Path) -> list[str]:
     """The model folders of a Triton repository (each holds a config.pbtxt or a version folder)."""
     if not repo.is_dir():
@@ -112,25 +149,35 @@ def check_repository(repo: Path) -> list[str]:
     return names
 
 
-def server_command(options: ServeOptions, binary: ServerBinary, backend_directory: Path | None = None,
-                   shm_prefix: str = SHM_PREFIX) -> list[str]:
-    """The tritonserver command line. Pure: no file is read and nothing runs."""
-    cmd = [
-        str(binary.path),
+def server_args(options: ServeOptions, binary: ServerBinary, backend_directory: Path | None = None) -> list[str]:
+    """tritonserver's own arguments: repository, addresses, ports, exit and readiness. Pure."""
+    args = [
         f"--model-repository={Path(options.repo).resolve()}",
         f"--grpc-address={options.host}", f"--grpc-port={options.grpc_port}",
         f"--http-address={options.host}", f"--http-port={options.http_port}",
         f"--metrics-address={options.host}", f"--metrics-port={options.metrics_port}",
-        # No GPU here (bundled route) or not ours to poll: GPU metrics only warn when NVML is missing.
-        "--allow-gpu-metrics=false",
         "--exit-on-error=true", "--strict-readiness=true",
         f"--log-verbose={options.log_verbose}",
-        # A prefix of our own, so cleanup after a crash removes only this server's shared memory.
-        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
     ]
+    if binary.bundled:
+        args.append("--allow-gpu-metrics=false")  # no GPU on the bundled CPU route: NVML would only warn
     if backend_directory is not None:
-        cmd.append(f"--backend-directory={backend_directory}")
-    return cmd
+        args.append(f"--backend-directory={backend_directory}")
+    return args
+
+
+def server_command(options: ServeOptions, binary: ServerBinary, backend_directory: Path | None = None,
+                   shm_prefix: str = SHM_PREFIX, launch: Launch | None = None) -> list[str]:
+    """The full command line (mpirun and all, for a TensorRT-LLM repository). Pure: nothing is read or run.
+    A shared-memory prefix of our own, so cleanup after a crash removes only this server's regions."""
+    return launch_argv(options, binary, backend_directory, shm_prefix, launch)[0]
+
+
+def launch_argv(options: ServeOptions, binary: ServerBinary, backend_directory: Path | None = None,
+                shm_prefix: str = SHM_PREFIX, launch: Launch | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and the environment to add, for the repository's launch (plain when None)."""
+    launch = launch or Launch("torch", "plain")
+    return launch_command(launch, str(binary.path), server_args(options, binary, backend_directory), shm_prefix)
 
 
 def server_env(binary: ServerBinary, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -200,6 +247,8 @@ class TritonServer:
         self.workspace: Path | None = None
         self.log_path: Path | None = None
         self.shm_prefix = f"{SHM_PREFIX}pipeline{os.getpid()}_{id(self):x}_"
+        self.command = ""  # the launch command, as a shell line, once started
+        self.launch: Launch | None = None
 
     @property
     def endpoints(self) -> Endpoints:
@@ -209,18 +258,22 @@ class TritonServer:
 
     def start(self) -> TritonServer:
         check_repository(Path(self.options.repo))
+        launch = self.launch = read_launch(Path(self.options.repo))
+        binary = self.binary = self.binary or server_binary(launch)
+        check_launchable(launch, binary)
         for name, port in self.options.ports.items():
             if port_in_use(self.options.host, port):
                 raise ServeError(f"{name} port {port} on {self.options.host} is already in use; "
                                  f"stop what holds it or pass --{name}-port")
-        binary = self.binary = self.binary or find_tritonserver()
         self.workspace = Path(tempfile.mkdtemp(prefix="pipeline-serve-"))
         backends = self._prepare_backends(binary)
         self.log_path = Path(self.options.log_file) if self.options.log_file else self.workspace / "tritonserver.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv, extra_env = launch_argv(self.options, binary, backends, self.shm_prefix, launch)
+        self.command = shell_line(argv, extra_env)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                server_command(self.options, binary, backends, self.shm_prefix), env=server_env(binary),
+                argv, env={**server_env(binary), **extra_env},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_terminate_with_parent)
         return self
@@ -307,14 +360,32 @@ class TritonServer:
         self.stop()
 
 
-def serve(options: ServeOptions, timeout: float = 120.0, on_ready: Callable[[TritonServer], None] | None = None,
-          binary: ServerBinary | None = None) -> None:
-    """Start, wait until every model is ready, call on_ready, then run until Ctrl-C or SIGTERM; always stop."""
+def planned_command(options: ServeOptions, binary: ServerBinary | None = None) -> str:
+    """The command `serve` would run for this repository, as one shell line; starts nothing, needs no GPU.
+    The bundled CPU server's backend folder is made per run: shown as <workspace>/backends."""
+    check_repository(Path(options.repo))
+    launch = read_launch(Path(options.repo))
+    binary = binary or server_binary(launch)
+    backends = Path("<workspace>") / "backends" if binary.bundled else None
+    argv, env = launch_argv(options, binary, backends, f"{SHM_PREFIX}pipeline_", launch)
+    return shell_line(argv, env)
+
+
+READY_TIMEOUT_S = 120.0
+MPI_READY_TIMEOUT_S = 1800.0  # TensorRT-LLM engines of a 70B model take minutes to load
+
+
+def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callable[[TritonServer], None] | None = None,
+          binary: ServerBinary | None = None, on_start: Callable[[TritonServer], None] | None = None) -> None:
+    """Start, wait until every model is ready, call on_ready, then run until Ctrl-C or SIGTERM; always stop.
+    on_start runs as soon as the process is started (a 70B model takes minutes to become ready)."""
     server = TritonServer(options, binary)
     previous = _raise_on_sigterm()
     try:
         server.start()
-        server.wait_ready(timeout)
+        if on_start is not None:
+            on_start(server)
+        server.wait_ready(timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S))
         if on_ready is not None:
             on_ready(server)
         code = server.process.wait()

@@ -13,6 +13,8 @@ import triton_python_backend_utils as pb_utils
 from pipeline.engine.config import ModelConfig
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, uses_chat_template
+from pipeline.triton.validate import check_length, check_max_tokens, check_sampling, check_speculation, \
+    check_unsupported
 
 
 def _param(config: dict, key: str) -> str:
@@ -53,32 +55,28 @@ class TritonPythonModel:
                 raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
             return value.reshape(-1)[0]
 
+        def get(name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        check_unsupported(get)
         text = scalar("text_input", b"")
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
         if not text.strip():
             raise RequestError("text_input is empty; send a prompt")
         max_tokens = int(scalar("max_tokens", 0))
-        if max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1 (got {max_tokens})")
-        if max_tokens >= self.max_seq_len:
-            raise RequestError(f"max_tokens {max_tokens} is beyond the engine's max_seq_len {self.max_seq_len}")
+        check_max_tokens(max_tokens, self.max_seq_len)
         speculation = scalar("speculation", b"auto")
         speculation = speculation.decode() if isinstance(speculation, bytes) else str(speculation)
-        if speculation not in ("auto", "on", "off"):
-            raise RequestError(f"speculation must be auto, on or off (got {speculation!r})")
         num_draft = int(scalar("num_draft_tokens", self.num_draft_tokens))
-        if num_draft < 1:
-            raise RequestError(f"num_draft_tokens must be >= 1 (got {num_draft}); send speculation=off instead")
+        check_speculation(speculation, num_draft)
         temperature = float(scalar("temperature", 0.0))
         top_p = float(scalar("top_p", 1.0))
         top_k = int(scalar("top_k", 0))
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        check_sampling(temperature, top_p, top_k)
 
         ids = encode_prompt(self.tokenizer, text, self.raw)
-        if len(ids) + max_tokens > self.max_seq_len:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) is over the engine's "
-                               f"max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens")
+        check_length(len(ids), max_tokens, self.max_seq_len)
         end_id = int(scalar("end_id", self.stops[0] if self.stops else -1))
         stop_ids = list(self.stops[1:])
         words = pb_utils.get_input_tensor_by_name(request, "stop_words")
@@ -95,7 +93,7 @@ class TritonPythonModel:
         stop_words[0, 1, :len(stop_ids)] = np.arange(1, len(stop_ids) + 1)
 
         stream = bool(scalar("stream", False))
-        seed = int(scalar("random_seed", 0))
+        seed = int(scalar("seed", 0))
 
         def row(value, dtype):
             return np.array([[value]], dtype)
@@ -108,9 +106,10 @@ class TritonPythonModel:
             pb_utils.Tensor("temperature", row(temperature, np.float32)),
             pb_utils.Tensor("top_k", row(top_k, np.int32)),
             pb_utils.Tensor("top_p", row(top_p, np.float32)),
-            pb_utils.Tensor("random_seed", row(seed, np.uint64)),
+            pb_utils.Tensor("seed", row(seed, np.uint64)),
             pb_utils.Tensor("stream", row(stream, np.bool_)),
             pb_utils.Tensor("stop_words_list", stop_words),
             pb_utils.Tensor("speculation", np.array([[speculation.encode()]], np.object_)),
             pb_utils.Tensor("num_draft_tokens", row(num_draft, np.int32)),
         ]
+

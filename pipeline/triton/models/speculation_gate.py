@@ -157,7 +157,9 @@ class TritonPythonModel:
                 self._send(sender, pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")), FINAL)
                 continue
-            if self.backend == "trtllm" and decision.speculate and not _greedy(request):
+            if self.backend == "trtllm" and decision.speculate and not self.draft_model:
+                decision = Decision(False, "no_draft")  # a repository serving the target engine alone
+            elif self.backend == "trtllm" and decision.speculate and not _greedy(request):
                 # The TensorRT-LLM loop speculates for greedy requests only (see draft_target).
                 decision = Decision(False, "sampled")
             self.outbox.put(lambda d=decision: self.metrics and self.metrics.count_request(d.speculate, d.reason))

@@ -142,7 +142,7 @@ class TritonPythonModel:
             "temperature": float(scalar("temperature")),
             "top_k": int(scalar("top_k")),
             "top_p": float(scalar("top_p")),
-            "seed": int(scalar("random_seed")),
+            "seed": int(scalar("seed")),
             "stream": bool(scalar("stream")),
             # Single-token stop words only: the ids whose end offsets are 1 apart.
             "stop_ids": [int(t) for t in stop_words[0] if t >= 0],

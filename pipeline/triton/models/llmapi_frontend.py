@@ -1,0 +1,182 @@
+"""Triton python model `llmapi_frontend` (decoupled): the LLM-API route's ensemble step.
+
+TensorRT-LLM's llmapi model (behind it as `tensorrt_llm`, loaded by models/llmapi.py) takes text and
+answers with the text so far in every streamed response (CompletionOutput.text, not its diff), with no
+token ids. This model gives clients the interface the other routes have (pipeline.triton.interface):
+it validates the request as preprocessing does, renders the chat template, maps our inputs onto the
+llmapi model's sampling_param_* inputs (pipeline.triton.upstream.LLMAPI_INPUTS), always streams from it,
+and answers with deltas: text_output the new text, num_output_tokens its tokens. The llmapi model has
+no token ids to give, so the count is the target tokenizer's count of the text so far, differenced: it
+can be off by one where a token decodes to nothing (special tokens) or re-encodes differently.
+
+What the LLM API can't take per request is refused in one line, never ignored: speculation "on"/"off"
+(TensorRT-LLM decides per batch, speculative_config.max_concurrency), a num_draft_tokens other than
+the compiled one, and end_id (its llmapi model reads none). Drafted/accepted counts are 0: its only
+source, return_perf_metrics, returns strings in 1.2 (tensors built with text_output's dtype).
+
+Each request runs on its own worker thread (a BLS response iterator blocks); every response goes out
+from ONE sender thread, as in speculation_gate: a decoupled model sending from many threads at once
+crashed the python backend at 40 streams.
+"""
+
+import json
+import queue
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from pipeline.errors import PipelineError, RequestError
+from pipeline.models.tokenizer import load_tokenizer, prompt_text
+from pipeline.triton.validate import check_length, check_max_tokens, check_sampling, check_speculation, \
+    check_unsupported
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
+        self.raw = params["apply_chat_template"] != "true"
+        self.max_seq_len = int(params["max_seq_len"])
+        self.num_draft_tokens = int(params["num_draft_tokens"])
+        self.llmapi_model = params["llmapi_model"]
+        self.outbox: queue.Queue = queue.Queue()
+        self.sender = threading.Thread(target=self._send_loop, name="llmapi-sender", daemon=True)
+        self.sender.start()
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self._run, args=(request, request.get_response_sender()), daemon=True).start()
+        return None
+
+    def finalize(self):
+        self.outbox.put(None)
+        self.sender.join(timeout=10)
+
+    # ---- one request, on its worker thread ------------------------------------------------------------
+
+    def _run(self, request, sender):
+        try:
+            inputs, stream = self._inputs(request)
+            self._relay(inputs, stream, sender)
+        except PipelineError as err:
+            self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(_one_line(err))))
+        except Exception as err:  # noqa: BLE001  one failed request must not take the model down
+            self._send(sender, pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"llmapi_frontend: {_one_line(err)}")))
+        finally:
+            self._send(sender, None, FINAL)
+
+    def _inputs(self, request) -> tuple[list, bool]:
+        def get(name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        def scalar(name, default):
+            value = get(name)
+            if value is None:
+                return default
+            if value.shape[0] != 1:
+                raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
+            item = value.reshape(-1)[0]
+            return item.decode() if isinstance(item, bytes) else item
+
+        check_unsupported(get)
+        text = str(scalar("text_input", ""))
+        if not text.strip():
+            raise RequestError("text_input is empty; send a prompt")
+        max_tokens = int(scalar("max_tokens", 0))
+        check_max_tokens(max_tokens, self.max_seq_len)
+        speculation = str(scalar("speculation", "auto"))
+        num_draft = int(scalar("num_draft_tokens", self.num_draft_tokens))
+        check_speculation(speculation, num_draft)
+        if speculation != "auto":
+            raise RequestError(f"speculation {speculation!r} can't be set per request on the LLM-API route: "
+                               f"TensorRT-LLM decides per batch (speculative_config.max_concurrency); send auto")
+        if num_draft != self.num_draft_tokens:
+            raise RequestError(f"num_draft_tokens {num_draft} can't be set per request on the LLM-API route (it is "
+                               f"{self.num_draft_tokens}, compiled in); leave it out")
+        if get("end_id") is not None:
+            raise RequestError("end_id isn't supported on the LLM-API route (TensorRT-LLM's llmapi model stops at "
+                               "the tokenizer's end of text); leave it out, or send stop_words")
+        temperature, top_p, top_k = float(scalar("temperature", 0.0)), float(scalar("top_p", 1.0)), \
+            int(scalar("top_k", 0))
+        check_sampling(temperature, top_p, top_k)
+        prompt = prompt_text(self.tokenizer, text, self.raw)
+        check_length(len(self.tokenizer(prompt).input_ids), max_tokens, self.max_seq_len)
+
+        def t(name, value, dtype):
+            return pb_utils.Tensor(name, np.array(value, dtype))
+
+        inputs = [t("text_input", [prompt.encode()], np.object_), t("streaming", [True], np.bool_),
+                  t("sampling_param_max_tokens", [max_tokens], np.int32),
+                  t("sampling_param_exclude_input_from_output", [True], np.bool_)]
+        if temperature == 0.0 or top_k == 1:  # greedy, as the other routes read temperature 0
+            inputs.append(t("sampling_param_top_k", [1], np.int32))
+        else:
+            inputs += [t("sampling_param_temperature", [temperature], np.float32),
+                       t("sampling_param_top_p", [top_p], np.float32),
+                       t("sampling_param_seed", [int(scalar("seed", 0))], np.uint64)]
+            if top_k > 0:
+                inputs.append(t("sampling_param_top_k", [top_k], np.int32))
+        words = get("stop_words")
+        if words is not None and words.size:
+            inputs.append(t("sampling_param_stop", list(words.reshape(-1)), np.object_))
+        return inputs, bool(scalar("stream", False))
+
+    def _relay(self, inputs, stream: bool, sender):
+        responses = pb_utils.InferenceRequest(model_name=self.llmapi_model, inputs=inputs,
+                                              requested_output_names=["text_output"]).exec(decoupled=True)
+        sent_text, sent_tokens, text = "", 0, ""
+        for response in responses:
+            if sender.is_cancelled():
+                if hasattr(responses, "cancel"):  # python backend >= 24.04: TensorRT-LLM aborts the request
+                    responses.cancel()
+                return
+            if response.has_error():
+                raise PipelineError(_one_line(Exception(response.error().message())))
+            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            if "text_output" not in outputs:
+                continue
+            item = outputs["text_output"].reshape(-1)[0]
+            text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
+            if stream:
+                sent_text, sent_tokens = self._answer(sender, text, sent_text, sent_tokens)
+        if not stream or text != sent_text:
+            self._answer(sender, text, sent_text, sent_tokens)
+
+    def _answer(self, sender, text: str, sent_text: str, sent_tokens: int) -> tuple[str, int]:
+        """Send what `text` adds to what was sent; returns the new (sent text, sent token count)."""
+        delta = text[len(sent_text):] if text.startswith(sent_text) else text
+        tokens = len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+        def count(n):
+            return np.array([[n]], np.int32)
+
+        self._send(sender, pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([[delta.encode()]], np.object_)),
+            pb_utils.Tensor("num_accepted_tokens", count(0)), pb_utils.Tensor("num_drafted_tokens", count(0)),
+            pb_utils.Tensor("num_output_tokens", count(max(0, tokens - sent_tokens)))]))
+        return text, tokens
+
+    # ---- the sender thread ------------------------------------------------------------------------------
+
+    def _send(self, sender, response, flags=0):
+        self.outbox.put((sender, response, flags))
+
+    def _send_loop(self):
+        while (job := self.outbox.get()) is not None:
+            sender, response, flags = job
+            try:
+                if response is None:
+                    sender.send(flags=flags)
+                else:
+                    sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001  a cancelled client's sender refuses sends; others go on
+                pass
