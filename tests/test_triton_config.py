@@ -350,7 +350,7 @@ def compiled(tmp_path, target, draft, **kw):
 def assembled(engine, tmp_path, **kw):
     from pipeline.triton.assemble import AssembleOptions, assemble
 
-    return assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo", **kw))
+    return assemble(AssembleOptions(engine=engine, **{"repo": tmp_path / "repo", **kw}))
 
 
 def test_engine_route_assembles_target_and_draft_with_the_planned_kv_split(tiny_target, tmp_path):

@@ -1,67 +1,8 @@
-"""Seeded tiny random Llama-family checkpoints, written as real Hugging Face folders."""
+"""Seeded tiny random Llama-family checkpoints (pipeline.models.tiny) and a greedy reference for tests."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
-BYTE_VOCAB = 256
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def byte_tokenizer(extra_tokens: int = 0):
-    """A byte-level tokenizer with no merges: 256 byte tokens, then the specials (+ extra_tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for j in range(extra_tokens):
-        vocab[f"<extra_{j}>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, intermediate: int = 128, vocab_size: int = 320, tie: bool = False,
-                    model_type: str = "llama", rope_scaling: dict | None = None, attention_bias: bool = False,
-                    init_std: float = 0.1, extra_tokens: int = 0) -> Path:
-    """Write a seeded random model + byte tokenizer to `path`. init_std is larger than the usual 0.02
-    so that logits are well separated: greedy tests then don't hinge on near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    tok = byte_tokenizer(extra_tokens)
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=1024, tie_word_embeddings=tie, initializer_range=init_std,
-                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, rms_norm_eps=1e-5)
-    torch.manual_seed(seed)
-    if model_type == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        cfg = LlamaConfig(**common, attention_bias=attention_bias)
-        if rope_scaling:
-            cfg.rope_parameters = {"rope_theta": 500000.0, **rope_scaling}
-        model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # biases default to zero; make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, init_std)
-    model.config.architectures = [type(model).__name__]
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+from pipeline.models.tiny import BYTE_VOCAB, CHAT_TEMPLATE, SPECIALS, byte_tokenizer, make_tiny_llama  # noqa: F401
 
 
 def greedy_reference(engine, default_max_tokens: int):

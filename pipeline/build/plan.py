@@ -58,6 +58,7 @@ class BuildPlan:
     skipped: tuple[tuple[str, str], ...]  # (stage, why)
     memory_plan: Any  # pipeline.plan.MemoryPlan on trtllm; None on the portable engine
     missing: tuple[str, ...]  # what this machine lacks to run the plan, each with how to get it
+    preview: Any = None  # pipeline.build.preview.Preview on trtllm: the commands, YAML and launch that will run
 
     @property
     def manifest_file(self) -> Path:
@@ -81,7 +82,8 @@ class BuildPlan:
                 "stages": [s.to_dict() for s in self.stages],
                 "skipped": [{"stage": s, "reason": r} for s, r in self.skipped],
                 "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
-                "missing": list(self.missing)}
+                "missing": list(self.missing),
+                "trtllm": self.preview.to_dict() if self.preview is not None else None}
 
 
 def plan_build(options: BuildOptions, env: Environment) -> BuildPlan:
@@ -92,8 +94,25 @@ def plan_build(options: BuildOptions, env: Environment) -> BuildPlan:
     build_dir = Path(options.engines_dir).expanduser().absolute() / name
     repo = Path(options.repo).expanduser().absolute()
     stages, skipped = _stages(settings, options, env, build_dir, repo)
+    preview = _preview(settings, options, env, stages, repo) if settings.backend == "trtllm" else None
     return BuildPlan(options, settings, name, build_dir, repo, tuple(stages), tuple(skipped), memory_plan,
-                     _missing(settings, env))
+                     _missing(settings, env), preview)
+
+
+def _preview(s: Settings, o: BuildOptions, env: Environment, stages: list[Stage], repo: Path):
+    """The trtllm-build lines / LLM-API YAML and the server launch, from the architectures; None without one."""
+    from pipeline.build.preview import preview_trtllm
+    from pipeline.build.settings import _arch_or_none
+    from pipeline.plan.resolve import model_arch
+
+    arch = _arch_or_none(o.target, env)
+    if arch is None:
+        return None
+    draft_arch = model_arch(s.draft_ref)[1] if s.draft_kind == "model" else None
+    by_name = {stage.name: stage for stage in stages}
+    quant_kv = {role: by_name[f"quantize_{role}"].options.kv_cache_dtype
+                for role in ("target", "draft") if f"quantize_{role}" in by_name}
+    return preview_trtllm(by_name["compile"].options, s, arch, draft_arch, quant_kv, repo)
 
 
 # ---- stages -----------------------------------------------------------------------------------------------------
@@ -105,7 +124,10 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
 
     stages: list[Stage] = []
     skipped: list[tuple[str, str]] = []
-    quant_kv = "fp8" if s.export == "trtllm" and s.kv_cache_dtype == "fp8" else "none"
+    def quant_kv(qformat: str) -> str:
+        # An FP8 KV cache goes only into an FP8 checkpoint: trtllm-build refuses it beside INT4-AWQ weights
+        # (pipeline.compile.reference.FP8_KV_QUANT_ALGOS), so an INT4-AWQ draft keeps a bf16 KV cache.
+        return "fp8" if s.export == "trtllm" and s.kv_cache_dtype == "fp8" and qformat == "fp8" else "none"
 
     def checkpoint(role: str, ref: str, qformat: str) -> tuple[Path, str | None]:
         """The folder compile reads for `ref`: a quantize stage's output, or the model's own folder."""
@@ -116,7 +138,7 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
         out = build_dir / f"{role}-{qformat}{suffix}"
         local = env.weights_of(ref).path
         opts = QuantizeOptions(model=str(local) if local is not None and local.suffix != ".gguf" else ref,
-                               output=out, qformat=qformat, kv_cache_dtype=quant_kv if qformat != "none" else "none",
+                               output=out, qformat=qformat, kv_cache_dtype=quant_kv(qformat),
                                calib_size=o.calib_size, export=s.export,
                                tp_size=s.tp_size if s.export == "trtllm" else 1, force=True)
         cmd = ("pipeline", "quantize", "--model", opts.model, "--qformat", qformat, "--kv-cache-dtype",

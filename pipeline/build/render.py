@@ -40,6 +40,10 @@ def render_plan(plan: BuildPlan) -> str:
             lines.append(f"  config: {json.dumps(config)}")
     for name, reason in plan.skipped:
         lines.append(f"skipped: {name}: {reason}")
+    if plan.preview is not None:
+        lines += ["", *render_preview(plan.preview)]
+    elif plan.settings.backend == "trtllm":
+        lines += ["", "TensorRT-LLM commands: not shown until the target's config.json is here (a preset or a folder)"]
     if plan.memory_plan is not None:
         from pipeline.plan.render import render_table
 
@@ -49,6 +53,23 @@ def render_plan(plan: BuildPlan) -> str:
     if plan.missing:
         lines += ["", f"this machine lacks: {'; '.join(plan.missing)}. A build without --dry-run stops here."]
     return "\n".join(lines)
+
+
+def render_preview(p) -> list[str]:
+    """What will run in NVIDIA's container, exactly as compile and serve will write and run it."""
+    lines = [f"TensorRT-LLM {p.tensorrt_llm_version}, {p.route} route: what runs in the container"]
+    for name, command in p.commands.items():
+        lines.append(f"  # {name}")
+        lines.append(f"  $ {command}")
+    for name, text in p.files.items():
+        if name.endswith(".yaml"):
+            lines.append(f"  # {name}")
+            lines += [f"    {line}" for line in text.rstrip().splitlines()]
+    mode = p.launch["mode"]
+    ranks = f"{p.launch['world_size']} rank(s)" if mode == "leader" else "1 rank"
+    lines += [f"  # pipeline serve: {mode} mode, {ranks}, {p.launch['gpus']} GPU(s)", f"  $ {p.serve_command}"]
+    lines += [f"  note: {n}" for n in p.notes]
+    return lines
 
 
 def render_summary(result: BuildResult) -> str:

@@ -73,6 +73,11 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     if backend == "torch" and kv == "fp8":
         raise ConfigError("the portable engine keeps its KV cache in the compute dtype; drop --kv-cache-dtype fp8 "
                           "(or build with --backend trtllm)")
+    if kv == "fp8" and draft_kind == "model" and backend == "trtllm" and target_q != "fp8":
+        # The engine route: each engine's KV dtype comes from its checkpoint, and only an FP8 one can hold FP8 KV.
+        raise ConfigError(f"--kv-cache-dtype fp8 needs an fp8 target on TensorRT-LLM engines (trtllm-build refuses "
+                          f"an FP8 KV cache beside {target_q} weights); add --target-qformat fp8, or drop "
+                          f"--kv-cache-dtype fp8")
     batch, seq, gate = TORCH_SIZES if backend == "torch" else TRTLLM_SIZES
     max_seq = o.max_seq_len
     if max_seq is None and backend == "torch":
@@ -106,10 +111,12 @@ def _with_memory_plan(s: Settings, o: BuildOptions, arch, gpu: GPU, reasons: dic
         return s, None  # a hub id with nothing local: nothing to size yet (`missing` says what to fetch)
     draft = DraftSpec(s.draft_kind, s.draft_kind) if s.draft_kind != "model" else \
         DraftSpec("model", *model_arch(s.draft_ref))
+    # A draft engine keeps its checkpoint's KV dtype: FP8 only where the draft is FP8 (plan.quant_kv).
+    draft_kv = s.kv_cache_dtype if s.export == "hf" or s.draft_qformat == "fp8" else "bf16"
     inputs = PlanInputs(target_name=model_name(o.target), target=arch, gpu=gpu, tp=s.tp_size,
                         target_qformat=s.target_qformat, draft=draft, draft_qformat=s.draft_qformat,
-                        kv_cache_dtype=s.kv_cache_dtype, max_batch_size=s.max_batch_size,
-                        max_seq_len=s.max_seq_len or TRTLLM_SIZES[1])
+                        kv_cache_dtype=s.kv_cache_dtype, draft_kv_cache_dtype=draft_kv,
+                        max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len or TRTLLM_SIZES[1])
     plan = plan_memory(inputs)
     if o.tp_size is None and plan.min_tp is not None and plan.min_tp != s.tp_size:
         s = dataclasses.replace(s, tp_size=plan.min_tp)

@@ -82,6 +82,77 @@ def trtllm_available() -> bool:
     return shutil.which("trtllm-build") is not None or importlib.util.find_spec("tensorrt_llm") is not None
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What compile decides from the options and the checkpoints' config files, before anything is written."""
+
+    route: str
+    sizes: BuildSizes
+    kv_cache_dtype: str
+    tp: int
+    pp: int
+    tensorrt_llm_version: str
+
+
+def resolve(options: CompileOptions, target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None) -> Resolved:
+    """Route, sizes, KV dtype, parallelism and TensorRT-LLM version; raises a one-line error on a bad combination.
+    Reads nothing but the installed TensorRT-LLM's version: `pipeline build --dry-run` calls it with checkpoints
+    described from a preset's architecture, before they exist."""
+    route = pick_route(options.backend, options.route, target, draft)
+    if draft_ckpt is not None and draft.kind == "model" and draft_ckpt.layout != target.layout:
+        raise ConfigError(f"the draft is a {draft_ckpt.layout} checkpoint but the target a {target.layout} one; "
+                          f"export both with the same `pipeline quantize --export`")
+    check_draft_len(draft, options.num_draft_tokens)
+    k = options.num_draft_tokens if draft.speculates else 0
+    sizes = derive_sizes(options.max_batch_size, k, target.max_position_embeddings, options.max_seq_len,
+                         options.max_input_len, options.max_num_tokens)
+    kv_dtype = _kv_cache_dtype(options.kv_cache_dtype, target, route)
+    if route != "torch" and draft_ckpt is not None and draft.kind == "model":
+        # An engine's KV dtype comes from its own checkpoint; the LLM API's kv_cache_config covers both models.
+        _kv_cache_dtype(options.kv_cache_dtype if route == "llmapi" else "auto", draft_ckpt, route, role="draft")
+    tp, pp = _parallel(options, target, route)
+    return Resolved(route, sizes, kv_dtype, tp, pp, _tensorrt_llm_version(route))
+
+
+@dataclass
+class Generated:
+    """A TensorRT-LLM route's product, as text: the commands, the files compile writes, the configs."""
+
+    commands: dict[str, list[str]] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # file name in the output folder -> its text
+    configs: dict[str, dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def generate(options: CompileOptions, output: Path, target: Checkpoint, draft: DraftSpec,
+             draft_ckpt: Checkpoint | None, r: Resolved) -> Generated:
+    """The engine route's trtllm-build commands and build.sh, or the LLM-API route's YAML and serve line. Pure."""
+    out = Generated()
+    header = f"#!/usr/bin/env bash\n# TensorRT-LLM {r.tensorrt_llm_version} ({TRTLLM_CONTAINER})\n"
+    if r.route == "engine":
+        out.commands["build_target"] = build_command(target, output / "target", r.sizes, role="target")
+        if draft_ckpt is not None:
+            out.commands["build_draft"] = build_command(draft_ckpt, output / "draft", r.sizes, role="draft")
+        out.commands["smoke_test"] = run_command(output / "target", output / "draft" if draft_ckpt else None,
+                                                 target.path, r.sizes, options.free_gpu_memory_fraction,
+                                                 target.world_size)
+        builds = [cmd for name, cmd in out.commands.items() if name.startswith("build_")]
+        out.files["build.sh"] = header + "set -euo pipefail\n" + "\n".join(shlex.join(c) for c in builds) + "\n"
+        return out
+    settings = llmapi.LlmApiSettings(options.gate_batch_size, r.kv_cache_dtype, options.free_gpu_memory_fraction,
+                                     r.tp, r.pp, r.tensorrt_llm_version)
+    out.notes += [n for n in (llmapi.gate_note(draft, options.gate_batch_size),) if n]
+    config = llmapi.llm_api_options(draft, r.sizes, settings)
+    out.files[llmapi.OPTIONS_FILE] = llmapi.to_yaml(config)
+    serve = llmapi.serve_command(target.path, output / llmapi.OPTIONS_FILE, r.sizes, settings)
+    out.commands["serve"] = serve
+    if r.tp * r.pp > 1:
+        out.commands["serve_multi_gpu"] = llmapi.launch_command(serve, r.tp * r.pp)
+    out.files["serve.sh"] = header + f"exec {shlex.join(serve)}\n"
+    out.configs[llmapi.OPTIONS_FILE] = config
+    return out
+
+
 def compile_model(options: CompileOptions) -> CompileResult:
     from pipeline.staging import check_output, staged_output
 
@@ -91,44 +162,36 @@ def compile_model(options: CompileOptions) -> CompileResult:
     target = read_checkpoint(options.target)
     draft = parse_draft(options.draft)
     draft_ckpt = read_checkpoint(draft.path) if draft.path is not None else None
-    route = pick_route(options.backend, options.route, target, draft)
-    if draft_ckpt is not None and draft.kind == "model" and draft_ckpt.layout != target.layout:
-        raise ConfigError(f"the draft is a {draft_ckpt.layout} checkpoint but the target a {target.layout} one; "
-                          f"export both with the same `pipeline quantize --export`")
-    check_draft_len(draft, options.num_draft_tokens)
+    r = resolve(options, target, draft, draft_ckpt)
     check_draft_matches(target, draft, draft_ckpt)
-    k = options.num_draft_tokens if draft.speculates else 0
-    sizes = derive_sizes(options.max_batch_size, k, target.max_position_embeddings, options.max_seq_len,
-                         options.max_input_len, options.max_num_tokens)
-    kv_dtype = _kv_cache_dtype(options.kv_cache_dtype, target, route)
-    if route != "torch" and draft_ckpt is not None and draft.kind == "model":
-        # An engine's KV dtype comes from its own checkpoint; the LLM API's kv_cache_config covers both models.
-        _kv_cache_dtype(options.kv_cache_dtype if route == "llmapi" else "auto", draft_ckpt, route, role="draft")
-    version = _tensorrt_llm_version(route)
-    tp, pp = _parallel(options, target, route)
-    plan = check_plan(target, draft, draft_ckpt, options.gpu, sizes.max_batch_size, sizes.max_seq_len, kv_dtype,
-                      force=options.force)
-    if route == "engine" and not options.dry_run and not trtllm_available():
+    plan = check_plan(target, draft, draft_ckpt, options.gpu, r.sizes.max_batch_size, r.sizes.max_seq_len,
+                      r.kv_cache_dtype, force=options.force, tp=r.tp * r.pp, route=r.route)
+    if r.route == "engine" and not options.dry_run and not trtllm_available():
         raise MissingDependencyError(
             f"trtllm-build is not installed here (TensorRT-LLM needs NVIDIA's own build); run this in "
             f"NVIDIA's TensorRT-LLM container {TRTLLM_CONTAINER}, or add --dry-run to write the commands only")
 
-    result = CompileResult(options.backend, route, str(output), options.dry_run)
+    result = CompileResult(options.backend, r.route, str(output), options.dry_run)
     manifest = {
-        "tensorrt_llm_version": version, "container": TRTLLM_CONTAINER,
-        "backend": options.backend, "route": route, "dry_run": options.dry_run,
+        "tensorrt_llm_version": r.tensorrt_llm_version, "container": TRTLLM_CONTAINER,
+        "backend": options.backend, "route": r.route, "dry_run": options.dry_run,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "target": _describe(target), "draft": {"kind": draft.kind, **(_describe(draft_ckpt) if draft_ckpt else {})},
-        "sizes": asdict(sizes), "gate_batch_size": options.gate_batch_size, "kv_cache_dtype": kv_dtype,
-        "tp_size": tp, "pp_size": pp, "plan": plan,
+        "sizes": asdict(r.sizes), "gate_batch_size": options.gate_batch_size, "kv_cache_dtype": r.kv_cache_dtype,
+        "tp_size": r.tp, "pp_size": r.pp, "plan": plan,
     }
     with staged_output(output, options.force, ConfigError, "-o") as stage:
-        if route == "engine":
-            _engine_route(stage, output, target, draft_ckpt, sizes, options, result)
-        elif route == "llmapi":
-            _llmapi_route(stage, output, target, draft, sizes, options, kv_dtype, tp, pp, result, manifest, version)
+        if r.route == "torch":
+            _torch_route(stage, target, draft, draft_ckpt, r.sizes, options, result, manifest)
         else:
-            _torch_route(stage, target, draft, draft_ckpt, sizes, options, result, manifest)
+            generated = generate(options, output, target, draft, draft_ckpt, r)
+            for name, text in generated.files.items():
+                (stage / name).write_text(text)
+            result.commands, result.files, result.notes = generated.commands, list(generated.files), generated.notes
+            if generated.configs:
+                manifest["configs"] = generated.configs
+            if r.route == "engine" and not options.dry_run:
+                _run_builds(stage, result)
         manifest["commands"] = {name: shlex.join(cmd) for name, cmd in result.commands.items()}
         result.manifest = manifest
         (stage / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -136,22 +199,10 @@ def compile_model(options: CompileOptions) -> CompileResult:
     return result
 
 
-def _engine_route(stage: Path, output: Path, target: Checkpoint, draft_ckpt: Checkpoint | None, sizes: BuildSizes,
-                  options: CompileOptions, result: CompileResult) -> None:
-    result.commands["build_target"] = build_command(target, output / "target", sizes, role="target")
-    if draft_ckpt is not None:
-        result.commands["build_draft"] = build_command(draft_ckpt, output / "draft", sizes, role="draft")
-    result.commands["smoke_test"] = run_command(output / "target", output / "draft" if draft_ckpt else None,
-                                                target.path, sizes, options.free_gpu_memory_fraction,
-                                                target.world_size)
+def _run_builds(stage: Path, result: CompileResult) -> None:
+    """trtllm-build, into the staging folder: the same argv with the --output_dir moved there."""
     builds = [cmd for name, cmd in result.commands.items() if name.startswith("build_")]
-    script = "#!/usr/bin/env bash\n# TensorRT-LLM %s (%s)\nset -euo pipefail\n%s\n" % (
-        TRTLLM_VERSION, TRTLLM_CONTAINER, "\n".join(shlex.join(c) for c in builds))
-    (stage / "build.sh").write_text(script)
-    result.files.append("build.sh")
-    if options.dry_run:
-        return
-    for cmd in builds:  # into the staging folder: same argv with the --output_dir moved there
+    for cmd in builds:
         staged = list(cmd)
         i = staged.index("--output_dir") + 1
         staged[i] = str(stage / Path(staged[i]).name)
@@ -160,25 +211,6 @@ def _engine_route(stage: Path, output: Path, target: Checkpoint, draft_ckpt: Che
             raise ConfigError(f"trtllm-build exited {done.returncode} building {Path(staged[i]).name}; its log is "
                               f"above, and `pipeline compile --dry-run` writes the commands to rerun by hand")
     result.files += [Path(c[c.index("--output_dir") + 1]).name + "/" for c in builds]
-
-
-def _llmapi_route(stage: Path, output: Path, target: Checkpoint, draft: DraftSpec, sizes: BuildSizes,
-                  options: CompileOptions, kv_dtype: str, tp: int, pp: int, result: CompileResult,
-                  manifest: dict, version: str) -> None:
-    # Nothing to build: the PyTorch backend loads the HF checkpoint at serve time; the YAML is the product.
-    settings = llmapi.LlmApiSettings(options.gate_batch_size, kv_dtype, options.free_gpu_memory_fraction, tp, pp,
-                                     version)
-    result.notes += [n for n in (llmapi.gate_note(draft, options.gate_batch_size),) if n]
-    config = llmapi.llm_api_options(draft, sizes, settings)
-    (stage / llmapi.OPTIONS_FILE).write_text(llmapi.to_yaml(config))
-    serve = llmapi.serve_command(target.path, output / llmapi.OPTIONS_FILE, sizes, settings)
-    result.commands["serve"] = serve
-    if tp * pp > 1:
-        result.commands["serve_multi_gpu"] = llmapi.launch_command(serve, tp * pp)
-    (stage / "serve.sh").write_text(f"#!/usr/bin/env bash\n# TensorRT-LLM {TRTLLM_VERSION} ({TRTLLM_CONTAINER})\n"
-                                    f"exec {shlex.join(serve)}\n")
-    result.files += [llmapi.OPTIONS_FILE, "serve.sh"]
-    manifest["configs"] = {llmapi.OPTIONS_FILE: config}
 
 
 def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None,

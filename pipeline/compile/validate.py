@@ -71,7 +71,8 @@ def check_draft_matches(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkp
 
 
 def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None, gpu: str | None,
-               max_batch_size: int, max_seq_len: int, kv_cache_dtype: str, force: bool = False) -> dict | None:
+               max_batch_size: int, max_seq_len: int, kv_cache_dtype: str, force: bool = False,
+               tp: int | None = None, route: str = "engine") -> dict | None:
     """Sizes within the GPU plan: the one call into pipeline.plan, for --gpu or else the GPU nvidia-smi
     reports. Skipped when neither names a GPU. A plan that doesn't fit is refused unless `force`."""
     from pipeline.plan.gpus import detect_gpu, get_gpu
@@ -86,11 +87,15 @@ def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | No
         plan_draft = PlanDraft(draft.kind, draft.kind)
     elif draft_ckpt is not None:
         plan_draft = PlanDraft("model", draft_ckpt.path.name, model_arch(draft_ckpt))
+    kv = "fp8" if kv_cache_dtype == "fp8" else "bf16"
+    draft_kv = kv
+    if route == "engine" and draft_ckpt is not None:  # a draft engine takes its own checkpoint's KV dtype
+        draft_kv = "fp8" if (draft_ckpt.kv_cache_quant_algo or "").upper() == "FP8" else "bf16"
     plan = plan_memory(PlanInputs(
-        target_name=target.path.name, target=model_arch(target), gpu=gpu_spec, tp=target.tp_size,
+        target_name=target.path.name, target=model_arch(target), gpu=gpu_spec, tp=tp or target.tp_size,
         target_qformat=qformat_of(target), draft=plan_draft,
         draft_qformat=qformat_of(draft_ckpt) if draft_ckpt is not None and draft.kind == "model" else "none",
-        kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else "bf16",
+        kv_cache_dtype=kv, draft_kv_cache_dtype=draft_kv,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len))
     if not force:
         check_fits(plan)

@@ -8,7 +8,8 @@ Assumptions (also in `MemoryPlan.assumptions`):
   and norms are replicated (TensorRT-LLM replicates the embedding unless --use_parallel_embedding).
 - The draft runs with the target's TP and is sharded the same way (TensorRT-LLM draft-target runs both with
   one mapping; an EAGLE-3 head is built into the target engine). n-gram drafting holds no weights and no KV.
-- One KV dtype for target and draft (one engine setting). KV cache = per token x batch x max_seq_len.
+- KV cache = per token x batch x max_seq_len. A draft engine keeps its checkpoint's KV dtype (an INT4-AWQ
+  draft can't take an FP8 KV cache; see pipeline.compile.reference.FP8_KV_QUANT_ALGOS).
 - Reserve per GPU: 1 GiB CUDA context + activations/workspace of max(2 GiB, 10% of GPU memory): the 10% is
   what TensorRT-LLM leaves free with its default free_gpu_memory_fraction=0.9.
 """
@@ -37,7 +38,7 @@ ASSUMPTIONS = (
     "TP splits attention/MLP linears, the lm_head and KV heads; the embedding and norms are replicated",
     "the draft runs with the target's TP, sharded the same way; an EAGLE-3 head reuses the target's embedding",
     "embeddings, lm_head and norms stay 16-bit in every ModelOpt export",
-    "one KV dtype for target and draft; KV cache = per token x max batch size x max seq len",
+    "KV cache = per token x max batch size x max seq len; a draft engine keeps its own checkpoint's KV dtype",
     "reserve per GPU = 1 GiB CUDA context + max(2 GiB, 10% of GPU memory) activations/workspace "
     "(TensorRT-LLM free_gpu_memory_fraction 0.9)",
 )
@@ -68,13 +69,21 @@ class PlanInputs:
     kv_cache_dtype: str = "bf16"
     max_batch_size: int = 16
     max_seq_len: int = 4096
+    # The draft's KV dtype where it differs: a TensorRT-LLM engine takes its own checkpoint's (an INT4-AWQ draft
+    # keeps bf16 KV beside an FP8-KV target); None = kv_cache_dtype.
+    draft_kv_cache_dtype: str | None = None
+
+    @property
+    def draft_kv(self) -> str:
+        return self.draft_kv_cache_dtype or self.kv_cache_dtype
 
     def __post_init__(self):
         for flag, value in (("--target-qformat", self.target_qformat), ("--draft-qformat", self.draft_qformat)):
             if value not in WEIGHT_FORMATS:
                 raise PlanError(f"unknown {flag} {value!r}; pick one of {', '.join(WEIGHT_FORMATS)}")
-        if self.kv_cache_dtype not in KV_DTYPE_BYTES:
-            raise PlanError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}; pick one of {', '.join(KV_DTYPE_BYTES)}")
+        for value in (self.kv_cache_dtype, self.draft_kv):
+            if value not in KV_DTYPE_BYTES:
+                raise PlanError(f"unknown --kv-cache-dtype {value!r}; pick one of {', '.join(KV_DTYPE_BYTES)}")
         for flag, value in (("--tp", self.tp), ("--max-batch-size", self.max_batch_size),
                             ("--max-seq-len", self.max_seq_len)):
             if value < 1:
@@ -146,7 +155,8 @@ class MemoryPlan:
         return self.draft_weights.per_gpu(self.tp)
 
     def kv_cache(self, role: str, kv_dtype: str | None = None) -> int:
-        return self.kv_per_token[role][kv_dtype or self.inputs.kv_cache_dtype] * self.tokens
+        default = self.inputs.draft_kv if role == "draft" else self.inputs.kv_cache_dtype
+        return self.kv_per_token[role][kv_dtype or default] * self.tokens
 
     @property
     def kv_per_gpu(self) -> int:
@@ -172,7 +182,7 @@ class MemoryPlan:
     def max_batch_size_that_fits(self) -> int:
         """The largest batch at this max_seq_len whose KV cache fits beside the weights and the reserve."""
         per_seq = (self.kv_per_token["target"][self.inputs.kv_cache_dtype]
-                   + self.kv_per_token["draft"][self.inputs.kv_cache_dtype]) * self.inputs.max_seq_len
+                   + self.kv_per_token["draft"][self.inputs.draft_kv]) * self.inputs.max_seq_len
         room = self.inputs.gpu.memory_bytes - self.target_weights_per_gpu - self.draft_weights_per_gpu - self.reserve
         return max(0, room // per_seq) if per_seq else 0
 
@@ -206,7 +216,8 @@ class MemoryPlan:
             "gpu": i.gpu.key, "gpu_name": i.gpu.name, "gpu_memory_bytes": i.gpu.memory_bytes,
             "gpu_bandwidth_tb_s": i.gpu.bandwidth_tb_s, "gpu_fp8": i.gpu.fp8, "gpu_arch": i.gpu.arch,
             "tp": i.tp, "target_qformat": i.target_qformat, "draft_qformat": i.draft_qformat,
-            "kv_cache_dtype": i.kv_cache_dtype, "max_batch_size": i.max_batch_size, "max_seq_len": i.max_seq_len,
+            "kv_cache_dtype": i.kv_cache_dtype, "draft_kv_cache_dtype": i.draft_kv,
+            "max_batch_size": i.max_batch_size, "max_seq_len": i.max_seq_len,
             "target_weight_bytes": {f: {"total": w.total, "per_gpu": w.per_gpu(i.tp)}
                                     for f, w in self.target_weights.items()},
             "draft_weight_bytes": {"total": self.draft_weights.total, "per_gpu": self.draft_weights_per_gpu},

@@ -34,7 +34,7 @@ def render_table(plan: MemoryPlan) -> str:
     first = True
     for role in ("target", "draft"):
         for d in KV_DTYPE_BYTES:
-            mark = " *" if d == i.kv_cache_dtype else ""
+            mark = " *" if d == (i.draft_kv if role == "draft" else i.kv_cache_dtype) else ""
             rows.append((f"KV {i.max_batch_size} x {i.max_seq_len}" if first else "", f"{role} {d}{mark}", "",
                          _gb(plan.kv_cache(role, d))))
             first = False
