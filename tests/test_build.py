@@ -6,10 +6,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shlex
 import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from cli_checks import assert_one_line_error
@@ -127,6 +129,49 @@ def test_dry_run_plans_llama70b_eagle3_on_this_cpu_machine_and_touches_nothing(t
     assert [s["name"] for s in plan["stages"]] == ["quantize_target", "compile", "assemble"]
     assert plan["memory_plan"]["fits"] and plan["settings"]["tp_size"] == 2
     assert list(tmp_path.iterdir()) == [tmp_path / "home"] or list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_shows_the_trtllm_commands_yaml_and_launch_exactly_as_compile_and_serve_write_them(tmp_path,
+                                                                                                       monkeypatch):
+    """From the presets' architectures alone: what a 70B deployment will run in the container."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    dt = json.loads(runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "llama-3.2-1b", "--dry-run",
+                                         "--json"]).output)["trtllm"]
+    assert dt["route"] == "engine" and dt["tensorrt_llm_version"] == "1.2.1"
+    target, draft = shlex.split(dt["commands"]["build_target"]), shlex.split(dt["commands"]["build_draft"])
+    assert target[0] == draft[0] == "trtllm-build" and "--speculative_decoding_mode" in target
+    assert target[target.index("--workers") + 1] == "2"  # TP 2, from the memory plan
+    assert dt["launch"]["mode"] == "orchestrator" and dt["serve_command"].startswith(
+        "TRTLLM_ORCHESTRATOR=1 TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1 mpirun --allow-run-as-root -n 1 ")
+    eagle = json.loads(runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "eagle3", "--dry-run",
+                                            "--json"]).output)["trtllm"]
+    yaml_text = eagle["files"]["extra_llm_api_options.yaml"]
+    spec = yaml.safe_load(yaml_text)["speculative_config"]
+    assert (spec["decoding_type"], spec["eagle3_one_model"], spec["max_concurrency"]) == ("Eagle", False, 32)
+    assert any("two-model EAGLE-3" in n and "draft engine" in n for n in eagle["notes"])  # what it chose, and costs
+    assert eagle["launch"]["mode"] == "llmapi"
+    text = runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "eagle3", "--dry-run"]).output
+    for needle in ("TensorRT-LLM 1.2.1, llmapi route", "decoding_type: Eagle", "eagle3_one_model: false",
+                   "# pipeline serve: llmapi mode", "mpirun --allow-run-as-root -n 1 /opt/tritonserver/bin/tritonserver",
+                   "note: gate: TensorRT-LLM turns speculation off above 32"):
+        assert needle in text, needle
+    assert list(tmp_path.iterdir()) in ([tmp_path / "home"], [])  # a dry run writes nothing
+
+
+def test_an_int4_draft_keeps_a_bf16_kv_cache_beside_an_fp8_target(tmp_path, monkeypatch):
+    """trtllm-build refuses an FP8 KV cache beside INT4-AWQ weights: only the FP8 target's quantize gets it."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    plan = json.loads(runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "llama-3.2-1b",
+                                           "--kv-cache-dtype", "fp8", "--dry-run", "--json"]).output)
+    stages = {s["name"]: s["config"] for s in plan["stages"]}
+    assert stages["quantize_target"]["kv_cache_dtype"] == "fp8"
+    assert (stages["quantize_draft"]["qformat"], stages["quantize_draft"]["kv_cache_dtype"]) == ("int4_awq", "none")
+    assert plan["memory_plan"]["draft_kv_cache_dtype"] == "bf16"
+    refused = runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "llama-3.2-1b", "--target-qformat",
+                                   "int4_awq", "--kv-cache-dtype", "fp8", "--dry-run"])
+    assert_one_line_error(refused, "--kv-cache-dtype fp8 needs an fp8 target", "--target-qformat fp8")
 
 
 def test_build_without_gpu_or_weights_stops_with_one_line_saying_what_is_missing(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ import pytest
 from tiny_models import make_tiny_llama
 
 from pipeline.errors import DraftMismatchError, ModelFormatError
-from pipeline.models.tokenizer import check_draft_compatible, encode_prompt, load_tokenizer, stop_token_ids
+from pipeline.models.tokenizer import check_draft_compatible, encode_prompt, load_tokenizer, prompt_text, \
+    stop_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +74,21 @@ def test_same_vocab_written_differently_is_compatible(tiny_target, tmp_path):
     data = json.loads((draft / "tokenizer.json").read_text())
     (draft / "tokenizer.json").write_text(json.dumps(data, indent=4))
     check_draft_compatible(tiny_target, draft)
+
+
+def test_prompt_text_is_what_an_engine_that_tokenizes_with_special_tokens_must_get(tok):
+    """TensorRT-LLM's LLM API encodes a text prompt with add_special_tokens=True: prompt_text gives it the ids
+    preprocessing gives the other routes, with one BOS even where the tokenizer adds one and the template too."""
+    import copy
+
+    from tokenizers import processors
+
+    assert tok(prompt_text(tok, "hi", raw=False)).input_ids == encode_prompt(tok, "hi", raw=False)
+    assert prompt_text(tok, "hi", raw=True) == "hi"
+    bos = copy.deepcopy(tok)  # a Llama-style tokenizer: adds BOS, and its chat template writes BOS as well
+    bos._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos.bos_token_id)])
+    bos.chat_template = "{{ bos_token }}" + tok.chat_template
+    assert bos("").input_ids == [bos.bos_token_id]
+    ids = bos(prompt_text(bos, "hi", raw=False)).input_ids
+    assert ids == encode_prompt(bos, "hi", raw=False) and ids.count(bos.bos_token_id) == 1
