@@ -165,7 +165,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
     r = resolve(options, target, draft, draft_ckpt)
     check_draft_matches(target, draft, draft_ckpt)
     plan = check_plan(target, draft, draft_ckpt, options.gpu, r.sizes.max_batch_size, r.sizes.max_seq_len,
-                      r.kv_cache_dtype, force=options.force, tp=r.tp * r.pp, route=r.route)
+                      r.kv_cache_dtype, force=options.force, tp=r.tp, route=r.route)
     if r.route == "engine" and not options.dry_run and not trtllm_available():
         raise MissingDependencyError(
             f"trtllm-build is not installed here (TensorRT-LLM needs NVIDIA's own build); run this in "

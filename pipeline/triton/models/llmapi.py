@@ -7,8 +7,9 @@ container and the parameter. Upstream's model reads model.yaml from this model's
 (pb_utils.get_model_dir()), which is where `pipeline assemble` writes it.
 
 Speculation on this route is TensorRT-LLM's: model.yaml's speculative_config.max_concurrency turns it
-off above that batch size. Our gate isn't in front of this model (it speaks token ids, this model
-text), so a request's `speculation` on/off can't reach it.
+off above that batch size (for EAGLE-3 only in its two-model form, which compile writes under a gate).
+Clients don't call this model: `llmapi_frontend` (models/llmapi_frontend.py) fronts it with the
+ensemble interface of the other routes, and refuses a request's `speculation` on/off, which can't reach it.
 """
 
 import importlib.util
