@@ -139,15 +139,16 @@ def _base(name: str, spec: RepoSpec, *, backend: str, inputs: tuple[TensorSpec, 
     return msg
 
 
+def _request_parameters(spec: RepoSpec) -> dict[str, str]:
+    """What a model reading the client's request needs: the tokenizer, the chat template switch, the limits."""
+    return {"tokenizer_dir": spec.tokenizer_dir, "apply_chat_template": _flag(spec.apply_chat_template),
+            "max_seq_len": str(spec.max_seq_len), "num_draft_tokens": str(spec.num_draft_tokens)}
+
+
 def preprocessing_config(spec: RepoSpec) -> ModelConfig:
     """Tokenizes (with the chat template), validates, and fills every default of a request."""
     return _base(PREPROCESSING, spec, backend="python", inputs=ENSEMBLE_INPUTS, outputs=REQUEST_TENSORS,
-                 decoupled=False, parameters={
-                     "tokenizer_dir": spec.tokenizer_dir,
-                     "apply_chat_template": _flag(spec.apply_chat_template),
-                     "max_seq_len": str(spec.max_seq_len),
-                     "num_draft_tokens": str(spec.num_draft_tokens),
-                 })
+                 decoupled=False, parameters=_request_parameters(spec))
 
 
 def postprocessing_config(spec: RepoSpec) -> ModelConfig:
@@ -234,13 +235,7 @@ def ensemble_config(spec: RepoSpec) -> ModelConfig:
 def llmapi_frontend_config(spec: RepoSpec) -> ModelConfig:
     """The LLM-API route's one ensemble step: our interface in, TensorRT-LLM's llmapi model behind it (BLS)."""
     return _base(LLMAPI_FRONTEND, spec, backend="python", inputs=ENSEMBLE_INPUTS, outputs=ENSEMBLE_OUTPUTS,
-                 decoupled=True, parameters={
-                     "tokenizer_dir": spec.tokenizer_dir,
-                     "apply_chat_template": _flag(spec.apply_chat_template),
-                     "max_seq_len": str(spec.max_seq_len),
-                     "num_draft_tokens": str(spec.num_draft_tokens),
-                     "llmapi_model": LLMAPI_MODEL,
-                 })
+                 decoupled=True, parameters={**_request_parameters(spec), "llmapi_model": LLMAPI_MODEL})
 
 
 def llmapi_model_config(spec: RepoSpec) -> ModelConfig:

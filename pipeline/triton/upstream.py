@@ -309,27 +309,10 @@ ENSEMBLE_INPUTS: tuple[Tensor, ...] = (
     _in("guided_decoding_guide_type", "BYTES", ragged=True),
     _in("guided_decoding_guide", "BYTES", ragged=True),
 )
-ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (
-    _out("text_output", "BYTES", (-1,)),
-    _out("cum_log_probs", "FP32", (-1,)),
-    _out("output_log_probs", "FP32", (-1, -1)),
-    _out("context_logits", "FP32", (-1, -1)),
-    _out("generation_logits", "FP32", (-1, -1, -1)),
-    _out("batch_index", "INT32"),
-    _out("sequence_index", "INT32"),
-    _out("kv_cache_alloc_new_blocks", "INT32"),
-    _out("kv_cache_reused_blocks", "INT32"),
-    _out("kv_cache_alloc_total_blocks", "INT32"),
-    _out("arrival_time_ns", "INT64"),
-    _out("first_scheduled_time_ns", "INT64"),
-    _out("first_token_time_ns", "INT64"),
-    _out("last_token_time_ns", "INT64"),
-    _out("acceptance_rate", "FP32"),
-    _out("total_accepted_draft_tokens", "INT32"),
-    _out("total_draft_tokens", "INT32"),
-    _out("num_input_tokens", "INT32"),
-    _out("num_output_tokens", "INT32"),
-)
+# The ensemble answers with text_output and passes tensorrt_llm's other outputs through (ENSEMBLE_TEMPLATE's
+# tensorrt_llm step output_map), all but the token ids, their lengths and the disaggregated-serving params.
+ENSEMBLE_OUTPUTS: tuple[Tensor, ...] = (_out("text_output", "BYTES", (-1,)),) + tuple(
+    t for t in TENSORRT_LLM_OUTPUTS if t.name not in ("output_ids", "sequence_length", "context_phase_params"))
 ENSEMBLE_REF = Ref(ENSEMBLE_TEMPLATE, "input, output")
 
 
