@@ -80,10 +80,8 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
                           f"--kv-cache-dtype fp8")
     batch, seq, gate = TORCH_SIZES if backend == "torch" else TRTLLM_SIZES
     max_seq = o.max_seq_len
-    if max_seq is None and backend == "torch":
+    if max_seq is None:  # the backend's default, at most the model's own limit where its config.json is here
         max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
-    elif max_seq is None:
-        max_seq = seq
     settings = Settings(
         backend=backend, target=o.target, draft_kind=draft_kind, draft_ref=draft_ref, target_qformat=target_q,
         draft_qformat=draft_q, kv_cache_dtype=kv, num_draft_tokens=o.num_draft_tokens,
