@@ -383,3 +383,29 @@ def test_an_engine_error_mid_stream_reaches_the_client_in_one_line_and_others_go
     plain = ask(server.endpoints.grpc, prompt, 150, speculation="off")
     assert "".join(t for t, _, _ in plain) == reference(prompt, 150)
     assert "".join(t for t, _, _ in ask(server.endpoints.grpc, "after", 8)) == reference("after", 8)
+
+
+@pytest.mark.slow
+def test_the_server_stops_in_seconds_after_cancelled_failed_and_early_stopped_streams(tiny_target, reference,
+                                                                                       tmp_path):
+    """A BLS stream left unread, an error followed by a separate final, or a CANCELLED error from a step each
+    kept a model alive in Triton 2.51 until its 30 s exit timeout at unload (so a restart waited 30 s)."""
+    from tritonclient.utils import InferenceServerException
+
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
+    from ports import free_ports
+
+    repo = standin_repo(tmp_path, tiny_target, tiny_target)
+    grpc, http, metrics = free_ports()
+    server = TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics),
+                          find_tritonserver())
+    with server:
+        url = server.endpoints.grpc
+        ask(url, "abc", 6, speculation="off")  # streamed: the target's stream ends after its last token
+        ask(url, "walk away", 200, leave_after=2)  # a client that leaves mid-stream
+        prompt = next(p for p in (f"long answer {i}" for i in range(50))
+                      if sum(map(len, reference(p, 150, as_ids=True))) > DRAFT_MAX_INPUT_LEN + 4)
+        with pytest.raises(InferenceServerException):  # the draft refuses a step: an engine error mid-stream
+            ask(url, prompt, 150)
+        start = time.monotonic()
+    assert time.monotonic() - start < 20  # about 4 s; Triton's exit timeout is 30 s

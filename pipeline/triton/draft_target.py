@@ -128,6 +128,15 @@ def accepted_count(drafts: list[int], verified: list[int]) -> tuple[int, bool]:
     return n, n == len(verified) and len(verified) < len(drafts) + 1
 
 
+def drain(responses) -> None:
+    """Read a BLS stream to its final response. One left unread (after an error, a cancel, an early stop)
+    keeps the calling model alive in Triton, which then waits out its 30 s exit timeout at unload. The
+    engine ends that request at once (it has the same stop rules, sent the error, or was cancelled), so
+    this is its last response or two, and the request stays counted in flight while the engine works on it."""
+    for _ in responses:
+        pass
+
+
 class Engines(Protocol):
     """The two models as the loop sees them; `TritonEngines` is the real one, tests pass fakes."""
 
@@ -257,18 +266,22 @@ class TritonEngines:
         responses = pb_utils.InferenceRequest(
             model_name=model, inputs=[pb_utils.Tensor(k, v) for k, v in tensors.items()],
             requested_output_names=TRTLLM_OUTPUTS).exec(decoupled=True)
-        for response in responses:
-            if response.has_error():
-                raise EngineCallError(f"{model}: {' '.join(response.error().message().split())}")
-            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
-            if "output_ids" in outputs:
-                ids = outputs["output_ids"].reshape(-1)  # [1, beam=1, len]
-                length = int(outputs["sequence_length"].reshape(-1)[0]) if "sequence_length" in outputs else ids.size
-                yield [int(t) for t in ids[:length]]
-            if self.cancelled():
-                if hasattr(responses, "cancel"):  # python backend >= 24.04: tells the model to stop
-                    responses.cancel()
-                return
+        try:
+            for response in responses:
+                if response.has_error():
+                    raise EngineCallError(f"{model}: {' '.join(response.error().message().split())}")
+                outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+                if "output_ids" in outputs:
+                    ids = outputs["output_ids"].reshape(-1)  # [1, beam=1, len]
+                    length = int(outputs["sequence_length"].reshape(-1)[0]) if "sequence_length" in outputs \
+                        else ids.size
+                    yield [int(t) for t in ids[:length]]
+                if self.cancelled():
+                    if hasattr(responses, "cancel"):  # python backend >= 24.04: tells the model to stop
+                        responses.cancel()
+                    return
+        finally:
+            drain(responses)  # also when the caller stopped early: the token budget, a stop word, a cancel
 
     def propose(self, ids: list[int], n: int) -> list[int]:
         return [t for chunk in self._call(self.draft_model, self._inputs(ids, n, greedy=True, streaming=False))

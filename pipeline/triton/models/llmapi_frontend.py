@@ -28,6 +28,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text
+from pipeline.triton.draft_target import drain
 from pipeline.triton.validate import check_length, check_max_tokens, check_sampling, check_speculation, \
     check_unsupported
 
@@ -66,12 +67,17 @@ class TritonPythonModel:
             inputs, stream = self._inputs(request)
             self._relay(inputs, stream, sender)
         except PipelineError as err:
-            self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(_one_line(err))))
+            error = _one_line(err)
         except Exception as err:  # noqa: BLE001  one failed request must not take the model down
-            self._send(sender, pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"llmapi_frontend: {_one_line(err)}")))
-        finally:
+            error = f"llmapi_frontend: {_one_line(err)}"
+        else:
+            error = None
+        # An error is the stream's final response: an error then a separate empty final left Triton 2.51's
+        # ensemble holding the request until its 30 s exit timeout at unload (as in speculation_gate).
+        if error is None:
             self._send(sender, None, FINAL)
+        else:
+            self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(error)), FINAL)
 
     def _inputs(self, request) -> tuple[list, bool]:
         def get(name):
@@ -134,20 +140,23 @@ class TritonPythonModel:
         responses = pb_utils.InferenceRequest(model_name=self.llmapi_model, inputs=inputs,
                                               requested_output_names=["text_output"]).exec(decoupled=True)
         sent_text, sent_tokens, text = "", 0, ""
-        for response in responses:
-            if sender.is_cancelled():
-                if hasattr(responses, "cancel"):  # python backend >= 24.04: TensorRT-LLM aborts the request
-                    responses.cancel()
-                return
-            if response.has_error():
-                raise PipelineError(_one_line(Exception(response.error().message())))
-            outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
-            if "text_output" not in outputs:
-                continue
-            item = outputs["text_output"].reshape(-1)[0]
-            text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
-            if stream:
-                sent_text, sent_tokens = self._answer(sender, text, sent_text, sent_tokens)
+        try:
+            for response in responses:
+                if sender.is_cancelled():
+                    if hasattr(responses, "cancel"):  # python backend >= 24.04: TensorRT-LLM aborts the request
+                        responses.cancel()
+                    return
+                if response.has_error():
+                    raise PipelineError(_one_line(Exception(response.error().message())))
+                outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+                if "text_output" not in outputs:
+                    continue
+                item = outputs["text_output"].reshape(-1)[0]
+                text = item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item)
+                if stream:
+                    sent_text, sent_tokens = self._answer(sender, text, sent_text, sent_tokens)
+        finally:
+            drain(responses)
         if not stream or text != sent_text:
             self._answer(sender, text, sent_text, sent_tokens)
 

@@ -26,6 +26,13 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(params["tokenizer_dir"]["string_value"])
         self.skip_special = params["skip_special_tokens"]["string_value"] == "true"
 
+    @staticmethod
+    def _empty():
+        zero = np.zeros((1, 1), np.int32)
+        return [pb_utils.Tensor("text_output", np.array([[b""]], np.object_)),
+                pb_utils.Tensor("num_accepted_tokens", zero), pb_utils.Tensor("num_drafted_tokens", zero),
+                pb_utils.Tensor("num_output_tokens", zero)]
+
     def _visible(self, ids, final: bool = False) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
         return text[:-1] if text.endswith(REPLACEMENT) and not final else text
@@ -36,8 +43,10 @@ class TritonPythonModel:
             get = lambda name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()  # noqa: E731
             if request.is_cancelled():  # the client left: tell the gate, skip the decoding
                 cancel_marks.mark(f"stream-{int(get('stream_id').reshape(-1)[0])}")
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED)))
+                # An empty answer, not a CANCELLED error: after an error from a step, Triton 2.51's ensemble
+                # drops the gate's later final response and keeps the request in flight until its 30 s exit
+                # timeout at unload. The client is gone, so nobody reads this.
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._empty()))
                 continue
             ids = [int(t) for t in get("output_ids")[0]]
             start = int(get("prefix_length").reshape(-1)[0])

@@ -33,6 +33,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.triton import cancel_marks
+from pipeline.triton.draft_target import drain
 from pipeline.triton.serving_gate import Decision, ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -196,13 +197,18 @@ class TritonPythonModel:
             else:
                 self._relay_engine(request, decision, stream_id, forward, cancelled)
         except EngineError as err:  # the engine's own one-line message, as it is
-            self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(_one_line(err))))
+            error = _one_line(err)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
-            self._send(sender, pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")))
-        finally:
-            self.gate.leave()
+            error = f"speculation_gate: {_one_line(err)}"
+        else:
+            error = None
+        self.gate.leave()
+        # An error goes out as the stream's final response: an error followed by a separate empty final left
+        # the ensemble holding this model until Triton's 30 s exit timeout at unload.
+        if error is None:
             self._send(sender, None, FINAL)
+        else:
+            self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(error)), FINAL)
 
     def _relay_engine(self, request, decision, stream_id: int, forward, cancelled):
         requested = str(_scalar(request, "speculation"))
@@ -213,19 +219,22 @@ class TritonPythonModel:
         responses = pb_utils.InferenceRequest(
             model_name=self.engine_model, inputs=inputs,
             requested_output_names=ENGINE_OUTPUTS).exec(decoupled=True)
-        for response in responses:
-            if cancelled():
-                # Tell the engine, which frees the slot: by mark (any Triton), and by cancel() where
-                # the python backend has it (2025 and later).
-                cancel_marks.mark(f"engine-{stream_id}")
-                if hasattr(responses, "cancel"):
-                    responses.cancel()
-                break
-            if response.has_error():
-                raise EngineError(response.error().message())
-            tensors = response.output_tensors()
-            if tensors:
-                forward({t.name(): t.as_numpy() for t in tensors})
+        try:
+            for response in responses:
+                if cancelled():
+                    # Tell the engine, which frees the slot: by mark (any Triton), and by cancel() where
+                    # the python backend has it (2025 and later).
+                    cancel_marks.mark(f"engine-{stream_id}")
+                    if hasattr(responses, "cancel"):
+                        responses.cancel()
+                    break
+                if response.has_error():
+                    raise EngineError(response.error().message())
+                tensors = response.output_tensors()
+                if tensors:
+                    forward({t.name(): t.as_numpy() for t in tensors})
+        finally:
+            drain(responses)
 
     def _forward(self, sender, outputs: dict):
         """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts."""
