@@ -1,6 +1,7 @@
 """SamplingParams validation and the logits -> probabilities transform (temperature -> top-k -> top-p)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -175,3 +176,35 @@ def test_sample_never_draws_zero_probability():
     assert drawn == {1, 3}
     one_hot = torch.tensor([0.0, 0.0, 1.0])
     assert {sample(one_hot, g) for _ in range(50)} == {2}
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k, message", [
+    (float("nan"), 1.0, 0, "temperature must be a finite number"),
+    (float("inf"), 1.0, 0, "temperature must be a finite number"),
+    (-0.5, 1.0, 0, "temperature must be a finite number >= 0"),
+    (1e-45, 1.0, 0, "too small to sample with"),
+    (1e9, 1.0, 0, "is over 10000"),
+    (1.0, float("nan"), 0, "top_p must be in"),
+    (1.0, 0.0, 0, "top_p must be in"),
+    (1.0, 1.0, -1, "top_k must be >= 0"),
+])
+def test_sampling_values_are_refused_never_clamped(temperature, top_p, top_k, message):
+    """One rule for the engine, the Triton models and the client (pipeline.engine.sampling_limits)."""
+    from pipeline.engine.sampling_limits import check_sampling_values
+    from pipeline.errors import RequestError
+    from pipeline.triton.client import RequestOptions
+
+    with pytest.raises(RequestError, match=re.escape(message)):
+        check_sampling_values(temperature, top_p, top_k)
+    with pytest.raises(RequestError, match=re.escape(message)):
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    with pytest.raises(RequestError, match=re.escape(message)):
+        RequestOptions(temperature=temperature, top_p=top_p, top_k=top_k).validate()
+
+
+def test_the_edges_of_the_sampling_ranges_are_accepted():
+    from pipeline.engine.sampling_limits import MAX_TEMPERATURE, MIN_TEMPERATURE, check_sampling_values
+
+    for temperature in (0.0, MIN_TEMPERATURE, 1.0, MAX_TEMPERATURE):
+        check_sampling_values(temperature, 1.0, 0)
+    check_sampling_values(1.0, 1e-6, 50, vocab_size=50)

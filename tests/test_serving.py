@@ -6,6 +6,7 @@ slots; the gate's threshold is 12 requests in flight with a hysteresis of 4.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -203,5 +204,79 @@ def test_an_engine_error_reaches_the_client_through_the_gate_as_the_engines_own_
     try:
         [(text, _, _)] = responses(c, "hi", 8, stream=False)
         assert text == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()
+
+
+BAD_REQUESTS = {  # what a hostile or careless client sends -> the one line it gets back
+    "nan temperature": (dict(temperature=("FP32", float("nan"))), "temperature must be a finite number"),
+    "tiny temperature": (dict(temperature=("FP32", 1e-45)), "too small to sample with"),
+    "top_p 0": (dict(top_p=("FP32", 0.0)), "top_p must be in (0, 1]"),
+    "top_k past the vocabulary": (dict(top_k=("INT32", 10_000_000)), "over the vocabulary"),
+    "nan penalty": (dict(repetition_penalty=("FP32", float("nan"))), "repetition_penalty"),
+    "beam search": (dict(beam_width=("INT32", 4)), "beam_width 4"),
+}
+
+
+def test_a_bad_request_never_fails_or_hangs_the_others(server, engine_dir):
+    """Each bad request is refused at the edge in one line while six good streams run beside it; they all
+    finish with the target's greedy answer and the gate's in-flight count returns to zero."""
+    from tritonclient.utils import InferenceServerException
+
+    dtypes = {"FP32": np.float32, "INT32": np.int32}
+    prompts = [f"steady {i}" for i in range(6)]
+    good: dict[int, str] = {}
+
+    def run(i):
+        c = client(server)
+        try:
+            good[i] = "".join(t for t, _, _ in responses(c, prompts[i], 40))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    c = client(server)
+    try:
+        for label, (extra, message) in BAD_REQUESTS.items():
+            tensors = [tensor(name, np.array([[value]], dtypes[dtype]), dtype) for name, (dtype, value) in extra.items()]
+            with pytest.raises(InferenceServerException, match=re.escape(message)):
+                responses(c, "hi", 8, extra=tensors)
+    finally:
+        c.close()
+    for t in threads:
+        t.join(timeout=120)
+    assert good == {i: expected_text(engine_dir, p, 40) for i, p in enumerate(prompts)}
+    assert wait_for(lambda: value(metrics(server.endpoints.metrics), "pipeline_gate_in_flight") == 0)
+
+
+def test_invalid_utf8_and_oversized_prompts_are_refused_before_tokenizing(server, engine_dir):
+    from tritonclient.utils import InferenceServerException
+
+    c = client(server)
+    try:
+        with pytest.raises(InferenceServerException, match=r"text_input is not valid UTF-8 \(byte 2\)"):
+            responses(c, "", 8, raw_inputs=[tensor("text_input", np.array([[b"hi\xff"]], np.object_), "BYTES"),
+                                            tensor("max_tokens", np.array([[8]], np.int32), "INT32")])
+        huge = "word " * 2_000_000  # 10 MB; the limit is max_seq_len 256 x 32 bytes
+        start = time.monotonic()
+        with pytest.raises(InferenceServerException, match=r"text_input is 10000000 bytes, over this server's "
+                                                           r"limit of 8192"):
+            responses(c, huge, 8)
+        assert time.monotonic() - start < 10  # refused without tokenizing (that took 20 s at 20 MB)
+        [(text, _, _)] = responses(c, "hi", 8, stream=False)
+        assert text == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()
+
+
+def test_preprocessing_called_without_max_tokens_is_an_error_not_an_empty_answer(server):
+    from tritonclient.utils import InferenceServerException
+
+    c = client(server)
+    try:
+        with pytest.raises(InferenceServerException, match="max_tokens"):
+            c.infer("preprocessing", [tensor("text_input", np.array([[b"hi"]], np.object_), "BYTES")])
     finally:
         c.close()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.engine.sampling_limits import check_sampling_values
 from pipeline.errors import RequestError
 
 
@@ -25,12 +26,7 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1 (got {self.max_tokens})")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (got {self.top_k}); use 0 to disable")
+        check_sampling_values(self.temperature, self.top_p, self.top_k)
 
     @property
     def greedy(self) -> bool:

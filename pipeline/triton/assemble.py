@@ -54,6 +54,7 @@ class AssembleOptions:
     gate_batch_size: int = 32  # speculate while at most this many requests are in flight
     gate_hysteresis: int | None = None  # back on at gate_batch_size - this; default gate_batch_size // 8, >= 1
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
+    max_input_bytes: int | None = None  # text_input's byte limit, checked before tokenizing; None: from max_seq_len
     # Auto requests stop speculating while the rolling acceptance rate is below this; 0 = off. None: by
     # draft kind (acceptance_floor_for).
     acceptance_floor: float | None = None
@@ -162,6 +163,7 @@ def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                     num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
+                    max_input_bytes=options.max_input_bytes,
                     acceptance_floor=acceptance_floor_for(manifest["draft"]["kind"], options.acceptance_floor))
 
 
@@ -239,7 +241,8 @@ def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
     spec = RepoSpec(backend="trtllm", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(target),
                     draft_engine_dir=str(draft) if has_draft else "", max_batch_size=sizes["max_batch_size"],
                     max_seq_len=sizes["max_seq_len"], num_draft_tokens=max(1, sizes["max_draft_len"]),
-                    gate=_gate(options), acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
+                    gate=_gate(options), max_input_bytes=options.max_input_bytes,
+                    acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
                     kv_fraction_target=kv.target_fraction, kv_fraction_draft=kv.draft_fraction,
                     draft_max_tokens=kv.draft_max_tokens, gpu_device_ids=gpu_device_ids(launch))
     notes += [n for n in (kv.note, _launch_note(launch)) if n]
@@ -276,6 +279,7 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
     spec = RepoSpec(backend="llmapi", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(engine),
                     max_batch_size=sizes["max_batch_size"], max_seq_len=sizes["max_seq_len"],
                     num_draft_tokens=max(1, sizes["max_draft_len"]), gate=_gate(options),
+                    max_input_bytes=options.max_input_bytes,
                     acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
                     llmapi_model_dir=options.llmapi_model_dir)
     notes = [f"serve it in NVIDIA's Triton + TensorRT-LLM container: the tensorrt_llm model loads TensorRT-LLM's "

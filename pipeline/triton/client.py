@@ -57,8 +57,9 @@ class RequestOptions:
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise RequestError(f"num_draft_tokens must be >= 1 (got {self.num_draft_tokens}); "
                                "use --speculation off to decode without drafts")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        from pipeline.engine.sampling_limits import check_sampling_values
+
+        check_sampling_values(self.temperature, self.top_p, self.top_k)
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise RequestError(f"seed must be in [0, 2**64) (got {self.seed})")
         return self

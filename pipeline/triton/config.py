@@ -50,6 +50,8 @@ LLMAPI_FRONTEND = "llmapi_frontend"  # the llmapi route's ensemble step: our int
 # triton_backend/all_models/llmapi/tensorrt_llm/1. We reference it, we don't ship it.
 LLMAPI_MODEL_DIR = "/app/all_models/llmapi/tensorrt_llm/1"
 LLMAPI_YAML = "model.yaml"
+# Generous: byte-level BPE tokens average 3-5 bytes of English or code, and a UTF-8 character is at most 4.
+BYTES_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class RepoSpec:
     draft_engine_dir: str = ""  # trtllm only: the draft's engine folder; "" serves the target alone
     max_batch_size: int = 64
     max_seq_len: int = 2048  # prompt + new tokens; preprocessing refuses longer requests
+    # The most bytes of text_input a request may carry, checked before any tokenizing (a 20 MB prompt took
+    # 20 s to refuse, and held up every request behind it); None: max_seq_len x BYTES_PER_TOKEN.
+    max_input_bytes: int | None = None
     apply_chat_template: bool = True
     num_draft_tokens: int = 4  # k, when a request doesn't say
     gate: GatePolicy = field(default_factory=GatePolicy)  # load threshold, hysteresis, min tokens
@@ -86,6 +91,8 @@ class RepoSpec:
             raise ConfigError("max_batch_size must be >= 1")
         if self.max_seq_len < 2:
             raise ConfigError("max_seq_len must be >= 2")
+        if self.max_input_bytes is not None and self.max_input_bytes < 1:
+            raise ConfigError("max_input_bytes must be >= 1")
         if self.num_draft_tokens < 1:
             raise ConfigError("num_draft_tokens must be >= 1; send speculation='off' to turn it off")
         if not 0.0 <= self.acceptance_floor <= 1.0:
@@ -95,6 +102,10 @@ class RepoSpec:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
         if self.draft_max_tokens is not None and self.draft_max_tokens < 1:
             raise ConfigError("draft_max_tokens must be >= 1")
+
+    @property
+    def input_byte_limit(self) -> int:
+        return self.max_input_bytes or self.max_seq_len * BYTES_PER_TOKEN
 
     @property
     def has_draft(self) -> bool:
@@ -142,7 +153,8 @@ def _base(name: str, spec: RepoSpec, *, backend: str, inputs: tuple[TensorSpec, 
 def _request_parameters(spec: RepoSpec) -> dict[str, str]:
     """What a model reading the client's request needs: the tokenizer, the chat template switch, the limits."""
     return {"tokenizer_dir": spec.tokenizer_dir, "apply_chat_template": _flag(spec.apply_chat_template),
-            "max_seq_len": str(spec.max_seq_len), "num_draft_tokens": str(spec.num_draft_tokens)}
+            "max_seq_len": str(spec.max_seq_len), "num_draft_tokens": str(spec.num_draft_tokens),
+            "max_input_bytes": str(spec.input_byte_limit)}
 
 
 def preprocessing_config(spec: RepoSpec) -> ModelConfig:

@@ -31,6 +31,7 @@ from pipeline.triton.launch import Launch, launch_command, read_launch
 from pipeline.triton.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
 
 STUB_NAME = "triton_python_backend_stub"
+EXIT_TIMEOUT_S = 10
 SHM_PREFIX = "triton_python_backend_shm_region_"
 
 
@@ -157,6 +158,8 @@ def server_args(options: ServeOptions, binary: ServerBinary, backend_directory: 
         f"--http-address={options.host}", f"--http-port={options.http_port}",
         f"--metrics-address={options.host}", f"--metrics-port={options.metrics_port}",
         "--exit-on-error=true", "--strict-readiness=true",
+        # Stop within seconds on Ctrl-C even if a request is stuck in flight (Triton waits 30 s by default).
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         f"--log-verbose={options.log_verbose}",
     ]
     if binary.bundled:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pipeline.engine.sampling_limits import check_sampling_values
 from pipeline.errors import RequestError
 from pipeline.triton.interface import IGNORED_INPUTS, UNSUPPORTED_INPUTS
 
@@ -38,10 +39,8 @@ def check_unsupported(get: Get) -> None:
             raise RequestError(f"{name} must be a finite number")
 
 
-def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if not (np.isfinite(temperature) and temperature >= 0) or not (np.isfinite(top_p) and 0 < top_p <= 1) \
-            or top_k < 0:
-        raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0, all finite")
+def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int | None = None) -> None:
+    check_sampling_values(temperature, top_p, top_k, vocab_size)
 
 
 def check_speculation(speculation: str, num_draft_tokens: int) -> None:
@@ -62,3 +61,16 @@ def check_length(prompt_tokens: int, max_tokens: int, max_seq_len: int) -> None:
     if prompt_tokens + max_tokens > max_seq_len:
         raise RequestError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) is over the engine's "
                            f"max_seq_len {max_seq_len}; shorten the prompt or lower max_tokens")
+
+
+def text_of(value, name: str, byte_limit: int | None = None) -> str:
+    """One BYTES element as text: its size checked before anything reads it, and strict UTF-8 (a replacement
+    character would silently change the prompt)."""
+    raw = value if isinstance(value, bytes) else str(value).encode()
+    if byte_limit is not None and len(raw) > byte_limit:
+        raise RequestError(f"{name} is {len(raw)} bytes, over this server's limit of {byte_limit}; shorten it "
+                           f"(the limit is the repository's max_input_bytes)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RequestError(f"{name} is not valid UTF-8 (byte {err.start}); send UTF-8 text") from None

@@ -30,7 +30,7 @@ from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text
 from pipeline.triton.draft_target import drain
 from pipeline.triton.validate import check_length, check_max_tokens, check_sampling, check_speculation, \
-    check_unsupported
+    check_unsupported, text_of
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -46,6 +46,7 @@ class TritonPythonModel:
         self.raw = params["apply_chat_template"] != "true"
         self.max_seq_len = int(params["max_seq_len"])
         self.num_draft_tokens = int(params["num_draft_tokens"])
+        self.max_input_bytes = int(params["max_input_bytes"])
         self.llmapi_model = params["llmapi_model"]
         self.outbox: queue.Queue = queue.Queue()
         self.sender = threading.Thread(target=self._send_loop, name="llmapi-sender", daemon=True)
@@ -91,10 +92,14 @@ class TritonPythonModel:
             if value.shape[0] != 1:
                 raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
             item = value.reshape(-1)[0]
-            return item.decode() if isinstance(item, bytes) else item
+            return text_of(item, name) if isinstance(item, bytes) else item
 
+        if get("text_input") is None or get("max_tokens") is None:
+            raise RequestError("text_input and max_tokens are required; send both")
+        if get("text_input").shape[0] != 1:
+            raise RequestError(f"send one request per call (got a batch of {get('text_input').shape[0]})")
+        text = text_of(get("text_input").reshape(-1)[0], "text_input", self.max_input_bytes)  # before other work
         check_unsupported(get)
-        text = str(scalar("text_input", ""))
         if not text.strip():
             raise RequestError("text_input is empty; send a prompt")
         max_tokens = int(scalar("max_tokens", 0))
@@ -113,7 +118,7 @@ class TritonPythonModel:
                                "the tokenizer's end of text); leave it out, or send stop_words")
         temperature, top_p, top_k = float(scalar("temperature", 0.0)), float(scalar("top_p", 1.0)), \
             int(scalar("top_k", 0))
-        check_sampling(temperature, top_p, top_k)
+        check_sampling(temperature, top_p, top_k, len(self.tokenizer))
         prompt = prompt_text(self.tokenizer, text, self.raw)
         check_length(len(self.tokenizer(prompt).input_ids), max_tokens, self.max_seq_len)
 
@@ -133,7 +138,8 @@ class TritonPythonModel:
                 inputs.append(t("sampling_param_top_k", [top_k], np.int32))
         words = get("stop_words")
         if words is not None and words.size:
-            inputs.append(t("sampling_param_stop", list(words.reshape(-1)), np.object_))
+            words = [text_of(w, "stop_words", self.max_input_bytes).encode() for w in words.reshape(-1)]
+            inputs.append(t("sampling_param_stop", words, np.object_))
         return inputs, bool(scalar("stream", False))
 
     def _relay(self, inputs, stream: bool, sender):

@@ -14,7 +14,7 @@ from pipeline.engine.config import ModelConfig
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, uses_chat_template
 from pipeline.triton.validate import check_length, check_max_tokens, check_sampling, check_speculation, \
-    check_unsupported
+    check_unsupported, text_of
 
 
 def _param(config: dict, key: str) -> str:
@@ -29,6 +29,7 @@ class TritonPythonModel:
         self.raw = _param(config, "apply_chat_template") != "true"
         self.max_seq_len = int(_param(config, "max_seq_len"))
         self.num_draft_tokens = int(_param(config, "num_draft_tokens"))
+        self.max_input_bytes = int(_param(config, "max_input_bytes"))
         chat = uses_chat_template(self.tokenizer, self.raw)
         # The same stop set `pipeline generate` uses: eos, the config's eos, the chat end-of-turn markers.
         self.stops = stop_token_ids(self.tokenizer, ModelConfig.from_folder(tokenizer_dir).eos_token_ids, chat=chat)
@@ -59,21 +60,21 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
+        if get("text_input") is None or get("max_tokens") is None:
+            raise RequestError("text_input and max_tokens are required; send both")
+        text = text_of(scalar("text_input", b""), "text_input", self.max_input_bytes)  # before any other work
         check_unsupported(get)
-        text = scalar("text_input", b"")
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
         if not text.strip():
             raise RequestError("text_input is empty; send a prompt")
         max_tokens = int(scalar("max_tokens", 0))
         check_max_tokens(max_tokens, self.max_seq_len)
-        speculation = scalar("speculation", b"auto")
-        speculation = speculation.decode() if isinstance(speculation, bytes) else str(speculation)
+        speculation = text_of(scalar("speculation", b"auto"), "speculation")
         num_draft = int(scalar("num_draft_tokens", self.num_draft_tokens))
         check_speculation(speculation, num_draft)
         temperature = float(scalar("temperature", 0.0))
         top_p = float(scalar("top_p", 1.0))
         top_k = int(scalar("top_k", 0))
-        check_sampling(temperature, top_p, top_k)
+        check_sampling(temperature, top_p, top_k, len(self.tokenizer))
 
         ids = encode_prompt(self.tokenizer, text, self.raw)
         check_length(len(ids), max_tokens, self.max_seq_len)
@@ -81,7 +82,7 @@ class TritonPythonModel:
         stop_ids = list(self.stops[1:])
         words = pb_utils.get_input_tensor_by_name(request, "stop_words")
         for word in ([] if words is None else words.as_numpy().reshape(-1)):
-            word = word.decode() if isinstance(word, bytes) else str(word)
+            word = text_of(word, "stop_words", self.max_input_bytes)
             tokens = self.tokenizer(word, add_special_tokens=False).input_ids
             if len(tokens) != 1:
                 raise RequestError(f"stop word {word!r} is {len(tokens)} tokens; the portable engine stops "
