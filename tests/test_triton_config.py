@@ -15,7 +15,6 @@ from pipeline.triton.config import (
     TRTLLM_DRAFT,
     TRTLLM_TARGET,
     RepoSpec,
-    config_text,
     read_config,
     repository_configs,
     write_config,

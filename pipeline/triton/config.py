@@ -225,8 +225,8 @@ def _step(model: str, input_map: dict[str, str], output_map: dict[str, str]):
     return pb.ModelEnsembling.Step(model_name=model, model_version=-1, input_map=input_map, output_map=output_map)
 
 
-def ensemble_config(spec: RepoSpec) -> ModelConfig:
-    """preprocessing -> speculation_gate -> postprocessing; intermediate tensors are `_`-prefixed."""
+def _ensemble(spec: RepoSpec) -> ModelConfig:
+    """The ensemble clients call, every route alike: ENSEMBLE_INPUTS in, ENSEMBLE_OUTPUTS out; steps to add."""
     pb = model_config_pb2()
     msg = pb.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.max_batch_size)
     for t in ENSEMBLE_INPUTS:
@@ -234,6 +234,12 @@ def ensemble_config(spec: RepoSpec) -> ModelConfig:
                                        dims=list(t.dims), optional=t.optional))
     for t in ENSEMBLE_OUTPUTS:
         msg.output.append(pb.ModelOutput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims)))
+    return msg
+
+
+def ensemble_config(spec: RepoSpec) -> ModelConfig:
+    """preprocessing -> speculation_gate -> postprocessing; intermediate tensors are `_`-prefixed."""
+    msg = _ensemble(spec)
     request = {t.name: f"_{t.name}" for t in REQUEST_TENSORS}
     generation = {t.name: f"_{t.name}" for t in GENERATION_TENSORS}
     msg.ensemble_scheduling.step.extend([
@@ -272,13 +278,7 @@ def llmapi_model_config(spec: RepoSpec) -> ModelConfig:
 
 def llmapi_ensemble_config(spec: RepoSpec) -> ModelConfig:
     """The same ensemble interface as the other routes, answered by llmapi_frontend."""
-    pb = model_config_pb2()
-    msg = pb.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.max_batch_size)
-    for t in ENSEMBLE_INPUTS:
-        msg.input.append(pb.ModelInput(name=t.name, data_type=pb.DataType.Value(t.config_dtype),
-                                       dims=list(t.dims), optional=t.optional))
-    for t in ENSEMBLE_OUTPUTS:
-        msg.output.append(pb.ModelOutput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims)))
+    msg = _ensemble(spec)
     msg.ensemble_scheduling.step.append(_step(
         LLMAPI_FRONTEND, {t.name: t.name for t in ENSEMBLE_INPUTS}, {t.name: t.name for t in ENSEMBLE_OUTPUTS}))
     return msg
