@@ -86,13 +86,10 @@ def gpu_device_ids(launch: Launch) -> str | None:
     return ",".join(str(i) for i in range(launch.gpus))
 
 
-def rank_command(tritonserver: str, base_args: list[str], rank: int, launch: Launch, shm_prefix: str,
-                 log_args: list[str] = ()) -> list[str]:
+def rank_command(tritonserver: str, base_args: list[str], rank: int, launch: Launch, shm_prefix: str) -> list[str]:
     """One rank's tritonserver command, as launch_triton_server.py get_cmd builds it."""
     cmd = [tritonserver, *base_args]
-    if rank == 0:
-        cmd += list(log_args)
-    else:
+    if rank > 0:
         # Worker ranks load only the TensorRT-LLM models and never serve; the ports stay closed (the
         # Kubernetes tutorial's server.py does the same) so nothing but rank 0 can answer.
         cmd += ["--model-control-mode=explicit", *[f"--load-model={m}" for m in launch.trtllm_models],
@@ -105,16 +102,16 @@ def rank_command(tritonserver: str, base_args: list[str], rank: int, launch: Lau
 
 
 def launch_command(launch: Launch, tritonserver: str, base_args: list[str], shm_prefix: str,
-                   log_args: list[str] = (), mpirun: str = "mpirun") -> tuple[list[str], dict[str, str]]:
+                   mpirun: str = "mpirun") -> tuple[list[str], dict[str, str]]:
     """argv and the environment variables to add. Pure.
 
     base_args: the server's own arguments (repository, addresses, ports, exit/readiness flags); the plain
     mode adds only its shared-memory prefix."""
     if not launch.mpi:
-        return [tritonserver, *base_args, *log_args, f"--backend-config=python,shm-region-prefix-name={shm_prefix}"], {}
+        return [tritonserver, *base_args, f"--backend-config=python,shm-region-prefix-name={shm_prefix}"], {}
     argv = [mpirun, "--allow-run-as-root"]
     for rank in range(launch.world_size):
-        argv += ["-n", "1", *rank_command(tritonserver, base_args, rank, launch, shm_prefix, log_args)]
+        argv += ["-n", "1", *rank_command(tritonserver, base_args, rank, launch, shm_prefix)]
         if rank < launch.world_size - 1:
             argv.append(":")
     env = dict(ORCHESTRATOR_ENV) if launch.mode == "orchestrator" else {}

@@ -1,11 +1,12 @@
-"""Checks on one client request, shared by the models that read the ensemble's inputs (preprocessing, and the
-LLM-API route's frontend). Pure: each takes the request's tensors through `get(name) -> array | None` and
-raises RequestError with the one line the client sees.
+"""One client request, read and checked the same way by the models that take the ensemble's inputs
+(preprocessing, and the LLM-API route's frontend). Pure: the request's tensors come through
+`get(name) -> array | None`, and each refusal is a RequestError with the one line the client sees.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,10 +40,6 @@ def check_unsupported(get: Get) -> None:
             raise RequestError(f"{name} must be a finite number")
 
 
-def check_sampling(temperature: float, top_p: float, top_k: int, vocab_size: int | None = None) -> None:
-    check_sampling_values(temperature, top_p, top_k, vocab_size)
-
-
 def check_speculation(speculation: str, num_draft_tokens: int) -> None:
     if speculation not in SPECULATION:
         raise RequestError(f"speculation must be auto, on or off (got {speculation!r})")
@@ -74,3 +71,53 @@ def text_of(value, name: str, byte_limit: int | None = None) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise RequestError(f"{name} is not valid UTF-8 (byte {err.start}); send UTF-8 text") from None
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    """The ensemble inputs every route reads, checked; defaults filled where the client left one out."""
+
+    text: str
+    max_tokens: int
+    speculation: str  # auto | on | off
+    num_draft_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stream: bool
+    end_id: int | None  # None: not sent
+    stop_words: tuple[str, ...]
+
+
+def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_tokens: int,
+                 vocab_size: int) -> ClientRequest:
+    """Every check that needs no tokenizing, in the order a client meets them: required inputs, text_input's
+    size and encoding before anything else reads it, upstream inputs we don't implement, then each value."""
+    def scalar(name, default):
+        value = get(name)
+        if value is None:
+            return default
+        if value.shape[0] != 1:
+            raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
+        return value.reshape(-1)[0]
+
+    if get("text_input") is None or get("max_tokens") is None:
+        raise RequestError("text_input and max_tokens are required; send both")
+    text = text_of(scalar("text_input", b""), "text_input", max_input_bytes)
+    check_unsupported(get)
+    if not text.strip():
+        raise RequestError("text_input is empty; send a prompt")
+    max_tokens = int(scalar("max_tokens", 0))
+    check_max_tokens(max_tokens, max_seq_len)
+    speculation = text_of(scalar("speculation", b"auto"), "speculation")
+    num_draft = int(scalar("num_draft_tokens", num_draft_tokens))
+    check_speculation(speculation, num_draft)
+    temperature, top_p, top_k = float(scalar("temperature", 0.0)), float(scalar("top_p", 1.0)), int(scalar("top_k", 0))
+    check_sampling_values(temperature, top_p, top_k, vocab_size)
+    end_id = scalar("end_id", None)
+    words = get("stop_words")
+    stop_words = tuple(text_of(w, "stop_words", max_input_bytes) for w in ([] if words is None else words.reshape(-1)))
+    return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
+                         int(scalar("seed", 0)), bool(scalar("stream", False)),
+                         None if end_id is None else int(end_id), stop_words)

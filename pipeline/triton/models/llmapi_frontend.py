@@ -29,8 +29,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text
 from pipeline.triton.draft_target import drain
-from pipeline.triton.validate import check_length, check_max_tokens, check_sampling, check_speculation, \
-    check_unsupported, text_of
+from pipeline.triton.validate import check_length, read_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -85,62 +84,37 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
-        def scalar(name, default):
-            value = get(name)
-            if value is None:
-                return default
-            if value.shape[0] != 1:
-                raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
-            item = value.reshape(-1)[0]
-            return text_of(item, name) if isinstance(item, bytes) else item
-
-        if get("text_input") is None or get("max_tokens") is None:
-            raise RequestError("text_input and max_tokens are required; send both")
-        if get("text_input").shape[0] != 1:
-            raise RequestError(f"send one request per call (got a batch of {get('text_input').shape[0]})")
-        text = text_of(get("text_input").reshape(-1)[0], "text_input", self.max_input_bytes)  # before other work
-        check_unsupported(get)
-        if not text.strip():
-            raise RequestError("text_input is empty; send a prompt")
-        max_tokens = int(scalar("max_tokens", 0))
-        check_max_tokens(max_tokens, self.max_seq_len)
-        speculation = str(scalar("speculation", "auto"))
-        num_draft = int(scalar("num_draft_tokens", self.num_draft_tokens))
-        check_speculation(speculation, num_draft)
-        if speculation != "auto":
-            raise RequestError(f"speculation {speculation!r} can't be set per request on the LLM-API route: "
+        r = read_request(get, max_seq_len=self.max_seq_len, max_input_bytes=self.max_input_bytes,
+                         num_draft_tokens=self.num_draft_tokens, vocab_size=len(self.tokenizer))
+        if r.speculation != "auto":
+            raise RequestError(f"speculation {r.speculation!r} can't be set per request on the LLM-API route: "
                                f"TensorRT-LLM decides per batch (speculative_config.max_concurrency); send auto")
-        if num_draft != self.num_draft_tokens:
-            raise RequestError(f"num_draft_tokens {num_draft} can't be set per request on the LLM-API route (it is "
-                               f"{self.num_draft_tokens}, compiled in); leave it out")
-        if get("end_id") is not None:
+        if r.num_draft_tokens != self.num_draft_tokens:
+            raise RequestError(f"num_draft_tokens {r.num_draft_tokens} can't be set per request on the LLM-API route "
+                               f"(it is {self.num_draft_tokens}, compiled in); leave it out")
+        if r.end_id is not None:
             raise RequestError("end_id isn't supported on the LLM-API route (TensorRT-LLM's llmapi model stops at "
                                "the tokenizer's end of text); leave it out, or send stop_words")
-        temperature, top_p, top_k = float(scalar("temperature", 0.0)), float(scalar("top_p", 1.0)), \
-            int(scalar("top_k", 0))
-        check_sampling(temperature, top_p, top_k, len(self.tokenizer))
-        prompt = prompt_text(self.tokenizer, text, self.raw)
-        check_length(len(self.tokenizer(prompt).input_ids), max_tokens, self.max_seq_len)
+        prompt = prompt_text(self.tokenizer, r.text, self.raw)
+        check_length(len(self.tokenizer(prompt).input_ids), r.max_tokens, self.max_seq_len)
 
         def t(name, value, dtype):
             return pb_utils.Tensor(name, np.array(value, dtype))
 
         inputs = [t("text_input", [prompt.encode()], np.object_), t("streaming", [True], np.bool_),
-                  t("sampling_param_max_tokens", [max_tokens], np.int32),
+                  t("sampling_param_max_tokens", [r.max_tokens], np.int32),
                   t("sampling_param_exclude_input_from_output", [True], np.bool_)]
-        if temperature == 0.0 or top_k == 1:  # greedy, as the other routes read temperature 0
+        if r.temperature == 0.0 or r.top_k == 1:  # greedy, as the other routes read temperature 0
             inputs.append(t("sampling_param_top_k", [1], np.int32))
         else:
-            inputs += [t("sampling_param_temperature", [temperature], np.float32),
-                       t("sampling_param_top_p", [top_p], np.float32),
-                       t("sampling_param_seed", [int(scalar("seed", 0))], np.uint64)]
-            if top_k > 0:
-                inputs.append(t("sampling_param_top_k", [top_k], np.int32))
-        words = get("stop_words")
-        if words is not None and words.size:
-            words = [text_of(w, "stop_words", self.max_input_bytes).encode() for w in words.reshape(-1)]
-            inputs.append(t("sampling_param_stop", words, np.object_))
-        return inputs, bool(scalar("stream", False))
+            inputs += [t("sampling_param_temperature", [r.temperature], np.float32),
+                       t("sampling_param_top_p", [r.top_p], np.float32),
+                       t("sampling_param_seed", [r.seed], np.uint64)]
+            if r.top_k > 0:
+                inputs.append(t("sampling_param_top_k", [r.top_k], np.int32))
+        if r.stop_words:
+            inputs.append(t("sampling_param_stop", [w.encode() for w in r.stop_words], np.object_))
+        return inputs, r.stream
 
     def _relay(self, inputs, stream: bool, sender):
         responses = pb_utils.InferenceRequest(model_name=self.llmapi_model, inputs=inputs,

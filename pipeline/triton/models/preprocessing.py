@@ -13,8 +13,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.engine.config import ModelConfig
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, uses_chat_template
-from pipeline.triton.validate import check_length, check_max_tokens, check_sampling, check_speculation, \
-    check_unsupported, text_of
+from pipeline.triton.validate import check_length, read_request
 
 
 def _param(config: dict, key: str) -> str:
@@ -47,42 +46,17 @@ class TritonPythonModel:
         return responses
 
     def _tensors(self, request):
-        def scalar(name, default):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is None:
-                return default
-            value = tensor.as_numpy()
-            if value.shape[0] != 1:
-                raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
-            return value.reshape(-1)[0]
-
         def get(name):
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
-        if get("text_input") is None or get("max_tokens") is None:
-            raise RequestError("text_input and max_tokens are required; send both")
-        text = text_of(scalar("text_input", b""), "text_input", self.max_input_bytes)  # before any other work
-        check_unsupported(get)
-        if not text.strip():
-            raise RequestError("text_input is empty; send a prompt")
-        max_tokens = int(scalar("max_tokens", 0))
-        check_max_tokens(max_tokens, self.max_seq_len)
-        speculation = text_of(scalar("speculation", b"auto"), "speculation")
-        num_draft = int(scalar("num_draft_tokens", self.num_draft_tokens))
-        check_speculation(speculation, num_draft)
-        temperature = float(scalar("temperature", 0.0))
-        top_p = float(scalar("top_p", 1.0))
-        top_k = int(scalar("top_k", 0))
-        check_sampling(temperature, top_p, top_k, len(self.tokenizer))
-
-        ids = encode_prompt(self.tokenizer, text, self.raw)
-        check_length(len(ids), max_tokens, self.max_seq_len)
-        end_id = int(scalar("end_id", self.stops[0] if self.stops else -1))
+        r = read_request(get, max_seq_len=self.max_seq_len, max_input_bytes=self.max_input_bytes,
+                         num_draft_tokens=self.num_draft_tokens, vocab_size=len(self.tokenizer))
+        ids = encode_prompt(self.tokenizer, r.text, self.raw)
+        check_length(len(ids), r.max_tokens, self.max_seq_len)
+        end_id = r.end_id if r.end_id is not None else (self.stops[0] if self.stops else -1)
         stop_ids = list(self.stops[1:])
-        words = pb_utils.get_input_tensor_by_name(request, "stop_words")
-        for word in ([] if words is None else words.as_numpy().reshape(-1)):
-            word = text_of(word, "stop_words", self.max_input_bytes)
+        for word in r.stop_words:
             tokens = self.tokenizer(word, add_special_tokens=False).input_ids
             if len(tokens) != 1:
                 raise RequestError(f"stop word {word!r} is {len(tokens)} tokens; the portable engine stops "
@@ -93,24 +67,21 @@ class TritonPythonModel:
         stop_words[0, 0, :len(stop_ids)] = stop_ids
         stop_words[0, 1, :len(stop_ids)] = np.arange(1, len(stop_ids) + 1)
 
-        stream = bool(scalar("stream", False))
-        seed = int(scalar("seed", 0))
-
         def row(value, dtype):
             return np.array([[value]], dtype)
 
         return [
             pb_utils.Tensor("input_ids", np.array([ids], np.int32)),
             pb_utils.Tensor("input_lengths", row(len(ids), np.int32)),
-            pb_utils.Tensor("request_output_len", row(max_tokens, np.int32)),
+            pb_utils.Tensor("request_output_len", row(r.max_tokens, np.int32)),
             pb_utils.Tensor("end_id", row(end_id, np.int32)),
-            pb_utils.Tensor("temperature", row(temperature, np.float32)),
-            pb_utils.Tensor("top_k", row(top_k, np.int32)),
-            pb_utils.Tensor("top_p", row(top_p, np.float32)),
-            pb_utils.Tensor("seed", row(seed, np.uint64)),
-            pb_utils.Tensor("stream", row(stream, np.bool_)),
+            pb_utils.Tensor("temperature", row(r.temperature, np.float32)),
+            pb_utils.Tensor("top_k", row(r.top_k, np.int32)),
+            pb_utils.Tensor("top_p", row(r.top_p, np.float32)),
+            pb_utils.Tensor("seed", row(r.seed, np.uint64)),
+            pb_utils.Tensor("stream", row(r.stream, np.bool_)),
             pb_utils.Tensor("stop_words_list", stop_words),
-            pb_utils.Tensor("speculation", np.array([[speculation.encode()]], np.object_)),
-            pb_utils.Tensor("num_draft_tokens", row(num_draft, np.int32)),
+            pb_utils.Tensor("speculation", np.array([[r.speculation.encode()]], np.object_)),
+            pb_utils.Tensor("num_draft_tokens", row(r.num_draft_tokens, np.int32)),
         ]
 
