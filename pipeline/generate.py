@@ -198,6 +198,10 @@ def generate(options: GenerateOptions) -> GenerateResult:
     load_time = time.perf_counter() - t0
 
     requests = engine.generate(prompt_ids, params)
+    for i, r in enumerate(requests):
+        if r.error is not None:
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+            raise RequestError(f"{which} failed in the engine: {r.error}")
     outputs = [
         Output(prompt=p, text=tokenizer.decode(r.output_ids, skip_special_tokens=True),
                token_ids=list(r.output_ids), finish_reason=r.finish_reason.value)

@@ -13,7 +13,8 @@ from pipeline.cli import main
 from cli_checks import assert_one_line_error  # noqa: E402
 
 STATS_KEYS = {"steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-              "acceptance_per_position", "spec_steps", "nonspec_steps", "generated_tokens", "tokens_per_s"}
+              "acceptance_per_position", "spec_steps", "nonspec_steps", "generated_tokens", "tokens_per_s",
+              "failed_requests", "proposer_failures"}
 # Repetitive, so prompt lookup finds n-grams to draft from.
 COPY_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
 

@@ -229,3 +229,69 @@ def test_bf16_greedy_output_is_identical_across_batch_shapes_and_speculation(tin
     assert spec_engine.stats.drafted_tokens > 0
     assert batched == solo
     assert spec == solo
+
+
+class _Poisoned:
+    """The target, except that a forward raises when `poisoned(ids, fb)` says so, as a bad row would."""
+
+    def __init__(self, model, poisoned):
+        self.model, self.poisoned = model, poisoned
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, ids, fb, *args, **kw):
+        if self.poisoned(ids, fb):
+            raise RuntimeError("injected failure")
+        return self.model(ids, fb, *args, **kw)
+
+
+def test_a_failing_row_ends_alone_and_the_others_finish_identically(tiny_target, tiny_draft, reference):
+    """Failures tied to one request (its sampling, its callback, a forward it breaks) end that request
+    with its error; every other row decodes exactly what it would have alone."""
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3), draft=tiny_draft)
+    prompts = make_prompts(7, seed=21)
+
+    def raise_at_fifth(req, tokens):
+        if len(req.output_ids) >= 5:
+            raise RuntimeError("client went away")
+
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts[:3]]
+    sampled = engine.add_request(prompts[3], SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1))
+    sampled.generator = "not a generator"  # its next sample raises
+    callback = engine.add_request(prompts[4], SamplingParams(max_tokens=MAX_TOKENS), on_tokens=raise_at_fifth)
+    at_prefill = engine.add_request(prompts[5], SamplingParams(max_tokens=MAX_TOKENS))
+    at_decode = engine.add_request(prompts[6], SamplingParams(max_tokens=MAX_TOKENS))
+    poison = torch.tensor(prompts[5])
+    engine.model = _Poisoned(engine.model, lambda ids, fb: (
+        any(len(row) >= len(poison) and torch.equal(row[:len(poison)], poison) for row in ids)
+        or (len(at_decode.output_ids) >= 3 and at_decode.slot in fb.slots.tolist())))
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference(p) and r.error is None
+    for bad, why in ((sampled, "generator"), (callback, "client went away"), (at_prefill, "injected failure"),
+                     (at_decode, "injected failure")):
+        assert bad.finish_reason is FinishReason.ERROR and why in bad.error and bad.slot is None
+    assert len(at_decode.output_ids) == 3 and not at_prefill.output_ids
+    assert engine.stats.failed_requests == 4 and sorted(engine.free_slots) == list(range(8))
+
+
+def test_a_failing_proposer_costs_speculation_not_output(tiny_target, tiny_draft, reference):
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3), draft=tiny_draft)
+    propose, calls = engine.proposer.propose, []
+
+    def flaky(reqs, ks):
+        calls.append(len(reqs))
+        if len(calls) == 3:
+            raise RuntimeError("draft out of memory")
+        return propose(reqs, ks)
+
+    engine.proposer.propose = flaky
+    prompts = make_prompts(4, seed=22)
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.output_ids for r in reqs] == [reference(p) for p in prompts]
+    assert all(r.error is None for r in reqs) and engine.stats.proposer_failures == 1
+    assert len(calls) == 3  # the rows it failed on stop speculating: no draft work for them after

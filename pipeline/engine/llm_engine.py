@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -168,18 +169,25 @@ class LLMEngine:
     def _prefill(self, reqs: list[Request], finished: list[Request]) -> None:
         lengths = [len(r.prompt_ids) for r in reqs]
         T = max(lengths)
-        ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=self.config.device)
-        fb = ForwardBatch.build([r.slot for r in reqs], [0] * len(reqs), lengths, self.cache, self.config.device)
-        last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
-        logits, hidden = self._target_forward(ids, fb, last)
+        try:
+            ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=self.config.device)
+            fb = ForwardBatch.build([r.slot for r in reqs], [0] * len(reqs), lengths, self.cache, self.config.device)
+            last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
+            logits, hidden = self._target_forward(ids, fb, last)
+        except Exception as err:  # noqa: BLE001  find the row that breaks the batch; the others go on
+            self._isolate(reqs, err, finished, lambda r: self._prefill([r], finished))
+            return
         logits = logits[:, 0]  # [B, V]
         greedy = logits.argmax(-1).tolist()
         for i, r in enumerate(reqs):
-            r.target_len = lengths[i]
-            if hidden is not None:
-                self.proposer.on_target_hidden(r, hidden[i, : lengths[i]])
-            tok = greedy[i] if r.params.greedy else sample(probs_from_logits(logits[i].cpu(), r.params), r.generator)
-            self._emit(r, [tok], finished)
+            try:
+                r.target_len = lengths[i]
+                if hidden is not None:
+                    self.proposer.on_target_hidden(r, hidden[i, : lengths[i]])
+                tok = greedy[i] if r.params.greedy else sample(probs_from_logits(logits[i].cpu(), r.params), r.generator)
+                self._emit(r, [tok], finished)
+            except Exception as err:  # noqa: BLE001  one request's failure ends that request only
+                self._fail(r, err, finished)
         self.stats.prefill_steps += 1
 
     def draft_budget(self, req: Request) -> int:
@@ -198,47 +206,69 @@ class LLMEngine:
             ks = [self.draft_budget(r) if self.gate.wants(r) else 0 for r in reqs]
             spec = [i for i, k in enumerate(ks) if k > 0]
             if spec:  # while the gate is off no draft work runs at all
-                prop = self.proposer.propose([reqs[i] for i in spec], [ks[i] for i in spec])
-                for n, i in enumerate(spec):
-                    drafts[i] = prop.tokens[n][: ks[i]]
-                    if n in prop.stochastic_rows:
-                        q_rows[i] = prop.probs[n]
-
-        # Verify: feed [pending, d1..dk_i] per row in one target forward.
-        dev = self.config.device
-        feeds = [[r.all_ids[-1]] + d for r, d in zip(reqs, drafts)]
-        lengths = [len(f) for f in feeds]
-        T = max(lengths)
-        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
-        fb = ForwardBatch.build([r.slot for r in reqs], [r.target_len for r in reqs], lengths, self.cache, dev)
-        logits, hidden = self._target_forward(ids, fb)  # [B, T, V]
-        # Greedy rows need only the argmax; sampled rows go to the CPU, where their generators live.
-        argmax = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None
-
-        for i, r in enumerate(reqs):
-            d = drafts[i]
-            if r.params.greedy:
-                m, nxt = accept_greedy(argmax[i][: len(d) + 1], d)
-            else:
-                m, nxt = accept_sampled(logits[i].cpu(), d, q_rows.get(i), r)
-            prev_len = r.num_tokens
-            # The pending token and the m accepted drafts now have valid K/V; rejected entries past
-            # this length are stale and get overwritten: that is the per-sequence rollback.
-            r.target_len = prev_len + m
-            if d:
-                r.num_drafted += len(d)
-                r.num_accepted += m
-                r.num_verify_steps += 1
-                self.stats.record_verification(len(d), m)
-                self.proposer.on_verified(r, prev_len, len(d), m)
-            if hidden is not None:  # the states of the pending token and the accepted drafts
-                self.proposer.on_target_hidden(r, hidden[i, : m + 1])
-            self._emit(r, d[:m] + [nxt], finished)
+                try:
+                    prop = self.proposer.propose([reqs[i] for i in spec], [ks[i] for i in spec])
+                except Exception:  # noqa: BLE001  drafts are optional: these rows decode without them
+                    # The proposer's state for these rows is now unknown, so they stop speculating
+                    # for good. Their output is the target's either way: that is the lossless contract.
+                    self.stats.proposer_failures += 1
+                    for i in spec:
+                        reqs[i].speculation = "off"
+                        self.proposer.release(reqs[i])
+                else:
+                    for n, i in enumerate(spec):
+                        drafts[i] = prop.tokens[n][: ks[i]]
+                        if n in prop.stochastic_rows:
+                            q_rows[i] = prop.probs[n]
+        self._verify(reqs, drafts, q_rows, finished)
         self.stats.steps += 1
         if any(drafts):
             self.stats.spec_steps += 1
         else:
             self.stats.nonspec_steps += 1
+
+    def _verify(self, reqs: list[Request], drafts: list[list[int]], q_rows: dict[int, torch.Tensor],
+                finished: list[Request]) -> None:
+        """Feed [pending, d1..dk_i] per row in one target forward and accept per row."""
+        dev = self.config.device
+        feeds = [[r.all_ids[-1]] + d for r, d in zip(reqs, drafts)]
+        lengths = [len(f) for f in feeds]
+        T = max(lengths)
+        try:
+            ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
+            fb = ForwardBatch.build([r.slot for r in reqs], [r.target_len for r in reqs], lengths, self.cache, dev)
+            logits, hidden = self._target_forward(ids, fb)  # [B, T, V]
+        except Exception as err:  # noqa: BLE001  find the row that breaks the batch; the others go on
+            # Nothing was committed: a row's K/V past its target_len is overwritten by the retry.
+            index = {id(r): i for i, r in enumerate(reqs)}
+            self._isolate(reqs, err, finished, lambda r: self._verify(
+                [r], [drafts[index[id(r)]]], {0: q_rows[index[id(r)]]} if index[id(r)] in q_rows else {}, finished))
+            return
+        # Greedy rows need only the argmax; sampled rows go to the CPU, where their generators live.
+        argmax = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else None
+
+        for i, r in enumerate(reqs):
+            try:
+                d = drafts[i]
+                if r.params.greedy:
+                    m, nxt = accept_greedy(argmax[i][: len(d) + 1], d)
+                else:
+                    m, nxt = accept_sampled(logits[i].cpu(), d, q_rows.get(i), r)
+                prev_len = r.num_tokens
+                # The pending token and the m accepted drafts now have valid K/V; rejected entries past
+                # this length are stale and get overwritten: that is the per-sequence rollback.
+                r.target_len = prev_len + m
+                if d:
+                    r.num_drafted += len(d)
+                    r.num_accepted += m
+                    r.num_verify_steps += 1
+                    self.stats.record_verification(len(d), m)
+                    self.proposer.on_verified(r, prev_len, len(d), m)
+                if hidden is not None:  # the states of the pending token and the accepted drafts
+                    self.proposer.on_target_hidden(r, hidden[i, : m + 1])
+                self._emit(r, d[:m] + [nxt], finished)
+            except Exception as err:  # noqa: BLE001  one request's failure ends that request only
+                self._fail(r, err, finished)
 
     def _target_forward(self, ids: torch.Tensor, fb: ForwardBatch, logits_index: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -273,6 +303,28 @@ class LLMEngine:
             finished.append(req)
             if req.on_tokens:
                 req.on_tokens(req, new[-1:])
+
+    def _isolate(self, reqs: list[Request], err: Exception, finished: list[Request],
+                 retry_one: Callable[[Request], None]) -> None:
+        """A batched forward raised: fail its only row, or retry each row alone, so an error tied to
+        one request ends that request and the rest of the batch carries on."""
+        if len(reqs) == 1:
+            self._fail(reqs[0], err, finished)
+            return
+        for r in reqs:
+            retry_one(r)
+
+    def _fail(self, req: Request, err: Exception, finished: list[Request]) -> None:
+        req.error = " ".join(str(err).split()) or type(err).__name__
+        self.stats.failed_requests += 1
+        self._finish(req, FinishReason.ERROR)
+        if req not in finished:
+            finished.append(req)
+        if req.on_tokens:
+            try:
+                req.on_tokens(req, [])
+            except Exception:  # noqa: BLE001  the request already failed; its callback failing too changes nothing
+                pass
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED

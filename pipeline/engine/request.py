@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token was produced (it is not part of the output)
     LENGTH = "length"  # max_tokens, or the engine's max_seq_len
     CANCELLED = "cancelled"
+    ERROR = "error"  # something tied to this request failed; `Request.error` says what
 
 
 SPECULATION_MODES = ("auto", "on", "off")
@@ -54,6 +55,7 @@ class Request:
     num_accepted: int = 0
     num_verify_steps: int = 0  # target steps that verified at least one drafted token
     generator: torch.Generator | None = None
+    error: str | None = None  # one line, set when finish_reason is ERROR
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -15,6 +15,8 @@ class EngineStats:
     accepted_tokens: int = 0
     verified_rows: int = 0  # (row, target forward) pairs that verified at least one draft
     generated_tokens: int = 0
+    failed_requests: int = 0  # requests ended by an error tied to them (the others carried on)
+    proposer_failures: int = 0  # proposals that raised; their rows went on without speculation
     decode_time_s: float = 0.0  # time inside step(): prefill + decode, not model loading
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -61,4 +63,6 @@ class EngineStats:
             "nonspec_steps": self.nonspec_steps,
             "generated_tokens": self.generated_tokens,
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "failed_requests": self.failed_requests,
+            "proposer_failures": self.proposer_failures,
         }
