@@ -1,6 +1,8 @@
-"""One client request, read and checked the same way by the models that take the ensemble's inputs
-(preprocessing, and the LLM-API route's frontend). Pure: the request's tensors come through
-`get(name) -> array | None`, and each refusal is a RequestError with the one line the client sees.
+"""Requests read and checked at each model's edge. A client request is read the same way by the models
+that take the ensemble's inputs (preprocessing, and the LLM-API route's frontend); the internal models
+(torch_engine, postprocessing) check their own inputs too, since a client can call them directly.
+Pure: the request's tensors come through `get(name) -> array | None`, and each refusal is a
+RequestError with the one line the client sees.
 """
 
 from __future__ import annotations
@@ -121,3 +123,60 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
                          None if end_id is None else int(end_id), stop_words)
+
+
+def _required(get: Get, name: str) -> np.ndarray:
+    value = get(name)
+    if value is None or not value.size:
+        raise RequestError(f"{name} is required")
+    return value
+
+
+def read_engine_request(get: Get) -> dict:
+    """The engine model's inputs (pipeline.triton.interface REQUEST_TENSORS) as add_request arguments.
+    Sampling values, speculation and token ids are checked again by the engine itself."""
+    def scalar(name):
+        return _required(get, name).reshape(-1)[0]
+
+    ids = _required(get, "input_ids")
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise RequestError(f"input_ids must be [1, N] (got shape {list(ids.shape)}); send one request per call")
+    length = int(scalar("input_lengths"))
+    if not 1 <= length <= ids.shape[1]:
+        raise RequestError(f"input_lengths {length} is outside 1..{ids.shape[1]} (the ids sent)")
+    max_tokens = int(scalar("request_output_len"))
+    if max_tokens < 1:
+        raise RequestError(f"request_output_len must be >= 1 (got {max_tokens})")
+    temperature, top_p = float(scalar("temperature")), float(scalar("top_p"))
+    stop_words = _required(get, "stop_words_list")  # [1, 2, N]: Triton checks the shape
+    stream_id = get("stream_id")
+    return {
+        "stream_id": "" if stream_id is None or not stream_id.size else str(int(stream_id.reshape(-1)[0])),
+        "prompt_ids": [int(t) for t in ids[0, :length]],
+        "max_tokens": max_tokens,
+        "end_id": int(scalar("end_id")),
+        "temperature": temperature,
+        "top_k": int(scalar("top_k")),
+        "top_p": top_p,
+        "seed": int(scalar("seed")),
+        "stream": bool(scalar("stream")),
+        # Single-token stop words only: the ids whose end offsets are 1 apart.
+        "stop_ids": [int(t) for t in stop_words.reshape(2, -1)[0] if t >= 0],
+        "speculation": text_of(scalar("speculation"), "speculation"),
+        "num_draft_tokens": int(scalar("num_draft_tokens")),
+    }
+
+
+def read_generation_output(get: Get) -> tuple[list[int], int, bool]:
+    """postprocessing's inputs: (output_ids, prefix_length, final), with the prefix inside the ids."""
+    ids = _required(get, "output_ids")
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise RequestError(f"output_ids must be [1, N] (got shape {list(ids.shape)}); send one response per call")
+    tokens = [int(t) for t in ids[0]]
+    if any(t < 0 for t in tokens):
+        raise RequestError("output_ids holds negative token ids; send the engine's output as it is")
+    start = int(_required(get, "prefix_length").reshape(-1)[0])
+    if not 0 <= start <= len(tokens):
+        raise RequestError(f"prefix_length {start} is outside 0..{len(tokens)} (the ids sent)")
+    final = get("final")
+    return tokens, start, bool(final is not None and final.size and final.reshape(-1)[0])

@@ -28,14 +28,11 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text
+from pipeline.triton.client_errors import client_message
 from pipeline.triton.draft_target import drain
 from pipeline.triton.validate import check_length, read_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 class TritonPythonModel:
@@ -66,10 +63,8 @@ class TritonPythonModel:
         try:
             inputs, stream = self._inputs(request)
             self._relay(inputs, stream, sender)
-        except PipelineError as err:
-            error = _one_line(err)
         except Exception as err:  # noqa: BLE001  one failed request must not take the model down
-            error = f"llmapi_frontend: {_one_line(err)}"
+            error = client_message(err, "llmapi_frontend")
         else:
             error = None
         # An error is the stream's final response: an error then a separate empty final left Triton 2.51's
@@ -127,7 +122,7 @@ class TritonPythonModel:
                         responses.cancel()
                     return
                 if response.has_error():
-                    raise PipelineError(_one_line(Exception(response.error().message())))
+                    raise PipelineError(response.error().message())
                 outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
                 if "text_output" not in outputs:
                     continue

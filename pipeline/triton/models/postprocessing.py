@@ -15,6 +15,8 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.triton import cancel_marks
+from pipeline.triton.client_errors import client_message
+from pipeline.triton.validate import read_generation_output
 
 REPLACEMENT = "\ufffd"
 
@@ -40,22 +42,30 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            get = lambda name: pb_utils.get_input_tensor_by_name(request, name).as_numpy()  # noqa: E731
-            if request.is_cancelled():  # the client left: tell the gate, skip the decoding
-                cancel_marks.mark(f"stream-{int(get('stream_id').reshape(-1)[0])}")
-                # An empty answer, not a CANCELLED error: after an error from a step, Triton 2.51's ensemble
-                # drops the gate's later final response and keeps the request in flight until its 30 s exit
-                # timeout at unload. The client is gone, so nobody reads this.
-                responses.append(pb_utils.InferenceResponse(output_tensors=self._empty()))
-                continue
-            ids = [int(t) for t in get("output_ids")[0]]
-            start = int(get("prefix_length").reshape(-1)[0])
-            full, prefix = self._visible(ids, final=bool(get("final").reshape(-1)[0])), self._visible(ids[:start])
-            text = full[len(prefix):] if full.startswith(prefix) else full
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("text_output", np.array([[text.encode()]], np.object_)),
-                pb_utils.Tensor("num_accepted_tokens", get("accepted_tokens").astype(np.int32)),
-                pb_utils.Tensor("num_drafted_tokens", get("drafted_tokens").astype(np.int32)),
-                pb_utils.Tensor("num_output_tokens", np.array([[len(ids) - start]], np.int32)),
-            ]))
+            try:
+                responses.append(self._respond(request))
+            except Exception as err:  # noqa: BLE001  a malformed request fails alone, in one line
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(client_message(err, "postprocessing"))))
         return responses
+
+    def _respond(self, request):
+        def get(name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        if request.is_cancelled():  # the client left: tell the gate, skip the decoding
+            cancel_marks.mark(f"stream-{int(get('stream_id').reshape(-1)[0])}")
+            # An empty answer, not a CANCELLED error: after an error from a step, Triton 2.51's ensemble
+            # drops the gate's later final response and keeps the request in flight until its 30 s exit
+            # timeout at unload. The client is gone, so nobody reads this.
+            return pb_utils.InferenceResponse(output_tensors=self._empty())
+        ids, start, final = read_generation_output(get)
+        full, prefix = self._visible(ids, final=final), self._visible(ids[:start])
+        text = full[len(prefix):] if full.startswith(prefix) else full
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([[text.encode()]], np.object_)),
+            pb_utils.Tensor("num_accepted_tokens", get("accepted_tokens").astype(np.int32)),
+            pb_utils.Tensor("num_drafted_tokens", get("drafted_tokens").astype(np.int32)),
+            pb_utils.Tensor("num_output_tokens", np.array([[len(ids) - start]], np.int32)),
+        ])

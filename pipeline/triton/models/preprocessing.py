@@ -11,8 +11,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.config import ModelConfig
-from pipeline.errors import PipelineError, RequestError
+from pipeline.errors import RequestError
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, uses_chat_template
+from pipeline.triton.client_errors import client_message
 from pipeline.triton.validate import check_length, read_request
 
 
@@ -38,11 +39,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 responses.append(pb_utils.InferenceResponse(output_tensors=self._tensors(request)))
-            except PipelineError as err:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(" ".join(str(err).split()))))
             except Exception as err:  # noqa: BLE001  any bad input must not take the model down
                 responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"bad request: {type(err).__name__}: {' '.join(str(err).split())}")))
+                    error=pb_utils.TritonError(client_message(err, "preprocessing"))))
         return responses
 
     def _tensors(self, request):

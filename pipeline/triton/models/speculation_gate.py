@@ -32,7 +32,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.gate_policy import GatePolicy
+from pipeline.errors import PipelineError
 from pipeline.triton import cancel_marks
+from pipeline.triton.client_errors import client_message
 from pipeline.triton.draft_target import drain
 from pipeline.triton.serving_gate import Decision, ServingGate
 
@@ -48,16 +50,12 @@ def _scalar(request, name):
     return value.decode() if isinstance(value, bytes) else value
 
 
-class EngineError(Exception):
+class EngineError(PipelineError):
     """The engine model answered with an error response."""
 
 
 def _greedy(request) -> bool:
     return float(_scalar(request, "temperature")) == 0.0 or int(_scalar(request, "top_k")) == 1
-
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 class Metrics:
@@ -156,7 +154,7 @@ class TritonPythonModel:
                                            int(_scalar(request, "request_output_len")))
             except Exception as err:  # noqa: BLE001  a malformed request fails alone
                 self._send(sender, pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(f"speculation_gate: {_one_line(err)}")), FINAL)
+                    error=pb_utils.TritonError(client_message(err, "speculation_gate"))), FINAL)
                 continue
             if self.backend == "trtllm" and decision.speculate and not self.draft_model:
                 decision = Decision(False, "no_draft")  # a repository serving the target engine alone
@@ -196,10 +194,8 @@ class TritonPythonModel:
                          draft_model=self.draft_model, send=forward, cancelled=cancelled, is_text=self.is_text)
             else:
                 self._relay_engine(request, decision, stream_id, forward, cancelled)
-        except EngineError as err:  # the engine's own one-line message, as it is
-            error = _one_line(err)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
-            error = f"speculation_gate: {_one_line(err)}"
+            error = client_message(err, "speculation_gate")  # an EngineError: the engine's own line, as it is
         else:
             error = None
         self.gate.leave()
@@ -277,5 +273,5 @@ class TritonPythonModel:
                 try:
                     self.metrics.publish(self.gate, *self._pending)
                 except Exception as err:  # noqa: BLE001  metrics must never stop responses
-                    pb_utils.Logger.log_warn(f"speculation_gate: metrics not published: {_one_line(err)}")
+                    pb_utils.Logger.log_warn(f"speculation_gate: metrics not published: {client_message(err)}")
                 self._pending = [0, 0, 0]

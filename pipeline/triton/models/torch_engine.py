@@ -18,9 +18,10 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.compile.torch_engine import load_engine, read_engine_manifest
 from pipeline.engine.sampling import SamplingParams
-from pipeline.errors import PipelineError
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.triton import cancel_marks
+from pipeline.triton.client_errors import client_message
+from pipeline.triton.validate import read_engine_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Text-bearing tokens resent before each chunk, so postprocessing can rebuild a character split across
@@ -93,10 +94,6 @@ class Stream:
     done: bool = False
 
 
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
-
-
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -123,32 +120,16 @@ class TritonPythonModel:
         self.scheduler.join(timeout=10)
 
     @staticmethod
-    def _parse(request) -> dict:
+    def _parse(request):
+        """The request's arguments, or the one line refusing it (sent by the scheduler thread)."""
         def get(name):
-            return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
 
-        def scalar(name):
-            return get(name).reshape(-1)[0]
-
-        length = int(scalar("input_lengths"))
-        stop_words = get("stop_words_list").reshape(2, -1)
-        speculation = scalar("speculation")
-        stream_id = pb_utils.get_input_tensor_by_name(request, "stream_id")
-        return {
-            "stream_id": "" if stream_id is None else str(int(stream_id.as_numpy().reshape(-1)[0])),
-            "prompt_ids": [int(t) for t in get("input_ids").reshape(-1)[:length]],
-            "max_tokens": int(scalar("request_output_len")),
-            "end_id": int(scalar("end_id")),
-            "temperature": float(scalar("temperature")),
-            "top_k": int(scalar("top_k")),
-            "top_p": float(scalar("top_p")),
-            "seed": int(scalar("seed")),
-            "stream": bool(scalar("stream")),
-            # Single-token stop words only: the ids whose end offsets are 1 apart.
-            "stop_ids": [int(t) for t in stop_words[0] if t >= 0],
-            "speculation": speculation.decode() if isinstance(speculation, bytes) else str(speculation),
-            "num_draft_tokens": int(scalar("num_draft_tokens")),
-        }
+        try:
+            return read_engine_request(get)
+        except Exception as err:  # noqa: BLE001  a malformed request fails alone
+            return client_message(err, "torch_engine")
 
     # ---- the scheduler thread: everything below runs on it ------------------------------------
 
@@ -163,13 +144,13 @@ class TritonPythonModel:
             except Exception as err:  # noqa: BLE001  a failed step fails its requests, not the model
                 for req, state in list(self.streams.items()):
                     self.engine.cancel(req)
-                    self._send_error(state, f"engine step failed: {_one_line(err)}")
+                    self._send_error(state, f"engine step failed: {client_message(err)}")
                 self.streams.clear()
             if self.metrics is not None and time.monotonic() - self.metrics.last >= METRICS_EVERY_S:
                 try:
                     self.metrics.publish(self.engine)
                 except Exception as err:  # noqa: BLE001  metrics must never stop decoding
-                    pb_utils.Logger.log_warn(f"torch_engine: metrics not published: {_one_line(err)}")
+                    pb_utils.Logger.log_warn(f"torch_engine: metrics not published: {client_message(err)}")
 
     def _admit(self, block: bool):
         try:
@@ -177,24 +158,29 @@ class TritonPythonModel:
         except queue.Empty:
             return
         while True:
-            parsed, sender = item
-            state = Stream(sender, parsed["stream"], stream_id=parsed["stream_id"])
-            try:
-                stops = tuple(dict.fromkeys(([parsed["end_id"]] if parsed["end_id"] >= 0 else []) + parsed["stop_ids"]))
-                params = SamplingParams(max_tokens=parsed["max_tokens"], temperature=parsed["temperature"],
-                                        top_p=parsed["top_p"], top_k=parsed["top_k"],
-                                        seed=parsed["seed"] if parsed["temperature"] > 0 else None,
-                                        stop_token_ids=stops)
-                req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
-                                              on_tokens=self._on_tokens,
-                                              num_draft_tokens=parsed["num_draft_tokens"])
-                self.streams[req] = state
-            except PipelineError as err:
-                self._send_error(state, _one_line(err))
+            self._start(*item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _start(self, parsed, sender):
+        if isinstance(parsed, str):  # refused by _parse
+            self._send_error(Stream(sender, False), parsed)
+            return
+        state = Stream(sender, parsed["stream"], stream_id=parsed["stream_id"])
+        try:
+            stops = tuple(dict.fromkeys(([parsed["end_id"]] if parsed["end_id"] >= 0 else []) + parsed["stop_ids"]))
+            params = SamplingParams(max_tokens=parsed["max_tokens"], temperature=parsed["temperature"],
+                                    top_p=parsed["top_p"], top_k=parsed["top_k"],
+                                    seed=parsed["seed"] if parsed["temperature"] > 0 else None,
+                                    stop_token_ids=stops)
+            req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
+                                          on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"])
+        except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
+            self._send_error(state, client_message(err, "torch_engine"))
+        else:
+            self.streams[req] = state
 
     def _on_tokens(self, req, tokens):
         state = self.streams.get(req)
@@ -212,7 +198,11 @@ class TritonPythonModel:
 
     def _send(self):
         for req, state in list(self.streams.items()):
-            if req.finished:
+            if req.finished and req.error is not None:  # the engine ended this request alone
+                self._send_error(state, f"request failed in the engine: {req.error}")
+                del self.streams[req]
+                self._count_finish("error")
+            elif req.finished:
                 self._respond(req, state, final=True)
                 del self.streams[req]
                 self._count_finish(req.finish_reason.value if req.finish_reason else "stop")

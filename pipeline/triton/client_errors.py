@@ -1,0 +1,25 @@
+"""What a client may see of a failure: one line, with no traceback and no path on this machine.
+
+Every Triton model answers a failed request through `client_message`, so a model called directly
+(the internal ones can be) never hands back a Python traceback full of venv and engine paths.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pipeline.errors import PipelineError
+
+# An absolute path of two or more parts; it is cut to its last part, which still names the file.
+_PATH = re.compile(r"(?<![\w:/])(?:/[^\s/'\"(),;:]+){2,}/?")
+
+
+def client_message(err: BaseException, where: str = "") -> str:
+    """err as one line. A PipelineError's message is written for the client and goes as it is; any
+    other error is unexpected, so it is named by its type (and `where` it happened)."""
+    text = " ".join(str(err).split())
+    if not isinstance(err, PipelineError):
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+        if where:
+            text = f"{where}: {text}"
+    return _PATH.sub(lambda m: m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
