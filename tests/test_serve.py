@@ -226,3 +226,77 @@ def test_cli_serves_until_sigterm_and_reaps_its_children(echo_repo, tmp_path):
     assert cli.returncode == 0 and "Stopped." in rest
     assert all(group_members(pid) == [] for pid in server_pids)
     assert "Started GRPCInferenceService" in log.read_text()
+
+
+def test_admin_apis_need_the_servers_key_and_inference_does_not(echo_server):
+    """Raising log verbosity or reading a model's config (it holds engine paths) takes the key that serve
+    made; health, metadata, statistics and inference stay open, over HTTP and gRPC."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from pipeline.triton.server import ADMIN_HEADER
+
+    def http(path, data=None, key=None):
+        request = urllib.request.Request(echo_server.endpoints.http + path, data=data,
+                                         headers={ADMIN_HEADER: key} if key else {})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    key = echo_server.options.admin_key
+    assert len(key) >= 16
+    raise_verbosity = b'{"log_verbose_level": 1}'
+    assert http("/v2/logging", raise_verbosity) == 403 and http("/v2/logging", raise_verbosity, key="wrong") == 403
+    assert http("/v2/models/echo/config") == 403 and http("/v2/repository/index", b"{}") == 403
+    assert http("/v2/models/echo/config", key=key) == 200
+    assert http("/v2/logging", b'{"log_verbose_level": 0}', key=key) == 200
+    for open_path in ("/v2/health/ready", "/v2/models/echo", "/v2/models/echo/stats"):
+        assert http(open_path) == 200, open_path
+    client = grpcclient.InferenceServerClient(echo_server.endpoints.grpc)
+    with pytest.raises(InferenceServerException, match="restricted"):
+        client.get_model_config("echo")
+    assert client.get_model_config("echo", headers={f"triton-grpc-protocol-{ADMIN_HEADER}": key}).config.name == "echo"
+    assert client.is_model_ready("echo")
+
+
+def test_a_bad_admin_key_from_the_environment_is_a_one_line_error(monkeypatch, echo_repo):
+    from pipeline.triton.server import ADMIN_KEY_ENV
+
+    monkeypatch.setenv(ADMIN_KEY_ENV, "a:b=c")
+    with pytest.raises(ServeError, match=f"set {ADMIN_KEY_ENV} to such a key"):
+        TritonServer(options_for(echo_repo))
+    monkeypatch.setenv(ADMIN_KEY_ENV, "team-key-0123456789")
+    assert TritonServer(options_for(echo_repo)).options.admin_key == "team-key-0123456789"
+
+
+DIES_SOON_MODEL = """
+import os, signal, threading
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # Dies 2 s after it starts, every time: a model that can't stay up.
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+                    "OUTPUT", pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy())])
+                for request in requests]
+"""
+
+
+def test_a_dead_stub_is_restarted_and_a_crash_loop_ends_with_its_reason(tmp_path):
+    from pipeline.triton.supervise import RestartBudget, python_stubs, supervise
+
+    repo = tmp_path / "repo"
+    write_model(repo, "doomed", DIES_SOON_MODEL)
+    said: list[str] = []
+    with TritonServer(options_for(repo)) as server:
+        assert [s.model for s in python_stubs(server.process.pid)] == ["doomed"]
+        with pytest.raises(ServeError, match=r"the python stub of doomed \(pid \d+\) died, after 1 restarts"):
+            supervise(server, said.append, ready_timeout=60, budget=RestartBudget(limit=1), poll_s=0.1)
+        assert server.process.poll() is None  # serve's finally stops it; supervise only restarts
+    assert len(said) == 2 and "restarting tritonserver" in said[0] and said[1].startswith("ready again after")

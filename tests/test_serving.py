@@ -175,33 +175,77 @@ def test_bad_inputs_get_error_responses_and_the_server_keeps_serving(server, eng
         c.close()
 
 
-def test_an_engine_error_reaches_the_client_through_the_gate_as_the_engines_own_line(server, engine_dir):
-    """Called directly with token ids past the vocabulary (preprocessing never sends those), the engine
-    refuses the request; the gate relays its message, and serves the next request."""
+def engine_inputs(**overrides):
+    """The engine model's inputs for a two-token prompt, as the gate sends them; overrides by name."""
+    values = dict(input_ids=np.array([[1, 2]], np.int32), input_lengths=np.array([[2]], np.int32),
+                  request_output_len=np.array([[8]], np.int32), end_id=np.array([[-1]], np.int32),
+                  temperature=np.array([[0.0]], np.float32), top_k=np.array([[0]], np.int32),
+                  top_p=np.array([[1.0]], np.float32), seed=np.array([[0]], np.uint64),
+                  stream=np.array([[True]]), stop_words_list=np.array([[[-1], [-1]]], np.int32),
+                  speculation=np.array([[b"auto"]], np.object_), num_draft_tokens=np.array([[3]], np.int32))
+    values.update(overrides)
+    from tritonclient.utils import np_to_triton_dtype
+
+    return [tensor(name, v, np_to_triton_dtype(v.dtype)) for name, v in values.items()]
+
+
+def stream_error(c, model: str, tensors) -> str:
+    """The error a decoupled model answers to one request (fails the test if it answers without one)."""
     import queue
 
-    bad = [tensor("input_ids", np.array([[1, 99_999]], np.int32), "INT32"),
-           tensor("input_lengths", np.array([[2]], np.int32), "INT32"),
-           tensor("request_output_len", np.array([[8]], np.int32), "INT32"),
-           tensor("end_id", np.array([[-1]], np.int32), "INT32"),
-           tensor("temperature", np.array([[0.0]], np.float32), "FP32"),
-           tensor("top_k", np.array([[0]], np.int32), "INT32"),
-           tensor("top_p", np.array([[1.0]], np.float32), "FP32"),
-           tensor("seed", np.array([[0]], np.uint64), "UINT64"),
-           tensor("stream", np.array([[True]]), "BOOL"),
-           tensor("stop_words_list", np.array([[[-1], [-1]]], np.int32), "INT32"),
-           tensor("speculation", np.array([[b"auto"]], np.object_), "BYTES"),
-           tensor("num_draft_tokens", np.array([[3]], np.int32), "INT32")]
-    c = client(server)
     got: queue.Queue = queue.Queue()
     c.start_stream(callback=lambda result, error: got.put((result, error)))
     try:
-        c.async_stream_infer("speculation_gate", bad, enable_empty_final_response=True)
+        c.async_stream_infer(model, tensors, enable_empty_final_response=True)
         result, error = got.get(timeout=30)
-        assert error is not None and "outside the vocabulary" in str(error) and "speculation_gate:" not in str(error)
+        assert error is not None, f"{model} answered without an error"
+        return str(error)
     finally:
         c.stop_stream()
+
+
+def test_an_engine_error_reaches_the_client_through_the_gate_as_the_engines_own_line(server, engine_dir):
+    """Called directly with token ids past the vocabulary (preprocessing never sends those), the engine
+    refuses the request; the gate relays its message, and serves the next request."""
+    c = client(server)
     try:
+        error = stream_error(c, "speculation_gate", engine_inputs(input_ids=np.array([[1, 99_999]], np.int32)))
+        assert "outside the vocabulary" in error and "speculation_gate:" not in error
+        [(text, _, _)] = responses(c, "hi", 8, stream=False)
+        assert text == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()
+
+
+def test_internal_models_called_directly_refuse_bad_inputs_in_one_line(server, engine_dir):
+    """torch_engine and postprocessing check their own inputs: no dropped token, no negative count, and
+    never a traceback or a path on the server's machine."""
+    from tritonclient.utils import InferenceServerException
+
+    def postprocess(ids, prefix):
+        return [tensor("output_ids", np.array([ids], np.int32), "INT32"),
+                tensor("prefix_length", np.array([[prefix]], np.int32), "INT32"),
+                tensor("accepted_tokens", np.array([[0]], np.int32), "INT32"),
+                tensor("drafted_tokens", np.array([[0]], np.int32), "INT32"),
+                tensor("verify_steps", np.array([[0]], np.int32), "INT32"),
+                tensor("final", np.array([[True]]), "BOOL"),
+                tensor("stream_id", np.array([[0]], np.uint64), "UINT64")]
+
+    c = client(server)
+    try:
+        errors = [stream_error(c, "torch_engine", engine_inputs(input_lengths=np.array([[-1]], np.int32))),
+                  stream_error(c, "torch_engine", engine_inputs(input_lengths=np.array([[3]], np.int32))),
+                  stream_error(c, "torch_engine", engine_inputs(temperature=np.array([[np.nan]], np.float32)))]
+        assert "input_lengths -1 is outside 1..2" in errors[0] and "input_lengths 3 is outside 1..2" in errors[1]
+        assert "temperature must be a finite number" in errors[2]
+        for ids, prefix, message in (([65, -7], 0, "negative token ids"), ([65, 66], 99, "prefix_length 99 is outside 0..2")):
+            with pytest.raises(InferenceServerException, match=re.escape(message)) as err:
+                c.infer("postprocessing", postprocess(ids, prefix))
+            errors.append(str(err.value))
+        for error in errors:
+            assert "Traceback" not in error and "/" not in error.split(":", 1)[-1] and "\n" not in error
+        result = c.infer("postprocessing", postprocess([71, 72], 0))  # the byte tokenizer: "h", "i"
+        assert result.as_numpy("text_output")[0, 0].decode() == "hi"
         [(text, _, _)] = responses(c, "hi", 8, stream=False)
         assert text == expected_text(engine_dir, "hi", 8)
     finally:
@@ -280,3 +324,88 @@ def test_preprocessing_called_without_max_tokens_is_an_error_not_an_empty_answer
             c.infer("preprocessing", [tensor("text_input", np.array([[b"hi"]], np.object_), "BYTES")])
     finally:
         c.close()
+
+
+def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(engine_dir, tmp_path):
+    """kill -9 of the torch_engine stub mid-load, under `pipeline serve`: every client in flight gets an error
+    within 10 s, readiness drops, serve says why in one line, and a new request succeeds within 60 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from ports import free_ports
+
+    from pipeline.triton.assemble import AssembleOptions, assemble
+    from pipeline.triton.supervise import python_stubs
+
+    repo = assemble(AssembleOptions(engine=engine_dir, repo=tmp_path / "repo")).repo
+    grpc, http, metrics_port = free_ports()
+    cli = subprocess.Popen([sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--repo", str(repo),
+                            "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics_port)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(cli.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    from types import SimpleNamespace
+
+    served = SimpleNamespace(endpoints=SimpleNamespace(grpc=f"127.0.0.1:{grpc}"))  # what client() needs
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    try:
+        assert wait_for(lambda: any(line.strip().startswith("admin") for line in lines), timeout=120), lines
+        outcome: dict[int, tuple[str, float]] = {}
+
+        def stream(i):
+            c = client(served)
+            try:
+                responses(c, f"in flight {i}", 200, timeout=30)
+                outcome[i] = ("finished", time.monotonic())
+            except Exception as err:  # noqa: BLE001  the error is what this test wants
+                outcome[i] = (f"error: {err}", time.monotonic())
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        # Some prompts stop within a few tokens on this random model; at least three run long.
+        assert wait_for(lambda: value(metrics(f"http://127.0.0.1:{metrics_port}/metrics"),
+                                      "pipeline_engine_requests_running") >= 3, timeout=10)
+        [server_pid] = [int(p) for p in subprocess.run(["pgrep", "-f", f"tritonserver.*grpc-port={grpc}"],
+                                                       capture_output=True, text=True).stdout.split()]
+        [engine] = [s for s in python_stubs(os.getpgid(server_pid)) if s.model == "torch_engine"]
+        os.kill(engine.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert wait_for(lambda: not ready(), timeout=10)
+        for t in threads:
+            t.join(timeout=30)
+        assert sorted(outcome) == list(range(8))
+        errors = [at - killed for what, at in outcome.values() if what.startswith("error")]
+        assert len(errors) >= 3 and max(errors) < 10, outcome
+        assert all(at < killed for what, at in outcome.values() if what == "finished"), outcome
+        c = client(served)
+        deadline = killed + 60
+        while True:
+            try:
+                [(text, _, _)] = responses(c, "hi", 8, stream=False)
+                break
+            except Exception:  # noqa: BLE001  still restarting
+                assert time.monotonic() < deadline, "no answer within 60 s of the kill"
+                time.sleep(1)
+        c.close()
+        assert text == expected_text(engine_dir, "hi", 8)
+        died = [line for line in lines if "died" in line]
+        assert len(died) == 1 and f"the python stub of torch_engine (pid {engine.pid}) died" in died[0]
+        assert any(line.startswith("ready again after") for line in lines)
+    finally:
+        cli.send_signal(signal.SIGTERM)
+        cli.wait(60)

@@ -30,15 +30,17 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
     A TensorRT-LLM repository launches the way its backend needs (the repository's launch.json, written
     by assemble): under mpirun, one rank per GPU of a tp*pp engine (leader mode), or one orchestrator
     rank when a draft and a target engine share the server. It prints the command, waits until every
-    model is ready, then prints the endpoints. Stopping also reaps the python backend stubs and their
-    shared memory.
+    model is ready, then prints the endpoints and the key the admin APIs need (logging, trace, model
+    repository, shared memory, model config). It restarts the server when it or a model's process dies,
+    saying so in one line. Stopping also reaps the python backend stubs and their shared memory.
 
     \b
     Example:
       pipeline serve --repo ./triton_repo --grpc-port 8001
       pipeline serve --repo ./triton_repo --dry-run      # the launch command only
     """
-    from pipeline.triton.server import ServeOptions, planned_command, serve as run_server
+    from pipeline.triton.server import (ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServeOptions, planned_command,
+                                        serve as run_server)
 
     options = ServeOptions(repo=repo, host=host, grpc_port=grpc_port, http_port=http_port,
                            metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose)
@@ -54,6 +56,8 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
         for line in server.endpoints.lines():
             click.echo(f"  {line}")
         click.echo(f"  log      {server.log_path}")
+        click.echo(f"  admin    {', '.join(RESTRICTED_APIS)} need header {ADMIN_HEADER}: {server.options.admin_key} "
+                   f"(gRPC: triton-grpc-protocol-{ADMIN_HEADER}; set {ADMIN_KEY_ENV} to choose it)")
 
-    run_server(options, timeout=timeout, on_ready=ready, on_start=started)
+    run_server(options, timeout=timeout, on_ready=ready, on_start=started, say=click.echo)
     click.echo("Stopped.")

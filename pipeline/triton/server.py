@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -22,7 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +34,13 @@ from pipeline.triton.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
 STUB_NAME = "triton_python_backend_stub"
 EXIT_TIMEOUT_S = 10
 SHM_PREFIX = "triton_python_backend_shm_region_"
+# Admin APIs answer only a request carrying this header with the server's key: raising log verbosity,
+# tracing, loading models, mapping shared memory and reading configs (which hold engine paths) are not for
+# every client. Inference, health, metadata and statistics stay open. A gRPC client sends the header as
+# `triton-grpc-protocol-<ADMIN_HEADER>` (tritonserver 2.51's --grpc-restricted-protocol).
+ADMIN_HEADER = "pipeline-admin-key"
+ADMIN_KEY_ENV = "PIPELINE_ADMIN_KEY"
+RESTRICTED_APIS = ("logging", "trace", "model-repository", "shared-memory", "model-config")
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class ServeOptions:
     metrics_port: int = 8002
     log_file: Path | None = None
     log_verbose: int = 0
+    admin_key: str | None = None  # None: $PIPELINE_ADMIN_KEY, else a new random key per server
 
     @property
     def ports(self) -> dict[str, int]:
@@ -150,8 +159,18 @@ def check_repository(repo: Path) -> list[str]:
     return names
 
 
+def admin_key(options: ServeOptions) -> str:
+    """The key for the restricted APIs: the options', $PIPELINE_ADMIN_KEY's, or a new random one."""
+    key = options.admin_key or os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(18)
+    if not re.fullmatch(r"[A-Za-z0-9_.~-]{8,}", key):
+        raise ServeError(f"the admin key must be 8 or more letters, digits or _.~- (tritonserver splits its flag on "
+                         f"',', ':' and '='); set {ADMIN_KEY_ENV} to such a key, or unset it for a random one")
+    return key
+
+
 def server_args(options: ServeOptions, binary: ServerBinary, backend_directory: Path | None = None) -> list[str]:
-    """tritonserver's own arguments: repository, addresses, ports, exit and readiness. Pure."""
+    """tritonserver's own arguments: repository, addresses, ports, exit, readiness and the restricted
+    APIs (when options.admin_key is set). Pure."""
     args = [
         f"--model-repository={Path(options.repo).resolve()}",
         f"--grpc-address={options.host}", f"--grpc-port={options.grpc_port}",
@@ -162,6 +181,9 @@ def server_args(options: ServeOptions, binary: ServerBinary, backend_directory: 
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         f"--log-verbose={options.log_verbose}",
     ]
+    if options.admin_key:
+        restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={options.admin_key}"
+        args += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
     if binary.bundled:
         args.append("--allow-gpu-metrics=false")  # no GPU on the bundled CPU route: NVML would only warn
     if backend_directory is not None:
@@ -244,7 +266,7 @@ class TritonServer:
     """
 
     def __init__(self, options: ServeOptions, binary: ServerBinary | None = None):
-        self.options = options
+        self.options = replace(options, admin_key=admin_key(options))
         self.binary = binary
         self.process: subprocess.Popen | None = None
         self.workspace: Path | None = None
@@ -252,6 +274,7 @@ class TritonServer:
         self.shm_prefix = f"{SHM_PREFIX}pipeline{os.getpid()}_{id(self):x}_"
         self.command = ""  # the launch command, as a shell line, once started
         self.launch: Launch | None = None
+        self.backends: Path | None = None
 
     @property
     def endpoints(self) -> Endpoints:
@@ -269,17 +292,26 @@ class TritonServer:
                 raise ServeError(f"{name} port {port} on {self.options.host} is already in use; "
                                  f"stop what holds it or pass --{name}-port")
         self.workspace = Path(tempfile.mkdtemp(prefix="pipeline-serve-"))
-        backends = self._prepare_backends(binary)
+        self.backends = self._prepare_backends(binary)
         self.log_path = Path(self.options.log_file) if self.options.log_file else self.workspace / "tritonserver.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv, extra_env = launch_argv(self.options, binary, backends, self.shm_prefix, launch)
+        self._spawn("wb")
+        return self
+
+    def restart(self) -> None:
+        """Kill the server at once (its clients get an error now, not after the exit timeout) and start it
+        again on the same workspace, ports and key; its log continues in the same file."""
+        self._kill(graceful=False)
+        self._spawn("ab")
+
+    def _spawn(self, log_mode: str) -> None:
+        argv, extra_env = launch_argv(self.options, self.binary, self.backends, self.shm_prefix, self.launch)
         self.command = shell_line(argv, extra_env)
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, log_mode) as log:
             self.process = subprocess.Popen(
-                argv, env={**server_env(binary), **extra_env},
+                argv, env={**server_env(self.binary), **extra_env},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_terminate_with_parent)
-        return self
 
     def _prepare_backends(self, binary: ServerBinary) -> Path | None:
         if not binary.bundled:
@@ -323,11 +355,25 @@ class TritonServer:
 
         A log in the temp workspace goes with it unless keep_log (a failure the user should read).
         """
+        self._kill(graceful=True, timeout=timeout)
+        if self.workspace is not None:
+            if keep_log and self.log_path is not None and self.workspace in self.log_path.parents:
+                shutil.rmtree(self.workspace / "backends", ignore_errors=True)  # the log says why it failed
+            else:
+                shutil.rmtree(self.workspace, ignore_errors=True)
+            self.workspace = None
+
+    def _kill(self, graceful: bool, timeout: float = 30.0) -> None:
+        """Stop the process (SIGTERM first when graceful), SIGKILL what is left of its group, and remove
+        its shared memory and cancel marks."""
         process, self.process = self.process, None
         if process is not None:
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    process.terminate()
+                    if graceful:
+                        process.terminate()
+                    else:
+                        process.kill()
                 try:
                     process.wait(timeout)
                 except subprocess.TimeoutExpired:
@@ -343,12 +389,6 @@ class TritonServer:
         for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             with contextlib.suppress(OSError):
                 region.unlink()
-        if self.workspace is not None:
-            if keep_log and self.log_path is not None and self.workspace in self.log_path.parents:
-                shutil.rmtree(self.workspace / "backends", ignore_errors=True)  # the log says why it failed
-            else:
-                shutil.rmtree(self.workspace, ignore_errors=True)
-            self.workspace = None
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -370,6 +410,7 @@ def planned_command(options: ServeOptions, binary: ServerBinary | None = None) -
     launch = read_launch(Path(options.repo))
     binary = binary or server_binary(launch)
     backends = Path("<workspace>") / "backends" if binary.bundled else None
+    options = replace(options, admin_key=options.admin_key or "<admin-key>")  # made when the server starts
     argv, env = launch_argv(options, binary, backends, f"{SHM_PREFIX}pipeline_", launch)
     return shell_line(argv, env)
 
@@ -379,23 +420,24 @@ MPI_READY_TIMEOUT_S = 1800.0  # TensorRT-LLM engines of a 70B model take minutes
 
 
 def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callable[[TritonServer], None] | None = None,
-          binary: ServerBinary | None = None, on_start: Callable[[TritonServer], None] | None = None) -> None:
-    """Start, wait until every model is ready, call on_ready, then run until Ctrl-C or SIGTERM; always stop.
+          binary: ServerBinary | None = None, on_start: Callable[[TritonServer], None] | None = None,
+          say: Callable[[str], None] = print) -> None:
+    """Start, wait until every model is ready, call on_ready, then supervise until Ctrl-C or SIGTERM: a dead
+    server or python stub is restarted (pipeline.triton.supervise), each time said in one line. Always stops.
     on_start runs as soon as the process is started (a 70B model takes minutes to become ready)."""
+    from pipeline.triton.supervise import supervise
+
     server = TritonServer(options, binary)
     previous = _raise_on_sigterm()
     try:
         server.start()
         if on_start is not None:
             on_start(server)
-        server.wait_ready(timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S))
+        ready_timeout = timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S)
+        server.wait_ready(ready_timeout)
         if on_ready is not None:
             on_ready(server)
-        code = server.process.wait()
-        reason = failure_from_log(server.log())
-        server.stop(keep_log=True)
-        raise ServeError(f"tritonserver exited with code {code}" + (f": {reason}" if reason else "")
-                         + f" (log: {server.log_path})")
+        supervise(server, say, ready_timeout)
     except KeyboardInterrupt:
         pass
     finally:

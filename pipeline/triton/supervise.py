@@ -1,0 +1,105 @@
+"""`pipeline serve`'s watch over a running tritonserver: a dead server, or a dead python backend stub,
+brings the whole server back.
+
+Each python model instance runs in its own stub process. When one dies (OOM killer, a segfault in a
+native library, kill -9), tritonserver 2.51 doesn't notice: readiness stays 200, the dead instance's
+in-flight requests hang, and every new one fails with "Stub process is not healthy". The server is
+restarted instead: killing it ends every client's stream with an error at once, and the repository is
+ready again after a normal start. Restarts are rationed, so a model that dies at every start ends
+`pipeline serve` with its reason rather than looping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pipeline.errors import ServeError
+from pipeline.triton.server import STUB_NAME, TritonServer, failure_from_log, group_members
+
+POLL_S = 0.5
+MAX_RESTARTS = 5  # within RESTART_WINDOW_S; then serve stops with the reason
+RESTART_WINDOW_S = 600.0
+
+
+@dataclass(frozen=True)
+class Stub:
+    pid: int
+    model: str
+
+
+def python_stubs(pgid: int) -> list[Stub]:
+    """The python backend stubs in a server's process group, with the model each one runs (its first
+    argument is the model's `<repo>/<model>/<version>/model.py`)."""
+    stubs = []
+    for pid in group_members(pgid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and Path(argv[0].decode(errors="replace")).name == STUB_NAME and len(argv) > 1:
+            parts = Path(argv[1].decode(errors="replace")).parts
+            stubs.append(Stub(pid, parts[-3] if len(parts) >= 3 else "a python model"))
+    return stubs
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for tritonserver to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def what_died(server: TritonServer, stubs: list[Stub]) -> str | None:
+    """One line naming the dead process, or None while the server and every stub it started are up."""
+    code = server.process.poll()
+    if code is not None:
+        reason = failure_from_log(server.log())
+        return f"tritonserver exited with code {code}" + (f" ({reason})" if reason else "")
+    dead = [s for s in stubs if not _alive(s.pid)]
+    if dead:
+        return "the python stub of " + ", ".join(f"{s.model} (pid {s.pid})" for s in dead) + " died"
+    return None
+
+
+@dataclass
+class RestartBudget:
+    """At most `limit` restarts within `window_s`."""
+
+    limit: int = MAX_RESTARTS
+    window_s: float = RESTART_WINDOW_S
+    times: deque = field(default_factory=deque)
+
+    def take(self, now: float) -> bool:
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+
+def supervise(server: TritonServer, say: Callable[[str], None], ready_timeout: float,
+              budget: RestartBudget | None = None, poll_s: float = POLL_S) -> None:
+    """Watch a ready server until interrupted; restart it when it or a stub dies. Raises ServeError when
+    the restarts run out or a restarted server doesn't come back."""
+    budget = budget or RestartBudget()
+    stubs = python_stubs(server.process.pid)
+    while True:
+        time.sleep(poll_s)
+        died = what_died(server, stubs)
+        if died is None:
+            continue
+        if not budget.take(time.monotonic()):
+            raise ServeError(f"{died}, after {budget.limit} restarts in {budget.window_s / 60:g} min; not restarting "
+                             f"again: read the log ({server.log_path})")
+        say(f"{died}; restarting tritonserver (clients in flight get an error)")
+        start = time.monotonic()
+        server.restart()
+        server.wait_ready(ready_timeout)
+        say(f"ready again after {time.monotonic() - start:.1f} s")
+        stubs = python_stubs(server.process.pid)
