@@ -1,7 +1,8 @@
 """engines/<name>/build.json: what a build read, what it ran with, and what each stage produced.
 
-It is also the build's memory between runs: a stage whose input key and output are unchanged is reused,
-and file hashes are cached by (path, size, mtime) so a re-run hashes nothing it hashed before.
+It is also the build's memory between runs: a stage whose input key is unchanged is reused when its output
+still matches the size, mtime and sha256 recorded per file when it was written (pipeline.checksums), and model
+file hashes are cached by (path, size, mtime) so a re-run hashes nothing it hashed before.
 Written whole to a temp file and renamed, so an interrupted run never leaves half a manifest.
 """
 
@@ -16,9 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline.checksums import sha256_file
+
 FORMAT = "pipeline-build"
 FORMAT_VERSION = 1
-HASH_CHUNK = 8 << 20
 # The bundled tritonserver has no --version flag (only a running server reports it), so its version is
 # taken from the wheel that carries it: nvidia-pytriton 0.7.0 bundles tritonserver 2.51.
 BUNDLED_TRITONSERVER = {"0.7.0": "2.51"}
@@ -71,18 +73,10 @@ def hash_files(files: list[Path], cache: dict) -> dict[str, dict]:
         key = str(f.absolute())
         hit = cache.get(key)
         if not (hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns):
-            hit = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(f)}
+            hit = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(f)}
             cache[key] = hit
         out[f.name] = {"size": hit["size"], "sha256": hit["sha256"]}
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def input_key(config_key: str, dep_keys: list[str], model_hashes: list[dict]) -> str:
@@ -109,13 +103,6 @@ def tool_versions() -> dict[str, str | None]:
     return {"pipeline": version("specpipe"), "torch": version("torch"), "modelopt": version("nvidia-modelopt"),
             "transformers": version("transformers"), "tensorrt_llm": version("tensorrt_llm") or version("tensorrt-llm"),
             "tritonserver": triton}
-
-
-def folder_bytes(path: Path) -> int:
-    """Bytes under `path` (a hard-linked file counts once per folder that names it)."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 def _now() -> str:

@@ -91,6 +91,7 @@ def render_summary(result: BuildResult) -> str:
                                 r[3].rjust(widths[3]), r[4])).rstrip())
     if any(st.status == "reused" for st in result.stages):
         lines.append("(a reused stage's time is what it took when built)")
+    lines += [f"note      {note}" for note in result.notes]
     lines += [f"manifest  {_short(result.manifest)}", f"engine    {_short(result.engine)}",
               f"next      {result.next_command}"]
     return "\n".join(lines)

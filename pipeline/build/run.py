@@ -3,18 +3,21 @@
 Order: detect the machine; plan; stop with one line if the machine lacks a GPU, TensorRT-LLM or weights;
 refuse output folders this build doesn't own; resolve the models (the embedded GGUF converts once) and plan
 again with their folders; hash the model files (cached in build.json); then for each stage either reuse it
-(same input key, output complete) or run its library call, whose output is staged and renamed into place.
-build.json is rewritten after every stage, so an interrupted build resumes at the stage it was in.
+(same input key, output complete and its files as recorded when built) or run its library call, whose output
+is staged and renamed into place. build.json is rewritten after every stage, so an interrupted build resumes
+at the stage it was in. --force rebuilds every stage and re-hashes every source, cached conversions included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from pipeline import checksums
 from pipeline.build import manifest as mf
 from pipeline.build.options import BuildOptions, Environment, Weights, detect_environment
 from pipeline.build.plan import BuildPlan, Stage, plan_build
@@ -52,6 +55,7 @@ class BuildResult:
     repo: str
     stages: list[StageResult] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # cached sources found damaged and made again
     prepare_s: float = 0.0  # resolving (maybe converting) and hashing the models
     total_s: float = 0.0
 
@@ -82,13 +86,22 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
     _check_ownership(plan, previous, options.force)
 
     show = progress_enabled(quiet, stream)
+
+    def say(line: str) -> None:  # why the build is redoing something, as it decides to
+        if not quiet:
+            print(line, file=stream or sys.stderr, flush=True)
+
     manifest = previous or mf.new_manifest(plan.name)
+    if options.force:  # re-hash every source file, not only those whose size or mtime moved
+        manifest["file_hashes"] = {}
     t0 = time.perf_counter()
     # The embedded GGUF converts once (20-60 s); hashing reads every model byte the first time only.
     first = not manifest.get("models")
-    with StageProgress("prepare models", 45.0 if first else 1.0, show, stream):
-        plan, env = _with_resolved_models(options, plan, env)
+    with StageProgress("prepare models", 45.0 if first or options.force else 1.0, show, stream):
+        plan, env, notes = _with_resolved_models(options, plan, env)
         model_hashes = _hash_models(plan, env, manifest)
+    for note in notes:
+        say(note)
     prepare_s = round(time.perf_counter() - t0, 3)
     manifest.update(inputs=plan.to_dict()["options"], settings=plan.to_dict()["settings"],
                     environment={"gpu": env.gpu.key if env.gpu else None, "tensorrt_llm": env.trtllm},
@@ -99,7 +112,7 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
 
     result = BuildResult(plan.name, plan.settings.backend, plan.settings.draft_label, str(plan.build_dir),
                          str(plan.manifest_file), str(plan.engine_dir), str(plan.repo), skipped=list(plan.skipped),
-                         prepare_s=prepare_s)
+                         notes=notes, prepare_s=prepare_s)
     keys: dict[str, str] = {}
     for stage in plan.stages:
         key = mf.input_key(stage.config_key, [keys[d] for d in stage.deps],
@@ -111,24 +124,32 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
                                              note=stage.note))
             manifest["stages"][stage.name] = {"key": key, "status": "not run", "note": stage.note}
             continue
+        note = ""
         if not options.force and record.get("key") == key and _complete(stage):
-            record.update(reused=True, last_reused=mf._now())
-            result.stages.append(StageResult(stage.name, stage.kind, "reused", str(stage.output),
-                                             record.get("duration_s", 0.0), key, record.get("bytes", 0)))
-            continue
+            changed = _changed_output(stage, record)
+            if changed is None:
+                record.update(reused=True, last_reused=mf._now())
+                result.stages.append(StageResult(stage.name, stage.kind, "reused", str(stage.output),
+                                                 record.get("duration_s", 0.0), key, record.get("bytes", 0)))
+                continue
+            say(f"{stage.name}: {changed}; rebuilding")
+            note = f"rebuilt: {changed}"
         expected = record.get("duration_s") or FIRST_ESTIMATE_S[stage.kind]
         t0 = time.perf_counter()
         with StageProgress(stage.name, expected, show, stream):
             run_stage(stage)
         duration = round(time.perf_counter() - t0, 3)
-        size = mf.folder_bytes(stage.output)
+        # What a later run checks before reusing this output: it reads the bytes once, here.
+        files = checksums.record_files(stage.output)
+        size = sum(f["size"] for f in files.values())
         manifest["stages"][stage.name] = {
             "key": key, "config_key": stage.config_key, "status": "built", "reused": False, "built": mf._now(),
             "duration_s": duration, "output": str(stage.output), "bytes": size,
             "outputs": sorted(p.name + ("/" if p.is_dir() else "") for p in stage.output.iterdir()),
-            "command": " ".join(stage.command)}
+            "files": files, "command": " ".join(stage.command)}
         mf.write_manifest(plan.manifest_file, manifest)  # the next run resumes after this stage
-        result.stages.append(StageResult(stage.name, stage.kind, "built", str(stage.output), duration, key, size))
+        result.stages.append(StageResult(stage.name, stage.kind, "built", str(stage.output), duration, key, size,
+                                         note))
     result.total_s = round(time.perf_counter() - t_start, 3)
     manifest["last_run"] = {"total_s": result.total_s, "statuses": {s.name: s.status for s in result.stages}}
     mf.write_manifest(plan.manifest_file, manifest)
@@ -165,6 +186,16 @@ def _complete(stage: Stage) -> bool:
     return (stage.output / COMPLETE_MARKER[stage.kind]).is_file()
 
 
+def _changed_output(stage: Stage, record: dict) -> str | None:
+    """Why the stage's output is not what it built ("target/model.safetensors changed since it was built"),
+    or None. Sizes are compared always, hashes only where an mtime moved (and the new mtime is then kept)."""
+    files = record.get("files")
+    if files is None:  # built by a pipeline that recorded no files: nothing shows it is intact
+        return "its files were not recorded when it was built"
+    changed = checksums.first_change(stage.output, files)
+    return f"{changed} changed since it was built" if changed else None
+
+
 def _check_ownership(plan: BuildPlan, previous: dict | None, force: bool) -> None:
     """Replace only what this build wrote before: never a folder the user made, unless --force."""
     if force:
@@ -185,17 +216,22 @@ def _has_content(folder: Path) -> bool:
     return any(p.name != PLACEHOLDER for p in folder.iterdir())
 
 
-def _with_resolved_models(options: BuildOptions, plan: BuildPlan, env: Environment) -> tuple[BuildPlan, Environment]:
-    """Resolve target and draft model to local folders (converting a GGUF once) and plan again with them."""
+def _with_resolved_models(options: BuildOptions, plan: BuildPlan,
+                          env: Environment) -> tuple[BuildPlan, Environment, list[str]]:
+    """Resolve target and draft model to local folders (converting a GGUF once) and plan again with them; and
+    a note for each cached model found damaged and made again (--force hashes them all)."""
     from pipeline.models.resolve import resolve_model
 
     s = plan.settings
     weights = dict(env.weights)
     refs = [s.target] + ([s.draft_ref] if s.draft_kind == "model" else [])
+    notes = []
     for ref in refs:
-        weights[ref] = Weights(ref, resolve_model(ref).path)
+        resolved = resolve_model(ref, verify=options.force)
+        weights[ref] = Weights(ref, resolved.path)
+        notes += [resolved.note] if resolved.note else []
     env = dataclasses.replace(env, weights=weights)
-    return plan_build(options, env), env
+    return plan_build(options, env), env, notes
 
 
 def _hash_models(plan: BuildPlan, env: Environment, manifest: dict) -> dict[str, dict]:

@@ -7,14 +7,15 @@ Layout:
 
 Weights stay in the checkpoint's own (Hugging Face, maybe ModelOpt-quantized) layout rather than the
 engine's fused one: the loader's HF path is the tested one for quantized tensors and their scales, and
-fusing q/k/v and gate/up at load takes milliseconds. Files are hard-linked when the source is on the
-same filesystem (no extra disk), else copied, so the folder never depends on the source staying put.
+fusing q/k/v and gate/up at load takes milliseconds. Files are copied (cloned copy-on-write where the
+filesystem can), never hard-linked: a hard link shares the bytes, so damage to the engine's file would be
+damage to the model cache it came from. The folder never depends on the source staying put or intact.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,7 @@ ENGINE_FILE = "engine.json"
 FORMAT = "pipeline-torch-engine"
 FORMAT_VERSION = 1
 RUNTIME_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+FICLONE = 0x40049409  # linux/fs.h: the destination shares the source's blocks until either is written
 
 
 def runtime_dtype(ckpt: Checkpoint, requested: str = "auto") -> str:
@@ -53,21 +55,27 @@ def engine_manifest(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint
 
 
 def write_engine_dir(stage: Path, manifest: dict, target: Checkpoint, draft_ckpt: Checkpoint | None) -> None:
-    _link_or_copy_files(target.path, stage / "target")
+    _copy_files(target.path, stage / "target")
     if draft_ckpt is not None:
-        _link_or_copy_files(draft_ckpt.path, stage / "draft")
+        _copy_files(draft_ckpt.path, stage / "draft")
     (stage / ENGINE_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def _link_or_copy_files(source: Path, dest: Path) -> None:
+def _copy_files(source: Path, dest: Path) -> None:
     dest.mkdir(parents=True)
     for f in sorted(source.iterdir()):
-        if not f.is_file():
-            continue
-        try:
-            os.link(f, dest / f.name)
-        except OSError:
-            shutil.copy2(f, dest / f.name)
+        if f.is_file():
+            _clone_or_copy(f, dest / f.name)
+
+
+def _clone_or_copy(src: Path, dst: Path) -> None:
+    """A reflink (btrfs, XFS: instant, no extra disk until a write) where the filesystem has them, else bytes."""
+    try:
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        shutil.copystat(src, dst)
+    except OSError:  # ext4, tmpfs, overlayfs, another filesystem: copy2 rewrites the empty dst
+        shutil.copy2(src, dst)
 
 
 def read_engine_manifest(path: str | Path) -> dict:

@@ -3,7 +3,8 @@
 transformers dequantizes a GGUF on load, but the model it returns refuses `save_pretrained`
 ("quantized with gguf and is not serializable"), so the tensors, config and tokenizer are
 written here by hand. The folder appears atomically: it is built in a temp folder beside
-`out_dir` and renamed into place, so an interrupted conversion never leaves a half-written cache.
+`out_dir` and renamed into place, so an interrupted conversion never leaves a half-written cache. The folder
+records what it wrote (conversion.json: size and sha256 per file), so a cache damaged later is noticed.
 """
 
 from __future__ import annotations
@@ -15,14 +16,30 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.checksums import first_change, record_files
 from pipeline.errors import MissingDependencyError, ModelFormatError, ModelNotFoundError
 
 # Config keys that describe the GGUF source, not the architecture: a dense copy must not carry them.
 _SOURCE_ONLY_KEYS = ("quantization_config", "_model_name_or_path", "transformers_version")
+RECORD = "conversion.json"
 
 
 def is_converted(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def conversion_damage(folder: Path, rehash: bool = False) -> str | None:
+    """Why a converted folder can't be trusted ("model.safetensors changed since it was converted"), or None.
+
+    Sizes are compared always (a stat per file), hashes only with `rehash` (--force). A folder converted before
+    records were kept has nothing to check against: taken as it is, unless `rehash` asks for proof.
+    """
+    try:
+        record = json.loads((folder / RECORD).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"it has no readable {RECORD} to check it against" if rehash else None
+    changed = first_change(folder, record, rehash)
+    return f"{changed} changed since it was converted" if changed else None
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
@@ -39,6 +56,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
     try:
         _write_hf_folder(gguf_file, tmp)
+        record = {"source": str(gguf_file), "files": record_files(tmp, mtimes=False)}
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         try:
             os.replace(tmp, out_dir)  # atomic; replaces an empty leftover folder too
         except OSError:
