@@ -1,9 +1,10 @@
-"""`pipeline draft train`: ModelOpt EAGLE-3 training on a tiny target, export, resume, and the engine
-running the exported head losslessly."""
+"""`pipeline draft train`: ModelOpt EAGLE-3 training on a tiny target, export, resume, the engine
+running the exported head losslessly, and the budget holding for the whole run."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -15,15 +16,24 @@ from pipeline.cli import main
 from pipeline.draft.data import draft_vocab, load_prompts, split_prompts
 from pipeline.engine.config import EngineConfig, GatePolicy
 from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.model import Transformer
 from pipeline.engine.sampling import SamplingParams
 from tiny_models import make_tiny_llama
 
-pytest.importorskip("modelopt")
+# The speculative module takes 7-10 s to import on 2 cores; import it once here, so the budget tests
+# time the training run rather than whichever test happens to import it first.
+pytest.importorskip("modelopt.torch.speculative")
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("train-target"), seed=0, layers=8)
+
+
+def train_args(target: Path, prompts_file: Path, out: Path, budget_minutes: float) -> list[str]:
+    return ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",
+            "--draft-vocab-size", "64", "--text-samples", "8", "--budget-minutes", str(budget_minutes),
+            "-o", str(out)]
 
 
 @pytest.fixture
@@ -109,3 +119,63 @@ def test_acceptance_report_derives_mean_length_per_k_from_one_run():
     assert acc["mean_acceptance_length"] == 1 + 7 / 4
     assert acc["mean_acceptance_length_at_k"] == {1: 1.75, 2: 2.25, 3: 2.75}  # K=3 equals the measured one
     assert "| 3 | 0.75 0.50 0.50 | 2.75 |" in acceptance_table({"by_k": {3: acc}})
+
+
+def test_a_budget_too_small_to_train_the_minimum_steps_fails_in_one_line_and_exports_nothing(
+        tmp_path, target, prompts_file):
+    out = tmp_path / "head"
+    res = CliRunner().invoke(main, [*train_args(target, prompts_file, out, 0.1), "--json"])
+    assert_one_line_error(res, "--budget-minutes", "steps")
+    assert not out.exists() and not list(tmp_path.glob(".head*"))  # no head, no staging folder beside it
+
+
+def test_a_busy_machine_still_ends_within_the_budget_and_trains_the_minimum_steps(
+        tmp_path, target, prompts_file, monkeypatch):
+    from pipeline.draft.budget import allowed_overrun_s
+    from pipeline.draft.train import MIN_TRAIN_STEPS
+
+    # A loaded box: every forward of the target (its answers, its hidden states, the acceptance run) takes
+    # 0.4 s more. The old trainer then spent the budget on data, trained 0 steps, and ran on to measure
+    # acceptance unbounded: 49 s for this 18-s budget.
+    forward = Transformer.forward
+
+    def slow_forward(self, *args, **kwargs):
+        time.sleep(0.4)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", slow_forward)
+    budget_minutes = 0.3
+    t0 = time.monotonic()
+    res = CliRunner().invoke(main, [*train_args(target, prompts_file, tmp_path / "head", budget_minutes), "--json"])
+    wall = time.monotonic() - t0
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert wall <= budget_minutes * 60 + allowed_overrun_s(budget_minutes * 60), (wall, report.get("phase_seconds"))
+    assert report["steps"] >= MIN_TRAIN_STEPS
+
+
+def test_the_summary_prints_when_metrics_are_missing(tmp_path, monkeypatch):
+    from pipeline.draft import train
+    from pipeline.draft.report import acceptance_table
+
+    def no_metrics(opts):
+        return train.TrainResult(
+            output=str(opts.output), target=opts.target, method="eagle3", work_dir="w", train_prompts=11,
+            heldout_prompts=1, train_tokens=300, draft_vocab_size=64, aux_layers=[1, 3, 4], text_samples=0,
+            head={}, epochs=4.0, steps=20, resumed_from_step=20, train_seconds=9.0, total_seconds=12.0,
+            budget_minutes=0.2, stopped_by="epochs", final_loss=None, train_acc=[], acceptance=None)
+
+    monkeypatch.setattr(train, "train_draft", no_metrics)
+    res = CliRunner().invoke(main, ["draft", "train", "--target", "t", "-o", str(tmp_path / "head")])
+    assert res.exit_code == 0, res.output
+    assert "loss none" in res.output and "acceptance: not measured" in res.output
+    assert "| 6 | not measured" in acceptance_table({"by_k": {6: None}})  # cut before its first verify step
+
+
+def test_the_build_stage_fails_the_same_way_naming_its_own_budget_flag(tmp_path, target):
+    engines = tmp_path / "engines"
+    res = CliRunner().invoke(main, ["build", "--target", str(target), "--backend", "torch", "--draft", "eagle3",
+                                    "--draft-budget-minutes", "0.1", "--max-batch-size", "2", "--max-seq-len", "256",
+                                    "--engines-dir", str(engines), "--repo", str(tmp_path / "repo"), "--quiet"])
+    assert_one_line_error(res, "--draft-budget-minutes", "steps")
+    assert not list((engines / target.name).glob("*draft-eagle3*"))

@@ -207,7 +207,7 @@ def _train_stage(s: Settings, o: BuildOptions, env: Environment, build_dir: Path
     target = str(local) if local is not None and local.suffix != ".gguf" else s.target
     # The build's own bar shows the stage's ETA; the trainer's tqdm bars would interleave with it.
     opts = TrainOptions(target=target, output=head, budget_minutes=o.draft_budget_minutes, force=True,
-                        progress=False)
+                        progress=False, budget_flag="--draft-budget-minutes")
     cmd = ("pipeline", "draft", "train", "--target", target, "--method", "eagle3", "--budget-minutes",
            f"{o.draft_budget_minutes:g}", "-o", str(head), "--force")
     stages.append(_keyed(Stage("train_draft", "train", opts, cmd, head, models=(s.target,)), stages))

@@ -22,7 +22,8 @@ def draft():
 @click.option("--data", default="builtin", show_default=True,
               help='"builtin" (the shipped prompt set) or a file: one prompt per line, or JSONL with "prompt".')
 @click.option("budget_minutes", "--budget-minutes", type=float, default=10.0, show_default=True,
-              help="Wall-clock budget for the whole run: the target's answers, its hidden states, training, export.")
+              help="Wall-clock budget for the whole run (answers, hidden states, training, export, acceptance); "
+                   "training gets at least half. Too short to train a head: an error, and nothing is exported.")
 @click.option("draft_vocab_size", "--draft-vocab-size", type=int, default=None,
               help="Reduced draft vocabulary (most frequent tokens of the answers). Default: min(vocab, 8192).")
 @click.option("max_new_tokens", "--max-new-tokens", type=int, default=128, show_default=True,
@@ -48,7 +49,7 @@ def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens
       pipeline draft train --target smollm2-135m --budget-minutes 10 -o heads/smol-eagle3
       pipeline generate "Write a Python function that reverses a string." --draft eagle3:heads/smol-eagle3
     """
-    from pipeline.draft.report import acceptance_table
+    from pipeline.draft.report import train_summary
     from pipeline.draft.train import TrainOptions, train_draft
 
     result = train_draft(TrainOptions(
@@ -56,12 +57,4 @@ def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens
         draft_vocab_size=draft_vocab_size, max_new_tokens=max_new_tokens, text_samples=text_samples,
         max_epochs=max_epochs, force=force,
         progress=not json_))
-    if json_:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-        return
-    click.echo(f"trained {result.method} head for {result.target} -> {result.output}")
-    click.echo(f"  {result.train_prompts} prompts ({result.train_tokens} tokens), {result.steps} steps "
-               f"({result.epochs} epochs) in {result.train_seconds:.0f} s, stopped by {result.stopped_by}; "
-               f"loss {result.final_loss:.3f}, train accuracy per step {result.train_acc}")
-    click.echo(f"  acceptance on {result.heldout_prompts} held-out prompts (greedy):")
-    click.echo(acceptance_table(result.acceptance))
+    click.echo(json.dumps(result.to_dict(), indent=2) if json_ else train_summary(result))

@@ -8,6 +8,7 @@ needs the network. Every HELDOUT_EVERY-th prompt is held out for measuring accep
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -49,31 +50,49 @@ def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:
 
 
 def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int = 16,
-                     on_batch=None) -> list[list[int]]:
-    """The target's own greedy answers, through this project's engine: prompt + answer ids per prompt."""
+                     on_batch=None, deadline: float | None = None) -> list[list[int]]:
+    """The target's own greedy answers, through this project's engine: prompt + answer ids per prompt.
+
+    With a deadline (time.monotonic()), decoding stops at the first step past it, and the batch in flight
+    is returned cut short: a cut answer is still the target's own greedy text, and on a loaded machine one
+    batch can outlast the whole share of the budget that answers get.
+    """
     from pipeline.engine.sampling import SamplingParams
 
     seqs = []
     for i in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[i:i + batch_size]
-        reqs = engine.generate(chunk, SamplingParams(max_tokens=max_new_tokens))
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=max_new_tokens)) for p in chunk]
+        cut = False
+        while not all(r.finished for r in reqs) and not cut:
+            cut = deadline is not None and time.monotonic() > deadline
+            if cut:
+                for r in reqs:
+                    engine.cancel(r)
+            else:
+                engine.step()
         seqs += [p + r.output_ids for p, r in zip(chunk, reqs)]
         if on_batch:
             on_batch(len(chunk))
+        if cut:
+            break
     return seqs
 
 
 @torch.inference_mode()
 def target_features(model, seqs: list[list[int]], aux_layers: tuple[int, ...], dtype=torch.bfloat16,
-                    on_seq=None) -> list[dict[str, torch.Tensor]]:
+                    on_seq=None, deadline: float | None = None) -> list[dict[str, torch.Tensor]]:
     """Per sequence: the outputs of the aux layers, concatenated ([T, 3H]), and the final pre-norm hidden
-    state ([T, H]), from one target forward each, stored in `dtype` (bf16 halves the cache)."""
+    state ([T, H]), from one target forward each, stored in `dtype` (bf16 halves the cache). With a
+    deadline (time.monotonic()), only the sequences started before it: a prefix of `seqs`."""
     from pipeline.engine.kv_cache import ForwardBatch
 
     capture = tuple(i + 1 for i in aux_layers) + (model.cfg.num_layers,)
     cache = model.new_cache(1, max(len(s) for s in seqs) + 1)
     out = []
     for s in seqs:
+        if deadline is not None and time.monotonic() > deadline:
+            break
         fb = ForwardBatch.build([0], [0], [len(s)], cache)
         last = torch.tensor([[len(s) - 1]])
         _, captured = model(torch.tensor([s]), fb, cache, logits_index=last, capture_layers=capture)

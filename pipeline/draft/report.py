@@ -7,6 +7,7 @@ target forward at the states it visits: 1 + sum_{j<=K} P(drafts 1..j all accepte
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -24,8 +25,12 @@ def acceptance_from_stats(stats) -> dict:
 
 def measure_acceptance(target: Path, head_dir: Path, prompt_ids: list[list[int]], ks=(6,),
                        max_new_tokens: int = 64, eos_token_ids: tuple[int, ...] = (), dtype: str = "fp32",
-                       batch_size: int = 8) -> dict:
-    """Run the engine with the head at each K over the prompts (greedy); JSON-ready per K."""
+                       batch_size: int = 8, deadline: float | None = None) -> dict:
+    """Run the engine with the head at each K over the prompts (greedy); JSON-ready per K.
+
+    With a deadline (time.monotonic()), decoding stops at the first step past it and a K reports what was
+    verified by then (`finished_prompts` of `prompts`), or None if nothing was.
+    """
     from pipeline.engine.config import EngineConfig, GatePolicy
     from pipeline.engine.llm_engine import LLMEngine
     from pipeline.engine.sampling import SamplingParams
@@ -33,20 +38,46 @@ def measure_acceptance(target: Path, head_dir: Path, prompt_ids: list[list[int]]
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 8
     out = {"prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "by_k": {}}
     for k in ks:
+        out["by_k"][k] = None
+        if deadline is not None and time.monotonic() > deadline:
+            continue
         config = EngineConfig(max_batch_size=batch_size, max_seq_len=max_len, dtype=dtype, num_draft_tokens=k,
                               gate=GatePolicy(max_batch_size=batch_size, hysteresis=0, min_tokens=0))
         engine = LLMEngine.load(target, config, draft=f"eagle3:{head_dir}", eos_token_ids=eos_token_ids)
-        engine.generate(prompt_ids, SamplingParams(max_tokens=max_new_tokens))
-        out["by_k"][k] = acceptance_from_stats(engine.stats)
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=max_new_tokens)) for p in prompt_ids]
+        while engine.has_unfinished() and (deadline is None or time.monotonic() <= deadline):
+            engine.step()
+        done = sum(r.finished for r in reqs)
+        if engine.stats.verified_rows or done == len(reqs):
+            out["by_k"][k] = {**acceptance_from_stats(engine.stats), "finished_prompts": done}
     return out
 
 
-def acceptance_table(acc: dict) -> str:
+def acceptance_table(acc: dict | None) -> str:
     """A markdown table: K, measured mean acceptance length, and P(first j accepted) per position."""
     rows = ["| K run | accepted through position 1..K | mean acceptance length | derived mean length at K=1..K |",
             "|---|---|---|---|"]
-    for k, a in acc["by_k"].items():
+    for k, a in (acc or {}).get("by_k", {}).items():
+        if a is None:
+            rows.append(f"| {k} | not measured: the budget ran out | | |")
+            continue
         pos = " ".join(f"{x:.2f}" for x in a["accepted_through_position"])
         derived = " ".join(f"{v:.2f}" for v in a["mean_acceptance_length_at_k"].values())
         rows.append(f"| {k} | {pos} | {a['mean_acceptance_length']:.2f} | {derived} |")
     return "\n".join(rows)
+
+
+def train_summary(result) -> str:
+    """The text `pipeline draft train` prints for a TrainResult; a metric the run didn't get reads "none"."""
+    loss = "none" if result.final_loss is None else f"{result.final_loss:.3f}"
+    trained = (f"  {result.train_prompts} prompts ({result.train_tokens} tokens), {result.steps} steps "
+               f"({result.epochs} epochs) in {result.train_seconds:.0f} s, stopped by {result.stopped_by}; "
+               f"loss {loss}, train accuracy per step {result.train_acc or 'none'}")
+    lines = [f"trained {result.method} head for {result.target} -> {result.output}", trained,
+             f"  {result.total_seconds:.0f} s in all, budget {result.budget_minutes:g} min"]
+    if result.acceptance:
+        lines += [f"  acceptance on {result.heldout_prompts} held-out prompts (greedy):",
+                  acceptance_table(result.acceptance)]
+    else:
+        lines.append("  acceptance: not measured")
+    return "\n".join(lines)

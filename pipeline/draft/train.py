@@ -10,6 +10,10 @@
 4. Export: ModelOpt's export_speculative_decoding into the output folder (staged, then renamed),
    plus train_report.json with acceptance on the held-out prompts.
 
+The budget (--budget-minutes) is the whole run's wall time; pipeline.draft.budget splits it into phases
+so training always gets at least half. A run that can't train MIN_TRAIN_STEPS steps in it fails with one
+line and exports nothing.
+
 Everything lives in a work folder under $PIPELINE_HOME/draft-train/, keyed by target and settings:
 answers, features, and a checkpoint after every epoch (and every CHECKPOINT_EVERY_S seconds), so an
 interrupted run resumes where it stopped.
@@ -22,23 +26,28 @@ import copy
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.errors import ConfigError, MissingDependencyError, PipelineError
 
+if TYPE_CHECKING:
+    from pipeline.draft.budget import PhasePlan
+
 METHODS = ("eagle3",)
 CHECKPOINT_EVERY_S = 60.0
-EXPORT_RESERVE_S = 5.0  # left in the budget for export + report
-# On a loaded 2-core box the target's answers and hidden states can eat the whole budget; these caps
-# keep at least half of it for training. A rerun with the same settings adds more data.
-ANSWER_SHARE = 0.3  # answers stop being generated after this share of the budget
-FEATURE_DEADLINE = 0.5  # hidden states stop being computed after this share
 ANSWER_BATCH = 16
+WARMUP_STEPS = 20  # linear learning-rate warmup
+# A head that hasn't finished the warmup has moved little from its initialisation (random layers, the
+# target's lm_head rows): exporting it only gives acceptance near 0. A run that can't reach this many
+# steps (or all the steps its --epochs ask for, if fewer) fails and exports nothing.
+MIN_TRAIN_STEPS = WARMUP_STEPS
 
 
 class DraftTrainError(PipelineError):
@@ -51,7 +60,7 @@ class TrainOptions:
     output: Path
     method: str = "eagle3"
     data: str = "builtin"
-    budget_minutes: float = 10.0  # the whole command: answers, features, training, export
+    budget_minutes: float = 10.0  # the whole command's wall time: setup, data, training, export, acceptance
     draft_vocab_size: int | None = None  # default: min(target vocab, 8192)
     max_new_tokens: int = 128  # answer length per prompt
     max_epochs: int = 50
@@ -62,6 +71,7 @@ class TrainOptions:
     text_samples: int = 128  # plus this many 256-token samples of built-in text (0: answers only)
     force: bool = False
     progress: bool = True
+    budget_flag: str = "--budget-minutes"  # named in errors: `pipeline build` sets its own flag's name
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -94,7 +104,8 @@ class TrainResult:
     stopped_by: str  # "epochs" | "budget"
     final_loss: float | None
     train_acc: list[float]
-    acceptance: dict = field(default_factory=dict)
+    phase_seconds: dict = field(default_factory=dict)  # setup, data, train, eval
+    acceptance: dict | None = None  # None: the budget left no time to measure it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,7 +147,8 @@ def head_architecture(target_cfg: dict, draft_vocab_size: int) -> dict:
     }
 
 
-def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
+def _import_modelopt():
+    """ModelOpt's speculative module and what it needs from transformers, or a MissingDependencyError."""
     try:
         import modelopt.torch.speculative as mtsp
         from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG
@@ -145,7 +157,21 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
     except ImportError as err:
         raise MissingDependencyError(f"training a draft head needs nvidia-modelopt and transformers ({err}); "
                                      f"pip install nvidia-modelopt transformers accelerate") from None
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    return mtsp, EAGLE3_DEFAULT_CFG, AutoModelForCausalLM, LlamaRotaryEmbedding
+
+
+def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
+    mtsp, EAGLE3_DEFAULT_CFG, AutoModelForCausalLM, LlamaRotaryEmbedding = _import_modelopt()
+    from transformers.utils import logging as hf_logging
+
+    # transformers draws its own "Loading weights" bar on stderr, between ours (or under --json, alone).
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if not getattr(model.config, "architectures", None):
         model.config.architectures = [type(model).__name__]
     cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
@@ -198,17 +224,19 @@ def _collate(items: list[tuple[list[int], dict]]) -> dict:
 
 
 def train_draft(opts: TrainOptions) -> TrainResult:
-    # ModelOpt reports its progress with print(); keep stdout for our own result (--json). Gradients on
-    # whatever mode an earlier caller in this process left (a quantize run turns them off).
-    with contextlib.redirect_stdout(sys.stderr), torch.enable_grad():
+    # ModelOpt reports its progress with print(): to stderr beside our bars, dropped without them (stdout
+    # is for our own result under --json; a build draws its own bar). Gradients on whatever mode an
+    # earlier caller in this process left (a quantize run turns them off).
+    with open(os.devnull, "w") as devnull, torch.enable_grad(), \
+            contextlib.redirect_stdout(sys.stderr if opts.progress else devnull):
         return _train_draft(opts)
 
 
 def _train_draft(opts: TrainOptions) -> TrainResult:
-    from pipeline.draft.data import draft_vocab, generate_answers, load_prompts, split_prompts, target_features
+    from pipeline.draft.budget import PhasePlan
+    from pipeline.draft.data import draft_vocab, load_prompts, split_prompts
     from pipeline.engine.config import ModelConfig
     from pipeline.engine.eagle3 import default_aux_layer_ids
-    from pipeline.engine.llm_engine import LLMEngine
     from pipeline.models.resolve import resolve_model
     from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
     from pipeline.staging import check_output, staged_output
@@ -217,6 +245,7 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
     deadline = t_start + opts.budget_minutes * 60
     opts.validate()
     check_output(opts.output, opts.force, DraftTrainError, "-o")
+    _import_modelopt()  # 7-10 s on 2 cores: inside the budget, and a missing one fails before any work
     target = resolve_model(opts.target).path
     target_cfg = json.loads((target / "config.json").read_text())
     mc = ModelConfig.from_hf_dict(target_cfg)
@@ -232,55 +261,20 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
     tok = load_tokenizer(target)
     stops = stop_token_ids(tok, mc.eos_token_ids)
     aux_layers = default_aux_layer_ids(mc.num_layers)
+    plan = PhasePlan(start=time.monotonic(), deadline=deadline)
+    phase_s = {"setup": round(plan.start - t_start, 1)}
 
-    # 1-2. answers and features, cached in the work folder batch by batch: answers may take at most
-    # ANSWER_SHARE of the budget (on a loaded 2-core box they can eat all of it), and a rerun
-    # continues where this one stopped.
-    ans_file, feat_file = work / "answers.pt", work / "features.pt"
-    seqs: list[list[int]] = torch.load(ans_file) if ans_file.is_file() else []
-    if len(seqs) < len(train_p):
-        ids = [encode_prompt(tok, p, raw=False) for p in train_p]
-        max_len = max(len(i) for i in ids) + opts.max_new_tokens + 1
-        engine = LLMEngine(*_load_target(target, max_len), eos_token_ids=stops)
-        answer_deadline = t_start + ANSWER_SHARE * opts.budget_minutes * 60
-        with _bar(len(ids), "answers (target)", opts.progress) as bar:
-            bar.update(len(seqs))
-            while len(seqs) < len(ids) and (not seqs or time.monotonic() < answer_deadline):
-                chunk = ids[len(seqs):len(seqs) + ANSWER_BATCH]
-                seqs += generate_answers(engine, chunk, opts.max_new_tokens, batch_size=ANSWER_BATCH)
-                _save(seqs, ans_file)
-                bar.update(len(chunk))
-        del engine
-    feats: list = torch.load(feat_file) if feat_file.is_file() else []
-    if len(feats) < len(seqs):
-        model, _ = _load_target(target, max(len(s) for s in seqs) + 1)
-        feature_deadline = t_start + FEATURE_DEADLINE * opts.budget_minutes * 60
-        with _bar(len(seqs) - len(feats), "target hidden states", opts.progress) as bar:
-            for i in range(len(feats), len(seqs), ANSWER_BATCH):
-                if feats and time.monotonic() > feature_deadline:
-                    break
-                feats += target_features(model, seqs[i:i + ANSWER_BATCH], aux_layers, on_seq=bar.update)
-                _save(feats, feat_file)
-        del model
-    seqs = seqs[:len(feats)]
-    if opts.text_samples:
-        # Built-in text, distilled on the target's soft labels: many positions for one prefill each.
-        # Its features are cached apart, so the answers' cache stays valid for any --text-samples.
-        text_file = work / f"text-{opts.text_samples}.pt"
-        if not text_file.is_file():
-            from pipeline.draft.data import text_samples
-
-            texts = text_samples(tok, opts.text_samples)
-            model, _ = _load_target(target, max(len(t) for t in texts) + 1)
-            with _bar(len(texts), "target hidden states (text)", opts.progress) as bar:
-                _save((texts, target_features(model, texts, aux_layers, on_seq=bar.update)), text_file)
-            del model
-        texts, text_feats = torch.load(text_file)
-        seqs, feats = seqs + texts, feats + text_feats
+    # 1-2. answers and hidden states, cached in the work folder; a rerun continues where this one stopped.
+    seqs, feats = _collect_data(target, tok, stops, train_p, aux_layers, work, opts, plan)
+    phase_s["data"] = round(time.monotonic() - plan.start, 1)
+    if not seqs:
+        raise DraftTrainError(f"no training data within {opts.budget_minutes:g} min ({_timings(phase_s)}): "
+                              f"raise {opts.budget_flag}; a rerun keeps the data made so far")
 
     # 3. train with ModelOpt.
     # The draft vocabulary is fixed when training first starts, so a resumed run (maybe with more
     # answers by then) keeps the head's output rows meaning the same tokens.
+    t_train = time.monotonic()
     vocab_file = work / "d2t.pt"
     if not vocab_file.is_file():
         _save(draft_vocab(seqs, mc.vocab_size, dv), vocab_file)
@@ -295,26 +289,28 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
     ckpt_file = work / "checkpoint.pt"
     step = epoch = in_epoch = 0  # in_epoch: batches of the current epoch already trained
     train_s = 0.0
+    loss_v, accs = None, []
     if ckpt_file.is_file():
         ck = torch.load(ckpt_file)
         model.eagle_module.load_state_dict(ck["head"])
         opt.load_state_dict(ck["optimizer"])
         step, epoch, train_s = ck["step"], ck["epoch"], ck["train_seconds"]
+        loss_v, accs = ck.get("loss"), ck.get("train_acc", [])
         # Same data: continue the epoch; more data since (a rerun added answers): start a new one.
         in_epoch = ck.get("in_epoch", 0) if ck.get("num_seqs") == len(seqs) else 0
     resumed_from = step
     per_epoch = math.ceil(len(seqs) / opts.batch_size)
-    warmup = 20
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup), last_epoch=-1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS), last_epoch=-1)
     for _ in range(step):
         sched.step()
 
     def checkpoint():
         _save({"head": model.eagle_module.state_dict(), "optimizer": opt.state_dict(), "step": step,
-               "epoch": epoch, "in_epoch": in_epoch, "num_seqs": len(seqs), "train_seconds": train_s}, ckpt_file)
+               "epoch": epoch, "in_epoch": in_epoch, "num_seqs": len(seqs), "train_seconds": train_s,
+               "loss": loss_v, "train_acc": accs}, ckpt_file)
 
     model.train()
-    loss_v, accs, stopped_by = None, [], "epochs"
+    stopped_by = "epochs"
     bar_start = epoch * per_epoch + in_epoch
     last_ck = time.monotonic()
     step_s = None
@@ -323,8 +319,7 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
         while epoch < opts.max_epochs:
             batches = _batches(len(seqs), opts.batch_size, epoch, opts.seed)
             for b in batches[in_epoch:]:
-                reserve = EXPORT_RESERVE_S + (step_s or 0.0)
-                if time.monotonic() + reserve > deadline:
+                if time.monotonic() + (step_s or 0.0) > plan.train_end:
                     stopped_by = "budget"
                     break
                 t0 = time.monotonic()
@@ -342,8 +337,8 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
                 train_s += dt
                 step += 1
                 in_epoch += 1
-                loss_v, accs = float(out.loss), [round(float(a), 4) for a in out.train_acc[0]]
-                left = max(0.0, deadline - time.monotonic() - EXPORT_RESERVE_S)
+                loss_v, accs = float(out.loss.detach()), [round(float(a), 4) for a in out.train_acc[0]]
+                left = max(0.0, plan.train_end - time.monotonic())
                 # The bar's total (and so its ETA) is what the budget allows, not max_epochs' steps.
                 done = epoch * per_epoch + in_epoch
                 bar.total = min(opts.max_epochs * per_epoch, done + int(left / step_s))
@@ -358,20 +353,29 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
                 last_ck = time.monotonic()
                 continue
             break
-    checkpoint()
+    checkpoint()  # kept even when the run fails below: a rerun with a larger budget resumes from it
+    phase_s["train"] = round(time.monotonic() - t_train, 1)
+    needed = min(MIN_TRAIN_STEPS, opts.max_epochs * per_epoch)
+    if step < needed:
+        pace = f" at {step_s:.1f} s/step" if step_s else ""
+        raise DraftTrainError(f"trained {step} of the {needed} steps a head needs in {opts.budget_minutes:g} min "
+                              f"({_timings(phase_s)}{pace}): raise {opts.budget_flag}; a rerun keeps the data "
+                              f"and the steps made so far")
 
-    # 4. export (staged), then measure acceptance on the held-out prompts.
+    # 4. export (staged), then measure acceptance on the held-out prompts until the deadline.
     from modelopt.torch.export import export_speculative_decoding
 
+    from pipeline.draft.report import measure_acceptance
+
+    t_eval = time.monotonic()
     model.eval()
     held_ids = [encode_prompt(tok, p, raw=False) for p in held_p]
     with staged_output(opts.output, opts.force, DraftTrainError, "-o") as stage:
         export_speculative_decoding(model, export_dir=stage)
         _fix_export_config(stage, arch)
-        from pipeline.draft.report import measure_acceptance
-
         acceptance = measure_acceptance(target, stage, held_ids, ks=(6,), max_new_tokens=opts.eval_tokens,
-                                        eos_token_ids=stops)
+                                        eos_token_ids=stops, deadline=deadline)
+        phase_s["eval"] = round(time.monotonic() - t_eval, 1)
         result = TrainResult(
             output=str(opts.output), target=str(target), method=opts.method, work_dir=str(work),
             train_prompts=len(train_p), heldout_prompts=len(held_p), train_tokens=sum(len(s) for s in seqs),
@@ -382,9 +386,68 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
             epochs=round(epoch + in_epoch / per_epoch, 2), steps=step, resumed_from_step=resumed_from,
             train_seconds=round(train_s, 1), total_seconds=round(time.monotonic() - t_start, 1),
             budget_minutes=opts.budget_minutes, stopped_by=stopped_by, final_loss=loss_v, train_acc=accs,
-            acceptance=acceptance)
+            phase_seconds=phase_s, acceptance=acceptance)
         (stage / "train_report.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result
+
+
+def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work: Path, opts: TrainOptions,
+                  plan: PhasePlan) -> tuple[list[list[int]], list[dict]]:
+    """(sequences, their target hidden states): the target's answers to the training prompts until the
+    plan's answers_end, their hidden states, then the built-in text's, until its data_end. Each is cached
+    batch by batch in the work folder, so a rerun continues where this run stopped."""
+    from pipeline.draft.data import generate_answers, target_features
+    from pipeline.engine.llm_engine import LLMEngine
+    from pipeline.models.tokenizer import encode_prompt
+
+    def before(t: float) -> bool:
+        return time.monotonic() < t
+
+    ans_file, feat_file = work / "answers.pt", work / "features.pt"
+    seqs: list[list[int]] = torch.load(ans_file) if ans_file.is_file() else []
+    if len(seqs) < len(train_p) and before(plan.answers_end):
+        ids = [encode_prompt(tok, p, raw=False) for p in train_p]
+        max_len = max(len(i) for i in ids) + opts.max_new_tokens + 1
+        engine = LLMEngine(*_load_target(target, max_len), eos_token_ids=stops)
+        with _bar(len(ids), "answers (target)", opts.progress) as bar:
+            bar.update(len(seqs))
+            while len(seqs) < len(ids) and before(plan.answers_end):
+                chunk = ids[len(seqs):len(seqs) + ANSWER_BATCH]
+                seqs += generate_answers(engine, chunk, opts.max_new_tokens, batch_size=ANSWER_BATCH,
+                                         deadline=plan.answers_end)
+                _save(seqs, ans_file)
+                bar.update(len(chunk))
+        del engine
+    feats: list = torch.load(feat_file) if feat_file.is_file() else []
+    if len(feats) < len(seqs) and before(plan.data_end):
+        model, _ = _load_target(target, max(len(s) for s in seqs) + 1)
+        with _bar(len(seqs) - len(feats), "target hidden states", opts.progress) as bar:
+            while len(feats) < len(seqs) and before(plan.data_end):
+                feats += target_features(model, seqs[len(feats):len(feats) + ANSWER_BATCH], aux_layers,
+                                         on_seq=bar.update, deadline=plan.data_end)
+                _save(feats, feat_file)
+        del model
+    seqs = seqs[:len(feats)]
+    if opts.text_samples:
+        # Built-in text, distilled on the target's soft labels: many positions for one prefill each.
+        # Its features are cached apart, so the answers' cache stays valid for any --text-samples.
+        from pipeline.draft.data import text_samples
+
+        text_file = work / f"text-{opts.text_samples}.pt"
+        texts, text_feats = torch.load(text_file) if text_file.is_file() else (text_samples(tok, opts.text_samples), [])
+        if len(text_feats) < len(texts) and before(plan.data_end):
+            model, _ = _load_target(target, max(len(t) for t in texts) + 1)
+            with _bar(len(texts) - len(text_feats), "target hidden states (text)", opts.progress) as bar:
+                text_feats += target_features(model, texts[len(text_feats):], aux_layers, on_seq=bar.update,
+                                              deadline=plan.data_end)
+            _save((texts, text_feats), text_file)
+            del model
+        seqs, feats = seqs + texts[:len(text_feats)], feats + text_feats
+    return seqs, feats
+
+
+def _timings(phase_s: dict) -> str:
+    return ", ".join(f"{name} {s:.0f} s" for name, s in phase_s.items())
 
 
 def _fix_export_config(folder: Path, arch: dict) -> None:
