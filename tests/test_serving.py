@@ -409,3 +409,40 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(eng
     finally:
         cli.send_signal(signal.SIGTERM)
         cli.wait(60)
+
+
+def test_sixty_four_abandoned_streams_free_every_slot_and_decode_little_for_nobody(tiny_target, tmp_path):
+    """64 streams of up to 900 tokens at once, each left by its client after 2 responses: none decodes to
+    max_tokens for nobody, every slot comes back, and few tokens are made in all. Postprocessing passes each
+    cancel straight to the engine as well as to the gate, and the engine streams at most 20 responses a second
+    per stream, so postprocessing keeps up and sees a cancel soon after the client leaves."""
+    long_tokens = 900
+    engine_dir = tmp_path / "long"
+    compile_model(CompileOptions("torch", tiny_target, engine_dir, draft="ngram", num_draft_tokens=3,
+                                 max_batch_size=64, max_seq_len=1024, gate_batch_size=64))
+    with served_engine(engine_dir, tmp_path, gate_batch_size=THRESHOLD, gate_hysteresis=HYSTERESIS,
+                       min_spec_tokens=20, acceptance_floor=0.0) as srv:
+        def leave(i):
+            c = client(srv)
+            try:
+                assert len(responses(c, f"abandoned {i}", long_tokens, leave_after=2)) == 2
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=leave, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+
+        def finished(reason):
+            return value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_finished_total", reason=reason)
+
+        assert wait_for(lambda: finished("cancelled") + finished("length") + finished("stop") == 64, timeout=60)
+        assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_running") == 0)
+        after = metrics(srv.endpoints.metrics)
+        # Some answers of this random model end at an end-of-text token within their first tokens.
+        assert finished("length") == 0 and finished("cancelled") >= 48, (finished("cancelled"), finished("stop"))
+        assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_gate_in_flight") == 0)
+        made = value(after, "pipeline_engine_generation_tokens_total")
+        assert made < 64 * long_tokens / 10, made  # the 64 answers in full: 57,600 tokens

@@ -54,8 +54,10 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
 
-        if request.is_cancelled():  # the client left: tell the gate, skip the decoding
-            cancel_marks.mark(f"stream-{int(get('stream_id').reshape(-1)[0])}")
+        stream_id = int(get("stream_id").reshape(-1)[0])
+        if request.is_cancelled():  # the client left: tell the gate and the engine, skip the decoding
+            cancel_marks.mark(f"stream-{stream_id}")
+            cancel_marks.mark(f"engine-{stream_id}")
             # An empty answer, not a CANCELLED error: after an error from a step, Triton 2.51's ensemble
             # drops the gate's later final response and keeps the request in flight until its 30 s exit
             # timeout at unload. The client is gone, so nobody reads this.
