@@ -158,6 +158,15 @@ def test_gate_and_engines_are_decoupled_and_the_tokenizer_models_are_not(spec):
     assert configs[GATE].parameters["engine_model"].string_value == spec.engine_model
 
 
+@both_backends()
+def test_only_preprocessing_runs_more_than_one_instance(spec):
+    """A long prompt tokenizing must not hold every other request; everything else stays one instance (the
+    decoupled models send from one thread, and postprocessing must see a stream's responses in order)."""
+    counts = {name: sum(g.count for g in c.instance_group) for name, c in repository_configs(spec).items()
+              if c.backend == "python"}
+    assert counts.pop("preprocessing") == 2 and set(counts.values()) == {1}, counts
+
+
 def test_gate_and_engine_share_the_request_and_generation_tensors():
     configs = repository_configs(TORCH)
     request = list(interface.names(interface.REQUEST_TENSORS))

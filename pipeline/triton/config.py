@@ -128,8 +128,14 @@ def _flag(value: bool) -> str:
     return "true" if value else "false"
 
 
+# Two preprocessing instances: a prompt near the byte limit tokenizing in one doesn't hold every other
+# request's tokenizing behind it (the limit itself keeps that to milliseconds).
+PREPROCESSING_INSTANCES = 2
+
+
 def _base(name: str, spec: RepoSpec, *, backend: str, inputs: tuple[TensorSpec, ...],
-          outputs: tuple[TensorSpec, ...], parameters: dict[str, str], decoupled: bool) -> ModelConfig:
+          outputs: tuple[TensorSpec, ...], parameters: dict[str, str], decoupled: bool,
+          instances: int = 1) -> ModelConfig:
     pb = model_config_pb2()
     msg = pb.ModelConfig(name=name, backend=backend, max_batch_size=spec.max_batch_size)
     for t in inputs:
@@ -141,10 +147,10 @@ def _base(name: str, spec: RepoSpec, *, backend: str, inputs: tuple[TensorSpec, 
         msg.output.append(pb.ModelOutput(name=t.name, data_type=pb.DataType.Value(t.config_dtype), dims=list(t.dims)))
     if decoupled:
         msg.model_transaction_policy.decoupled = True
-    # One instance: the decoupled models send every response from one scheduler thread (many
-    # sender threads crashed the python backend at 40 streams), and one instance is enough for
-    # the tokenizer models, whose work is microseconds next to a decode step.
-    msg.instance_group.append(pb.ModelInstanceGroup(count=1, kind=pb.ModelInstanceGroup.KIND_CPU))
+    # One instance by default: the decoupled models send every response from one scheduler thread (many
+    # sender threads crashed the python backend at 40 streams), and postprocessing must handle a stream's
+    # responses in order. Preprocessing answers each request once, so it takes PREPROCESSING_INSTANCES.
+    msg.instance_group.append(pb.ModelInstanceGroup(count=instances, kind=pb.ModelInstanceGroup.KIND_CPU))
     for key, value in parameters.items():
         msg.parameters[key].string_value = value
     return msg
@@ -160,7 +166,7 @@ def _request_parameters(spec: RepoSpec) -> dict[str, str]:
 def preprocessing_config(spec: RepoSpec) -> ModelConfig:
     """Tokenizes (with the chat template), validates, and fills every default of a request."""
     return _base(PREPROCESSING, spec, backend="python", inputs=ENSEMBLE_INPUTS, outputs=REQUEST_TENSORS,
-                 decoupled=False, parameters=_request_parameters(spec))
+                 decoupled=False, parameters=_request_parameters(spec), instances=PREPROCESSING_INSTANCES)
 
 
 def postprocessing_config(spec: RepoSpec) -> ModelConfig:
