@@ -389,9 +389,9 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(eng
         for t in threads:
             t.join(timeout=30)
         assert sorted(outcome) == list(range(8))
+        # Streams whose answer ended just before the kill finish; every other one gets an error, fast.
         errors = [at - killed for what, at in outcome.values() if what.startswith("error")]
         assert len(errors) >= 3 and max(errors) < 10, outcome
-        assert all(at < killed for what, at in outcome.values() if what == "finished"), outcome
         c = client(served)
         deadline = killed + 60
         while True:
@@ -446,3 +446,20 @@ def test_sixty_four_abandoned_streams_free_every_slot_and_decode_little_for_nobo
         assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_gate_in_flight") == 0)
         made = value(after, "pipeline_engine_generation_tokens_total")
         assert made < 64 * long_tokens / 10, made  # the 64 answers in full: 57,600 tokens
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_answer_that_stops_at_its_first_token_is_an_empty_answer_not_an_error(server, engine_dir, stream):
+    """end_id set to the token the model says first: zero tokens out, streamed or not."""
+    from pipeline.compile import load_engine
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer
+
+    tokenizer, engine = load_tokenizer(engine_dir / "target"), load_engine(engine_dir)
+    [req] = engine.generate([encode_prompt(tokenizer, "hi", raw=False)], SamplingParams(max_tokens=1))
+    first = tensor("end_id", np.array([[req.output_ids[0]]], np.int32), "INT32")
+    c = client(server)
+    try:
+        assert "".join(t for t, _, _ in responses(c, "hi", 8, stream=stream, extra=[first])) == ""
+    finally:
+        c.close()

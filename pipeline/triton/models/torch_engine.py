@@ -221,7 +221,11 @@ class TritonPythonModel:
         end = len(req.output_ids)
         # A stream's final response goes out even with no new tokens: it resends the prefix, so
         # postprocessing releases a trailing U+FFFD it held back.
-        if not state.stream or end > state.sent or final:
+        if start == end and final:
+            # No token at all (the first one was a stop token): Triton's ensemble takes a [1, 0] output_ids
+            # for a missing input and fails the request, so the answer ends with a bare final flag instead.
+            state.sender.send(flags=FINAL)
+        elif not state.stream or end > state.sent or final:
             response = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("output_ids", np.array([req.output_ids[start:end]], np.int32)),
                 pb_utils.Tensor("prefix_length", np.array([[state.sent - start if state.stream else 0]], np.int32)),
