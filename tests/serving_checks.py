@@ -16,6 +16,19 @@ from ports import free_ports
 MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
 
 
+def soak_script():
+    """scripts/soak.py as a module: its request mix (BAD_REQUESTS among it) is what the serving tests send too."""
+    import importlib.util
+    import sys
+
+    if "soak" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("soak", Path(__file__).parent.parent / "scripts" / "soak.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules["soak"]
+
+
 def expected_text(engine_dir: Path, prompt: str, max_tokens: int) -> str:
     """What the in-process engine answers (greedy), decoded as `pipeline generate` decodes it."""
     return expected_texts(engine_dir, [prompt], max_tokens)[0]

@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.compile import CompileOptions, compile_model
 from serving_checks import (expected_text, expected_texts, inputs, metrics, responses, served_engine,  # noqa: E402
-                            tensor)
+                            soak_script, tensor)
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -252,14 +252,7 @@ def test_internal_models_called_directly_refuse_bad_inputs_in_one_line(server, e
         c.close()
 
 
-BAD_REQUESTS = {  # what a hostile or careless client sends -> the one line it gets back
-    "nan temperature": (dict(temperature=("FP32", float("nan"))), "temperature must be a finite number"),
-    "tiny temperature": (dict(temperature=("FP32", 1e-45)), "too small to sample with"),
-    "top_p 0": (dict(top_p=("FP32", 0.0)), "top_p must be in (0, 1]"),
-    "top_k past the vocabulary": (dict(top_k=("INT32", 10_000_000)), "over the vocabulary"),
-    "nan penalty": (dict(repetition_penalty=("FP32", float("nan"))), "repetition_penalty"),
-    "beam search": (dict(beam_width=("INT32", 4)), "beam_width 4"),
-}
+BAD_REQUESTS = soak_script().BAD_REQUESTS  # what a hostile or careless client sends -> the one line it gets
 
 
 def test_a_bad_request_never_fails_or_hangs_the_others(server, engine_dir):

@@ -1,0 +1,694 @@
+"""Soak a served repository: N concurrent streams for T minutes, then count what went wrong.
+
+Each of --streams worker threads holds one tritonclient gRPC client and runs one request at a time on
+its stream, back to back, until the time is up. Every --burst-every-s, --burst-streams more clients
+arrive at once, send one request each and leave. Each request is drawn from a seeded mix:
+
+- bad (--bad-share): an input the server must refuse in one line (NaN temperature, top_p 0, beam
+  search, ...). Refused with the expected text: "errored as expected"; anything else is unexpected.
+- cancel (--cancel-share): a greedy stream the client walks away from after 1-3 responses
+  (stop_stream(cancel_requests=True)). Not an error; one that ends before the client leaves counts
+  as completed and is checked as greedy.
+- sampled (--sampled-share of the rest): temperature 0.8 with its own seed; it only has to complete.
+- greedy (the rest; a quarter of them not streamed): its text must equal the prompt's reference,
+  the same server's answer to that prompt sent alone before the load starts. Under load the gate
+  turns speculation off, so this also checks that greedy output is the target's either way.
+
+A request with no response for --hang-s seconds is hung (the client cancels it and goes on). The RSS
+of every server process (tritonserver and each python stub, from /proc) is read at the start, after
+warm-up and at the end; growth after warm-up must stay under --rss-growth-pct. Exit status 1 when
+anything hung, failed unexpectedly, mismatched, grew too much, or the server's load gauges (the gate's
+in-flight count, the engine's running and waiting requests) did not return to zero once the load drained.
+
+    python scripts/soak.py --repo triton_repo                     # start tritonserver on it: 64 streams, 10 min
+    python scripts/soak.py --url 127.0.0.1:8001 --server-pid 4242 --minutes 2 --json
+    python scripts/soak.py --repo triton_repo --streams 16 --minutes 1 --burst-every-s 20 --no-rss-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import numpy as np
+
+# What a hostile or careless client sends -> the one line it gets back (tests/test_serving.py sends these too).
+BAD_REQUESTS = {
+    "nan temperature": (dict(temperature=("FP32", float("nan"))), "temperature must be a finite number"),
+    "tiny temperature": (dict(temperature=("FP32", 1e-45)), "too small to sample with"),
+    "top_p 0": (dict(top_p=("FP32", 0.0)), "top_p must be in (0, 1]"),
+    "top_k past the vocabulary": (dict(top_k=("INT32", 10_000_000)), "over the vocabulary"),
+    "nan penalty": (dict(repetition_penalty=("FP32", float("nan"))), "repetition_penalty"),
+    "beam search": (dict(beam_width=("INT32", 4)), "beam_width 4"),
+}
+
+# The greedy reference pool: answers that copy from the prompt (where n-gram drafts pay) and free-form ones.
+PROMPTS = (
+    "Write a Python function that reverses a string.",
+    "Repeat this list back in reverse order: apple, banana, cherry, date, elderberry, fig, grape.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain what a hash map is to a ten-year-old.",
+    "Fix the bug: def add(a, b): return a - b",
+    "Translate to French: The cat sleeps on the warm windowsill.",
+    "List five prime numbers and say why each is prime.",
+    "Rename x to count in: x = 0\nfor i in range(10):\n    x += i\nprint(x)",
+    "Write a haiku about autumn rain.",
+    "Summarize: The meeting moved from Tuesday to Thursday because the room was booked.",
+    "Give three tips for writing clear commit messages.",
+    "Convert this JSON to YAML: {\"name\": \"soak\", \"streams\": 64, \"minutes\": 10}",
+    "What does HTTP status 404 mean?",
+    "Write a SQL query that counts the rows of a table named orders.",
+    "Describe the water cycle in three steps.",
+    "Complete the sequence: 2, 4, 8, 16, 32,",
+)
+
+SAMPLED_TEMPERATURE = 0.8
+BAD_MAX_TOKENS = 8  # refused before decoding; short in case a bad request is wrongly served
+PROGRESS_EVERY_S = 60.0
+GAUGES_EVERY_S = 2.0
+# The server's load, read from its /metrics: requests the gate holds, and those decoding or queued in the engine.
+GAUGES = ("pipeline_gate_in_flight", "pipeline_engine_requests_running", "pipeline_engine_requests_waiting")
+
+
+class Kind(str, Enum):
+    GREEDY = "greedy"
+    SAMPLED = "sampled"
+    BAD = "bad"
+    CANCEL = "cancel"
+
+
+class Outcome(str, Enum):
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"  # the client left after 1-3 responses, as planned
+    ERRORED_EXPECTED = "errored_expected"
+    ERRORED_UNEXPECTED = "errored_unexpected"
+    HUNG = "hung"
+    MISMATCHED = "mismatched"
+
+
+FAILING = (Outcome.ERRORED_UNEXPECTED, Outcome.HUNG, Outcome.MISMATCHED)
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    streams: int = 64
+    minutes: float = 10.0
+    max_tokens: int = 64
+    bad_share: float = 0.1
+    cancel_share: float = 0.1
+    sampled_share: float = 0.3  # of the requests that are neither bad nor cancelled
+    burst_every_s: float = 60.0  # 0: no bursts
+    burst_streams: int = 64
+    hang_s: float = 60.0
+    seed: int = 0
+    warmup_s: float | None = None  # None: 10% of the run, at least 30 s, at most half of it
+    rss_growth_pct: float = 10.0
+
+    def __post_init__(self):
+        for name in ("bad_share", "cancel_share", "sampled_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1] (got {getattr(self, name)})")
+        if self.bad_share + self.cancel_share > 1.0:
+            raise ValueError("--bad-share plus --cancel-share must be at most 1")
+        if self.streams < 1 or self.minutes <= 0 or self.max_tokens < 1 or self.hang_s <= 0:
+            raise ValueError("--streams, --minutes, --max-tokens and --hang-s must be positive")
+
+    @property
+    def duration_s(self) -> float:
+        return self.minutes * 60.0
+
+    @property
+    def warmup_at_s(self) -> float:
+        if self.warmup_s is not None:
+            return min(self.warmup_s, self.duration_s)
+        return min(max(0.1 * self.duration_s, 30.0), 0.5 * self.duration_s)
+
+
+@dataclass(frozen=True)
+class Request:
+    kind: Kind
+    prompt: int  # index into PROMPTS
+    max_tokens: int
+    stream: bool = True
+    seed: int | None = None  # sampled only
+    bad: str | None = None  # a BAD_REQUESTS key
+    leave_after: int | None = None  # cancel only: responses before the client walks away
+
+
+def draw(rng: random.Random, options: SoakOptions) -> Request:
+    """The next request of the mix, from this client's own seeded generator."""
+    prompt, u = rng.randrange(len(PROMPTS)), rng.random()
+    if u < options.bad_share:
+        return Request(Kind.BAD, prompt, BAD_MAX_TOKENS, bad=rng.choice(sorted(BAD_REQUESTS)))
+    if u < options.bad_share + options.cancel_share:
+        return Request(Kind.CANCEL, prompt, options.max_tokens, leave_after=rng.randint(1, 3))
+    if rng.random() < options.sampled_share:
+        return Request(Kind.SAMPLED, prompt, options.max_tokens, seed=rng.randrange(2**32))
+    return Request(Kind.GREEDY, prompt, options.max_tokens, stream=rng.random() >= 0.25)
+
+
+# ---- one client ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    responses: int = 0
+    error: str | None = None
+    hung: bool = False
+    left: bool = False  # the client walked away (cancel)
+    aborted: bool = False  # the soak was interrupted (Ctrl-C): not counted
+    first_s: float | None = None  # from sending to the first response (an error counts): queueing shows here
+
+
+def request_inputs(request: Request) -> list:
+    """The ensemble's inputs: the client library's, with a bad request's tensors put in their place."""
+    from pipeline.triton.client import RequestOptions, build_inputs
+    from tritonclient.grpc import InferInput
+
+    options = RequestOptions(max_tokens=request.max_tokens, stream=request.stream,
+                             temperature=SAMPLED_TEMPERATURE if request.kind is Kind.SAMPLED else 0.0,
+                             seed=request.seed)
+    tensors = {t.name(): t for t in build_inputs(PROMPTS[request.prompt], options)}
+    if request.bad is not None:
+        for name, (dtype, value) in BAD_REQUESTS[request.bad][0].items():
+            t = InferInput(name, [1, 1], dtype)
+            t.set_data_from_numpy(np.array([[value]], {"FP32": np.float32, "INT32": np.int32}[dtype]))
+            tensors[name] = t
+    return list(tensors.values())
+
+
+class Client:
+    """One gRPC client and one stream, one request at a time. The stream is reopened after an error,
+    a cancel or a hang, so a late response of one request can never be read as the next one's."""
+
+    def __init__(self, url: str, hang_s: float, abort: threading.Event):
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.hang_s = hang_s
+        self.abort = abort
+        self.responses: queue.Queue | None = None
+        self.ids = 0
+
+    def close(self) -> None:
+        self._stop(cancel=True)
+        self.client.close()
+
+    def _stop(self, cancel: bool) -> None:
+        if self.responses is not None:
+            self.responses = None
+            try:
+                self.client.stop_stream(cancel_requests=cancel)
+            except Exception:  # noqa: BLE001  a broken stream is already gone
+                pass
+
+    def call(self, request: Request) -> Reply:
+        if self.responses is None:
+            got = self.responses = queue.Queue()
+            # tritonclient calls back with keywords, from its own stream thread.
+            self.client.start_stream(callback=lambda result=None, error=None: got.put((result, error)))
+        self.ids += 1
+        request_id = f"soak-{threading.get_ident()}-{self.ids}"
+        reply = Reply()
+        try:
+            self.client.async_stream_infer("ensemble", request_inputs(request), request_id=request_id,
+                                           enable_empty_final_response=True)
+        except Exception as err:  # noqa: BLE001  counted as an unexpected error
+            self._stop(cancel=True)
+            reply.error = message(err)
+            return reply
+        sent = last = time.monotonic()
+        while True:
+            try:
+                result, error = self.responses.get(timeout=0.5)  # short waits, so an abort is seen
+            except queue.Empty:
+                if self.abort.is_set() or time.monotonic() - last > self.hang_s:
+                    reply.aborted = self.abort.is_set()
+                    reply.hung = not reply.aborted
+                    self._stop(cancel=True)
+                    return reply
+                continue
+            last = time.monotonic()
+            if reply.first_s is None:
+                reply.first_s = last - sent
+            if error is not None:
+                reply.error = message(error)
+                self._stop(cancel=True)
+                return reply
+            response = result.get_response()
+            if response.id != request_id:
+                continue  # cannot happen on a fresh stream; never counted against this request
+            if response.outputs:
+                reply.responses += 1
+                reply.text += result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace")
+            if response.parameters["triton_final_response"].bool_param:
+                return reply
+            if request.leave_after is not None and reply.responses >= request.leave_after:
+                reply.left = True
+                self._stop(cancel=True)
+                return reply
+
+
+def message(err: Exception) -> str:
+    text = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
+    return " ".join(str(text or err).split())
+
+
+def judge(request: Request, reply: Reply, references: list[str]) -> tuple[Outcome, str | None]:
+    """The outcome of one request, and a line saying what went wrong when it counts as a failure."""
+    what = f"{request.kind.value} request on prompt {request.prompt}"
+    if reply.hung:
+        return Outcome.HUNG, f"{what}: no response for --hang-s after {reply.responses} response(s)"
+    if request.kind is Kind.BAD:
+        expected = BAD_REQUESTS[request.bad][1]
+        if reply.error is not None and expected in reply.error:
+            return Outcome.ERRORED_EXPECTED, None
+        got = f"error {reply.error!r}" if reply.error else "an answer"
+        return Outcome.ERRORED_UNEXPECTED, f"bad request '{request.bad}': expected {expected!r}, got {got}"
+    if reply.error is not None:
+        return Outcome.ERRORED_UNEXPECTED, f"{what}: {reply.error}"
+    if reply.left:
+        return Outcome.CANCELLED, None
+    if request.kind in (Kind.GREEDY, Kind.CANCEL) and reply.text != references[request.prompt]:
+        where = divergence(reply.text, references[request.prompt])
+        return Outcome.MISMATCHED, f"{what} (stream={request.stream}): {where}"
+    return Outcome.COMPLETED, None
+
+
+def divergence(got: str, want: str, context: int = 30) -> str:
+    """Where two texts part, with a little of each from there."""
+    at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+    start = max(0, at - 10)
+    return f"from char {at}: {got[start:at + context]!r} != reference {want[start:at + context]!r}"
+
+
+# ---- the tally ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    sent: Counter = field(default_factory=Counter)  # per kind
+    outcomes: Counter = field(default_factory=Counter)  # per outcome
+    problems: list[str] = field(default_factory=list)  # the first few failure lines
+    first_s: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, request: Request, reply: Reply, outcome: Outcome, problem: str | None) -> None:
+        with self.lock:
+            self.sent[request.kind.value] += 1
+            self.outcomes[outcome.value] += 1
+            if reply.first_s is not None:
+                self.first_s.append(reply.first_s)
+            if problem is not None and len(self.problems) < 20:
+                self.problems.append(problem)
+
+    def first_response_s(self) -> dict[str, float | None]:
+        with self.lock:
+            xs = sorted(self.first_s)
+        pick = (lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)) if xs else (lambda q: None)
+        return {"p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            return {"sent": sum(self.sent.values()), **{o.value: self.outcomes[o.value] for o in Outcome}}
+
+
+# ---- RSS of the server's processes ---------------------------------------------------------------
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def server_processes(server_pid: int) -> dict[int, str]:
+    """pid -> name for tritonserver and every process in its group: python stubs by their model."""
+    from pipeline.triton.server import group_members
+    from pipeline.triton.supervise import python_stubs
+
+    try:
+        pgid = os.getpgid(server_pid)
+    except OSError:
+        return {}
+    names = {pid: "" for pid in group_members(pgid)}
+    names.update({stub.pid: stub.model for stub in python_stubs(pgid)})
+    for pid, name in names.items():
+        if pid == server_pid:
+            names[pid] = "tritonserver"
+        elif not name:
+            try:
+                names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                names[pid] = "?"
+    names.setdefault(server_pid, "tritonserver")
+    return names
+
+
+def rss_sample(server_pid: int | None) -> dict[int, tuple[str, int]]:
+    """pid -> (name, RSS KiB) for the server's live processes; {} when no server pid is known."""
+    if server_pid is None:
+        return {}
+    sample = {}
+    for pid, name in server_processes(server_pid).items():
+        kib = rss_kib(pid)
+        if kib is not None:
+            sample[pid] = (name, kib)
+    return sample
+
+
+@dataclass
+class RssRow:
+    process: str
+    pid: int
+    start_mib: float | None
+    warm_mib: float | None
+    end_mib: float | None
+
+    @property
+    def growth_pct(self) -> float | None:
+        """Growth from after warm-up to the end; None when the process was not there for both."""
+        if not self.warm_mib or self.end_mib is None:
+            return None
+        return round(100.0 * (self.end_mib - self.warm_mib) / self.warm_mib, 1)
+
+
+def rss_rows(start: dict, warm: dict, end: dict) -> list[RssRow]:
+    def mib(sample, pid):
+        return round(sample[pid][1] / 1024, 1) if pid in sample else None
+
+    pids = sorted({*start, *warm, *end}, key=lambda p: (p not in start, p))
+    rows = [RssRow(next(s[pid][0] for s in (end, warm, start) if pid in s), pid, mib(start, pid), mib(warm, pid),
+                   mib(end, pid)) for pid in pids]
+    if rows:
+        both = [r for r in rows if r.warm_mib is not None and r.end_mib is not None]
+
+        def total(attr):
+            return round(sum(getattr(r, attr) for r in both), 1) if both else None
+
+        rows.append(RssRow("total (warm-up to end)", 0, total("start_mib") if all(r.start_mib for r in both) else None,
+                           total("warm_mib"), total("end_mib")))
+    return rows
+
+
+# ---- the soak ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    options: SoakOptions
+    url: str
+    counts: dict[str, int]
+    sent_by_kind: dict[str, int]
+    bursts: int
+    wall_s: float
+    rss: list[RssRow]
+    rss_measured: bool
+    # The server's load gauges (GAUGES) once the load has drained, and the most seen during it; {}: not read.
+    gauges_after: dict[str, float]
+    gauges_max: dict[str, float]
+    first_response_s: dict[str, float | None]  # p50, p99, max over the requests counted
+    problems: list[str]
+
+    def failures(self, rss_check: bool = True) -> list[str]:
+        out = [f"{self.counts[o.value]} {o.value.replace('_', ' ')}" for o in FAILING if self.counts[o.value]]
+        if self.counts[Outcome.COMPLETED.value] == 0:
+            out.append("no request completed")
+        if rss_check:
+            grown = [r for r in self.rss if r.pid and r.growth_pct is not None
+                     and r.growth_pct > self.options.rss_growth_pct]
+            out += [f"{r.process} ({r.pid}) RSS grew {r.growth_pct}% after warm-up" for r in grown]
+        out += [f"{name} is still {value:g} after the load drained" for name, value in self.gauges_after.items()
+                if value]
+        return out
+
+    def to_json_dict(self, rss_check: bool = True) -> dict:
+        return {"options": asdict(self.options), "url": self.url, "counts": self.counts,
+                "sent_by_kind": self.sent_by_kind, "bursts": self.bursts, "wall_s": round(self.wall_s, 1),
+                "rss_measured": self.rss_measured,
+                "rss": [{**asdict(r), "growth_pct": r.growth_pct} for r in self.rss],
+                "gauges_after": self.gauges_after, "gauges_max": self.gauges_max,
+                "first_response_s": self.first_response_s,
+                "problems": self.problems,
+                "failures": self.failures(rss_check)}
+
+
+def references(url: str, options: SoakOptions) -> list[str]:
+    """Each prompt's greedy answer, sent alone on an idle server: what every greedy request must match."""
+    abort = threading.Event()
+    client = Client(url, options.hang_s, abort)
+    try:
+        texts = []
+        for i in range(len(PROMPTS)):
+            reply = client.call(Request(Kind.GREEDY, i, options.max_tokens))
+            if reply.error or reply.hung:
+                raise RuntimeError(f"the reference for prompt {i} failed: {reply.error or 'no response'}")
+            texts.append(reply.text)
+        return texts
+    finally:
+        client.close()
+
+
+def gauges(metrics_url: str | None) -> dict[str, float]:
+    """GAUGES as the server's /metrics has them now (summed over labels); {} when unread."""
+    if metrics_url is None:
+        return {}
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in GAUGES:
+            out[name] = out.get(name, 0.0) + float(line.split()[-1])
+    return out
+
+
+def drained_gauges(metrics_url: str | None, timeout_s: float = 30.0) -> dict[str, float]:
+    """The gauges once they all read 0, or as they are after timeout_s (cancels are noticed a step late,
+    and a request its client left may still be decoding)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = gauges(metrics_url)
+        if not any(now.values()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_url: str | None = None,
+         say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
+    """Run the mix against a ready server at url (HOST:PORT, gRPC); server_pid: read its processes' RSS."""
+    rss_start = rss_sample(server_pid)
+    say(f"soak: references for {len(PROMPTS)} prompts, one at a time")
+    refs = references(url, options)
+    tally, abort = Tally(), threading.Event()
+    t0 = time.monotonic()
+    end_at = t0 + options.duration_s
+
+    def run(client_id: str, until: float | None) -> None:
+        """Requests back to back until `until`; None: one request (a burst client)."""
+        rng = random.Random(f"{options.seed}-{client_id}")
+        client = Client(url, options.hang_s, abort)
+        try:
+            while not abort.is_set():
+                request = draw(rng, options)
+                reply = client.call(request)
+                if reply.aborted:
+                    return
+                tally.add(request, reply, *judge(request, reply, refs))
+                if until is None or time.monotonic() >= until:
+                    return
+        finally:
+            client.close()
+
+    bursts_line = (f"bursts of {options.burst_streams} every {options.burst_every_s:g} s" if options.burst_every_s
+                   else "no bursts")
+    say(f"soak: {options.streams} streams for {options.minutes:g} min, {bursts_line}")
+    threads = [threading.Thread(target=run, args=(f"w{i}", end_at), daemon=True) for i in range(options.streams)]
+    for t in threads:
+        t.start()
+    bursts, rss_warm, most = 0, None, Counter()
+    next_burst = t0 + options.burst_every_s if options.burst_every_s else float("inf")
+    next_progress, next_gauges, warm_at = t0 + PROGRESS_EVERY_S, t0, t0 + options.warmup_at_s
+    try:
+        while (now := time.monotonic()) < end_at:
+            if now >= warm_at and rss_warm is None:
+                rss_warm = rss_sample(server_pid)
+            if now >= next_burst:
+                bursts += 1
+                burst = [threading.Thread(target=run, args=(f"b{bursts}-{i}", None), daemon=True)
+                         for i in range(options.burst_streams)]
+                for t in burst:
+                    t.start()
+                threads += burst
+                next_burst += options.burst_every_s
+            if now >= next_progress:
+                say(f"soak: {now - t0:.0f} s {tally.snapshot()} server {gauges(metrics_url)}")
+                next_progress += PROGRESS_EVERY_S
+            if now >= next_gauges:
+                for name, value in gauges(metrics_url).items():
+                    most[name] = max(most[name], value)
+                next_gauges += GAUGES_EVERY_S
+            time.sleep(0.2)
+        say("soak: time is up; waiting for the requests in flight")
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:
+        abort.set()
+        for t in threads:
+            t.join(timeout=5)
+        raise
+    wall = time.monotonic() - t0
+    after = drained_gauges(metrics_url)
+    rss_end = rss_sample(server_pid)
+    return Report(options, url, tally.snapshot(), dict(tally.sent), bursts, wall,
+                  rss_rows(rss_start, rss_warm or {}, rss_end), server_pid is not None, after, dict(most),
+                  tally.first_response_s(), list(tally.problems))
+
+
+def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
+    """Start tritonserver on a repository (free ports), soak it, stop it."""
+    from pipeline.triton.server import ServeOptions, TritonServer
+
+    grpc, http, metrics = free_ports()
+    say(f"soak: starting tritonserver on {repo}")
+    server = TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics))
+    with server:
+        return soak(server.endpoints.grpc, options, server.process.pid, server.endpoints.metrics, say)
+
+
+def free_ports(n: int = 3) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ---- output -------------------------------------------------------------------------------------------
+
+
+def fmt(x, spec=".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def print_markdown(head: tuple[str, ...], lines: list[tuple[str, ...]]) -> None:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    print()
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in lines:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+
+
+def print_report(report: Report, rss_check: bool) -> None:
+    o, c = report.options, report.counts
+    kinds = ", ".join(f"{report.sent_by_kind.get(k.value, 0)} {k.value}" for k in Kind)
+    rows = [("requests sent", str(c["sent"]), kinds),
+            ("completed", str(c["completed"]), "greedy ones equal to their solo reference"),
+            ("cancelled by the client", str(c["cancelled"]), "left after 1-3 responses"),
+            ("errored as expected", str(c["errored_expected"]), "bad requests refused with their line"),
+            ("errored unexpectedly", str(c["errored_unexpected"]), "target 0"),
+            ("hung", str(c["hung"]), f"no response for {o.hang_s:g} s; target 0"),
+            ("mismatched", str(c["mismatched"]), "greedy text != solo reference; target 0"),
+            *([(f"{name.removeprefix('pipeline_')} max/after", f"{fmt(report.gauges_max.get(name), 'g')}/"
+                f"{fmt(report.gauges_after.get(name), 'g')}", "server gauge: most during the load / once drained, "
+                "target 0") for name in GAUGES] if report.gauges_after else
+              [("server gauges", "not read", "pass --metrics-url with --url")]),
+            ("first response p50/p99/max s", "/".join(fmt(v, ".2f") for v in report.first_response_s.values()),
+             "from sending, of those that got one; a queue shows here")]
+    print_markdown(("measure", "value", "note"), rows)
+    if report.rss_measured:
+        print_markdown(("process", "pid", "RSS start MiB", "after warm-up MiB", "end MiB", "growth after warm-up"),
+                       [(r.process, str(r.pid) if r.pid else "", fmt(r.start_mib), fmt(r.warm_mib), fmt(r.end_mib),
+                         "n/a" if r.growth_pct is None else f"{r.growth_pct:+.1f}%") for r in report.rss])
+    failures = report.failures(rss_check)
+    print(f"\n{report.url}: {o.streams} streams for {o.minutes:g} min ({report.wall_s:.0f} s with the drain), "
+          + (f"{report.bursts} bursts of {o.burst_streams}" if o.burst_every_s else "no bursts")
+          + f", max {o.max_tokens} tokens, seed {o.seed}; RSS "
+          + (f"warm-up at {o.warmup_at_s:g} s, limit +{o.rss_growth_pct:g}%"
+             + ("" if rss_check else " (not checked)") if report.rss_measured else "not measured (no --server-pid)")
+          + f".\n{'PASS' if not failures else 'FAIL: ' + '; '.join(failures)}")
+    for line in report.problems[:10]:
+        print(f"  {line}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server's gRPC endpoint, HOST:PORT")
+    where.add_argument("--repo", type=Path, help="start tritonserver on this repository (free ports) and stop it after")
+    ap.add_argument("--server-pid", type=int, default=None, help="with --url: tritonserver's pid, to read the RSS "
+                    "of its process group (tritonserver and the python stubs)")
+    ap.add_argument("--metrics-url", default=None, help="with --url: the server's /metrics, to check that the "
+                    "gate's in-flight count returns to 0")
+    ap.add_argument("--streams", type=int, default=64, help="concurrent client streams")
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--bad-share", type=float, default=0.1)
+    ap.add_argument("--cancel-share", type=float, default=0.1)
+    ap.add_argument("--sampled-share", type=float, default=0.3, help="of the requests neither bad nor cancelled")
+    ap.add_argument("--burst-every-s", type=float, default=60.0, help="0: no bursts")
+    ap.add_argument("--burst-streams", type=int, default=64)
+    ap.add_argument("--hang-s", type=float, default=60.0, help="a request with no response this long is hung")
+    ap.add_argument("--warmup-s", type=float, default=None,
+                    help="when to take the warm RSS sample (default: 10%% of the run, 30 s to half of it)")
+    ap.add_argument("--rss-growth-pct", type=float, default=10.0)
+    ap.add_argument("--no-rss-check", action="store_true", help="report RSS growth without failing on it")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_", action="store_true", help="also print the numbers as JSON")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pipeline.errors import PipelineError
+    from pipeline.triton.client import ClientOptions, Connection
+
+    try:
+        options = SoakOptions(args.streams, args.minutes, args.max_tokens, args.bad_share, args.cancel_share,
+                              args.sampled_share, args.burst_every_s, args.burst_streams, args.hang_s, args.seed,
+                              args.warmup_s, args.rss_growth_pct)
+    except ValueError as err:
+        raise SystemExit(f"soak.py: {err}") from None
+    try:
+        if args.repo is not None:
+            report = soak_repo(args.repo, options)
+        else:
+            with Connection(ClientOptions(args.url, wait_s=30)) as probe:
+                probe.check_ready()
+                url = probe.target
+            report = soak(url, options, args.server_pid, args.metrics_url)
+    except (PipelineError, RuntimeError) as err:
+        raise SystemExit(f"soak.py: {err}") from None
+    rss_check = not args.no_rss_check
+    print_report(report, rss_check)
+    if args.json_:
+        print(json.dumps(report.to_json_dict(rss_check), indent=2))
+    return 1 if report.failures(rss_check) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

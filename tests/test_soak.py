@@ -1,0 +1,71 @@
+"""scripts/soak.py, the 60-second version: a tiny portable engine served by the script's own tritonserver,
+16 streams with bursts every 20 s, the full mix (greedy, sampled, bad, cancelled)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from serving_checks import soak_script
+
+from pipeline.compile import CompileOptions, compile_model
+
+pytest.importorskip("tritonclient.grpc")
+
+soak = soak_script()
+
+
+def test_the_mix_has_every_kind_and_is_the_same_for_the_same_seed():
+    options = soak.SoakOptions()
+    rng_a, rng_b = random.Random("0-w1"), random.Random("0-w1")
+    a = [soak.draw(rng_a, options) for _ in range(2000)]
+    assert a == [soak.draw(rng_b, options) for _ in range(2000)]
+    kinds = {k: sum(r.kind is k for r in a) / len(a) for k in soak.Kind}
+    assert 0.08 < kinds[soak.Kind.BAD] < 0.12 and 0.08 < kinds[soak.Kind.CANCEL] < 0.12
+    assert 0.2 < kinds[soak.Kind.SAMPLED] < 0.28  # 0.3 of the 80% neither bad nor cancelled
+    assert {r.bad for r in a if r.bad} == set(soak.BAD_REQUESTS)
+    assert {r.leave_after for r in a if r.kind is soak.Kind.CANCEL} == {1, 2, 3}
+
+
+def test_judge_counts_a_wrong_refusal_a_served_bad_request_and_a_wrong_greedy_text_as_failures():
+    refs = ["ref"] * len(soak.PROMPTS)
+    bad = soak.Request(soak.Kind.BAD, 0, 8, bad="top_p 0")
+    greedy = soak.Request(soak.Kind.GREEDY, 0, 8)
+    O = soak.Outcome
+    assert soak.judge(bad, soak.Reply(error="top_p must be in (0, 1] (got 0)"), refs)[0] is O.ERRORED_EXPECTED
+    assert soak.judge(bad, soak.Reply(error="something else"), refs)[0] is O.ERRORED_UNEXPECTED
+    assert soak.judge(bad, soak.Reply(text="served anyway"), refs)[0] is O.ERRORED_UNEXPECTED
+    assert soak.judge(greedy, soak.Reply(text="ref"), refs)[0] is O.COMPLETED
+    assert soak.judge(greedy, soak.Reply(text="rEf"), refs)[0] is O.MISMATCHED
+    assert soak.judge(greedy, soak.Reply(hung=True), refs)[0] is O.HUNG
+    cancel = soak.Request(soak.Kind.CANCEL, 0, 8, leave_after=2)
+    assert soak.judge(cancel, soak.Reply(text="r", responses=2, left=True), refs)[0] is O.CANCELLED
+    assert soak.judge(cancel, soak.Reply(text="wrong", responses=1), refs)[0] is O.MISMATCHED  # ended first
+
+
+@pytest.mark.slow  # a 60-second soak, plus compiling and starting the server
+def test_sixty_second_soak_has_no_hung_unexpected_or_mismatched_request(tiny_target, tmp_path, capsys):
+    from pipeline.errors import PipelineError
+    from pipeline.triton.assemble import AssembleOptions, assemble
+    from pipeline.triton.server import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except PipelineError as err:
+        pytest.skip(str(err))
+    engine = tmp_path / "engine"
+    compile_model(CompileOptions("torch", tiny_target, engine, draft="ngram", num_draft_tokens=3, max_batch_size=8,
+                                 max_seq_len=256, gate_batch_size=8))
+    repo = assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo", gate_batch_size=8,
+                                    min_spec_tokens=20, acceptance_floor=0.0)).repo
+    code = soak.main(["--repo", repo, "--streams", "16", "--minutes", "1", "--burst-every-s", "20",
+                      "--max-tokens", "32", "--hang-s", "30", "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("\n{") + 1:])
+    counts = report["counts"]
+    assert (counts["hung"], counts["errored_unexpected"], counts["mismatched"]) == (0, 0, 0), report["problems"]
+    assert counts["completed"] > 100 and counts["errored_expected"] > 5 and counts["cancelled"] > 5, counts
+    assert report["bursts"] == 2 and set(report["gauges_after"].values()) == {0}
+    assert {r["process"] for r in report["rss"]} >= {"tritonserver", "torch_engine", "speculation_gate"}
+    assert code == 0, report["failures"]
