@@ -456,3 +456,60 @@ def test_an_answer_that_stops_at_its_first_token_is_an_empty_answer_not_an_error
         assert "".join(t for t, _, _ in responses(c, "hi", 8, stream=stream, extra=[first])) == ""
     finally:
         c.close()
+
+
+def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(tiny_target, tmp_path):
+    """One slot, held by a long answer; eight streamed requests queue behind it and each client leaves after
+    its first keepalive. All eight end as cancelled while still queued, with no token decoded for them."""
+    import queue
+
+    from pipeline.compile import load_engine
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer
+
+    long_tokens = 980  # with the chat template the prompt is 34 tokens; max_seq_len is 1024
+    engine_dir = tmp_path / "one-slot"
+    compile_model(CompileOptions("torch", tiny_target, engine_dir, draft="ngram", num_draft_tokens=3,
+                                 max_batch_size=1, max_seq_len=1024, gate_batch_size=1))
+    tokenizer, engine = load_tokenizer(engine_dir / "target"), load_engine(engine_dir)
+    candidates = [f"hold the slot {i}" for i in range(6)]
+    reqs = engine.generate([encode_prompt(tokenizer, p, raw=False) for p in candidates],
+                           SamplingParams(max_tokens=long_tokens, stop_token_ids=(tokenizer.eos_token_id,)),
+                           speculation="off")
+    blocker = next(p for p, r in zip(candidates, reqs) if r.finish_reason.value == "length")
+    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0) as srv:
+        held = client(srv)
+        got: queue.Queue = queue.Queue()
+        held.start_stream(callback=lambda result, error: got.put(error))
+        held.async_stream_infer("ensemble", inputs(blocker, long_tokens, stream=True, speculation="off"),
+                                enable_empty_final_response=True)
+        first = got.get(timeout=30)
+        assert first is None, (first.message(), first.status(), first.debug_details())  # the one slot is taken
+        seen: dict[int, list[str]] = {}
+
+        def leave(i):
+            c = client(srv)
+            chunks: queue.Queue = queue.Queue()
+            c.start_stream(callback=lambda result, error: chunks.put(
+                "error" if error else result.as_numpy("text_output")[0, 0].decode() if result.get_response().outputs
+                else "final"))
+            c.async_stream_infer("ensemble", inputs(f"queued {i}", 50, stream=True), enable_empty_final_response=True)
+            seen[i] = [chunks.get(timeout=10)]  # a keepalive, about a second after it queued
+            c.stop_stream(cancel_requests=True)
+            c.close()
+
+        threads = [threading.Thread(target=leave, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert seen == {i: [""] for i in range(8)}
+
+        def finished(reason):
+            return value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_finished_total", reason=reason)
+
+        assert wait_for(lambda: finished("cancelled") == 8, timeout=10)
+        assert finished("stop") == 0 and finished("length") == 0  # the blocker still holds the slot
+        held.stop_stream(cancel_requests=True)
+        held.close()
+        assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_running") == 0)

@@ -17,6 +17,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.compile.torch_engine import load_engine, read_engine_manifest
+from pipeline.engine.request import RequestStatus
 from pipeline.engine.sampling import SamplingParams
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.triton import cancel_marks
@@ -36,6 +37,12 @@ METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: at most this often
 # client's cancel, noticed only when postprocessing reached it, came after its whole answer had been decoded
 # for nobody. 20 responses a second still reads as smooth streaming (vLLM's --stream-interval, in time).
 STREAM_INTERVAL_S = 0.05
+# A streamed request still waiting for a slot gets an empty response (no text, no tokens) every KEEPALIVE_S.
+# Triton 2.51 tells no model that a client left before any response of its request flowed: postprocessing
+# learns it only from a response. Without this, a request whose client gave up in the queue was decoded in
+# full for nobody once a slot freed, and a queue of such requests starved live ones. Clients already see
+# empty chunks (a character split across tokens); genai-perf skips them for time to first token.
+KEEPALIVE_S = 1.0
 
 
 class EngineMetrics:
@@ -98,6 +105,7 @@ class Stream:
     verify_steps: int = 0
     stream_id: str = ""  # the gate's id for this stream: its cancel mark is "engine-<id>"
     last_sent: float = 0.0  # time.monotonic() of the last response; 0 before the first
+    probed_at: float = field(default_factory=time.monotonic)  # when it was queued, then its last keepalive
 
 
 class TritonPythonModel:
@@ -214,6 +222,8 @@ class TritonPythonModel:
                 self._count_finish(req.finish_reason.value if req.finish_reason else "stop")
             elif state.stream and state.new and time.monotonic() - state.last_sent >= STREAM_INTERVAL_S:
                 self._respond(req, state, final=False)
+            elif state.stream and req.status is RequestStatus.WAITING:
+                self._keepalive(req, state)
 
     def _respond(self, req, state: Stream, final: bool):
         # Streaming: the new tokens after up to PREFIX_TOKENS already sent. Not streaming: the whole answer.
@@ -238,6 +248,21 @@ class TritonPythonModel:
             state.last_sent = time.monotonic()
         state.sent, state.new = end, []
         state.accepted, state.drafted, state.verify_steps = req.num_accepted, req.num_drafted, req.num_verify_steps
+
+    def _keepalive(self, req, state: Stream):
+        """An empty response for a stream waiting in the queue, so a client that left is noticed (KEEPALIVE_S).
+        Its one id is the prompt's last token given as the prefix: postprocessing answers with no text."""
+        now = time.monotonic()
+        if now - state.probed_at < KEEPALIVE_S:
+            return
+        zero = np.zeros((1, 1), np.int32)
+        state.sender.send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("output_ids", np.array([req.prompt_ids[-1:]], np.int32)),
+            pb_utils.Tensor("prefix_length", np.ones((1, 1), np.int32)),
+            pb_utils.Tensor("accepted_tokens", zero), pb_utils.Tensor("drafted_tokens", zero),
+            pb_utils.Tensor("verify_steps", zero), pb_utils.Tensor("final", np.zeros((1, 1), np.bool_)),
+        ]))
+        state.probed_at = now
 
     def _count_finish(self, reason: str):
         if self.metrics is not None:
