@@ -43,6 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+# The benchmark scripts' own helpers (scripts/ is on sys.path when this runs as a script).
+from bench_serving import fmt, free_ports, print_markdown  # noqa: E402
+
 # What a hostile or careless client sends -> the one line it gets back (tests/test_serving.py sends these too).
 BAD_REQUESTS = {
     "nan temperature": (dict(temperature=("FP32", float("nan"))), "temperature must be a finite number"),
@@ -574,33 +577,7 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
         return soak(server.endpoints.grpc, options, server.process.pid, server.endpoints.metrics, say)
 
 
-def free_ports(n: int = 3) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 # ---- output -------------------------------------------------------------------------------------------
-
-
-def fmt(x, spec=".1f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
-def print_markdown(head: tuple[str, ...], lines: list[tuple[str, ...]]) -> None:
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    print()
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for line in lines:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
 
 
 def print_report(report: Report, rss_check: bool) -> None:

@@ -22,6 +22,9 @@ def soak_script():
     import sys
 
     if "soak" not in sys.modules:
+        scripts = str(Path(__file__).parent.parent / "scripts")
+        if scripts not in sys.path:  # the script imports its sibling scripts, as when it runs as one
+            sys.path.insert(0, scripts)
         spec = importlib.util.spec_from_file_location("soak", Path(__file__).parent.parent / "scripts" / "soak.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
