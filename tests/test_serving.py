@@ -56,6 +56,11 @@ def value(snapshot: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def finished(server, reason: str) -> float:
+    """The engine's finished requests with this reason, from the server's metrics port."""
+    return value(metrics(server.endpoints.metrics), "pipeline_engine_requests_finished_total", reason=reason)
+
+
 def wait_for(predicate, timeout: float = 15.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -428,14 +433,12 @@ def test_sixty_four_abandoned_streams_free_every_slot_and_decode_little_for_nobo
         for t in threads:
             t.join(timeout=120)
 
-        def finished(reason):
-            return value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_finished_total", reason=reason)
-
-        assert wait_for(lambda: finished("cancelled") + finished("length") + finished("stop") == 64, timeout=60)
+        assert wait_for(lambda: sum(finished(srv, r) for r in ("cancelled", "length", "stop")) == 64, timeout=60)
         assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_running") == 0)
         after = metrics(srv.endpoints.metrics)
         # Some answers of this random model end at an end-of-text token within their first tokens.
-        assert finished("length") == 0 and finished("cancelled") >= 48, (finished("cancelled"), finished("stop"))
+        assert finished(srv, "length") == 0 and finished(srv, "cancelled") >= 48, \
+            (finished(srv, "cancelled"), finished(srv, "stop"))
         assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_gate_in_flight") == 0)
         made = value(after, "pipeline_engine_generation_tokens_total")
         assert made < 64 * long_tokens / 10, made  # the 64 answers in full: 57,600 tokens
@@ -505,11 +508,8 @@ def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(ti
             t.join(timeout=30)
         assert seen == {i: [""] for i in range(8)}
 
-        def finished(reason):
-            return value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_finished_total", reason=reason)
-
-        assert wait_for(lambda: finished("cancelled") == 8, timeout=10)
-        assert finished("stop") == 0 and finished("length") == 0  # the blocker still holds the slot
+        assert wait_for(lambda: finished(srv, "cancelled") == 8, timeout=10)
+        assert finished(srv, "stop") == 0 and finished(srv, "length") == 0  # the blocker still holds the slot
         held.stop_stream(cancel_requests=True)
         held.close()
         assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_running") == 0)
