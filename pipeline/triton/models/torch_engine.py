@@ -108,6 +108,22 @@ class Stream:
     probed_at: float = field(default_factory=time.monotonic)  # when it was queued, then its last keepalive
 
 
+def _generation_response(ids: list[int], prefix_length: int, accepted: int, drafted: int, verify_steps: int,
+                         final: bool):
+    """One response in the engine's output tensors (pipeline.triton.interface GENERATION_TENSORS, less stream_id)."""
+    def scalar(value, dtype=np.int32):
+        return np.array([[value]], dtype)
+
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("output_ids", np.array([ids], np.int32)),
+        pb_utils.Tensor("prefix_length", scalar(prefix_length)),
+        pb_utils.Tensor("accepted_tokens", scalar(accepted)),
+        pb_utils.Tensor("drafted_tokens", scalar(drafted)),
+        pb_utils.Tensor("verify_steps", scalar(verify_steps)),
+        pb_utils.Tensor("final", scalar(final, np.bool_)),
+    ])
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -236,14 +252,9 @@ class TritonPythonModel:
             # for a missing input and fails the request, so the answer ends with a bare final flag instead.
             state.sender.send(flags=FINAL)
         elif not state.stream or end > state.sent or final:
-            response = pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("output_ids", np.array([req.output_ids[start:end]], np.int32)),
-                pb_utils.Tensor("prefix_length", np.array([[state.sent - start if state.stream else 0]], np.int32)),
-                pb_utils.Tensor("accepted_tokens", np.array([[req.num_accepted - state.accepted]], np.int32)),
-                pb_utils.Tensor("drafted_tokens", np.array([[req.num_drafted - state.drafted]], np.int32)),
-                pb_utils.Tensor("verify_steps", np.array([[req.num_verify_steps - state.verify_steps]], np.int32)),
-                pb_utils.Tensor("final", np.array([[final]], np.bool_)),
-            ])
+            response = _generation_response(req.output_ids[start:end], state.sent - start if state.stream else 0,
+                                            req.num_accepted - state.accepted, req.num_drafted - state.drafted,
+                                            req.num_verify_steps - state.verify_steps, final)
             state.sender.send(response, flags=FINAL if final else 0)
             state.last_sent = time.monotonic()
         state.sent, state.new = end, []
@@ -255,13 +266,7 @@ class TritonPythonModel:
         now = time.monotonic()
         if now - state.probed_at < KEEPALIVE_S:
             return
-        zero = np.zeros((1, 1), np.int32)
-        state.sender.send(pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("output_ids", np.array([req.prompt_ids[-1:]], np.int32)),
-            pb_utils.Tensor("prefix_length", np.ones((1, 1), np.int32)),
-            pb_utils.Tensor("accepted_tokens", zero), pb_utils.Tensor("drafted_tokens", zero),
-            pb_utils.Tensor("verify_steps", zero), pb_utils.Tensor("final", np.zeros((1, 1), np.bool_)),
-        ]))
+        state.sender.send(_generation_response(req.prompt_ids[-1:], 1, 0, 0, 0, final=False))
         state.probed_at = now
 
     def _count_finish(self, reason: str):
