@@ -231,6 +231,30 @@ def test_bf16_greedy_output_is_identical_across_batch_shapes_and_speculation(tin
     assert spec == solo
 
 
+
+@pytest.mark.slow
+def test_smollm2_bf16_greedy_is_the_same_alone_beside_others_and_speculated(smollm2):
+    """The embedded default in bf16, on the soak's prompts: each prompt's greedy output alone is its
+    output in a full batch (prompts queued behind 8 slots, so each meets different neighbours), with
+    speculation on or off. Before the engine's kernels were made batch-invariant (linear.py's row
+    blocks, model.py's fp32 key blocks, one prefill per prompt), 4 of 16 moved in a batch with
+    speculation on, 6 with it off, and one moved when speculated alone."""
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, uses_chat_template
+    from serving_checks import soak_script
+
+    tok = load_tokenizer(smollm2)
+    prompts = [encode_prompt(tok, p, uses_chat_template(tok, False)) for p in soak_script().PROMPTS]
+    engine = LLMEngine.load(smollm2, config(dtype="bf16", max_seq_len=512), draft="ngram")
+    params = SamplingParams(max_tokens=64)
+    alone = [engine.generate([p], params, speculation="off")[0].output_ids for p in prompts]
+    for speculation in ("on", "off"):
+        batched = [r.output_ids for r in engine.generate(prompts, params, speculation=speculation)]
+        moved = [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
+        assert not moved, f"speculation {speculation}: prompts {moved} differ from their output alone"
+    spec_alone = [engine.generate([p], params, speculation="on")[0].output_ids for p in prompts[:8]]
+    assert spec_alone == alone[:8]
+    assert engine.stats.drafted_tokens > 0
+
 class _Poisoned:
     """The target, except that a forward raises when `poisoned(ids, fb)` says so, as a bad row would."""
 

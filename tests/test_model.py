@@ -189,3 +189,80 @@ def test_packing_is_cpu_only_and_rebuildable(variant):
     if torch.backends.mkldnn.is_available():
         model.to(torch.bfloat16).pack_weights("onednn")  # re-pack after a cast
         assert all(m.packed is not None and m.packed.dtype == torch.bfloat16 for m in linears)
+
+
+# ---- batch invariance: a row's bits never depend on the rows beside it ------------------------------
+# Greedy output stays the target's own only if every token's logits come out bit for bit the same
+# alone, beside other requests and inside a speculative verify. These shapes are SmolLM2's, where
+# the CPU kernels change code path with the row count (oneDNN past 32 rows, MKL's fp32 at 1 and 16).
+
+
+@DTYPES
+@BACKENDS
+@pytest.mark.parametrize("in_f, out_f", [(576, 3072), (1536, 576)])
+def test_a_linear_rows_result_does_not_depend_on_how_many_rows_share_the_call(dtype, backend, in_f, out_f):
+    torch.manual_seed(0)
+    lin = Linear(in_f, out_f, bias=False)
+    lin.weight.data.normal_(0, 0.05)
+    lin = lin.to(dtype)
+    lin.pack(backend)
+    x = torch.randn(80, in_f).to(dtype)
+    alone = torch.cat([lin(x[r:r + 1]) for r in range(80)])
+    for rows in (2, 5, 16, 33, 40, 80):
+        assert torch.equal(lin(x[:rows]), alone[:rows]), f"{rows} rows in one call"
+    assert torch.equal(lin(x.view(8, 10, in_f)).view(80, out_f), alone)  # [B, T, in] as the model calls it
+
+
+def test_attention_row_is_the_same_whatever_keys_the_batch_pads_it_with():
+    """A row of a batched decode reads the batch's longest key length, its own extra keys masked out;
+    the output must equal the row's output alone. Queries are scaled so softmax is peaked, as real
+    attention is: that is when bf16's kernel choice by key count showed (seed 20 with 191 keys + 5)."""
+    from pipeline.engine.model import Attention
+
+    kv, d = 3, 64
+    attn = Attention.__new__(Attention)
+    attn.n_kv = kv
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        n = int(torch.randint(20, 300, (1,), generator=g))
+        q = (torch.randn(1, 3 * kv, 1, d, generator=g) * 3).bfloat16()
+        k = torch.randn(1, kv, n + 16, d, generator=g).bfloat16()
+        v = torch.randn(1, kv, n + 16, d, generator=g).bfloat16()
+        alone = attn.grouped_attention(q, k[:, :, :n], v[:, :, :n], None)
+        for pad in range(1, 16):
+            mask = torch.zeros(1, 1, 1, n + pad, dtype=torch.bool)
+            mask[..., :n] = True
+            out = attn.grouped_attention(q, k[:, :, :n + pad], v[:, :, :n + pad], mask)
+            assert torch.equal(out, alone), f"seed {seed}: {n} keys padded by {pad}"
+        # beside a second row 300 keys longer (past fp32's own change of summation order at ~512)
+        other = [torch.randn(1, *t.shape[1:-2], n + 300, d, generator=g).bfloat16() for t in (k, v)]
+        keys, values = (torch.cat([torch.cat([t, t.new_zeros(1, kv, 284, d)], 2), o]) for t, o in zip((k, v), other))
+        mask = torch.ones(2, 1, 1, n + 300, dtype=torch.bool)
+        mask[0, ..., n:] = False
+        out = attn.grouped_attention(torch.cat([q, q]), keys, values, mask)[:1]
+        assert torch.equal(out, alone), f"seed {seed}: {n} keys beside a row of {n + 300}"
+
+
+
+def test_a_prompt_prefilled_beside_a_longer_one_gets_the_same_attention():
+    """A padded prefill runs every prompt at the longest one's T and L, its pad keys masked. Rows with
+    fewer than 16 visible keys are where softmax's CPU kernel changes code path (prompts of 3-15
+    tokens moved in a batch)."""
+    from pipeline.engine.model import Attention
+
+    kv, d = 3, 64
+    attn = Attention.__new__(Attention)
+    attn.n_kv = kv
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 20):
+        q = (torch.randn(1, 3 * kv, n + 40, d, generator=g) * 3).bfloat16()
+        k, v = (torch.randn(1, kv, n + 40, d, generator=g).bfloat16() for _ in range(2))
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        alone = attn.grouped_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], causal)
+        for pad in (1, 9, 40):
+            t = n + pad
+            mask = torch.zeros(1, 1, t, t, dtype=torch.bool)
+            mask[..., :n, :n] = causal
+            mask[..., n:, 0] = True  # pad queries see key 0 only, as ForwardBatch.build makes them
+            out = attn.grouped_attention(q[:, :, :t], k[:, :, :t], v[:, :, :t], mask)[:, :, :n]
+            assert torch.equal(out, alone), f"a {n}-token prompt padded to {t}"

@@ -25,7 +25,18 @@ _BACKEND_ENV = "PIPELINE_LINEAR"
 # A oneDNN call costs ~10-30 us more than F.linear. That only pays back when the weight streams
 # from DRAM; a weight that stays in L2 (tiny drafts, test models) is faster through F.linear.
 PACK_MIN_BYTES = 1 << 20
-PAD_ROWS = 4
+# Rows per CPU call, (fewest, most), per kernel. A row's result must not depend on how many other
+# rows share the call: that keeps greedy output the same alone, in a batch, and under speculation
+# (whose verify feeds k+1 rows per request). Both kernels pick their code path by the row count:
+# oneDNN gives every row its solo bits for 4..32 rows and other bits past 32; torch's fp32 matmul
+# (MKL) runs a matrix-vector kernel for 1 row and changes kernel again at 16 (measured for every
+# SmolLM2 shape, bf16 and fp32, M = 1..300). So a call is padded up to the fewest with zero rows and
+# split at the most. Padding 1-2 rows to 4 also streams oneDNN's weight faster (measured on the real
+# model, 2 threads: fp32 16 vs 20/24 ms for all linears, bf16 10 vs 12/13 ms). The split costs
+# prefill about 2x in the linears for long prompts (a 1024-token prompt: 0.2 -> 0.4 s); decode steps
+# of up to 32 rows are unchanged.
+ONEDNN_ROWS = (4, 32)
+TORCH_ROWS = (4, 8)
 
 
 def _onednn_available() -> bool:
@@ -44,18 +55,29 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN-layout copy of weight, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
         p = self.packed
-        if p is not None and x.dtype == p.dtype and x.device.type == "cpu":
-            rows = x.numel() // self.in_features
-            if rows < PAD_ROWS:
-                # oneDNN streams the weight faster for 4 rows than for 1 or 2 (measured on the real
-                # model, 2 threads: fp32 16 vs 20/24 ms for all linears, bf16 10 vs 12/13 ms), so a
-                # decode step of 1-2 rows is padded with zero rows.
-                xp = x.new_zeros(PAD_ROWS, self.in_features)
-                xp[:rows] = x.reshape(rows, self.in_features)
-                y = torch.ops.mkldnn._linear_pointwise(xp, p, self.bias, "none", [], "")
-                return y[:rows].view(*x.shape[:-1], self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [], "")
+        if p is not None and x.dtype == p.dtype:
+            kernel, (fewest, most) = self._onednn, ONEDNN_ROWS
+        else:
+            kernel, (fewest, most) = self._torch, TORCH_ROWS
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features)
+        out = []
+        for i in range(0, rows, most):
+            chunk = flat[i:i + most]
+            n = chunk.shape[0]
+            if n < fewest:
+                chunk = torch.cat([chunk, chunk.new_zeros(fewest - n, self.in_features)])
+            out.append(kernel(chunk)[:n])
+        y = out[0] if len(out) == 1 else torch.cat(out)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, backend: str | None = None) -> None:

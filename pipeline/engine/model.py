@@ -62,6 +62,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin  # round each product, as transformers does
 
 
+KEY_BLOCK = 256  # keys per fp32 block of the attention's weighted sum (see grouped_attention)
+SCORE_ALIGN = 32  # softmax rows are padded to a multiple of this many keys (see grouped_attention)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -89,11 +93,11 @@ class Attention(nn.Module):
             keys, values = ck[:, :, :L].index_select(0, fb.slots), cv[:, :, :L].index_select(0, fb.slots)
         q = q.transpose(1, 2)  # [B, H, T, D]
         if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # torch's CPU flash-attention kernel in bf16 (1) costs ~100 us per batch row (1.6 ms per layer
-            # at B=16 against 0.2 ms for the plain matmuls below) and (2) rounds differently with the
-            # batch shape: SmolLM2's greedy output at batch 4 left its batch-1 output after 27-46
-            # tokens, and so did speculation. With these matmuls both stay identical (measured over
-            # 4 x 128 tokens). In fp32 the flash kernel is fast and shape-stable, so it stays.
+            # torch's CPU flash-attention kernel in bf16 costs ~100 us per batch row (1.6 ms per layer at
+            # B=16 against 0.2 ms for grouped_attention's matmuls) and rounds differently with the batch
+            # shape; grouped_attention gives each row the same bits whatever the batch (see there). In
+            # fp32 the flash kernel is fast, and SmolLM2's greedy output on the soak's 16 prompts is the
+            # same through it alone, batched and speculated (measured, not a test).
             out = self.grouped_attention(q, keys, values, fb.attn_mask)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fb.attn_mask,
@@ -111,8 +115,26 @@ class Attention(nn.Module):
         scores = (q.reshape(B, self.n_kv, G * T, D) @ keys.transpose(-1, -2)).float() * D**-0.5  # [B, KV, G*T, L]
         if mask is not None:
             scores = scores.masked_fill(~mask.repeat(1, 1, G, 1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return (probs @ values).reshape(B, H, T, D)
+        # softmax's CPU kernel runs a row's last L % 16 entries through scalar code (other bits than its
+        # vector code), so a row's probabilities would depend on the L its batch pads it to. Rows of a
+        # multiple of SCORE_ALIGN keys have no scalar tail, and the -inf padding adds exact zeros.
+        L = scores.shape[-1]
+        if L % SCORE_ALIGN:
+            scores = F.pad(scores, (0, SCORE_ALIGN - L % SCORE_ALIGN), value=float("-inf"))
+        probs = torch.softmax(scores, dim=-1)[..., :L]
+        # probs @ values sums over the keys, and how many keys there are depends on the batch: the
+        # longest row sets L, and a shorter row's extra keys are masked to probability 0. A bf16
+        # matmul picks its kernel by L (SmolLM2's greedy output alone moved when speculation padded
+        # a row from 41 to 44 keys), and an fp32 one changes its summation order past ~512 keys. So
+        # the sum runs in fp32 over fixed blocks of KEY_BLOCK keys, added in order: a row's zero
+        # probabilities past its own keys then add exact zeros, whatever L the batch has.
+        # One query row (G*T = 1: no GQA, one token) would take a matrix-vector kernel of its own.
+        rows = probs if G * T > 1 else torch.cat([probs, probs], dim=-2)
+        out = None
+        for a in range(0, L, KEY_BLOCK):
+            part = rows[..., a:a + KEY_BLOCK] @ values[:, :, a:a + KEY_BLOCK].float()
+            out = part if out is None else out.add_(part)
+        return out[..., : G * T, :].to(q.dtype).reshape(B, H, T, D)
 
 
 class MLP(nn.Module):
