@@ -14,6 +14,10 @@ arrive at once, send one request each and leave. Each request is drawn from a se
   the same server's answer to that prompt sent alone before the load starts. Under load the gate
   turns speculation off, so this also checks that greedy output is the target's either way.
 
+A request refused at once because the engine's queue is full ("server busy: ...", the repository's
+max_queue_size) counts as refused as busy, not as a failure: that is the server shedding load as
+designed. The client then waits a second before its next request, as a retrying client would.
+
 A request with no response for --hang-s seconds is hung (the client cancels it and goes on). The RSS
 of every server process (tritonserver and each python stub, from /proc) is read at the start, after
 warm-up and at the end; growth after warm-up must stay under --rss-growth-pct. Exit status 1 when
@@ -77,6 +81,10 @@ PROMPTS = (
 )
 
 SAMPLED_TEMPERATURE = 0.8
+# A full engine queue refuses a request at once with this line (torch_engine, max_queue_size); the client
+# waits BUSY_BACKOFF_S before its next request, as a client that retries would.
+BUSY_PREFIX = "server busy:"
+BUSY_BACKOFF_S = 1.0
 BAD_MAX_TOKENS = 8  # refused before decoding; short in case a bad request is wrongly served
 PROGRESS_EVERY_S = 60.0
 GAUGES_EVERY_S = 2.0
@@ -95,6 +103,7 @@ class Outcome(str, Enum):
     COMPLETED = "completed"
     CANCELLED = "cancelled"  # the client left after 1-3 responses, as planned
     ERRORED_EXPECTED = "errored_expected"
+    BUSY = "refused_busy"  # the engine's queue was full (max_queue_size): refused at once, the client backs off
     ERRORED_UNEXPECTED = "errored_unexpected"
     HUNG = "hung"
     MISMATCHED = "mismatched"
@@ -280,6 +289,8 @@ def judge(request: Request, reply: Reply, references: list[str]) -> tuple[Outcom
             return Outcome.ERRORED_EXPECTED, None
         got = f"error {reply.error!r}" if reply.error else "an answer"
         return Outcome.ERRORED_UNEXPECTED, f"bad request '{request.bad}': expected {expected!r}, got {got}"
+    if reply.error is not None and reply.error.startswith(BUSY_PREFIX):
+        return Outcome.BUSY, None
     if reply.error is not None:
         return Outcome.ERRORED_UNEXPECTED, f"{what}: {reply.error}"
     if reply.left:
@@ -515,9 +526,12 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
                 reply = client.call(request)
                 if reply.aborted:
                     return
-                tally.add(request, reply, *judge(request, reply, refs))
+                outcome, problem = judge(request, reply, refs)
+                tally.add(request, reply, outcome, problem)
                 if until is None or time.monotonic() >= until:
                     return
+                if outcome is Outcome.BUSY:
+                    abort.wait(BUSY_BACKOFF_S)
         finally:
             client.close()
 
@@ -587,6 +601,7 @@ def print_report(report: Report, rss_check: bool) -> None:
             ("completed", str(c["completed"]), "greedy ones equal to their solo reference"),
             ("cancelled by the client", str(c["cancelled"]), "left after 1-3 responses"),
             ("errored as expected", str(c["errored_expected"]), "bad requests refused with their line"),
+            ("refused as busy", str(c["refused_busy"]), f"engine queue full; the client waited {BUSY_BACKOFF_S:g} s"),
             ("errored unexpectedly", str(c["errored_unexpected"]), "target 0"),
             ("hung", str(c["hung"]), f"no response for {o.hang_s:g} s; target 0"),
             ("mismatched", str(c["mismatched"]), "greedy text != solo reference; target 0"),

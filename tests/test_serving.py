@@ -461,33 +461,49 @@ def test_an_answer_that_stops_at_its_first_token_is_an_empty_answer_not_an_error
         c.close()
 
 
-def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(tiny_target, tmp_path):
-    """One slot, held by a long answer; eight streamed requests queue behind it and each client leaves after
-    its first keepalive. All eight end as cancelled while still queued, with no token decoded for them."""
-    import queue
+LONG_TOKENS = 980  # with the chat template the prompt is 34 tokens; max_seq_len is 1024
 
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_target, tmp_path_factory) -> tuple[Path, str]:
+    """A portable engine with one KV-cache slot, and a prompt whose answer holds it for LONG_TOKENS tokens."""
     from pipeline.compile import load_engine
     from pipeline.engine.sampling import SamplingParams
     from pipeline.models.tokenizer import encode_prompt, load_tokenizer
 
-    long_tokens = 980  # with the chat template the prompt is 34 tokens; max_seq_len is 1024
-    engine_dir = tmp_path / "one-slot"
+    engine_dir = tmp_path_factory.mktemp("one-slot") / "engine"
     compile_model(CompileOptions("torch", tiny_target, engine_dir, draft="ngram", num_draft_tokens=3,
                                  max_batch_size=1, max_seq_len=1024, gate_batch_size=1))
     tokenizer, engine = load_tokenizer(engine_dir / "target"), load_engine(engine_dir)
     candidates = [f"hold the slot {i}" for i in range(6)]
     reqs = engine.generate([encode_prompt(tokenizer, p, raw=False) for p in candidates],
-                           SamplingParams(max_tokens=long_tokens, stop_token_ids=(tokenizer.eos_token_id,)),
+                           SamplingParams(max_tokens=LONG_TOKENS, stop_token_ids=(tokenizer.eos_token_id,)),
                            speculation="off")
-    blocker = next(p for p, r in zip(candidates, reqs) if r.finish_reason.value == "length")
+    return engine_dir, next(p for p, r in zip(candidates, reqs) if r.finish_reason.value == "length")
+
+
+def hold_the_slot(srv, blocker: str):
+    """A client whose stream holds the one slot (its first response has come); stop_stream frees it."""
+    import queue
+
+    held = client(srv)
+    got: queue.Queue = queue.Queue()
+    held.start_stream(callback=lambda result, error: got.put(error))
+    held.async_stream_infer("ensemble", inputs(blocker, LONG_TOKENS, stream=True, speculation="off"),
+                            enable_empty_final_response=True)
+    first = got.get(timeout=30)
+    assert first is None, (first.message(), first.status(), first.debug_details())
+    return held
+
+
+def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(one_slot, tmp_path):
+    """One slot, held by a long answer; eight streamed requests queue behind it and each client leaves after
+    its first keepalive. All eight end as cancelled while still queued, with no token decoded for them."""
+    import queue
+
+    engine_dir, blocker = one_slot
     with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0) as srv:
-        held = client(srv)
-        got: queue.Queue = queue.Queue()
-        held.start_stream(callback=lambda result, error: got.put(error))
-        held.async_stream_infer("ensemble", inputs(blocker, long_tokens, stream=True, speculation="off"),
-                                enable_empty_final_response=True)
-        first = got.get(timeout=30)
-        assert first is None, (first.message(), first.status(), first.debug_details())  # the one slot is taken
+        held = hold_the_slot(srv, blocker)
         seen: dict[int, list[str]] = {}
 
         def leave(i):
@@ -513,3 +529,46 @@ def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(ti
         held.stop_stream(cancel_requests=True)
         held.close()
         assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_running") == 0)
+
+
+
+def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued_ones_are_served(one_slot, tmp_path):
+    """One slot held, max_queue_size 2: of five more requests two queue and three are refused within a
+    second or two, in one line that says why; once the slot frees, the queued two finish. (The refusal
+    is a TritonError UNAVAILABLE, but Triton's streaming RPC carries only an error's message.)"""
+    engine_dir, blocker = one_slot
+    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0,
+                       max_queue_size=2) as srv:
+        held = hold_the_slot(srv, blocker)
+        outcomes: dict[int, tuple[str, float]] = {}
+
+        def send(i):
+            c = client(srv)
+            start = time.monotonic()
+            try:
+                text = "".join(t for t, _, _ in responses(c, f"queued {i}", 8, stream=False, speculation="off"))
+                outcomes[i] = ("served", time.monotonic() - start, text)
+            except Exception as err:  # noqa: BLE001  the refusal is what this test looks at
+                outcomes[i] = (str(err), time.monotonic() - start, "")
+            finally:
+                c.close()
+
+        threads = []
+        for i in range(5):
+            threads.append(threading.Thread(target=send, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.3)  # in order: the first two find room in the queue
+        assert wait_for(lambda: len(outcomes) == 3, timeout=10), outcomes
+        refused = {i: o for i, o in outcomes.items()}
+        assert sorted(refused) == [2, 3, 4]
+        for message, seconds, _ in refused.values():
+            assert "server busy: 2 requests are already waiting for the engine's 1 slots (max_queue_size 2)" in message
+            assert "Traceback" not in message and "\n" not in message
+            assert seconds < 5
+        held.stop_stream(cancel_requests=True)
+        held.close()
+        for t in threads:
+            t.join(timeout=60)
+        assert [outcomes[i][0] for i in (0, 1)] == ["served", "served"]
+        assert [outcomes[i][2] for i in (0, 1)] == expected_texts(engine_dir, ["queued 0", "queued 1"], 8)
+        assert finished(srv, "rejected") == 3

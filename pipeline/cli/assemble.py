@@ -37,10 +37,14 @@ import click
 @click.option("max_input_bytes", "--max-input-bytes", type=int, default=None,
               help="Refuse a text_input longer than this many bytes, before tokenizing it [default: the engine's "
                    "max sequence length x 32].")
+@click.option("max_queue_size", "--max-queue-size", type=int, default=None,
+              help="Portable engine: how many requests may wait for a free slot; past that a request is refused "
+                   "at once as busy (UNAVAILABLE, retry later) instead of queueing; 0 = no bound [default: 8 per "
+                   "slot].")
 @click.option("--force", "-f", is_flag=True, help="Replace an existing repository.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
 def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size, gate_hysteresis, min_spec_tokens,
-             acceptance_floor, max_input_bytes, force, json_):
+             acceptance_floor, max_input_bytes, max_queue_size, force, json_):
     """Write a Triton model repository for an engine folder.
 
     \b
@@ -63,7 +67,8 @@ def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size
                                  llmapi_model_dir=llmapi_model_dir or LLMAPI_MODEL_DIR,
                                  gate_batch_size=gate_batch_size, gate_hysteresis=gate_hysteresis,
                                  min_spec_tokens=min_spec_tokens,
-                                 acceptance_floor=acceptance_floor, max_input_bytes=max_input_bytes, force=force))
+                                 acceptance_floor=acceptance_floor, max_input_bytes=max_input_bytes,
+                                 max_queue_size=max_queue_size, force=force))
     if json_:
         click.echo(json.dumps(asdict(result), indent=2))
     else:

@@ -55,6 +55,7 @@ class AssembleOptions:
     gate_hysteresis: int | None = None  # back on at gate_batch_size - this; default gate_batch_size // 8, >= 1
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
     max_input_bytes: int | None = None  # text_input's byte limit, checked before tokenizing; None: from max_seq_len
+    max_queue_size: int | None = None  # torch: requests waiting for a slot before more are refused; None: per slot
     # Auto requests stop speculating while the rolling acceptance rate is below this; 0 = off. None: by
     # draft kind (acceptance_floor_for).
     acceptance_floor: float | None = None
@@ -163,7 +164,7 @@ def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                     num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
-                    max_input_bytes=options.max_input_bytes,
+                    max_input_bytes=options.max_input_bytes, max_queue_size=options.max_queue_size,
                     acceptance_floor=acceptance_floor_for(manifest["draft"]["kind"], options.acceptance_floor))
 
 
@@ -326,6 +327,9 @@ def assemble(options: AssembleOptions) -> AssembleResult:
     repo = Path(options.repo).expanduser().absolute()
     check_output(repo, options.force, ConfigError, "--repo")
     plan = plan_repository(options)
+    if options.max_queue_size is not None and plan.route != "torch":
+        raise ConfigError("--max-queue-size bounds the portable engine's queue; on TensorRT-LLM the queue is "
+                          "the tensorrt_llm model's own (max_queue_size in its config.pbtxt)")
     container = find_container_tools() if plan.spec.backend == "trtllm" else None
     notes = list(plan.notes)
     if container is not None:

@@ -50,6 +50,10 @@ LLMAPI_FRONTEND = "llmapi_frontend"  # the llmapi route's ensemble step: our int
 # triton_backend/all_models/llmapi/tensorrt_llm/1. We reference it, we don't ship it.
 LLMAPI_MODEL_DIR = "/app/all_models/llmapi/tensorrt_llm/1"
 LLMAPI_YAML = "model.yaml"
+# The portable engine's default queue: 8 waiting requests per slot. On the embedded default (8 slots) a
+# 64-token answer then waits at most about half a minute behind the queue, while 64 streams plus a burst
+# of 64 more are served or refused at once, never left waiting with no word (scripts/soak.py).
+QUEUE_PER_SLOT = 8
 # Generous: byte-level BPE tokens average 3-5 bytes of English or code, and a UTF-8 character is at most 4.
 BYTES_PER_TOKEN = 32
 
@@ -67,6 +71,10 @@ class RepoSpec:
     # The most bytes of text_input a request may carry, checked before any tokenizing (a 20 MB prompt took
     # 20 s to refuse, and held up every request behind it); None: max_seq_len x BYTES_PER_TOKEN.
     max_input_bytes: int | None = None
+    # torch: requests that may wait for a free slot; one more is refused at once as busy (UNAVAILABLE) instead
+    # of queueing for minutes (tensorrtllm_backend's max_queue_size, docs/model_config.md). None: QUEUE_PER_SLOT
+    # per slot; 0: no bound.
+    max_queue_size: int | None = None
     apply_chat_template: bool = True
     num_draft_tokens: int = 4  # k, when a request doesn't say
     gate: GatePolicy = field(default_factory=GatePolicy)  # load threshold, hysteresis, min tokens
@@ -93,6 +101,8 @@ class RepoSpec:
             raise ConfigError("max_seq_len must be >= 2")
         if self.max_input_bytes is not None and self.max_input_bytes < 1:
             raise ConfigError("max_input_bytes must be >= 1")
+        if self.max_queue_size is not None and self.max_queue_size < 0:
+            raise ConfigError(f"max_queue_size must be >= 0 (0: no bound), got {self.max_queue_size}")
         if self.num_draft_tokens < 1:
             raise ConfigError("num_draft_tokens must be >= 1; send speculation='off' to turn it off")
         if not 0.0 <= self.acceptance_floor <= 1.0:
@@ -102,6 +112,10 @@ class RepoSpec:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
         if self.draft_max_tokens is not None and self.draft_max_tokens < 1:
             raise ConfigError("draft_max_tokens must be >= 1")
+
+    @property
+    def queue_limit(self) -> int:
+        return QUEUE_PER_SLOT * self.max_batch_size if self.max_queue_size is None else self.max_queue_size
 
     @property
     def input_byte_limit(self) -> int:
@@ -203,6 +217,7 @@ def torch_engine_config(spec: RepoSpec) -> ModelConfig:
                      "max_batch_size": str(spec.max_batch_size),
                      "max_seq_len": str(spec.max_seq_len),
                      "num_draft_tokens": str(spec.num_draft_tokens),
+                     "max_queue_size": str(spec.queue_limit),
                  })
 
 

@@ -51,7 +51,12 @@ def _scalar(request, name):
 
 
 class EngineError(PipelineError):
-    """The engine model answered with an error response."""
+    """The engine model answered with an error response; `code` is its TritonError code, passed on so a
+    busy engine's UNAVAILABLE reaches the client as a retryable status."""
+
+    def __init__(self, message: str, code=None):
+        super().__init__(message)
+        self.code = code
 
 
 def _greedy(request) -> bool:
@@ -196,15 +201,17 @@ class TritonPythonModel:
                 self._relay_engine(request, decision, stream_id, forward, cancelled)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
             error = client_message(err, "speculation_gate")  # an EngineError: the engine's own line, as it is
+            code = err.code if isinstance(err, EngineError) else None
         else:
-            error = None
+            error = code = None
         self.gate.leave()
         # An error goes out as the stream's final response: an error followed by a separate empty final left
         # the ensemble holding this model until Triton's 30 s exit timeout at unload.
         if error is None:
             self._send(sender, None, FINAL)
         else:
-            self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(error)), FINAL)
+            triton_error = pb_utils.TritonError(error) if code is None else pb_utils.TritonError(error, code)
+            self._send(sender, pb_utils.InferenceResponse(error=triton_error), FINAL)
 
     def _relay_engine(self, request, decision, stream_id: int, forward, cancelled):
         requested = str(_scalar(request, "speculation"))
@@ -225,7 +232,8 @@ class TritonPythonModel:
                         responses.cancel()
                     break
                 if response.has_error():
-                    raise EngineError(response.error().message())
+                    error = response.error()
+                    raise EngineError(error.message(), error.code() if hasattr(error, "code") else None)
                 tensors = response.output_tensors()
                 if tensors:
                     forward({t.name(): t.as_numpy() for t in tensors})

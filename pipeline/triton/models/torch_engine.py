@@ -65,7 +65,7 @@ class EngineMetrics:
         self.waiting = keep(F(name="pipeline_engine_requests_waiting", kind=F.GAUGE,
                              description="Requests queued for a slot")).Metric(labels=self.labels)
         self.finished = keep(F(name="pipeline_engine_requests_finished_total", kind=F.COUNTER,
-                              description="Finished requests by reason (stop, length, cancelled)"))
+                              description="Finished requests by reason (stop, length, cancelled, error, rejected: refused as busy)"))
         self.tokens = keep(F(name="pipeline_engine_generation_tokens_total", kind=F.COUNTER,
                             description="Tokens generated")).Metric(labels=self.labels)
         self._by_reason: dict = {}
@@ -129,6 +129,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         engine_dir = config["parameters"]["engine_dir"]["string_value"]
         self.engine = load_engine(engine_dir)
+        # Requests that may wait for a slot (0: no bound); past it a request is refused at once as busy.
+        self.max_queue_size = int(config["parameters"].get("max_queue_size", {}).get("string_value", "0"))
         tokenizer = load_tokenizer(Path(engine_dir) / read_engine_manifest(engine_dir)["tokenizer"])
         self.text_vocab = len(tokenizer)
         self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
@@ -199,6 +201,16 @@ class TritonPythonModel:
             self._send_error(Stream(sender, False), parsed)
             return
         state = Stream(sender, parsed["stream"], stream_id=parsed["stream_id"])
+        waiting = len(self.engine.waiting)
+        if self.max_queue_size and waiting >= self.max_queue_size:
+            # Refused before it queues: a client told "busy" now can retry or go elsewhere (a load balancer,
+            # another replica); one left waiting minutes behind the queue hears nothing until then.
+            slots = self.engine.config.max_batch_size
+            self._send_error(state, f"server busy: {waiting} requests are already waiting for the engine's {slots} "
+                                    f"slots (max_queue_size {self.max_queue_size}); retry in a moment, or serve a "
+                                    f"repository assembled with a larger --max-queue-size", busy=True)
+            self._count_finish("rejected")
+            return
         try:
             stops = tuple(dict.fromkeys(([parsed["end_id"]] if parsed["end_id"] >= 0 else []) + parsed["stop_ids"]))
             params = SamplingParams(max_tokens=parsed["max_tokens"], temperature=parsed["temperature"],
@@ -284,5 +296,8 @@ class TritonPythonModel:
         return start
 
     @staticmethod
-    def _send_error(state: Stream, message: str):
-        state.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+    def _send_error(state: Stream, message: str, busy: bool = False):
+        # busy: gRPC UNAVAILABLE, which clients retry. TritonError exists only once the stub has started.
+        error = (pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE) if busy
+                 else pb_utils.TritonError(message))
+        state.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
