@@ -83,7 +83,7 @@ PROMPTS = (
 SAMPLED_TEMPERATURE = 0.8
 # A full engine queue refuses a request at once with this line (torch_engine, max_queue_size); the client
 # waits BUSY_BACKOFF_S before its next request, as a client that retries would.
-BUSY_PREFIX = "server busy:"
+BUSY_LINE = "server busy:"
 BUSY_BACKOFF_S = 1.0
 BAD_MAX_TOKENS = 8  # refused before decoding; short in case a bad request is wrongly served
 PROGRESS_EVERY_S = 60.0
@@ -289,7 +289,7 @@ def judge(request: Request, reply: Reply, references: list[str]) -> tuple[Outcom
             return Outcome.ERRORED_EXPECTED, None
         got = f"error {reply.error!r}" if reply.error else "an answer"
         return Outcome.ERRORED_UNEXPECTED, f"bad request '{request.bad}': expected {expected!r}, got {got}"
-    if reply.error is not None and reply.error.startswith(BUSY_PREFIX):
+    if reply.error is not None and BUSY_LINE in reply.error:  # after the ensemble's "in ensemble ..." prefix
         return Outcome.BUSY, None
     if reply.error is not None:
         return Outcome.ERRORED_UNEXPECTED, f"{what}: {reply.error}"
@@ -439,6 +439,9 @@ class Report:
     gauges_max: dict[str, float]
     first_response_s: dict[str, float | None]  # p50, p99, max over the requests counted
     problems: list[str]
+    # Each process's RSS every PROGRESS_EVERY_S: whether growth levels off (allocator high-water marks after
+    # the bursts) or keeps climbing (a leak) shows here, not in start and end alone.
+    rss_series: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def failures(self, rss_check: bool = True) -> list[str]:
         out = [f"{self.counts[o.value]} {o.value.replace('_', ' ')}" for o in FAILING if self.counts[o.value]]
@@ -459,6 +462,7 @@ class Report:
                 "rss": [{**asdict(r), "growth_pct": r.growth_pct} for r in self.rss],
                 "gauges_after": self.gauges_after, "gauges_max": self.gauges_max,
                 "first_response_s": self.first_response_s,
+                "rss_series": [{"t_s": t, "mib": mib} for t, mib in self.rss_series],
                 "problems": self.problems,
                 "failures": self.failures(rss_check)}
 
@@ -542,6 +546,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
     for t in threads:
         t.start()
     bursts, rss_warm, most = 0, None, Counter()
+    series: list[tuple[int, dict[str, float]]] = []  # (seconds in, {"name (pid)": MiB}) every PROGRESS_EVERY_S
     next_burst = t0 + options.burst_every_s if options.burst_every_s else float("inf")
     next_progress, next_gauges, warm_at = t0 + PROGRESS_EVERY_S, t0, t0 + options.warmup_at_s
     try:
@@ -557,7 +562,11 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
                 threads += burst
                 next_burst += options.burst_every_s
             if now >= next_progress:
-                say(f"soak: {now - t0:.0f} s {tally.snapshot()} server {gauges(metrics_url)}")
+                sample = rss_sample(server_pid)
+                series.append((round(now - t0), {f"{name} ({pid})": round(kib / 1024, 1)
+                                                 for pid, (name, kib) in sample.items()}))
+                rss_now = f" RSS {sum(kib for _, kib in sample.values()) / 1024:.0f} MiB" if sample else ""
+                say(f"soak: {now - t0:.0f} s {tally.snapshot()} server {gauges(metrics_url)}{rss_now}")
                 next_progress += PROGRESS_EVERY_S
             if now >= next_gauges:
                 for name, value in gauges(metrics_url).items():
@@ -577,7 +586,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
     rss_end = rss_sample(server_pid)
     return Report(options, url, tally.snapshot(), dict(tally.sent), bursts, wall,
                   rss_rows(rss_start, rss_warm or {}, rss_end), server_pid is not None, after, dict(most),
-                  tally.first_response_s(), list(tally.problems))
+                  tally.first_response_s(), list(tally.problems), series)
 
 
 def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
@@ -616,6 +625,10 @@ def print_report(report: Report, rss_check: bool) -> None:
         print_markdown(("process", "pid", "RSS start MiB", "after warm-up MiB", "end MiB", "growth after warm-up"),
                        [(r.process, str(r.pid) if r.pid else "", fmt(r.start_mib), fmt(r.warm_mib), fmt(r.end_mib),
                          "n/a" if r.growth_pct is None else f"{r.growth_pct:+.1f}%") for r in report.rss])
+    if report.rss_series:
+        print(f"\nRSS MiB every {PROGRESS_EVERY_S:g} s (from {report.rss_series[0][0]} s):")
+        for name in report.rss_series[-1][1]:
+            print(f"  {name}: " + " ".join(fmt(mib.get(name)) for _, mib in report.rss_series))
     failures = report.failures(rss_check)
     print(f"\n{report.url}: {o.streams} streams for {o.minutes:g} min ({report.wall_s:.0f} s with the drain), "
           + (f"{report.bursts} bursts of {o.burst_streams}" if o.burst_every_s else "no bursts")

@@ -39,6 +39,9 @@ def test_judge_counts_a_wrong_refusal_a_served_bad_request_and_a_wrong_greedy_te
     assert soak.judge(greedy, soak.Reply(text="ref"), refs)[0] is O.COMPLETED
     assert soak.judge(greedy, soak.Reply(text="rEf"), refs)[0] is O.MISMATCHED
     assert soak.judge(greedy, soak.Reply(hung=True), refs)[0] is O.HUNG
+    busy = ("in ensemble 'ensemble', server busy: 64 requests are already waiting for the engine's 8 slots "
+            "(max_queue_size 64); retry in a moment, or serve a repository assembled with a larger --max-queue-size")
+    assert soak.judge(greedy, soak.Reply(error=busy), refs) == (O.BUSY, None)  # load shed as designed: no failure
     cancel = soak.Request(soak.Kind.CANCEL, 0, 8, leave_after=2)
     assert soak.judge(cancel, soak.Reply(text="r", responses=2, left=True), refs)[0] is O.CANCELLED
     assert soak.judge(cancel, soak.Reply(text="wrong", responses=1), refs)[0] is O.MISMATCHED  # ended first

@@ -39,7 +39,7 @@ import click
                    "max sequence length x 32].")
 @click.option("max_queue_size", "--max-queue-size", type=int, default=None,
               help="Portable engine: how many requests may wait for a free slot; past that a request is refused "
-                   "at once as busy (UNAVAILABLE, retry later) instead of queueing; 0 = no bound [default: 8 per "
+                   "at once as busy (UNAVAILABLE, retry later) instead of queueing; 0 = no bound [default: 4 per "
                    "slot].")
 @click.option("--force", "-f", is_flag=True, help="Replace an existing repository.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")

@@ -50,10 +50,11 @@ LLMAPI_FRONTEND = "llmapi_frontend"  # the llmapi route's ensemble step: our int
 # triton_backend/all_models/llmapi/tensorrt_llm/1. We reference it, we don't ship it.
 LLMAPI_MODEL_DIR = "/app/all_models/llmapi/tensorrt_llm/1"
 LLMAPI_YAML = "model.yaml"
-# The portable engine's default queue: 8 waiting requests per slot. On the embedded default (8 slots) a
-# 64-token answer then waits at most about half a minute behind the queue, while 64 streams plus a burst
-# of 64 more are served or refused at once, never left waiting with no word (scripts/soak.py).
-QUEUE_PER_SLOT = 8
+# The portable engine's default queue: 4 waiting requests per slot, so a queued request waits for about four
+# answers per slot to finish. On the embedded default (8 slots, 64-token answers, about 1.4 answers a second
+# under the soak's load) that is under half a minute; at 8 per slot the last of the queue waited up to 55 s
+# and 20 of 957 non-streamed greedy requests passed the soak's 60 s without a word (scripts/soak.py).
+QUEUE_PER_SLOT = 4
 # Generous: byte-level BPE tokens average 3-5 bytes of English or code, and a UTF-8 character is at most 4.
 BYTES_PER_TOKEN = 32
 

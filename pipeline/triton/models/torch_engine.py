@@ -65,7 +65,8 @@ class EngineMetrics:
         self.waiting = keep(F(name="pipeline_engine_requests_waiting", kind=F.GAUGE,
                              description="Requests queued for a slot")).Metric(labels=self.labels)
         self.finished = keep(F(name="pipeline_engine_requests_finished_total", kind=F.COUNTER,
-                              description="Finished requests by reason (stop, length, cancelled, error, rejected: refused as busy)"))
+                              description="Finished requests by reason (stop, length, cancelled, error, "
+                                          "rejected: refused as busy)"))
         self.tokens = keep(F(name="pipeline_engine_generation_tokens_total", kind=F.COUNTER,
                             description="Tokens generated")).Metric(labels=self.labels)
         self._by_reason: dict = {}
@@ -201,7 +202,8 @@ class TritonPythonModel:
             self._send_error(Stream(sender, False), parsed)
             return
         state = Stream(sender, parsed["stream"], stream_id=parsed["stream_id"])
-        waiting = len(self.engine.waiting)
+        # Those that will still wait once the next step fills the free slots (a burst arrives before any step).
+        waiting = len(self.engine.waiting) - len(self.engine.free_slots)
         if self.max_queue_size and waiting >= self.max_queue_size:
             # Refused before it queues: a client told "busy" now can retry or go elsewhere (a load balancer,
             # another replica); one left waiting minutes behind the queue hears nothing until then.
