@@ -502,7 +502,8 @@ def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(on
     import queue
 
     engine_dir, blocker = one_slot
-    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0) as srv:
+    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0,
+                       max_queue_size=8) as srv:  # all eight must queue (the default is 4 per slot)
         held = hold_the_slot(srv, blocker)
         seen: dict[int, list[str]] = {}
 

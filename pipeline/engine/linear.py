@@ -30,7 +30,7 @@ PACK_MIN_BYTES = 1 << 20
 # (whose verify feeds k+1 rows per request). Both kernels pick their code path by the row count:
 # oneDNN gives every row its solo bits for 4..32 rows and other bits past 32; torch's fp32 matmul
 # (MKL) runs a matrix-vector kernel for 1 row and changes kernel again at 16 (measured for every
-# SmolLM2 shape, bf16 and fp32, M = 1..300). So a call is padded up to the fewest with zero rows and
+# SmolLM2 shape, bf16 and fp32, up to 300 rows). So a call is padded up to the fewest with zero rows and
 # split at the most. Padding 1-2 rows to 4 also streams oneDNN's weight faster (measured on the real
 # model, 2 threads: fp32 16 vs 20/24 ms for all linears, bf16 10 vs 12/13 ms). The split costs
 # prefill about 2x in the linears for long prompts (a 1024-token prompt: 0.2 -> 0.4 s); decode steps

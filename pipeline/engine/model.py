@@ -115,9 +115,10 @@ class Attention(nn.Module):
         scores = (q.reshape(B, self.n_kv, G * T, D) @ keys.transpose(-1, -2)).float() * D**-0.5  # [B, KV, G*T, L]
         if mask is not None:
             scores = scores.masked_fill(~mask.repeat(1, 1, G, 1), float("-inf"))
-        # softmax's CPU kernel runs a row's last L % 16 entries through scalar code (other bits than its
-        # vector code), so a row's probabilities would depend on the L its batch pads it to. Rows of a
-        # multiple of SCORE_ALIGN keys have no scalar tail, and the -inf padding adds exact zeros.
+        # softmax's CPU kernel takes another code path for a row of fewer than 16 entries (other bits), so
+        # a short row's probabilities depended on the L its batch padded it to: prompts of 3-15 tokens
+        # moved when prefilled beside a longer one. Rows padded with -inf to a multiple of SCORE_ALIGN
+        # keys always take the same path, and the padding adds exact zeros (checked for L = 1..139).
         L = scores.shape[-1]
         if L % SCORE_ALIGN:
             scores = F.pad(scores, (0, SCORE_ALIGN - L % SCORE_ALIGN), value=float("-inf"))
