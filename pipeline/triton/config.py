@@ -53,7 +53,7 @@ LLMAPI_YAML = "model.yaml"
 # The portable engine's default queue: 4 waiting requests per slot, so a queued request waits for about four
 # answers per slot to finish. On the embedded default (8 slots, 64-token answers, about 1.4 answers a second
 # under the soak's load) that is under half a minute; at 8 per slot the last of the queue waited up to 55 s
-# and 20 of 957 non-streamed greedy requests passed the soak's 60 s without a word (scripts/soak.py).
+# and 20 of its 957 greedy requests, all non-streamed, passed the soak's 60 s without a word (scripts/soak.py).
 QUEUE_PER_SLOT = 4
 # Generous: byte-level BPE tokens average 3-5 bytes of English or code, and a UTF-8 character is at most 4.
 BYTES_PER_TOKEN = 32
