@@ -237,7 +237,7 @@ def test_smollm2_bf16_greedy_is_the_same_alone_beside_others_and_speculated(smol
     """The embedded default in bf16, on the soak's prompts: each prompt's greedy output alone is its
     output in a full batch (prompts queued behind 8 slots, so each meets different neighbours), with
     speculation on or off. Before the engine's kernels were made batch-invariant (linear.py's row
-    blocks, model.py's fp32 key blocks, one prefill per prompt), 4 of 16 moved in a batch with
+    blocks; model.py's padded softmax rows and fp32 key blocks), 4 of 16 moved in a batch with
     speculation on, 6 with it off, and one moved when speculated alone."""
     from pipeline.models.tokenizer import encode_prompt, load_tokenizer, uses_chat_template
     from serving_checks import soak_script
