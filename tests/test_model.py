@@ -213,15 +213,21 @@ def test_a_linear_rows_result_does_not_depend_on_how_many_rows_share_the_call(dt
     assert torch.equal(lin(x.view(8, 10, in_f)).view(80, out_f), alone)  # [B, T, in] as the model calls it
 
 
+def bare_attention(kv_heads: int):
+    """An Attention with no weights: enough to call grouped_attention, which reads only n_kv."""
+    from pipeline.engine.model import Attention
+
+    attn = Attention.__new__(Attention)
+    attn.n_kv = kv_heads
+    return attn
+
+
 def test_attention_row_is_the_same_whatever_keys_the_batch_pads_it_with():
     """A row of a batched decode reads the batch's longest key length, its own extra keys masked out;
     the output must equal the row's output alone. Queries are scaled so softmax is peaked, as real
     attention is: that is when bf16's kernel choice by key count showed (seed 20 with 191 keys + 5)."""
-    from pipeline.engine.model import Attention
-
     kv, d = 3, 64
-    attn = Attention.__new__(Attention)
-    attn.n_kv = kv
+    attn = bare_attention(kv)
     for seed in range(40):
         g = torch.Generator().manual_seed(seed)
         n = int(torch.randint(20, 300, (1,), generator=g))
@@ -243,16 +249,12 @@ def test_attention_row_is_the_same_whatever_keys_the_batch_pads_it_with():
         assert torch.equal(out, alone), f"seed {seed}: {n} keys beside a row of {n + 300}"
 
 
-
 def test_a_prompt_prefilled_beside_a_longer_one_gets_the_same_attention():
     """A padded prefill runs every prompt at the longest one's T and L, its pad keys masked. Rows with
     fewer than 16 visible keys are where softmax's CPU kernel changes code path (prompts of 3-15
     tokens moved in a batch)."""
-    from pipeline.engine.model import Attention
-
     kv, d = 3, 64
-    attn = Attention.__new__(Attention)
-    attn.n_kv = kv
+    attn = bare_attention(kv)
     g = torch.Generator().manual_seed(0)
     for n in range(1, 20):
         q = (torch.randn(1, 3 * kv, n + 40, d, generator=g) * 3).bfloat16()

@@ -541,7 +541,7 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
     with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0,
                        max_queue_size=2) as srv:
         held = hold_the_slot(srv, blocker)
-        outcomes: dict[int, tuple[str, float]] = {}
+        outcomes: dict[int, tuple[str, float, str]] = {}  # i -> (served or the error, seconds, text)
 
         def send(i):
             c = client(srv)
@@ -560,7 +560,7 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
             threads[-1].start()
             time.sleep(0.3)  # in order: the first two find room in the queue
         assert wait_for(lambda: len(outcomes) == 3, timeout=10), outcomes
-        refused = {i: o for i, o in outcomes.items()}
+        refused = dict(outcomes)  # now: the two queued ones still wait behind the held slot
         assert sorted(refused) == [2, 3, 4]
         for message, seconds, _ in refused.values():
             assert "server busy: 2 requests are already waiting for the engine's 1 slots (max_queue_size 2)" in message
