@@ -484,6 +484,8 @@ def render_report(checks: list[Check], info: dict) -> str:
         lines += [f"  {line}" for line in part.get("lines", [])]
         if part.get("tail"):
             lines += [f"  last lines of {part['log']}:"] + [f"    {line}" for line in part["tail"]]
+        if part.get("server_tail"):
+            lines += ["  last lines of tritonserver's log:"] + [f"    {line}" for line in part["server_tail"]]
     timings = ", ".join(f"{k} {v:.1f} s" for k, v in info.get("timings", {}).items())
     models = f"{info['target']} + {info['draft']}" if info.get("draft") else info.get("target", "?")
     lines += ["", f"models   {models}", f"timings  {timings}", f"workdir  {info.get('workdir', '?')}"]
@@ -578,6 +580,9 @@ def run(args: argparse.Namespace, workdir: Path, info: dict) -> list[Check]:
         checks += check_server(f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['metrics']}/metrics",
                                prompts_for(args.requests), args.max_tokens, args.requests)
         timings["checks"] = time.monotonic() - t0
+        if failed(checks):  # a restart by serve's supervisor, or the server's own error, is in these logs
+            info["serve"]["tail"] = tail(log)
+            info["serve"]["server_tail"] = tail(workdir / "tritonserver.log")
     except StepFailed as err:
         info[err.step]["tail"] = err.tail
         checks.append(Check(err.step, False, err.detail))

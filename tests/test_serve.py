@@ -178,6 +178,27 @@ def test_port_in_use_is_a_one_line_error(echo_repo):
         assert server.process is None
 
 
+def test_a_port_taken_while_the_models_load_is_an_error_not_a_server_without_that_endpoint(echo_repo, monkeypatch):
+    """tritonserver binds its ports after loading the models, and without the metrics port it logs an error
+    and serves on: a port taken after our check must fail the start, in one line naming the flag."""
+    import pipeline.triton.server as server_module
+
+    options = options_for(echo_repo)
+    monkeypatch.setattr(server_module, "port_in_use", lambda host, port: False)  # taken after the check
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", options.metrics_port))
+        held.listen()
+        server = TritonServer(options)
+        try:
+            server.start()
+            with pytest.raises(ServeError, match=r"started without an endpoint: its metrics service did not start: "
+                                                 r".*already in use; pass another --metrics-port") as err:
+                server.wait_ready(60)
+        finally:
+            server.stop()
+    assert "\n" not in str(err.value) and server.process is None
+
+
 def test_cli_missing_repo_is_a_one_line_error(tmp_path):
     result = CliRunner().invoke(main, ["serve", "--repo", str(tmp_path / "missing")])
     assert result.exit_code == 1

@@ -526,7 +526,10 @@ def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(on
         assert seen == {i: [""] for i in range(8)}
 
         assert wait_for(lambda: finished(srv, "cancelled") == 8, timeout=10)
-        assert finished(srv, "stop") == 0 and finished(srv, "length") == 0  # the blocker still holds the slot
+        # Nothing but the blocker decoded: it may have run out its LONG_TOKENS by now on a fast machine.
+        snapshot = metrics(srv.endpoints.metrics)
+        assert finished(srv, "stop") == 0 and finished(srv, "length") <= 1
+        assert value(snapshot, "pipeline_engine_generation_tokens_total") <= LONG_TOKENS
         held.stop_stream(cancel_requests=True)
         held.close()
         assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_engine_requests_running") == 0)

@@ -83,7 +83,7 @@ def test_every_check_passes_on_a_served_standin_repository_with_forty_concurrent
                        "--requests", "40", "--ready-timeout", "120", *port_args()])
     report = json.loads(capsys.readouterr().out)
     checks = {c["name"]: c for c in report["checks"]}
-    assert (code, report["failed"]) == (0, []), report["checks"]
+    assert (code, report["failed"]) == (0, []), (report["checks"], report["serve"])
     assert list(checks) == ["serve", "greedy_off_on_auto", "speculation_drafts", "concurrent_auto_equals_off",
                             "gate_flips", "gate_load_requests"]
     assert checks["concurrent_auto_equals_off"]["detail"] == "40/40 identical"

@@ -232,12 +232,25 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 _FAILED_MODEL = re.compile(r"failed to load '([^']+)' version")
+# tritonserver 2.51 logs this and keeps running without that endpoint (seen with the metrics port taken
+# between our port check and its bind, which comes after the models load).
+_FAILED_SERVICE = re.compile(r"failed to start (\S+) service: (.*)")
 _UNAVAILABLE = re.compile(r"^\|\s*(\S+)\s*\|\s*\d+\s*\|\s*(UNAVAILABLE: .*?)\s*\|\s*$")
 
 
 def _one_line(line: str) -> str:
     # Triton quotes messages and escapes their newlines: keep the first line of the message.
-    return " ".join(line.split("\\n", 1)[0].split()).rstrip('"')
+    return " ".join(line.split("\\n", 1)[0].split()).rstrip('"').rstrip()
+
+
+def missing_service(log: str) -> str | None:
+    """The one line naming an endpoint that a running server failed to start, or None."""
+    for line in log.splitlines():
+        if match := _FAILED_SERVICE.search(line):
+            service = match.group(1).lower()
+            flag = f"; pass another --{service}-port" if service in ("grpc", "http", "metrics") else ""
+            return f"its {service} service did not start: {_one_line(match.group(2))}{flag}"
+    return None
 
 
 def failure_from_log(log: str) -> str | None:
@@ -341,7 +354,14 @@ class TritonServer:
                 raise ServeError(f"tritonserver did not start: {reason} (log: {self.log_path})")
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(url, timeout=1) as response:
-                    if response.status == 200:
+                    ready = response.status == 200
+                # Ready comes before the metrics service starts: wait for it too, and don't take a server that
+                # runs on without it.
+                if missing := ready and missing_service(self.log()):
+                    self.stop(keep_log=True)
+                    raise ServeError(f"tritonserver started without an endpoint: {missing} (log: {self.log_path})")
+                if ready:
+                    with urllib.request.urlopen(self.endpoints.metrics, timeout=1):
                         return self.endpoints
             if time.monotonic() > deadline:
                 reason = failure_from_log(self.log())
