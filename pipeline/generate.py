@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pipeline.errors import RequestError
@@ -54,6 +54,9 @@ class Output:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" or "length"
+    # Its decode steps that drafted, and those that didn't by reason (engine/draft_plan.py).
+    draft_steps: int = 0
+    skipped_steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,9 @@ class GenerateResult:
 
     def to_json_dict(self) -> dict:
         return {
-            "outputs": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids} for o in self.outputs],
+            "outputs": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
+                         "speculation": {"draft_steps": o.draft_steps, "skipped_steps": o.skipped_steps}}
+                        for o in self.outputs],
             "stats": self.stats,
             "config": asdict(self.info),
         }
@@ -204,7 +209,8 @@ def generate(options: GenerateOptions) -> GenerateResult:
             raise RequestError(f"{which} failed in the engine: {r.error}")
     outputs = [
         Output(prompt=p, text=tokenizer.decode(r.output_ids, skip_special_tokens=True),
-               token_ids=list(r.output_ids), finish_reason=r.finish_reason.value)
+               token_ids=list(r.output_ids), finish_reason=r.finish_reason.value, draft_steps=r.num_verify_steps,
+               skipped_steps=dict(sorted(r.skip_reasons.items())))
         for p, r in zip(prompts, requests)
     ]
     info = RunInfo(
@@ -229,4 +235,16 @@ def stats_line(result: GenerateResult) -> str:
     if s["drafted_tokens"]:
         line += (f", acceptance {s['acceptance_rate']:.2f}, mean acceptance length "
                  f"{s['mean_acceptance_length']:.2f}")
+    if info.draft != NO_DRAFT:
+        line += f"; {speculation_summary(s['verified_rows'], s['skip_reasons'])}"
+    return line
+
+
+def speculation_summary(draft_steps: int, skipped: dict[str, int]) -> str:
+    """'drafted in 12 of 40 steps; not in 28: acceptance 20, end 1, short 7': why speculation did or didn't run."""
+    total = draft_steps + sum(skipped.values())
+    line = f"drafted in {draft_steps} of {total} steps"
+    if skipped:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+        line += f"; not in {sum(skipped.values())}: {reasons}"
     return line

@@ -14,7 +14,7 @@ from cli_checks import assert_one_line_error  # noqa: E402
 
 STATS_KEYS = {"steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
               "acceptance_per_position", "spec_steps", "nonspec_steps", "generated_tokens", "tokens_per_s",
-              "failed_requests", "proposer_failures"}
+              "failed_requests", "proposer_failures", "skip_reasons", "verified_rows"}
 # Repetitive, so prompt lookup finds n-grams to draft from.
 COPY_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
 
@@ -59,7 +59,8 @@ def test_json_has_exactly_the_documented_keys(tiny_target):
     assert set(data) <= {"outputs", "stats", "config"}
     assert len(data["outputs"]) == 1
     out = data["outputs"][0]
-    assert set(out) == {"prompt", "text", "token_ids"}
+    assert set(out) == {"prompt", "text", "token_ids", "speculation"}
+    assert out["speculation"] == {"draft_steps": 0, "skipped_steps": {}}  # no draft: nothing to explain
     assert out["prompt"] == "hello"
     assert isinstance(out["text"], str)
     assert 1 <= len(out["token_ids"]) <= 8

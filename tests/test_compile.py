@@ -359,6 +359,26 @@ def test_torch_engine_folder_generates_what_the_source_folders_do(tiny_target, t
         assert [r.output_ids for r in engine.generate(prompts, params)] == expected
 
 
+def test_a_torch_engine_with_a_draft_carries_the_cost_model_measured_here(tiny_target, tmp_path):
+    from pipeline.engine.cost_model import CostModel
+
+    out = tmp_path / "engine"
+    result = compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=4,
+                                          max_seq_len=128))
+    cost = CostModel.load(out)
+    assert cost.rows == (1, 2, 4) and cost.widths == (1, 2, 3, 4) and cost.proposer == "ngram"
+    assert cost.source.startswith("measured on ") and all(v > 0 for row in cost.target_s for v in row)
+    assert "cost_model.json" in result.files and any("cost model measured in" in n for n in result.notes)
+    assert load_engine(out).cost_model == cost
+    plain = tmp_path / "plain"
+    compile_model(CompileOptions("torch", tiny_target, plain, max_batch_size=4, max_seq_len=128))
+    skipped = tmp_path / "skipped"
+    compile_model(CompileOptions("torch", tiny_target, skipped, draft="ngram", max_batch_size=4, max_seq_len=128,
+                                 calibrate=False))
+    assert CostModel.load(plain) is None and CostModel.load(skipped) is None  # nothing to plan / not asked
+    assert load_engine(skipped).cost_model.source.startswith("default")
+
+
 def test_torch_dry_run_writes_engine_json_that_refuses_to_load(tiny_target, tmp_path):
     out = tmp_path / "engine"
     compile_model(CompileOptions("torch", tiny_target, out, dry_run=True))

@@ -319,3 +319,81 @@ def test_a_failing_proposer_costs_speculation_not_output(tiny_target, tiny_draft
     assert [r.output_ids for r in reqs] == [reference(p) for p in prompts]
     assert all(r.error is None for r in reqs) and engine.stats.proposer_failures == 1
     assert len(calls) == 3  # the rows it failed on stop speculating: no draft work for them after
+
+
+def test_a_failing_proposer_is_explained_per_request(tiny_target, tiny_draft):
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3), draft=tiny_draft)
+
+    def broken(reqs, ks):
+        raise RuntimeError("draft out of memory")
+
+    engine.proposer.propose = broken
+    (req,) = engine.generate(make_prompts(1, seed=23), SamplingParams(max_tokens=10))
+    assert req.num_verify_steps == 0 and set(req.skip_reasons) <= {"proposer_failed", "end"}
+    assert req.skip_reasons["proposer_failed"] >= 8
+
+
+# ---- per-request draft lengths ------------------------------------------------------------------
+
+class OracleProposer:
+    """Drafts each request's true greedy continuation, or, for the prompts in `wrong`, a token off from it
+    at every position (always rejected)."""
+
+    name = "oracle"
+
+    def __init__(self, reference, wrong: set[tuple[int, ...]], vocab: int):
+        self.reference, self.wrong, self.vocab = reference, wrong, vocab
+
+    def propose(self, reqs, ks):
+        from pipeline.engine.speculative import Proposal
+
+        tokens = []
+        for r, k in zip(reqs, ks):
+            truth = self.reference(r.prompt_ids)[len(r.output_ids):len(r.output_ids) + k]
+            bad = tuple(r.prompt_ids) in self.wrong
+            tokens.append([(t + 1) % self.vocab for t in truth] if bad else truth)
+        return Proposal(tokens=tokens)
+
+    def on_verified(self, req, prev_len, drafted, accepted):
+        pass
+
+    def release(self, req):
+        pass
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_for_itself_only(tiny_target, reference):
+    """Two requests side by side: one whose drafts are always right, one whose drafts are always wrong.
+    The second stops drafting after a few rejections (probing now and then); the first drafts at every
+    step it has room to. Both outputs stay the target's own."""
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=4))
+    good, bad = [p for p in make_prompts(12, seed=31) if len(reference(p)) == MAX_TOKENS][:2]
+    engine.proposer = OracleProposer(reference, {tuple(bad)}, engine.model.cfg.vocab_size)
+    g, b = engine.generate([good, bad], SamplingParams(max_tokens=MAX_TOKENS))
+    assert g.output_ids == reference(good) and b.output_ids == reference(bad)
+    assert g.num_accepted == g.num_drafted >= MAX_TOKENS - 10
+    assert set(g.skip_reasons) <= {"end"}  # the other's failures never held it back
+    steps = b.num_verify_steps + sum(b.skip_reasons.values())
+    assert b.num_accepted == 0 and b.skip_reasons["acceptance"] >= 0.6 * steps, (b.skip_reasons, steps)
+
+
+@pytest.mark.parametrize("draft_name", ["ngram", "small-draft"])
+def test_greedy_output_is_the_targets_while_every_rows_draft_length_changes_every_step(
+        tiny_target, tiny_draft, reference, draft_name):
+    """The planner's choices are free to change per row and per step: random lengths (0 included) in
+    place of the plan must leave every output the target's own."""
+    import random
+
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=5), draft=drafts(tiny_target, tiny_draft)[draft_name])
+    rng = random.Random(7)
+    chosen = []
+
+    def random_plan(reqs):
+        ks = [rng.randint(0, engine.draft_budget(r)) for r in reqs]
+        chosen.extend(ks)
+        return ks
+
+    engine._plan = random_plan
+    prompts = make_prompts(6, seed=41)
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.output_ids for r in reqs] == [reference(p) for p in prompts]
+    assert len(set(chosen)) == 6 and engine.stats.drafted_tokens > 0  # every length 0..5 was used

@@ -1,11 +1,9 @@
-"""The per-iteration gate: load threshold with hysteresis, short-output rule, per-request override."""
+"""The load ceiling: threshold with hysteresis (the per-request rules are in test_draft_plan.py)."""
 
 import pytest
 
 from pipeline.engine.config import GatePolicy
 from pipeline.engine.gate import SpeculationGate
-from pipeline.engine.request import Request
-from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import ConfigError
 
 
@@ -27,23 +25,6 @@ def test_gate_without_hysteresis_follows_the_batch():
 def test_zero_threshold_never_speculates():
     gate = SpeculationGate(GatePolicy(max_batch_size=0, hysteresis=0))
     assert gate.update(1) is False
-
-
-def req(max_tokens: int, speculation: str = "auto") -> Request:
-    return Request([1, 2], SamplingParams(max_tokens=max_tokens), speculation=speculation)
-
-
-def test_short_outputs_never_speculate_unless_forced():
-    gate = SpeculationGate(GatePolicy(min_tokens=50))
-    assert not gate.wants(req(49)) and gate.wants(req(50))
-    assert gate.wants(req(10, "on"))
-    assert not gate.wants(req(500, "off"))
-
-
-def test_override_on_speculates_even_when_the_gate_is_off():
-    gate = SpeculationGate(GatePolicy(max_batch_size=1, hysteresis=0))
-    gate.update(5)
-    assert not gate.wants(req(100)) and gate.wants(req(100, "on"))
 
 
 @pytest.mark.parametrize("kw", [dict(max_batch_size=-1), dict(max_batch_size=4, hysteresis=5), dict(min_tokens=-1)])

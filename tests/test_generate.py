@@ -41,7 +41,8 @@ def test_generation_stops_at_the_chat_end_token(tiny_target):
 def test_json_dict_keeps_the_documented_layout(tiny_target):
     data = generate(opts(tiny_target, draft="ngram")).to_json_dict()
     assert list(data) == ["outputs", "stats", "config"]
-    assert list(data["outputs"][0]) == ["prompt", "text", "token_ids"]
+    assert list(data["outputs"][0]) == ["prompt", "text", "token_ids", "speculation"]
+    assert list(data["outputs"][0]["speculation"]) == ["draft_steps", "skipped_steps"]
     assert data["config"]["draft"] == "ngram"
     json.dumps(data)  # serializable as is
 
@@ -53,6 +54,18 @@ def test_stats_line_mentions_acceptance_only_when_drafting(tiny_target):
                           min_spec_tokens=0))
     assert ngram.stats["drafted_tokens"] > 0
     assert "acceptance" in stats_line(ngram)
+
+
+def test_the_stats_line_and_each_output_say_why_steps_did_not_draft(tiny_target):
+    """Under min_spec_tokens every step is 'short'; the counts add up to the steps in the output and the line."""
+    short = generate(opts(tiny_target, "abcabcabcabcabcabc", draft="ngram", raw=True, max_tokens=12,
+                          min_spec_tokens=50))
+    out = short.outputs[0]
+    assert out.draft_steps == 0 and set(out.skipped_steps) == {"short"}
+    assert out.skipped_steps["short"] == short.stats["steps"]
+    assert f"drafted in 0 of {short.stats['steps']} steps; not in {short.stats['steps']}: short" in stats_line(short)
+    plain = generate(opts(tiny_target))
+    assert "drafted in" not in stats_line(plain)  # no draft: nothing to explain
 
 
 def test_small_gate_batch_size_clamps_hysteresis(tiny_target):

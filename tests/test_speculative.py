@@ -428,7 +428,7 @@ def run_engine(target, draft, params: SamplingParams, n_requests: int, batch: in
     for start in range(0, n_requests, batch):
         plist = [SamplingParams(max_tokens=E2E_MAX_TOKENS, temperature=params.temperature, top_k=params.top_k,
                                 top_p=params.top_p, seed=10_000 + start + i) for i in range(batch)]
-        reqs = engine.generate([E2E_PROMPT] * batch, plist)
+        reqs = engine.generate([E2E_PROMPT] * batch, plist, speculation="on")
         streams += [tuple(r.output_ids[:3]) for r in reqs]
     assert all(len(s) == 3 for s in streams)
     return streams, engine.stats

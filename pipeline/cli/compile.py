@@ -38,6 +38,9 @@ import click
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
               help="torch backend compute dtype (auto: the checkpoint's).")
 @click.option("--gpu", help="Check the sizes fit this GPU's memory plan (see `pipeline plan`); default: the GPU nvidia-smi reports, if any.")
+@click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+              help="torch backend with a draft: measure this machine's step costs (up to a minute) for the draft "
+                   "planner, stored in the engine folder.")
 @click.option("dry_run", "--dry-run", is_flag=True, help="Write the configs and print the commands; build nothing.")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists, and build even if the GPU plan doesn't fit.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
@@ -45,7 +48,7 @@ import click
               help="Output folder [default: engines/<target folder name>-<backend>].")
 def compile(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
             max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, tp_size, pp_size, dtype, gpu,
-            dry_run, force, json_, output):
+            calibrate, dry_run, force, json_, output):
     """Turn quantized checkpoints into what TensorRT-LLM serves, or the portable engine folder.
 
     Without TensorRT-LLM installed (it runs in NVIDIA's container), use --dry-run: it writes the
@@ -75,5 +78,5 @@ def compile(backend, target, draft, route, num_draft_tokens, max_batch_size, max
         max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
         max_num_tokens=max_num_tokens, gate_batch_size=gate_batch_size, kv_cache_dtype=kv_cache_dtype,
         free_gpu_memory_fraction=free_gpu_memory_fraction, tp_size=tp_size, pp_size=pp_size, dtype=dtype, gpu=gpu,
-        dry_run=dry_run, force=force))
+        calibrate=calibrate, dry_run=dry_run, force=force))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else result.render())

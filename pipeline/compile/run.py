@@ -50,6 +50,8 @@ class CompileOptions:
     pp_size: int | None = None
     dtype: str = "auto"  # torch backend compute dtype: auto (the checkpoint's) | fp32 | bf16 | fp16
     gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
+    # torch backend with a draft: measure the cost model the draft planner reads (engine/calibrate.py)
+    calibrate: bool = True
     dry_run: bool = False
     force: bool = False
 
@@ -224,10 +226,25 @@ def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: 
     else:
         torch_engine.write_engine_dir(stage, engine, target, draft_ckpt)
         result.files += ["target/"] + (["draft/"] if draft_ckpt is not None else [])
+        if options.calibrate and draft.speculates:
+            _calibrate(stage, result, manifest)
     result.files.insert(0, torch_engine.ENGINE_FILE)
     result.commands["load"] = ["python", "-c", f'from pipeline.compile import load_engine; '
                                                f'engine = load_engine("{result.output}")']
     manifest["configs"] = {torch_engine.ENGINE_FILE: engine}
+
+
+def _calibrate(stage: Path, result: CompileResult, manifest: dict) -> None:
+    """Measure the staged engine's cost model on this machine and store it with the engine."""
+    from pipeline.engine.calibrate import calibrate
+    from pipeline.engine.cost_model import FILENAME
+
+    cal = calibrate(torch_engine.load_engine(stage))
+    cal.cost.save(stage)
+    result.files.append(FILENAME)
+    result.notes.append(f"cost model measured in {cal.seconds:.0f} s ({cal.cost.source})"
+                        + (f"; {cal.note}" if cal.note else ""))
+    manifest["cost_model"] = {"seconds": round(cal.seconds, 1), "source": cal.cost.source, "note": cal.note}
 
 
 def _check_options(o: CompileOptions) -> None:

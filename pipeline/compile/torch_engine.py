@@ -105,6 +105,7 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
 
 def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None):
     """The LLMEngine an engine folder describes (device and dtype may be overridden at load)."""
+    from pipeline.engine.cost_model import CostModel
     from pipeline.engine.llm_engine import LLMEngine
 
     folder = Path(path)
@@ -115,4 +116,5 @@ def load_engine(path: str | Path, device: str | None = None, dtype: str | None =
         draft_arg = folder / draft["path"]
     elif draft["kind"] == "eagle3":  # draft/ holds the head's checkpoint, in whichever layout it came
         draft_arg = f"eagle3:{folder / draft['path']}"
-    return LLMEngine.load(folder / manifest["target"]["path"], engine_config(manifest, device, dtype), draft=draft_arg)
+    return LLMEngine.load(folder / manifest["target"]["path"], engine_config(manifest, device, dtype), draft=draft_arg,
+                          cost_model=CostModel.load(folder))

@@ -1,13 +1,13 @@
-"""The per-iteration speculation gate."""
+"""The operator's load ceiling on speculation, checked every engine iteration."""
 
 from __future__ import annotations
 
 from pipeline.engine.config import GatePolicy
-from pipeline.engine.request import Request
 
 
 class SpeculationGate:
-    """Decides, every engine iteration, whether the batch speculates.
+    """Decides, every engine iteration, whether auto requests may draft at all (which of them do, and how
+    many tokens, is the planner's choice: engine/draft_plan.py).
 
     Off when the decoding batch grows past `max_batch_size`; back on only once it has fallen to
     `max_batch_size - hysteresis`, so a batch hovering at the threshold doesn't flip every step.
@@ -30,12 +30,3 @@ class SpeculationGate:
             self.on = True
         self.flips += was != self.on
         return self.on
-
-    def wants(self, req: Request) -> bool:
-        """Whether this request speculates this iteration, given the gate's state."""
-        if req.speculation == "off":
-            return False
-        if req.speculation == "on":
-            return True
-        # Short outputs never pay back the draft's prefill and per-step overhead.
-        return self.on and req.params.max_tokens >= self.policy.min_tokens

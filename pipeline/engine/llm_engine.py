@@ -1,7 +1,8 @@
 """The engine: in-flight batching over a slot-based KV cache, with gated speculative decoding.
 
 Each step admits waiting requests (one padded prefill forward), then runs one decode iteration
-over every running request: the gate decides which rows speculate, the proposer drafts for them,
+over every running request: the planner (draft_plan.py) picks each row's number of drafts from the
+cost model and the row's own acceptance, under the gate's load ceiling; the proposer drafts for them,
 and one target forward verifies all rows at once, each with its own number of drafts (0 for rows
 that don't speculate). Rows then advance by their own accepted count.
 """
@@ -18,6 +19,8 @@ from typing import Callable
 import torch
 
 from pipeline.engine.config import EngineConfig
+from pipeline.engine.cost_model import CostModel, default_cost_model
+from pipeline.engine.draft_plan import ACCEPTANCE, EMPTY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.model import Transformer
@@ -34,8 +37,14 @@ EAGLE3_PREFIX = "eagle3:"
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, proposer: Proposer | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_prefill_tokens: int = 4096):
+                 eos_token_ids: tuple[int, ...] = (), max_prefill_tokens: int = 4096,
+                 cost_model: CostModel | None = None):
         self.model, self.config, self.proposer = model, config, proposer
+        # A model measured for fewer drafts than this engine may take can't price them: use the default.
+        if cost_model is None or cost_model.max_drafts < config.num_draft_tokens:
+            cost_model = default_cost_model(config.num_draft_tokens, config.max_batch_size,
+                                            proposer.name if proposer is not None else "")
+        self.cost_model = cost_model
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self.cache = model.new_cache(config.max_batch_size, config.max_seq_len)
@@ -49,7 +58,7 @@ class LLMEngine:
 
     @classmethod
     def load(cls, target: str | Path, config: EngineConfig, draft: str | Path | None = None,
-             eos_token_ids: tuple[int, ...] = ()) -> "LLMEngine":
+             eos_token_ids: tuple[int, ...] = (), cost_model: CostModel | None = None) -> "LLMEngine":
         """target: a HF folder. draft: None, "ngram", "eagle3:FOLDER" (an EAGLE-3 head), or a HF folder
         of a draft model."""
         from pipeline.engine.weights import load_transformer
@@ -71,7 +80,7 @@ class LLMEngine:
                     f"draft vocabulary ({draft_model.cfg.vocab_size}) differs from the target's "
                     f"({model.cfg.vocab_size}); use a draft from the same model family, or --draft ngram")
             proposer = DraftModelProposer(draft_model, config.max_batch_size, config.max_seq_len)
-        return cls(model, config, proposer, eos_token_ids or model.cfg.eos_token_ids)
+        return cls(model, config, proposer, eos_token_ids or model.cfg.eos_token_ids, cost_model=cost_model)
 
     @classmethod
     def from_engine_dir(cls, path: str | Path, device: str | None = None, dtype: str | None = None) -> "LLMEngine":
@@ -202,10 +211,9 @@ class LLMEngine:
         drafts: list[list[int]] = [[] for _ in reqs]
         q_rows: dict[int, torch.Tensor] = {}
         if self.proposer is not None:
-            self.gate.update(len(reqs))
-            ks = [self.draft_budget(r) if self.gate.wants(r) else 0 for r in reqs]
+            ks = self._plan(reqs)
             spec = [i for i, k in enumerate(ks) if k > 0]
-            if spec:  # while the gate is off no draft work runs at all
+            if spec:  # while no row drafts, no draft work runs at all
                 try:
                     prop = self.proposer.propose([reqs[i] for i in spec], [ks[i] for i in spec])
                 except Exception:  # noqa: BLE001  drafts are optional: these rows decode without them
@@ -213,19 +221,41 @@ class LLMEngine:
                     # for good. Their output is the target's either way: that is the lossless contract.
                     self.stats.proposer_failures += 1
                     for i in spec:
-                        reqs[i].speculation = "off"
+                        reqs[i].proposer_failed = True
+                        self._skipped(reqs[i], PROPOSER_FAILED)
                         self.proposer.release(reqs[i])
                 else:
                     for n, i in enumerate(spec):
                         drafts[i] = prop.tokens[n][: ks[i]]
                         if n in prop.stochastic_rows:
                             q_rows[i] = prop.probs[n]
+                        if not drafts[i]:  # an n-gram lookup that found nothing, say
+                            self._skipped(reqs[i], EMPTY)
         self._verify(reqs, drafts, q_rows, finished)
         self.stats.steps += 1
         if any(drafts):
             self.stats.spec_steps += 1
         else:
             self.stats.nonspec_steps += 1
+
+    def _plan(self, reqs: list[Request]) -> list[int]:
+        """Each row's drafts this step, under the gate's load ceiling; a row left out gets its reason."""
+        load_open = self.gate.update(len(reqs))
+        min_tokens = self.config.gate.min_tokens
+        rows = [Row(cap=0 if r.proposer_failed else self.draft_budget(r), acceptance=r.acceptance.value,
+                    mode=r.speculation, short=r.params.max_tokens < min_tokens, probe=r.acceptance.probe_due)
+                for r in reqs]
+        plan = plan_drafts(rows, self.cost_model, load_open)
+        for r, reason in zip(reqs, plan.reasons):
+            if reason is not None:
+                self._skipped(r, PROPOSER_FAILED if r.proposer_failed else reason)
+        return list(plan.ks)
+
+    def _skipped(self, req: Request, reason: str) -> None:
+        req.skip_reasons[reason] = req.skip_reasons.get(reason, 0) + 1
+        self.stats.skip_reasons[reason] = self.stats.skip_reasons.get(reason, 0) + 1
+        if reason == ACCEPTANCE:
+            req.acceptance.skipped += 1
 
     def _verify(self, reqs: list[Request], drafts: list[list[int]], q_rows: dict[int, torch.Tensor],
                 finished: list[Request]) -> None:
@@ -262,6 +292,7 @@ class LLMEngine:
                     r.num_drafted += len(d)
                     r.num_accepted += m
                     r.num_verify_steps += 1
+                    r.acceptance.update(len(d), m)
                     self.stats.record_verification(len(d), m)
                     self.proposer.on_verified(r, prev_len, len(d), m)
                 if hidden is not None:  # the states of the pending token and the accepted drafts

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.engine.draft_plan import AcceptanceEstimate
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import RequestError
 
@@ -54,6 +55,10 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0  # target steps that verified at least one drafted token
+    # Decode steps in which it drafted nothing, by reason (see engine/draft_plan.py).
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    proposer_failed: bool = False  # the proposer raised for it: it decodes on without drafts
     generator: torch.Generator | None = None
     error: str | None = None  # one line, set when finish_reason is ERROR
 

@@ -18,6 +18,8 @@ class EngineStats:
     failed_requests: int = 0  # requests ended by an error tied to them (the others carried on)
     proposer_failures: int = 0  # proposals that raised; their rows went on without speculation
     decode_time_s: float = 0.0  # time inside step(): prefill + decode, not model loading
+    # Row-steps that drafted nothing, by reason (engine/draft_plan.py), summed over requests.
+    skip_reasons: dict[str, int] = field(default_factory=dict)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -59,10 +61,12 @@ class EngineStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
+            "verified_rows": self.verified_rows,
             "spec_steps": self.spec_steps,
             "nonspec_steps": self.nonspec_steps,
             "generated_tokens": self.generated_tokens,
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "skip_reasons": dict(sorted(self.skip_reasons.items())),
             "failed_requests": self.failed_requests,
             "proposer_failures": self.proposer_failures,
         }

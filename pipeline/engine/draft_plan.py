@@ -1,0 +1,165 @@
+"""Per-request draft lengths: each step, how many tokens each running request drafts (0 = none), chosen
+to maximise the batch's expected tokens per second under the measured cost model.
+
+The model (SmartSpec, Liu et al. 2024, uses the same goodput idea for one shared k):
+- a row that drafts k tokens with per-token acceptance a emits E(a, k) = 1 + a + ... + a^k tokens in
+  expectation (drafts are checked in order and the first rejection ends the row's run);
+- the step costs one target forward over B rows padded to the widest row, W = max k + 1, plus one
+  proposal of W - 1 tokens for the rows that draft: cost.step_s(B, W) + cost.draft_s(n, W - 1).
+For each width the best rows to draft are those with the most to gain, so the search is over the width
+and a prefix of the rows sorted by gain: K * B candidates, each O(1) with prefix sums.
+
+Every row that doesn't draft gets a reason, so users see why (`skip_reasons` in the stats):
+- override: the request asked for speculation "off";
+- short: it asked for fewer new tokens than the gate's min_tokens;
+- load: more rows decode than the operator's ceiling (the gate's max_batch_size, with hysteresis);
+- end: no room left to draft (its last token, or max_seq_len);
+- acceptance: its own drafts don't pay at this step's width, while others' do, or even alone;
+- cost: its drafts would pay alone, but not in a batch this large;
+and two the engine adds after the plan: empty (the proposer had nothing, as an n-gram lookup without a
+match) and proposer_failed (the proposer raised for it once; it decodes on without drafts).
+A row skipped for acceptance is probed with a short draft every `probe_every` steps, so a request whose
+text turns predictable can win its drafts back; no other request is affected by its history.
+
+Pure: no torch, no engine; the engine and the unit tests call it the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.engine.cost_model import CostModel
+
+OVERRIDE, SHORT, LOAD, END, ACCEPTANCE, COST = "override", "short", "load", "end", "acceptance", "cost"
+EMPTY, PROPOSER_FAILED = "empty", "proposer_failed"
+SKIP_REASONS = (OVERRIDE, SHORT, LOAD, END, ACCEPTANCE, COST, EMPTY, PROPOSER_FAILED)
+PROBE_K = 2  # drafts in a probe: enough to see acceptance, little to pay when it fails
+
+
+@dataclass(frozen=True)
+class Row:
+    """One running request, as the planner sees it this step."""
+
+    cap: int  # drafts it may take this step (its own k limit, room left in max_tokens and max_seq_len)
+    acceptance: float  # its estimated per-token acceptance probability, in [0, 1]
+    mode: str = "auto"  # "auto", or the client's "on"/"off" override
+    short: bool = False  # asked for fewer new tokens than the gate's min_tokens
+    probe: bool = False  # skipped for acceptance long enough: draft a little to measure again
+
+
+@dataclass(frozen=True)
+class Plan:
+    ks: tuple[int, ...]  # drafts per row
+    reasons: tuple[str | None, ...]  # why a row drafts nothing (None where it drafts)
+    expected_tokens_per_s: float
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """1 + a + a^2 + ... + a^k: the tokens a row emits from k drafts, the target's own one included."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def plan_drafts(rows: list[Row], cost: CostModel, load_open: bool = True) -> Plan:
+    """Choose each row's k (see the module docstring). load_open: the operator's ceiling lets auto
+    requests draft this step."""
+    B = len(rows)
+    K = cost.max_drafts
+    reasons: list[str | None] = [None] * B
+    forced: dict[int, int] = {}  # row -> k it drafts whatever the cost says
+    candidates: list[int] = []
+    for i, r in enumerate(rows):
+        cap = min(r.cap, K)
+        auto = r.mode == "auto"
+        # The request's own settings first, then the batch's load, then the room left.
+        if r.mode == "off":
+            reasons[i] = OVERRIDE
+        elif auto and r.short:
+            reasons[i] = SHORT
+        elif auto and not load_open:
+            reasons[i] = LOAD
+        elif cap <= 0:
+            reasons[i] = END
+        elif not auto:
+            forced[i] = cap
+        elif r.probe:
+            forced[i] = min(cap, PROBE_K)
+        else:
+            candidates.append(i)
+    if not B:
+        return Plan((), (), 0.0)
+
+    forced_tokens = sum(expected_tokens(rows[i].acceptance, k) for i, k in forced.items())
+    base_tokens = (B - len(forced)) + forced_tokens
+    min_width = max(forced.values(), default=0)
+    best = (base_tokens / _step_time(cost, B, min_width, len(forced)), min_width, 0, [])
+    for width in range(max(min_width, 1), K + 1):
+        gains = sorted(((expected_tokens(rows[i].acceptance, min(width, rows[i].cap)) - 1.0, i)
+                        for i in candidates), reverse=True)
+        tokens = base_tokens
+        for n, (gain, _) in enumerate(gains, start=1):
+            if gain <= 0.0:
+                break
+            tokens += gain
+            rate = tokens / _step_time(cost, B, width, len(forced) + n)
+            if rate > best[0] * (1.0 + 1e-9):  # ties go to fewer drafts
+                best = (rate, width, n, [i for _, i in gains[:n]])
+    rate, width, _, chosen = best
+
+    ks = [0] * B
+    for i, k in forced.items():
+        ks[i] = k
+    for i in chosen:
+        ks[i] = min(width, rows[i].cap)
+    for i in candidates:
+        if not ks[i]:
+            reasons[i] = ACCEPTANCE if chosen or not _pays_alone(rows[i], cost) else COST
+    return Plan(tuple(ks), tuple(reasons), rate)
+
+
+def _step_time(cost: CostModel, rows: int, width: int, drafting: int) -> float:
+    if width <= 0 or drafting <= 0:
+        return cost.step_s(rows, 1)
+    return cost.step_s(rows, width + 1) + cost.draft_s(drafting, width)
+
+
+def _pays_alone(row: Row, cost: CostModel) -> bool:
+    """Whether this row, alone in the batch, would be faster drafting at some k."""
+    plain = 1.0 / cost.step_s(1, 1)
+    return any(expected_tokens(row.acceptance, k) / _step_time(cost, 1, k, 1) > plain
+               for k in range(1, min(row.cap, cost.max_drafts) + 1))
+
+
+# ---- a request's acceptance -----------------------------------------------------------------------
+
+PRIOR_ACCEPTANCE = 0.6  # a new request's assumed acceptance: high enough that it tries drafting
+PRIOR_TRIALS = 2.0  # the prior weighs as much as this many draft checks
+DECAY = 0.9  # per verify step: older evidence fades, so an estimate follows the text it drafts for
+PROBE_EVERY = 16  # steps skipped for acceptance before a probe
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A request's per-token acceptance probability under the geometric model: accepted drafts over
+    draft checks (each accepted draft is one check, and a rejection ends the run with one more), with
+    older steps decayed, starting from a prior."""
+
+    prior: float = PRIOR_ACCEPTANCE
+    accepted: float = 0.0
+    checks: float = 0.0
+    skipped: int = 0  # consecutive steps skipped for acceptance; reset when the request drafts
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.accepted = self.accepted * DECAY + accepted
+        self.checks = self.checks * DECAY + accepted + (accepted < drafted)
+        self.skipped = 0
+
+    @property
+    def value(self) -> float:
+        return (self.accepted + self.prior * PRIOR_TRIALS) / (self.checks + PRIOR_TRIALS)
+
+    @property
+    def probe_due(self) -> bool:
+        return self.skipped >= PROBE_EVERY

@@ -1,0 +1,135 @@
+"""The per-request draft planner and the cost model it reads: pure, with synthetic costs and acceptance."""
+
+import itertools
+import json
+
+import pytest
+
+from pipeline.engine.cost_model import CostModel, default_cost_model
+from pipeline.engine.draft_plan import (
+    ACCEPTANCE, COST, END, LOAD, OVERRIDE, PROBE_EVERY, PROBE_K, SHORT, AcceptanceEstimate, Row, _step_time,
+    expected_tokens, plan_drafts)
+from pipeline.errors import ConfigError
+
+K = 4
+
+
+def cost_model(fixed: float, per_token: float, draft_fixed=0.0, draft_per_token=0.0) -> CostModel:
+    """step_s(B, W) = fixed + per_token * B * W: memory-bound while fixed dominates, compute-bound after."""
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    widths = tuple(range(1, K + 2))
+    return CostModel(rows, widths, tuple(tuple(fixed + per_token * b * w for w in widths) for b in rows),
+                     tuple(draft_fixed for _ in rows), tuple(draft_per_token * b for b in rows))
+
+
+# A CPU-like machine: 10 ms to read the weights, 0.1 ms per token computed.
+CPU = cost_model(fixed=0.010, per_token=0.0001, draft_fixed=0.0002, draft_per_token=0.00005)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_at_batch_one_good_drafts_take_the_full_length():
+    plan = plan_drafts([Row(cap=K, acceptance=0.7)], CPU)
+    assert plan.ks == (K,) and plan.reasons == (None,)
+
+
+def test_a_large_batch_on_a_compute_bound_machine_drafts_nothing_and_says_it_is_the_cost():
+    plan = plan_drafts([Row(cap=K, acceptance=0.3)] * 64, CPU)
+    assert set(plan.ks) == {0} and set(plan.reasons) == {COST}
+
+
+def test_a_row_with_bad_acceptance_is_left_out_while_the_others_draft():
+    rows = [Row(cap=K, acceptance=0.8), Row(cap=K, acceptance=0.02), Row(cap=K, acceptance=0.8)]
+    plan = plan_drafts(rows, CPU)
+    assert plan.ks[0] > 0 and plan.ks[2] > 0
+    assert plan.ks[1] == 0 and plan.reasons[1] == ACCEPTANCE
+
+
+def test_a_row_whose_drafts_never_pay_even_alone_is_acceptance_not_cost():
+    plan = plan_drafts([Row(cap=K, acceptance=0.0)], CPU)
+    assert plan.ks == (0,) and plan.reasons == (ACCEPTANCE,)
+
+
+def test_overrides_short_outputs_the_load_ceiling_and_the_last_token_each_have_their_reason():
+    rows = [Row(cap=K, acceptance=0.9, mode="off"), Row(cap=K, acceptance=0.9, short=True),
+            Row(cap=0, acceptance=0.9), Row(cap=K, acceptance=0.0, mode="on")]
+    plan = plan_drafts(rows, CPU)
+    assert plan.reasons[:3] == (OVERRIDE, SHORT, END) and plan.ks[:3] == (0, 0, 0)
+    assert plan.ks[3] == K and plan.reasons[3] is None  # "on" drafts whatever its acceptance
+    closed = plan_drafts([Row(cap=K, acceptance=0.9), Row(cap=K, acceptance=0.9, mode="on")], CPU, load_open=False)
+    assert closed.ks == (0, K) and closed.reasons == (LOAD, None)
+
+
+def test_a_probe_drafts_a_little_even_when_its_acceptance_says_no():
+    plan = plan_drafts([Row(cap=K, acceptance=0.0, probe=True)], CPU)
+    assert plan.ks == (PROBE_K,)
+
+
+def test_a_rows_cap_limits_its_drafts():
+    plan = plan_drafts([Row(cap=1, acceptance=0.9), Row(cap=K, acceptance=0.9)], CPU)
+    assert plan.ks == (1, K)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_plan_is_the_best_of_every_draft_length_vector(seed):
+    """Brute force over every k per row (0..cap) with the same objective: the planner's search over a
+    common width and the rows with most to gain loses nothing."""
+    import random
+
+    rng = random.Random(seed)
+    cost = cost_model(fixed=rng.uniform(0.001, 0.02), per_token=rng.uniform(1e-5, 1e-3),
+                      draft_fixed=rng.uniform(0, 0.002), draft_per_token=rng.uniform(0, 0.001))
+    rows = [Row(cap=rng.randint(0, K), acceptance=rng.random()) for _ in range(rng.randint(1, 4))]
+    B = len(rows)
+
+    def rate(ks):
+        tokens = sum(expected_tokens(r.acceptance, k) for r, k in zip(rows, ks))
+        return tokens / _step_time(cost, B, max(ks), sum(k > 0 for k in ks))
+
+    best = max(rate(ks) for ks in itertools.product(*[range(r.cap + 1) for r in rows]))
+    plan = plan_drafts(rows, cost)
+    assert rate(plan.ks) == pytest.approx(best, rel=1e-9)
+    assert plan.expected_tokens_per_s == pytest.approx(best, rel=1e-9)
+
+
+def test_acceptance_estimate_falls_with_rejections_and_a_probe_comes_due():
+    est = AcceptanceEstimate()
+    start = est.value
+    for _ in range(5):
+        est.update(drafted=4, accepted=0)
+    assert est.value < 0.2 < start
+    est.skipped = PROBE_EVERY
+    assert est.probe_due
+    for _ in range(10):
+        est.update(drafted=4, accepted=4)
+    assert est.value > 0.7 and not est.probe_due  # drafting resets the count; good drafts win it back
+
+
+def test_cost_model_interpolates_in_rows_and_extrapolates_past_the_grid():
+    cost = cost_model(fixed=1.0, per_token=0.5)
+    assert cost.step_s(4, 1) == pytest.approx(3.0)
+    assert cost.step_s(6, 2) == pytest.approx(1.0 + 0.5 * 6 * 2)
+    assert cost.step_s(128, 1) == pytest.approx(1.0 + 0.5 * 128)
+    assert cost.draft_s(3, 0) == 0.0 and cost.step_s(0, 3) == 0.0
+
+
+def test_cost_model_round_trips_through_its_file_and_refuses_nonsense(tmp_path):
+    cost = default_cost_model(K, 64)
+    cost.save(tmp_path)
+    assert CostModel.load(tmp_path) == cost
+    assert CostModel.load(tmp_path / "nowhere") is None
+    data = json.loads((tmp_path / "cost_model.json").read_text())
+    data["target_s"][0][0] = float("nan")
+    with pytest.raises(ConfigError, match="finite"):
+        CostModel.from_json(data)
+    with pytest.raises(ConfigError, match="widths"):
+        CostModel((1,), (2, 3), ((1.0, 1.0),), (0.0,), (0.0,))
+
+
+def test_calibration_noise_cannot_make_a_wider_or_larger_step_cheaper():
+    from pipeline.engine.calibrate import monotone
+
+    assert monotone([(3.0, 2.0, 4.0), (2.5, 5.0, 4.5)]) == [(3.0, 3.0, 4.0), (3.0, 5.0, 5.0)]
