@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from pipeline.engine.draft_plan import speculation_summary
 from pipeline.errors import RequestError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -237,14 +238,4 @@ def stats_line(result: GenerateResult) -> str:
                  f"{s['mean_acceptance_length']:.2f}")
     if info.draft != NO_DRAFT:
         line += f"; {speculation_summary(s['verified_rows'], s['skip_reasons'])}"
-    return line
-
-
-def speculation_summary(draft_steps: int, skipped: dict[str, int]) -> str:
-    """'drafted in 12 of 40 steps; not in 28: acceptance 20, end 1, short 7': why speculation did or didn't run."""
-    total = draft_steps + sum(skipped.values())
-    line = f"drafted in {draft_steps} of {total} steps"
-    if skipped:
-        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
-        line += f"; not in {sum(skipped.values())}: {reasons}"
     return line

@@ -81,7 +81,7 @@ def one_line(err: BaseException) -> str:
 EMBED_STD = 2.0  # the token's own embedding dominates the residual stream...
 LAYER_SCALE = 0.3  # ...over every layer's attention and MLP output (o_proj, down_proj scaled by this)
 # The share of tokens whose successor the draft gets right: with K = 4 about 2/3 of the drafts are accepted,
-# above the gate's acceptance floor (0.5), and a step in three or so still has one rejected.
+# enough that every request keeps drafting (docs/gate.md), and a step in three or so still has one rejected.
 DRAFT_AGREEMENT = 0.85
 
 

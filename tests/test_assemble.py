@@ -39,8 +39,7 @@ def test_assemble_writes_every_model_with_its_config_and_source(engine_dir, tmp_
                                                                / "models" / source).read_text()
     gate = read_config(repo / "speculation_gate").parameters
     assert (gate["gate_max_batch_size"].string_value, gate["gate_min_tokens"].string_value) == ("8", "20")
-    # An n-gram draft costs nothing, so its acceptance floor only catches a lookup that never hits.
-    assert gate["acceptance_floor"].string_value == "0.1"
+    assert "acceptance_floor" not in gate  # acceptance is judged per request, in the engine
     engine = read_config(repo / "torch_engine").parameters
     assert engine["engine_dir"].string_value == str(engine_dir.absolute())
     assert engine["max_seq_len"].string_value == "256"
@@ -77,7 +76,7 @@ def test_assemble_cli_prints_the_repo_and_refuses_a_folder_without_an_engine(eng
 def server(engine_dir, tmp_path_factory):
     # No acceptance floor: n-gram drafts on a random tiny model accept little, and these tests need
     # "auto" to speculate (the floor has its own tests).
-    with served_engine(engine_dir, tmp_path_factory.mktemp("served"), acceptance_floor=0.0) as srv:
+    with served_engine(engine_dir, tmp_path_factory.mktemp("served")) as srv:
         yield srv
 
 
@@ -150,13 +149,3 @@ def test_concurrent_streams_past_the_batch_size_each_get_their_own_answer_beside
     for t in threads:
         t.join(timeout=120)
     assert got == {i: expected_text(engine_dir, p, MAX_TOKENS) for i, p in enumerate(prompts)}
-
-
-def test_a_draft_model_gets_the_half_acceptance_floor(tiny_target, tiny_draft, tmp_path):
-    engine = tmp_path / "engine"
-    compile_model(CompileOptions("torch", tiny_target, engine, draft=str(tiny_draft), num_draft_tokens=2,
-                                 max_batch_size=2, max_seq_len=128))
-    repo = Path(assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo")).repo)
-    assert read_config(repo / "speculation_gate").parameters["acceptance_floor"].string_value == "0.5"
-    repo = Path(assemble(AssembleOptions(engine=engine, repo=tmp_path / "r0", acceptance_floor=0.0)).repo)
-    assert read_config(repo / "speculation_gate").parameters["acceptance_floor"].string_value == "0.0"

@@ -129,6 +129,45 @@ def test_drafts_shrink_near_max_tokens_so_the_target_token_fits():
     assert engines.calls == [("draft", 4), ("verify", 4), ("draft", 1), ("verify", 1)]
 
 
+def skipped(sent) -> dict[str, int]:
+    import json
+
+    total: dict[str, int] = {}
+    for r in sent:
+        for reason, n in json.loads(r["skipped_steps"][0, 0]).items():
+            total[reason] = total.get(reason, 0) + n
+    return total
+
+
+def test_a_draft_that_keeps_failing_stops_drafting_for_this_request_and_says_why():
+    """A draft that never agrees with the target: after a few rejected steps the loop calls the target
+    alone, with a short probe every PROBE_EVERY steps; the answer stays the target's, and every step
+    without drafts is counted under its reason."""
+    from pipeline.engine.draft_plan import PROBE_EVERY
+
+    target = toy(7)
+    engines = ToyEngines(target, lambda ids: (target(ids) + 1) % 40)  # always wrong
+    sent = run(engines, request_tensors(PROMPT, 60))
+    assert tokens_of(sent) == ToyEngines(target, target)._greedy(target, PROMPT, 60)
+    drafting = [n for kind, n in engines.calls if kind == "draft"]
+    assert len(drafting) <= 12 + 60 // PROBE_EVERY, drafting  # a few tries, then probes only
+    reasons = skipped(sent)
+    _, _, steps = counts(sent)
+    assert reasons["acceptance"] >= 40 and steps + sum(reasons.values()) == len(engines.calls) - len(drafting)
+
+
+def test_a_forced_request_drafts_every_step_however_bad_its_drafts():
+    target = toy(7)
+    engines = ToyEngines(target, lambda ids: (target(ids) + 1) % 40)
+    sent = []
+    generate(request_tensors(PROMPT, 30), speculate=True, num_draft_tokens=4, target_model="t", draft_model="d",
+             send=sent.append, cancelled=lambda: False, engines=engines, forced=True)
+    assert tokens_of(sent) == ToyEngines(target, target)._greedy(target, PROMPT, 30)
+    # One token a step (every draft rejected); near max_tokens the drafts shrink so the target's token fits.
+    assert [n for kind, n in engines.calls if kind == "draft"] == [4] * 26 + [3, 2, 1]
+    assert skipped(sent) == {"end": 1}
+
+
 def test_speculation_off_and_sampled_requests_call_the_target_alone():
     target = toy(7)
     expected = ToyEngines(target, target)._greedy(target, PROMPT, 20)
@@ -246,7 +285,7 @@ def standin_repo(root: Path, target: Path, draft: Path) -> Path:
 
     spec = RepoSpec(backend="trtllm", tokenizer_dir=str(target), engine_dir=str(target), draft_engine_dir=str(draft),
                     max_batch_size=16, max_seq_len=256, num_draft_tokens=3,
-                    gate=GatePolicy(max_batch_size=16, hysteresis=2, min_tokens=0), acceptance_floor=0.0)
+                    gate=GatePolicy(max_batch_size=16, hysteresis=2, min_tokens=0))
     repo = root / "repo"
     repo.mkdir(parents=True)
     write_repository(repo, spec)

@@ -37,7 +37,7 @@ def server(engine_dir, tmp_path_factory):
     # No acceptance floor: n-gram drafts on a random tiny model accept little, and the load switch is
     # what these tests watch (the floor has its own tests in test_serving_gate.py).
     with served_engine(engine_dir, tmp_path_factory.mktemp("served"), gate_batch_size=THRESHOLD,
-                       gate_hysteresis=HYSTERESIS, min_spec_tokens=20, acceptance_floor=0.0) as srv:
+                       gate_hysteresis=HYSTERESIS, min_spec_tokens=20) as srv:
         pid = srv.process.pid
         yield srv
     # The disconnect test leaves cancel marks; stopping the server takes their folder with it.
@@ -222,6 +222,33 @@ def test_an_engine_error_reaches_the_client_through_the_gate_as_the_engines_own_
         c.close()
 
 
+def test_each_answer_and_the_metrics_say_why_its_steps_did_or_did_not_draft(server):
+    """The response counters (num_draft_steps, skipped_steps) and pipeline_spec_decode_skipped_steps_total:
+    a short request's steps are all "short", a forced-off one's all "override", and an auto one's steps
+    are each counted once, drafted or under a reason."""
+    from pipeline.engine.draft_plan import SKIP_REASONS
+    from pipeline.triton.client import ClientOptions, Connection, RequestOptions
+
+    before = metrics(server.endpoints.metrics)
+    with Connection(ClientOptions(server.endpoints.grpc)) as conn:
+        short = conn.generate("why not a short one", RequestOptions(max_tokens=10))  # under min_spec_tokens (20)
+        off = conn.generate("why not, said the client", RequestOptions(max_tokens=30, speculation="off"))
+        auto = conn.generate("ab ab ab ab ab ab ab ab", RequestOptions(max_tokens=60, stream=False))
+    for result, reason in ((short, "short"), (off, "override")):
+        assert result.draft_steps == 0 and set(result.skipped_steps) == {reason}
+        assert result.skipped_steps[reason] in (result.tokens - 1, result.tokens)  # the first token is the prefill's
+    assert set(auto.skipped_steps) <= set(SKIP_REASONS)
+    steps = auto.draft_steps + sum(auto.skipped_steps.values())  # a drafting step emits 1..K+1 tokens
+    assert auto.draft_steps > 0 and (auto.tokens - 1) / 4 <= steps <= auto.tokens
+    assert wait_for(lambda: value(metrics(server.endpoints.metrics), "pipeline_gate_in_flight") == 0.0)
+    time.sleep(0.3)  # the gate publishes every 0.1 s
+    after = metrics(server.endpoints.metrics)
+    for reason in ("short", "override"):
+        name = "pipeline_spec_decode_skipped_steps_total"
+        want = short.skipped_steps.get(reason, 0) + off.skipped_steps.get(reason, 0) + auto.skipped_steps.get(reason, 0)
+        assert value(after, name, reason=reason) - value(before, name, reason=reason) == want
+
+
 def test_internal_models_called_directly_refuse_bad_inputs_in_one_line(server, engine_dir):
     """torch_engine and postprocessing check their own inputs: no dropped token, no negative count, and
     never a traceback or a path on the server's machine."""
@@ -233,6 +260,7 @@ def test_internal_models_called_directly_refuse_bad_inputs_in_one_line(server, e
                 tensor("accepted_tokens", np.array([[0]], np.int32), "INT32"),
                 tensor("drafted_tokens", np.array([[0]], np.int32), "INT32"),
                 tensor("verify_steps", np.array([[0]], np.int32), "INT32"),
+                tensor("skipped_steps", np.array([[b"{}"]], np.object_), "BYTES"),
                 tensor("final", np.array([[True]]), "BOOL"),
                 tensor("stream_id", np.array([[0]], np.uint64), "UINT64")]
 
@@ -419,7 +447,7 @@ def test_sixty_four_abandoned_streams_free_every_slot_and_decode_little_for_nobo
     compile_model(CompileOptions("torch", tiny_target, engine_dir, draft="ngram", num_draft_tokens=3,
                                  max_batch_size=64, max_seq_len=1024, gate_batch_size=64))
     with served_engine(engine_dir, tmp_path, gate_batch_size=THRESHOLD, gate_hysteresis=HYSTERESIS,
-                       min_spec_tokens=20, acceptance_floor=0.0) as srv:
+                       min_spec_tokens=20) as srv:
         def leave(i):
             c = client(srv)
             try:
@@ -502,7 +530,7 @@ def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(on
     import queue
 
     engine_dir, blocker = one_slot
-    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0,
+    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20,
                        max_queue_size=8) as srv:  # all eight must queue (the default is 4 per slot)
         held = hold_the_slot(srv, blocker)
         seen: dict[int, list[str]] = {}
@@ -541,7 +569,7 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
     second or two, in one line that says why; once the slot frees, the queued two finish. (The refusal
     is a TritonError UNAVAILABLE, but Triton's streaming RPC carries only an error's message.)"""
     engine_dir, blocker = one_slot
-    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20, acceptance_floor=0.0,
+    with served_engine(engine_dir, tmp_path, gate_batch_size=1, min_spec_tokens=20,
                        max_queue_size=2) as srv:
         held = hold_the_slot(srv, blocker)
         outcomes: dict[int, tuple[str, float, str]] = {}  # i -> (served or the error, seconds, text)

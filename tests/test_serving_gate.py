@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from pipeline.engine.gate_policy import GatePolicy
-from pipeline.triton.serving_gate import ACCEPTANCE, LOAD, OPEN, OVERRIDE, PROBE, SHORT, ServingGate
+from pipeline.triton.serving_gate import LOAD, OPEN, OVERRIDE, SHORT, ServingGate
 
 
-def gate(max_batch=8, hysteresis=3, min_tokens=50, floor=0.5, **kw) -> ServingGate:
-    return ServingGate(GatePolicy(max_batch_size=max_batch, hysteresis=hysteresis, min_tokens=min_tokens),
-                       acceptance_floor=floor, **kw)
+def gate(max_batch=8, hysteresis=3, min_tokens=50, **kw) -> ServingGate:
+    return ServingGate(GatePolicy(max_batch_size=max_batch, hysteresis=hysteresis, min_tokens=min_tokens), **kw)
 
 
 def test_load_turns_speculation_off_above_the_threshold_and_back_on_only_after_the_hysteresis():
@@ -41,21 +40,13 @@ def test_zero_threshold_never_speculates_on_auto():
     assert not g.admit("auto", 100).speculate and g.admit("on", 100).speculate
 
 
-def test_acceptance_floor_holds_off_auto_requests_but_probes_so_it_can_reopen():
-    g = gate(max_batch=64, floor=0.5, window=100, min_samples=40, probe_every=4)
+def test_bad_acceptance_never_turns_the_server_off():
+    """Acceptance is each request's own business (engine/draft_plan.py): however badly drafts have done,
+    the next auto request is let in to speculate; the rolling numbers only feed the metrics."""
+    g = gate(max_batch=64, window=100)
+    for _ in range(10):
+        g.record(drafted=40, accepted=0, verify_steps=10)
+    assert g.acceptance_rate == 0.0 and g.mean_acceptance_length == 1.0
+    assert g.speculating and g.admit("auto", 100) == type(g.admit("auto", 100))(True, OPEN)
     g.record(drafted=30, accepted=3, verify_steps=10)
-    assert g.admit("auto", 100).reason == OPEN  # too few samples to judge yet
-    g.record(drafted=30, accepted=3, verify_steps=10)
-    assert g.acceptance_rate == 0.1 and abs(g.mean_acceptance_length - 1.3) < 1e-9
-    reasons = [g.admit("auto", 100).reason for _ in range(8)]
-    assert reasons == [ACCEPTANCE] * 3 + [PROBE] + [ACCEPTANCE] * 3 + [PROBE]
-    # Probes bring back good numbers; the old ones fall out of the 100-token window.
-    for _ in range(4):
-        g.record(drafted=40, accepted=36, verify_steps=10)
-    assert g.acceptance_rate >= 0.85 and g.speculating and g.admit("auto", 100).reason == OPEN
-
-
-def test_floor_zero_is_off():
-    g = gate(floor=0.0, min_samples=1)
-    g.record(drafted=100, accepted=0, verify_steps=25)
-    assert g.admit("auto", 100).speculate
+    assert g.acceptance_rate < 0.1

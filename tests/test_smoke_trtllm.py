@@ -43,7 +43,7 @@ def standin_repo(root: Path, target: Path, draft: Path, gate) -> Path:
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, read_config, write_config
 
     spec = RepoSpec(backend="trtllm", tokenizer_dir=str(target), engine_dir=str(target), draft_engine_dir=str(draft),
-                    max_batch_size=64, max_seq_len=256, num_draft_tokens=4, gate=gate, acceptance_floor=0.0)
+                    max_batch_size=64, max_seq_len=256, num_draft_tokens=4, gate=gate)
     repo = root / "repo"
     repo.mkdir(parents=True)
     write_repository(repo, spec)

@@ -61,7 +61,7 @@ def test_sixty_second_soak_has_no_hung_unexpected_or_mismatched_request(tiny_tar
     compile_model(CompileOptions("torch", tiny_target, engine, draft="ngram", num_draft_tokens=3, max_batch_size=8,
                                  max_seq_len=256, gate_batch_size=8))
     repo = assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo", gate_batch_size=8,
-                                    min_spec_tokens=20, acceptance_floor=0.0)).repo
+                                    min_spec_tokens=20)).repo
     code = soak.main(["--repo", repo, "--streams", "16", "--minutes", "1", "--burst-every-s", "20",
                       "--max-tokens", "32", "--hang-s", "30", "--json"])
     out = capsys.readouterr().out

@@ -212,7 +212,6 @@ def test_trtllm_without_a_draft_serves_the_target_alone():
     (dict(draft_max_tokens=0), "draft_max_tokens"),
     (dict(max_batch_size=0), "max_batch_size"),
     (dict(num_draft_tokens=0), "num_draft_tokens"),
-    (dict(acceptance_floor=1.5), "acceptance_floor"),
     (dict(kv_fraction_draft=0.0), "kv_fraction_draft"),
 ])
 def test_bad_repo_spec_is_refused_in_one_place(change, message):

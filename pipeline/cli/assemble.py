@@ -29,11 +29,6 @@ import click
                    "[default: gate batch size / 8, at least 1].")
 @click.option("min_spec_tokens", "--min-spec-tokens", type=int, default=50, show_default=True,
               help="Requests asking for fewer new tokens never speculate.")
-@click.option("acceptance_floor", "--acceptance-floor", type=float, default=None,
-              help="Auto requests stop speculating while the rolling draft acceptance rate is below this "
-                   "(every 8th still speculates, to measure); 0 turns the floor off [default: 0.5 for a draft "
-                   "model or EAGLE-3 head, whose drafts cost compute; 0.1 for n-gram lookup, which costs nothing "
-                   "and paid 2.5x on SmolLM2 at acceptance 0.3-0.5].")
 @click.option("max_input_bytes", "--max-input-bytes", type=int, default=None,
               help="Refuse a text_input longer than this many bytes, before tokenizing it [default: the engine's "
                    "max sequence length x 32].")
@@ -44,7 +39,7 @@ import click
 @click.option("--force", "-f", is_flag=True, help="Replace an existing repository.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
 def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size, gate_hysteresis, min_spec_tokens,
-             acceptance_floor, max_input_bytes, max_queue_size, force, json_):
+             max_input_bytes, max_queue_size, force, json_):
     """Write a Triton model repository for an engine folder.
 
     \b
@@ -67,7 +62,7 @@ def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size
                                  llmapi_model_dir=llmapi_model_dir or LLMAPI_MODEL_DIR,
                                  gate_batch_size=gate_batch_size, gate_hysteresis=gate_hysteresis,
                                  min_spec_tokens=min_spec_tokens,
-                                 acceptance_floor=acceptance_floor, max_input_bytes=max_input_bytes,
+                                 max_input_bytes=max_input_bytes,
                                  max_queue_size=max_queue_size, force=force))
     if json_:
         click.echo(json.dumps(asdict(result), indent=2))

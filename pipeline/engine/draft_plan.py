@@ -130,6 +130,16 @@ def _pays_alone(row: Row, cost: CostModel) -> bool:
                for k in range(1, min(row.cap, cost.max_drafts) + 1))
 
 
+def speculation_summary(draft_steps: int, skipped: dict[str, int]) -> str:
+    """'drafted in 12 of 40 steps; not in 28: acceptance 20, end 1, short 7': why speculation did or didn't run."""
+    total = draft_steps + sum(skipped.values())
+    line = f"drafted in {draft_steps} of {total} steps"
+    if skipped:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+        line += f"; not in {sum(skipped.values())}: {reasons}"
+    return line
+
+
 # ---- a request's acceptance -----------------------------------------------------------------------
 
 PRIOR_ACCEPTANCE = 0.6  # a new request's assumed acceptance: high enough that it tries drafting

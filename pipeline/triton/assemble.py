@@ -56,9 +56,6 @@ class AssembleOptions:
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
     max_input_bytes: int | None = None  # text_input's byte limit, checked before tokenizing; None: from max_seq_len
     max_queue_size: int | None = None  # torch: requests waiting for a slot before more are refused; None: per slot
-    # Auto requests stop speculating while the rolling acceptance rate is below this; 0 = off. None: by
-    # draft kind (acceptance_floor_for).
-    acceptance_floor: float | None = None
     force: bool = False
 
 
@@ -142,20 +139,6 @@ def plan_repository(options: AssembleOptions) -> Plan:
     return _engine_plan(engine, manifest, options)
 
 
-# The floor is where a draft stops paying. A draft model or EAGLE-3 head costs real compute per drafted
-# token, so it needs about half its drafts accepted. N-gram lookup costs nothing and a verify of k+1
-# tokens costs about one step at small batch: it still paid 2.5x on SmolLM2 at acceptance 0.28-0.5
-# (bench_engine, bench_serving), so its floor only catches a lookup that never hits.
-ACCEPTANCE_FLOORS = {"ngram": 0.1}
-DEFAULT_ACCEPTANCE_FLOOR = 0.5
-
-
-def acceptance_floor_for(draft_kind: str, requested: float | None) -> float:
-    if requested is not None:
-        return requested
-    return ACCEPTANCE_FLOORS.get(draft_kind, DEFAULT_ACCEPTANCE_FLOOR)
-
-
 def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     """A portable engine folder: sizes from its engine.json, the gate from the options."""
     from pipeline.compile.torch_engine import read_engine_manifest
@@ -164,8 +147,7 @@ def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                     num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
-                    max_input_bytes=options.max_input_bytes, max_queue_size=options.max_queue_size,
-                    acceptance_floor=acceptance_floor_for(manifest["draft"]["kind"], options.acceptance_floor))
+                    max_input_bytes=options.max_input_bytes, max_queue_size=options.max_queue_size)
 
 
 def _tokenizer(manifest: dict, options: AssembleOptions) -> Path:
@@ -243,7 +225,6 @@ def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
                     draft_engine_dir=str(draft) if has_draft else "", max_batch_size=sizes["max_batch_size"],
                     max_seq_len=sizes["max_seq_len"], num_draft_tokens=max(1, sizes["max_draft_len"]),
                     gate=_gate(options), max_input_bytes=options.max_input_bytes,
-                    acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
                     kv_fraction_target=kv.target_fraction, kv_fraction_draft=kv.draft_fraction,
                     draft_max_tokens=kv.draft_max_tokens, gpu_device_ids=gpu_device_ids(launch))
     notes += [n for n in (kv.note, _launch_note(launch)) if n]
@@ -281,7 +262,6 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
                     max_batch_size=sizes["max_batch_size"], max_seq_len=sizes["max_seq_len"],
                     num_draft_tokens=max(1, sizes["max_draft_len"]), gate=_gate(options),
                     max_input_bytes=options.max_input_bytes,
-                    acceptance_floor=acceptance_floor_for("model", options.acceptance_floor),
                     llmapi_model_dir=options.llmapi_model_dir)
     notes = [f"serve it in NVIDIA's Triton + TensorRT-LLM container: the tensorrt_llm model loads TensorRT-LLM's "
              f"llmapi model.py from {options.llmapi_model_dir}"]

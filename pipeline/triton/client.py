@@ -15,6 +15,7 @@ tritonclient is imported inside the functions that use it, so `pipeline --help` 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import queue
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from pipeline.engine.draft_plan import speculation_summary
 from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
 
 ENSEMBLE = "ensemble"
@@ -83,6 +85,8 @@ class Chunk:
     drafted: int
     t_s: float
     tokens: int  # new tokens in this response (the ensemble's num_output_tokens)
+    draft_steps: int = 0  # decode steps in this response that drafted (num_draft_steps)
+    skipped: dict[str, int] = field(default_factory=dict)  # those that didn't, by reason (skipped_steps)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,14 @@ class Result:
         return round(self.accepted / self.drafted, 4) if self.drafted else None
 
     @property
+    def draft_steps(self) -> int:
+        return sum(c.draft_steps for c in self.chunks)
+
+    @property
+    def skipped_steps(self) -> dict[str, int]:
+        return _add_counts(c.skipped for c in self.chunks)
+
+    @property
     def tokens(self) -> int:
         """New tokens: the sum of each response's num_output_tokens."""
         return sum(c.tokens for c in self.chunks)
@@ -123,10 +135,34 @@ class Result:
     def stats(self) -> dict:
         return {"tokens": self.tokens, "responses": len(self.chunks), "accepted_tokens": self.accepted,
                 "drafted_tokens": self.drafted, "acceptance_rate": self.acceptance_rate,
+                "draft_steps": self.draft_steps, "skipped_steps": self.skipped_steps,
                 "ttft_s": _round(self.ttft_s), "total_s": _round(self.total_s), "tokens_per_s": self.tokens_per_s}
 
     def to_json_dict(self) -> dict:
         return {"prompt": self.prompt, "text": self.text, "stats": self.stats()}
+
+
+def _add_counts(counts) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for reason, n in c.items():
+            total[reason] = total.get(reason, 0) + n
+    return dict(sorted(total.items()))
+
+
+def _skipped(result) -> dict[str, int]:
+    """A response's skipped_steps; {} from a server whose ensemble predates it, or on a malformed value."""
+    try:
+        raw = result.as_numpy("skipped_steps")
+        counts = json.loads(raw.reshape(-1)[0]) if raw is not None else {}
+        return {str(k): int(v) for k, v in counts.items()}
+    except (ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _draft_steps(result) -> int:
+    raw = result.as_numpy("num_draft_steps")
+    return int(raw.reshape(-1)[0]) if raw is not None else 0
 
 
 def _round(x: float | None) -> float | None:
@@ -297,7 +333,8 @@ class Connection:
                                 int(result.as_numpy("num_accepted_tokens").reshape(-1)[0]),
                                 int(result.as_numpy("num_drafted_tokens").reshape(-1)[0]),
                                 time.perf_counter() - t0,
-                                int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
+                                int(result.as_numpy("num_output_tokens").reshape(-1)[0]),
+                                _draft_steps(result), _skipped(result))
                 if response.parameters["triton_final_response"].bool_param:
                     done = True
                     return
@@ -363,7 +400,9 @@ class BatchResult:
                 "tokens_per_s": round(known / self.wall_s, 2) if known and self.wall_s > 0 else None,
                 "ttft_s_mean": round(sum(ttfts) / len(ttfts), 4) if ttfts else None,
                 "accepted_tokens": sum(r.accepted for r in self.results), "drafted_tokens": drafted,
-                "acceptance_rate": round(sum(r.accepted for r in self.results) / drafted, 4) if drafted else None}
+                "acceptance_rate": round(sum(r.accepted for r in self.results) / drafted, 4) if drafted else None,
+                "draft_steps": sum(r.draft_steps for r in self.results),
+                "skipped_steps": _add_counts(r.skipped_steps for r in self.results)}
 
     def to_json_dict(self) -> dict:
         return {"outputs": [r.to_json_dict() for r in self.results], "stats": self.stats(),
@@ -432,5 +471,9 @@ def remote_stats_line(results: list[Result], wall_s: float, url: str) -> str:
     parts.append(f"{sum(tokens)} tokens{rate}")
     if ttfts:
         parts.append(f"TTFT {ttfts[0]:.3f} s" if len(ttfts) == 1 else f"TTFT {ttfts[0]:.3f}-{ttfts[-1]:.3f} s")
-    parts.append(f"acceptance {accepted / drafted:.2f} ({accepted}/{drafted} drafts)" if drafted else "no drafts")
+    if drafted:
+        parts.append(f"acceptance {accepted / drafted:.2f} ({accepted}/{drafted} drafts)")
+    # Why steps didn't draft, never a bare "no drafts" (docs/gate.md has the reasons).
+    parts.append(speculation_summary(sum(r.draft_steps for r in results),
+                                     _add_counts(r.skipped_steps for r in results)))
     return ", ".join(parts[:1]) + " " + ", ".join(parts[1:])

@@ -79,9 +79,6 @@ class RepoSpec:
     apply_chat_template: bool = True
     num_draft_tokens: int = 4  # k, when a request doesn't say
     gate: GatePolicy = field(default_factory=GatePolicy)  # load threshold, hysteresis, min tokens
-    # The gate stops speculating on "auto" while the rolling acceptance rate (accepted / drafted over
-    # recent verifications) is below this; 0 turns the floor off.
-    acceptance_floor: float = 0.5
     # trtllm: kv_cache_free_gpu_mem_fraction of each model. The draft's KV is also bounded in tokens
     # (max_tokens_in_paged_kv_cache; the backend takes the smaller), so whichever model loads first, the
     # other still fits (pipeline.triton.assemble.kv_budget).
@@ -106,8 +103,6 @@ class RepoSpec:
             raise ConfigError(f"max_queue_size must be >= 0 (0: no bound), got {self.max_queue_size}")
         if self.num_draft_tokens < 1:
             raise ConfigError("num_draft_tokens must be >= 1; send speculation='off' to turn it off")
-        if not 0.0 <= self.acceptance_floor <= 1.0:
-            raise ConfigError("acceptance_floor must be between 0 and 1")
         for name in ("kv_fraction_target", "kv_fraction_draft"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
@@ -199,7 +194,6 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
         "gate_max_batch_size": str(spec.gate.max_batch_size),
         "gate_hysteresis": str(spec.gate.hysteresis),
         "gate_min_tokens": str(spec.gate.min_tokens),
-        "acceptance_floor": str(spec.acceptance_floor),
     }
     if spec.backend == "trtllm":
         if spec.has_draft:

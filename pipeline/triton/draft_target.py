@@ -21,12 +21,15 @@ step; `pipeline compile` doesn't build that, and upstream's BLS leaves use_draft
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from pipeline.engine.cost_model import CostModel, default_cost_model
+from pipeline.engine.draft_plan import ACCEPTANCE, EMPTY, AcceptanceEstimate, Row, plan_drafts
 from pipeline.errors import PipelineError
 
 # Text-bearing tokens resent before each streamed chunk so postprocessing can rebuild a character split
@@ -167,10 +170,15 @@ class Emitter:
         self.tokens: list[int] = []
         self.sent = 0
         self.counts = [0, 0, 0]  # accepted, drafted, verify_steps not yet sent
+        self.skipped: dict[str, int] = {}  # steps without drafts not yet sent, by reason
 
-    def add(self, tokens: list[int], accepted: int = 0, drafted: int = 0, steps: int = 0) -> None:
+    def add(self, tokens: list[int], accepted: int = 0, drafted: int = 0, steps: int = 0,
+            skipped: str | None = None, skipped_steps: int = 1) -> None:
+        """skipped: the reason this step (or these `skipped_steps` steps) drafted nothing."""
         self.tokens += tokens
         self.counts = [self.counts[0] + accepted, self.counts[1] + drafted, self.counts[2] + steps]
+        if skipped is not None and skipped_steps > 0:
+            self.skipped[skipped] = self.skipped.get(skipped, 0) + skipped_steps
         if self.request.stream:
             self.flush()
 
@@ -187,8 +195,9 @@ class Emitter:
                    "accepted_tokens": np.array([[self.counts[0]]], np.int32),
                    "drafted_tokens": np.array([[self.counts[1]]], np.int32),
                    "verify_steps": np.array([[self.counts[2]]], np.int32),
+                   "skipped_steps": np.array([[json.dumps(self.skipped).encode()]], np.object_),
                    "final": np.array([[final]], np.bool_)})
-        self.sent, self.counts = end, [0, 0, 0]
+        self.sent, self.counts, self.skipped = end, [0, 0, 0], {}
 
     def _prefix_start(self) -> int:
         start, text = self.sent, 0
@@ -198,36 +207,55 @@ class Emitter:
         return start
 
 
-def speculate_loop(request: Request, engines: Engines, k: int, emit: Emitter, cancelled: Callable[[], bool]) -> None:
-    """Draft proposes, target verifies, until max_tokens, end_id or a stop word; checks cancel each step."""
+def speculate_loop(request: Request, engines: Engines, k: int, emit: Emitter, cancelled: Callable[[], bool],
+                   cost: CostModel | None = None, forced: bool = False) -> None:
+    """Draft proposes, target verifies, until max_tokens, end_id or a stop word; checks cancel each step.
+
+    Each step the draft length comes from the planner (engine/draft_plan.py) for this request alone: its
+    own acceptance, under `cost` (default: the rule of thumb for a draft model). A request whose drafts
+    keep failing calls the target alone, probing now and then; no other request is affected. forced: the
+    client asked for speculation on, so it drafts its full length every step."""
+    cost = cost or default_cost_model(k, 1, "draft")
+    estimate = AcceptanceEstimate()
     out: list[int] = []
     while len(out) < request.max_tokens and not cancelled():
         ids = list(request.prompt) + out
         # Room for the target's own token after the drafts: n + 1 <= what is left.
-        n = min(k, request.max_tokens - len(out) - 1)
+        room = min(k, request.max_tokens - len(out) - 1)
+        plan = plan_drafts([Row(cap=room, acceptance=estimate.value, mode="on" if forced else "auto",
+                                probe=estimate.probe_due)], cost)
+        n, reason = plan.ks[0], plan.reasons[0]
+        if reason == ACCEPTANCE:
+            estimate.skipped += 1
         drafts = engines.propose(ids, n)[:n] if n > 0 else []
+        if n > 0 and not drafts:
+            reason = EMPTY
         verified = engines.verify(ids, drafts)
         if not verified:
             return
         accepted, stopped = accepted_count(drafts, verified)
+        estimate.update(len(drafts), accepted)
         new = verified[:request.max_tokens - len(out)]
         end = stop_at(out, new, request)
         new = new[:end] if end is not None else new
         out += new
-        emit.add(new, accepted=accepted, drafted=len(drafts), steps=1 if drafts else 0)
+        emit.add(new, accepted=accepted, drafted=len(drafts), steps=1 if drafts else 0,
+                 skipped=None if drafts else reason)
         if end is not None or stopped:
             return
 
 
-def plain_loop(request: Request, engines: Engines, emit: Emitter, cancelled: Callable[[], bool]) -> None:
-    """The target alone (streaming when the request streams): relay its tokens up to a stop."""
+def plain_loop(request: Request, engines: Engines, emit: Emitter, cancelled: Callable[[], bool],
+               reason: str | None = None) -> None:
+    """The target alone (streaming when the request streams): relay its tokens up to a stop. reason: why
+    it doesn't speculate, counted once per token (one decode step each)."""
     out: list[int] = []
     for tokens in engines.decode(list(request.prompt), request.max_tokens, request):
         new = tokens[:request.max_tokens - len(out)]
         end = stop_at(out, new, request)
         new = new[:end] if end is not None else new
         out += new
-        emit.add(new)
+        emit.add(new, skipped=reason, skipped_steps=len(new))
         if end is not None or len(out) >= request.max_tokens or cancelled():
             return
 
@@ -299,8 +327,11 @@ class TritonEngines:
 
 def generate(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_tokens: int, target_model: str,
              draft_model: str, send: Send, cancelled: Callable[[], bool], engines: Engines | None = None,
-             is_text: Callable[[int], bool] | None = None) -> None:
+             is_text: Callable[[int], bool] | None = None, reason: str = "override", forced: bool = False) -> None:
     """Answer one request (REQUEST_TENSORS as numpy arrays) with GENERATION_TENSORS responses via `send`.
+
+    reason: the gate's, when it doesn't let the request speculate (counted per step in skipped_steps);
+    forced: the client asked for speculation on.
 
     Streaming: one response per iteration with new tokens; otherwise one response with the whole
     answer. The last response has `final` set; the caller sends Triton's FINAL flag. Raises
@@ -311,8 +342,8 @@ def generate(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_token
     engines = engines or TritonEngines(target_model, draft_model, request, cancelled)
     emit = Emitter(request, send, is_text)
     if speculate and request.greedy and num_draft_tokens > 0:
-        speculate_loop(request, engines, num_draft_tokens, emit, cancelled)
+        speculate_loop(request, engines, num_draft_tokens, emit, cancelled, forced=forced)
     else:
-        plain_loop(request, engines, emit, cancelled)
+        plain_loop(request, engines, emit, cancelled, reason=reason if request.greedy else "sampled")
     if not cancelled():
         emit.flush(final=True)

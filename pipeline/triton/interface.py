@@ -93,6 +93,10 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("num_accepted_tokens", "INT32", (1,)),
     TensorSpec("num_drafted_tokens", "INT32", (1,)),
     TensorSpec("num_output_tokens", "INT32", (1,)),  # new tokens in this response
+    # Decode steps in this response that drafted, and a JSON object of those that didn't, by reason
+    # (docs/gate.md): why a request did or didn't speculate, per request.
+    TensorSpec("num_draft_steps", "INT32", (1,)),
+    TensorSpec("skipped_steps", "BYTES", (1,)),
 )
 
 # A request after preprocessing: tokenized, validated, every default filled in. Preprocessing emits
@@ -125,6 +129,8 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # Target steps that verified drafts: mean acceptance length = 1 + accepted / verify_steps. The
     # gate's metrics use it; postprocessing ignores it.
     TensorSpec("verify_steps", "INT32", (1,)),
+    # Steps in this response that didn't draft: a JSON object, reason -> count (engine/draft_plan.py).
+    TensorSpec("skipped_steps", "BYTES", (1,)),
     # The request's last response: postprocessing stops holding back a trailing U+FFFD (no more
     # bytes can complete it). Engines that don't send it leave the gate to say False.
     TensorSpec("final", "BOOL", (1,)),

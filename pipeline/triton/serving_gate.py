@@ -1,4 +1,4 @@
-"""The serving gate's policy state: which requests speculate, given the load and how well drafts pay.
+"""The serving gate's admission policy: which requests may speculate, given the load.
 
 Pure Python (no Triton, no torch), so it is tested directly; the `speculation_gate` python model holds
 one `ServingGate` and calls it from its threads, hence the lock.
@@ -7,10 +7,10 @@ Per request, in this order:
 - `speculation` "on"/"off" from the client overrides everything;
 - max_tokens below `min_tokens` never speculates: the draft's prefill and per-step cost don't pay back;
 - load: more than `max_batch_size` requests in flight turns speculation off, and it comes back only at
-  or below `max_batch_size - hysteresis`, so a load hovering at the threshold doesn't flap;
-- acceptance: while the rolling acceptance rate (accepted / drafted over the last `window` drafted
-  tokens) is under `acceptance_floor`, requests decode normally, except every `probe_every`-th one,
-  which speculates so the window keeps measuring and the gate can reopen when drafts pay again.
+  or below `max_batch_size - hysteresis`, so a load hovering at the threshold doesn't flap.
+How well drafts pay is judged per request and per step, from that request's own acceptance
+(engine/draft_plan.py): one request whose drafts fail never turns speculation off for the others. The
+rolling acceptance kept here feeds the metrics only.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pipeline.engine.gate_policy import GatePolicy
 
 # Reasons, for metrics labels and logs.
-OVERRIDE, SHORT, LOAD, ACCEPTANCE, PROBE, OPEN = "override", "short", "load", "acceptance", "probe", "open"
+OVERRIDE, SHORT, LOAD, OPEN = "override", "short", "load", "open"
 
 
 @dataclass(frozen=True)
@@ -32,18 +32,15 @@ class Decision:
 
 
 class ServingGate:
-    def __init__(self, policy: GatePolicy, acceptance_floor: float = 0.5, window: int = 512,
-                 min_samples: int = 64, probe_every: int = 8):
+    def __init__(self, policy: GatePolicy, window: int = 512):
         self.policy = policy
-        self.acceptance_floor = acceptance_floor
-        self.window, self.min_samples, self.probe_every = window, min_samples, probe_every
+        self.window = window
         self.lock = threading.Lock()
         self.in_flight = 0
         self.load_open = policy.max_batch_size > 0  # the load half of the state, with hysteresis
         self.flips = 0
         self._recent: deque[tuple[int, int, int]] = deque()  # (drafted, accepted, verify_steps) per response
         self._sums = [0, 0, 0]
-        self._skipped = 0  # auto requests turned away by the floor since the last probe
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -58,12 +55,6 @@ class ServingGate:
                 return Decision(False, SHORT)
             if not self.load_open:
                 return Decision(False, LOAD)
-            if self._below_floor():
-                self._skipped += 1
-                if self._skipped >= self.probe_every:
-                    self._skipped = 0
-                    return Decision(True, PROBE)
-                return Decision(False, ACCEPTANCE)
             return Decision(True, OPEN)
 
     def leave(self) -> None:
@@ -98,19 +89,10 @@ class ServingGate:
         return 1.0 + accepted / steps if steps else 0.0
 
     @property
-    def acceptance_ok(self) -> bool:
-        with self.lock:
-            return not self._below_floor()
-
-    @property
     def speculating(self) -> bool:
-        """Whether an auto request with enough max_tokens would speculate now (probes aside)."""
+        """Whether an auto request with enough max_tokens may speculate now."""
         with self.lock:
-            return self.load_open and not self._below_floor()
-
-    def _below_floor(self) -> bool:
-        return (self.acceptance_floor > 0 and self._sums[0] >= self.min_samples
-                and self.acceptance_rate < self.acceptance_floor)
+            return self.load_open
 
     def _update_load(self) -> None:
         p = self.policy

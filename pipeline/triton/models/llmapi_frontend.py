@@ -146,7 +146,10 @@ class TritonPythonModel:
         self._send(sender, pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", np.array([[delta.encode()]], np.object_)),
             pb_utils.Tensor("num_accepted_tokens", count(0)), pb_utils.Tensor("num_drafted_tokens", count(0)),
-            pb_utils.Tensor("num_output_tokens", count(max(0, tokens - sent_tokens)))]))
+            pb_utils.Tensor("num_output_tokens", count(max(0, tokens - sent_tokens))),
+            # TensorRT-LLM's own gate decides inside its executor; it reports no per-step reasons.
+            pb_utils.Tensor("num_draft_steps", count(0)),
+            pb_utils.Tensor("skipped_steps", np.array([[b"{}"]], np.object_))]))
         return text, tokens
 
     # ---- the sender thread ------------------------------------------------------------------------------

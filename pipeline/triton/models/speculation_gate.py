@@ -1,12 +1,14 @@
 """Triton python model `speculation_gate` (decoupled): decides speculation per request, runs the engine.
 
-The policy (load with hysteresis, min tokens, rolling acceptance floor, per-request override) is
-`pipeline.triton.serving_gate.ServingGate`. Per backend:
+The admission policy (load with hysteresis, min tokens, per-request override) is
+`pipeline.triton.serving_gate.ServingGate`; how many tokens a request drafts at each step, from its own
+acceptance, is the planner's (engine/draft_plan.py, docs/gate.md). Per backend:
 - torch: the portable engine model (decoupled, BLS) gets the decision in its `speculation` tensor:
-  "auto" when the gate lets it speculate (the engine's per-iteration gate refines it), "off" when
-  not, "on" only when the client forced it. Each response is relayed as is.
+  "auto" when the gate lets it speculate (the engine's planner decides each step), "off" when not, "on"
+  only when the client forced it. Each response is relayed, its skipped steps relabelled with the gate's
+  own reason where the gate turned the request off.
 - trtllm: `pipeline.triton.draft_target` runs the draft -> target loop for speculating requests
-  (the draft proposes K tokens, the target verifies them through draft_input_ids) and calls the
+  (the draft proposes up to K tokens, the target verifies them through draft_input_ids) and calls the
   target alone otherwise.
 
 Each stream is driven by its own worker thread (a BLS response iterator blocks), but every response
@@ -17,9 +19,10 @@ Metrics (Prometheus, on Triton's metrics port), named after vLLM's and TensorRT-
   pipeline_requests_total{mode=speculative|standard, reason=...}
   pipeline_spec_decode_num_draft_tokens_total, pipeline_spec_decode_num_accepted_tokens_total,
   pipeline_spec_decode_num_drafts_total (verification steps),
+  pipeline_spec_decode_skipped_steps_total{reason=...} (decode steps that drafted nothing, and why),
   pipeline_spec_decode_acceptance_rate, pipeline_spec_decode_mean_acceptance_length (rolling window),
-  pipeline_gate_speculating (1/0), pipeline_gate_threshold, pipeline_gate_acceptance_floor,
-  pipeline_gate_in_flight, pipeline_gate_flips_total.
+  pipeline_gate_speculating (1/0), pipeline_gate_threshold, pipeline_gate_in_flight,
+  pipeline_gate_flips_total.
 """
 
 import itertools
@@ -36,11 +39,12 @@ from pipeline.errors import PipelineError
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.draft_target import drain
-from pipeline.triton.serving_gate import Decision, ServingGate
+from pipeline.triton.serving_gate import OVERRIDE, Decision, ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
-ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps", "final"]
+ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps", "skipped_steps",
+                  "final"]
 GENERATION_OUTPUTS = ENGINE_OUTPUTS + ["stream_id"]
 METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather than send one per token
 
@@ -57,6 +61,19 @@ class EngineError(PipelineError):
     def __init__(self, message: str, code=None):
         super().__init__(message)
         self.code = code
+
+
+def _skipped(outputs: dict, decision: Decision) -> dict[str, int]:
+    """A response's steps without drafts, by reason. The engine counts a request the gate sent as "off" under
+    "override"; the gate's own reason (load, short) replaces that unless the client really asked for off."""
+    raw = outputs.get("skipped_steps")
+    try:
+        skipped = json.loads(raw.reshape(-1)[0]) if raw is not None and raw.size else {}
+    except (ValueError, TypeError, UnicodeDecodeError):
+        skipped = {}
+    if not decision.speculate and decision.reason != OVERRIDE and OVERRIDE in skipped:
+        skipped[decision.reason] = skipped.get(decision.reason, 0) + skipped.pop(OVERRIDE)
+    return {str(k): int(v) for k, v in skipped.items() if int(v) > 0}
 
 
 def _greedy(request) -> bool:
@@ -97,11 +114,12 @@ class Metrics:
                                   "1 while auto requests speculate, 0 while the gate holds them off").Metric(labels=self.labels)
         self.threshold = family("pipeline_gate_threshold", F.GAUGE,
                                 "Requests in flight above which speculation turns off").Metric(labels=self.labels)
-        self.floor = family("pipeline_gate_acceptance_floor", F.GAUGE,
-                            "Rolling acceptance rate below which speculation turns off").Metric(labels=self.labels)
         self.in_flight = family("pipeline_gate_in_flight", F.GAUGE, "Requests in flight").Metric(labels=self.labels)
         self.flips = family("pipeline_gate_flips_total", F.COUNTER, "Times the load gate changed state").Metric(labels=self.labels)
+        self.skipped = family("pipeline_spec_decode_skipped_steps_total", F.COUNTER,
+                              "Decode steps of speculating-capable requests that drafted nothing, by reason")
         self._by_mode: dict = {}
+        self._by_skip: dict = {}
         self._flips_sent = 0
 
     def count_request(self, speculate: bool, reason: str):
@@ -109,6 +127,12 @@ class Metrics:
         if key not in self._by_mode:
             self._by_mode[key] = self.requests.Metric(labels={**self.labels, "mode": key[0], "reason": key[1]})
         self._by_mode[key].increment(1)
+
+    def count_skipped(self, skipped: dict[str, int]):
+        for reason, n in skipped.items():
+            if reason not in self._by_skip:
+                self._by_skip[reason] = self.skipped.Metric(labels={**self.labels, "reason": reason})
+            self._by_skip[reason].increment(n)
 
     def publish(self, gate: ServingGate, drafted: int, accepted: int, steps: int):
         if drafted:
@@ -120,7 +144,6 @@ class Metrics:
         self.length.set(gate.mean_acceptance_length)
         self.speculating.set(1.0 if gate.speculating else 0.0)
         self.threshold.set(gate.policy.max_batch_size)
-        self.floor.set(gate.acceptance_floor)
         self.in_flight.set(gate.in_flight)
         if gate.flips > self._flips_sent:
             self.flips.increment(gate.flips - self._flips_sent)
@@ -140,8 +163,7 @@ class TritonPythonModel:
         self.num_draft_tokens = int(params.get("num_draft_tokens", "4"))
         self.gate = ServingGate(
             GatePolicy(max_batch_size=int(params["gate_max_batch_size"]),
-                       hysteresis=int(params["gate_hysteresis"]), min_tokens=int(params["gate_min_tokens"])),
-            acceptance_floor=float(params.get("acceptance_floor", "0")))
+                       hysteresis=int(params["gate_hysteresis"]), min_tokens=int(params["gate_min_tokens"])))
         self.metrics = Metrics(json.loads(args["model_config"])["name"]) if hasattr(pb_utils, "MetricFamily") else None
         self._pending = [0, 0, 0]  # drafted, accepted, steps not yet published; sender thread only
         self._stream_ids = itertools.count(1)
@@ -186,7 +208,7 @@ class TritonPythonModel:
 
         def forward(outputs: dict):
             self._forward(sender, {"final": np.array([[False]]), **outputs,
-                                   "stream_id": np.array([[stream_id]], np.uint64)})
+                                   "stream_id": np.array([[stream_id]], np.uint64)}, decision)
 
         try:
             if self.backend == "trtllm":
@@ -196,7 +218,8 @@ class TritonPythonModel:
                 k = int(tensors.get("num_draft_tokens", np.array([[self.num_draft_tokens]])).reshape(-1)[0])
                 k = min(k, self.num_draft_tokens)  # the target engine's max_draft_len; TensorRT-LLM refuses more
                 generate(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
-                         draft_model=self.draft_model, send=forward, cancelled=cancelled, is_text=self.is_text)
+                         draft_model=self.draft_model, send=forward, cancelled=cancelled, is_text=self.is_text,
+                         reason=decision.reason, forced=decision.speculate and decision.reason == OVERRIDE)
             else:
                 self._relay_engine(request, decision, stream_id, forward, cancelled)
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
@@ -240,19 +263,24 @@ class TritonPythonModel:
         finally:
             drain(responses)
 
-    def _forward(self, sender, outputs: dict):
-        """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts."""
+    def _forward(self, sender, outputs: dict, decision: Decision):
+        """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts and the
+        steps that drafted nothing."""
         counts = [int(outputs[name].reshape(-1)[0]) if name in outputs else 0
                   for name in ("drafted_tokens", "accepted_tokens", "verify_steps")]
         self.gate.record(*counts)
+        skipped = _skipped(outputs, decision)
+        outputs["skipped_steps"] = np.array([[json.dumps(skipped).encode()]], np.object_)
         self._send(sender, pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(outputs[name])) for name in GENERATION_OUTPUTS
-                            if name in outputs]), 0, counts)
+                            if name in outputs]), 0, counts, skipped)
 
-    def _send(self, sender, response, flags=0, counts=(0, 0, 0)):
+    def _send(self, sender, response, flags=0, counts=(0, 0, 0), skipped=None):
         def send():
             for i, v in enumerate(counts):
                 self._pending[i] += v
+            if skipped and self.metrics is not None:
+                self.metrics.count_skipped(skipped)
             if response is None:
                 sender.send(flags=flags)
             else:
