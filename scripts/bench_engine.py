@@ -37,19 +37,11 @@ from pipeline.engine.proposers import DraftModelProposer, NgramProposer
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.weights import load_transformer
 from pipeline.models.resolve import resolve_model
+from pipeline.bench.prompts import MERGE_INTERVALS
 from pipeline.models.tokenizer import check_draft_compatible, encode_prompt, load_tokenizer, stop_token_ids
 
 SEED = 0
-CODE = '''def merge_intervals(intervals):
-    intervals = sorted(intervals, key=lambda x: x[0])
-    merged = []
-    for start, end in intervals:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-'''
+CODE = MERGE_INTERVALS  # the code the built-in `pipeline bench` code-edit set edits too
 # Two prompts whose answers copy from the prompt (where n-gram lookup pays) and two free-form ones.
 PROMPTS = (
     f"Rewrite this code with comments:\n\n{CODE}",

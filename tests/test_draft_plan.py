@@ -63,6 +63,19 @@ def test_overrides_short_outputs_the_load_ceiling_and_the_last_token_each_have_t
     assert closed.ks == (0, K) and closed.reasons == (LOAD, None)
 
 
+def test_a_proposer_that_rarely_has_drafts_for_a_row_makes_its_drafts_worth_less():
+    """An n-gram lookup without a match proposes nothing, but the row still pays the step's width: at
+    the same acceptance, a row whose lookups rarely hit is left out where one that always hits drafts."""
+    rows = [Row(cap=K, acceptance=0.5, hit=1.0), Row(cap=K, acceptance=0.5, hit=0.05)] * 4
+    plan = plan_drafts(rows, CPU)
+    assert all(k > 0 for k in plan.ks[::2]) and plan.ks[1::2] == (0, 0, 0, 0)
+    assert set(plan.reasons[1::2]) == {ACCEPTANCE}
+    est = AcceptanceEstimate()
+    for _ in range(10):
+        est.proposed(False)
+    assert est.hit_rate < 0.25
+
+
 def test_a_probe_drafts_a_little_even_when_its_acceptance_says_no():
     plan = plan_drafts([Row(cap=K, acceptance=0.0, probe=True)], CPU)
     assert plan.ks == (PROBE_K,)
@@ -82,11 +95,12 @@ def test_the_plan_is_the_best_of_every_draft_length_vector(seed):
     rng = random.Random(seed)
     cost = cost_model(fixed=rng.uniform(0.001, 0.02), per_token=rng.uniform(1e-5, 1e-3),
                       draft_fixed=rng.uniform(0, 0.002), draft_per_token=rng.uniform(0, 0.001))
-    rows = [Row(cap=rng.randint(0, K), acceptance=rng.random()) for _ in range(rng.randint(1, 4))]
+    rows = [Row(cap=rng.randint(0, K), acceptance=rng.random(), hit=rng.choice([1.0, rng.random()]))
+            for _ in range(rng.randint(1, 4))]
     B = len(rows)
 
     def rate(ks):
-        tokens = sum(expected_tokens(r.acceptance, k) for r, k in zip(rows, ks))
+        tokens = sum(1 + r.hit * (expected_tokens(r.acceptance, k) - 1) for r, k in zip(rows, ks))
         return tokens / _step_time(cost, B, max(ks), sum(k > 0 for k in ks))
 
     best = max(rate(ks) for ks in itertools.product(*[range(r.cap + 1) for r in rows]))

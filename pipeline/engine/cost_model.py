@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,8 +85,11 @@ class CostModel:
             raise ConfigError(f"cost model is malformed ({err}); run the calibration again") from None
 
     def save(self, folder: str | Path) -> Path:
+        """Written whole: a temp file renamed over the old one, so a reader never sees half a file."""
         path = Path(folder) / FILENAME
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        tmp = path.with_name(f".{FILENAME}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        os.replace(tmp, path)
         return path
 
     @classmethod

@@ -3,7 +3,9 @@ to maximise the batch's expected tokens per second under the measured cost model
 
 The model (SmartSpec, Liu et al. 2024, uses the same goodput idea for one shared k):
 - a row that drafts k tokens with per-token acceptance a emits E(a, k) = 1 + a + ... + a^k tokens in
-  expectation (drafts are checked in order and the first rejection ends the row's run);
+  expectation (drafts are checked in order and the first rejection ends the row's run); when its proposer
+  finds drafts only with probability h (an n-gram lookup without a match proposes nothing, yet the row
+  still pays the step's width), that is 1 + h * (E(a, k) - 1);
 - the step costs one target forward over B rows padded to the widest row, W = max k + 1, plus one
   proposal of W - 1 tokens for the rows that draft: cost.step_s(B, W) + cost.draft_s(n, W - 1).
 For each width the best rows to draft are those with the most to gain, so the search is over the width
@@ -42,6 +44,7 @@ class Row:
 
     cap: int  # drafts it may take this step (its own k limit, room left in max_tokens and max_seq_len)
     acceptance: float  # its estimated per-token acceptance probability, in [0, 1]
+    hit: float = 1.0  # the chance the proposer has drafts for it at all (an n-gram lookup often has none)
     mode: str = "auto"  # "auto", or the client's "on"/"off" override
     short: bool = False  # asked for fewer new tokens than the gate's min_tokens
     probe: bool = False  # skipped for acceptance long enough: draft a little to measure again
@@ -89,13 +92,12 @@ def plan_drafts(rows: list[Row], cost: CostModel, load_open: bool = True) -> Pla
     if not B:
         return Plan((), (), 0.0)
 
-    forced_tokens = sum(expected_tokens(rows[i].acceptance, k) for i, k in forced.items())
+    forced_tokens = sum(_row_tokens(rows[i], k) for i, k in forced.items())
     base_tokens = (B - len(forced)) + forced_tokens
     min_width = max(forced.values(), default=0)
     best = (base_tokens / _step_time(cost, B, min_width, len(forced)), min_width, 0, [])
     for width in range(max(min_width, 1), K + 1):
-        gains = sorted(((expected_tokens(rows[i].acceptance, min(width, rows[i].cap)) - 1.0, i)
-                        for i in candidates), reverse=True)
+        gains = sorted(((_row_tokens(rows[i], min(width, rows[i].cap)) - 1.0, i) for i in candidates), reverse=True)
         tokens = base_tokens
         for n, (gain, _) in enumerate(gains, start=1):
             if gain <= 0.0:
@@ -117,6 +119,11 @@ def plan_drafts(rows: list[Row], cost: CostModel, load_open: bool = True) -> Pla
     return Plan(tuple(ks), tuple(reasons), rate)
 
 
+def _row_tokens(row: Row, k: int) -> float:
+    """Expected tokens from a row drafting k: its proposer's hit rate times what drafts add, plus one."""
+    return 1.0 + min(max(row.hit, 0.0), 1.0) * (expected_tokens(row.acceptance, k) - 1.0)
+
+
 def _step_time(cost: CostModel, rows: int, width: int, drafting: int) -> float:
     if width <= 0 or drafting <= 0:
         return cost.step_s(rows, 1)
@@ -126,7 +133,7 @@ def _step_time(cost: CostModel, rows: int, width: int, drafting: int) -> float:
 def _pays_alone(row: Row, cost: CostModel) -> bool:
     """Whether this row, alone in the batch, would be faster drafting at some k."""
     plain = 1.0 / cost.step_s(1, 1)
-    return any(expected_tokens(row.acceptance, k) / _step_time(cost, 1, k, 1) > plain
+    return any(_row_tokens(row, k) / _step_time(cost, 1, k, 1) > plain
                for k in range(1, min(row.cap, cost.max_drafts) + 1))
 
 
@@ -158,6 +165,8 @@ class AcceptanceEstimate:
     accepted: float = 0.0
     checks: float = 0.0
     skipped: int = 0  # consecutive steps skipped for acceptance; reset when the request drafts
+    asked: float = 0.0  # steps it was to draft, decayed, and those the proposer had drafts for
+    found: float = 0.0
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -166,9 +175,19 @@ class AcceptanceEstimate:
         self.checks = self.checks * DECAY + accepted + (accepted < drafted)
         self.skipped = 0
 
+    def proposed(self, found: bool) -> None:
+        """A step it was to draft: whether the proposer had drafts for it."""
+        self.asked = self.asked * DECAY + 1.0
+        self.found = self.found * DECAY + float(found)
+
     @property
     def value(self) -> float:
         return (self.accepted + self.prior * PRIOR_TRIALS) / (self.checks + PRIOR_TRIALS)
+
+    @property
+    def hit_rate(self) -> float:
+        """The chance the proposer has drafts for it (prior: always, worth PRIOR_TRIALS steps)."""
+        return (self.found + PRIOR_TRIALS) / (self.asked + PRIOR_TRIALS)
 
     @property
     def probe_due(self) -> bool:

@@ -229,6 +229,7 @@ class LLMEngine:
                         drafts[i] = prop.tokens[n][: ks[i]]
                         if n in prop.stochastic_rows:
                             q_rows[i] = prop.probs[n]
+                        reqs[i].acceptance.proposed(bool(drafts[i]))
                         if not drafts[i]:  # an n-gram lookup that found nothing, say
                             self._skipped(reqs[i], EMPTY)
         self._verify(reqs, drafts, q_rows, finished)
@@ -243,7 +244,8 @@ class LLMEngine:
         load_open = self.gate.update(len(reqs))
         min_tokens = self.config.gate.min_tokens
         rows = [Row(cap=0 if r.proposer_failed else self.draft_budget(r), acceptance=r.acceptance.value,
-                    mode=r.speculation, short=r.params.max_tokens < min_tokens, probe=r.acceptance.probe_due)
+                    hit=r.acceptance.hit_rate, mode=r.speculation, short=r.params.max_tokens < min_tokens,
+                    probe=r.acceptance.probe_due)
                 for r in reqs]
         plan = plan_drafts(rows, self.cost_model, load_open)
         for r, reason in zip(reqs, plan.reasons):

@@ -222,14 +222,15 @@ def speculate_loop(request: Request, engines: Engines, k: int, emit: Emitter, ca
         ids = list(request.prompt) + out
         # Room for the target's own token after the drafts: n + 1 <= what is left.
         room = min(k, request.max_tokens - len(out) - 1)
-        plan = plan_drafts([Row(cap=room, acceptance=estimate.value, mode="on" if forced else "auto",
-                                probe=estimate.probe_due)], cost)
+        plan = plan_drafts([Row(cap=room, acceptance=estimate.value, hit=estimate.hit_rate,
+                                mode="on" if forced else "auto", probe=estimate.probe_due)], cost)
         n, reason = plan.ks[0], plan.reasons[0]
         if reason == ACCEPTANCE:
             estimate.skipped += 1
         drafts = engines.propose(ids, n)[:n] if n > 0 else []
-        if n > 0 and not drafts:
-            reason = EMPTY
+        if n > 0:
+            estimate.proposed(bool(drafts))
+            reason = reason if drafts else EMPTY
         verified = engines.verify(ids, drafts)
         if not verified:
             return
