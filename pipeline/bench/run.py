@@ -128,29 +128,19 @@ class EngineTarget:
     """The portable engine folder, loaded here with `slots` KV-cache slots."""
 
     def __init__(self, engine_dir: Path, slots: int, calibrate: bool, say: Callable[[str], None]):
-        from dataclasses import replace
-
-        from pipeline.compile.torch_engine import engine_config, read_engine_manifest
+        from pipeline.compile.torch_engine import load_engine, read_engine_manifest
         from pipeline.engine.calibrate import calibrate as measure
-        from pipeline.engine.cost_model import CostModel
-        from pipeline.engine.llm_engine import LLMEngine
         from pipeline.models.tokenizer import load_tokenizer
 
         manifest = read_engine_manifest(engine_dir)
         if manifest["draft"]["kind"] == "none":
             raise ConfigError(f"{engine_dir} has no draft (built with --draft none): there is no speculation to "
                               "bench; build one with --draft ngram, eagle3 or a draft model")
-        config = replace(engine_config(manifest), max_batch_size=max(slots, 1))
-        draft = {"ngram": "ngram"}.get(manifest["draft"]["kind"])
-        if manifest["draft"]["kind"] == "model":
-            draft = engine_dir / manifest["draft"]["path"]
-        elif manifest["draft"]["kind"] == "eagle3":
-            draft = f"eagle3:{engine_dir / manifest['draft']['path']}"
-        cost = CostModel.load(engine_dir)
-        self.engine = LLMEngine.load(engine_dir / manifest["target"]["path"], config, draft=draft, cost_model=cost)
+        self.engine = load_engine(engine_dir, max_batch_size=max(slots, 1))
+        cost = self.engine.cost_model if self.engine.cost_model.measured else None
         self.tokenizer = load_tokenizer(engine_dir / manifest["tokenizer"])
         self.calibration = None
-        if calibrate and (cost is None or cost.rows[-1] < slots or cost.max_drafts < config.num_draft_tokens):
+        if calibrate and (cost is None or cost.rows[-1] < slots):
             say(f"measuring the cost model for {slots} slots (the engine's covers "
                 f"{'none' if cost is None else f'up to {cost.rows[-1]}'})")
             self.calibration = measure(self.engine)
@@ -158,7 +148,7 @@ class EngineTarget:
             say(f"measured in {self.calibration.seconds:.0f} s" + (f"; {self.calibration.note}"
                                                                      if self.calibration.note else ""))
         self.name = str(engine_dir)
-        self._ids: dict[str, list[list[int]]] = {}
+        self._ids: dict[tuple[str, ...], list[list[int]]] = {}  # a set's prompts -> their token ids
 
     def run(self, prompts: PromptSet, mode: str, concurrency: int, n: int) -> Point:
         from pipeline.engine.sampling import SamplingParams

@@ -103,18 +103,23 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
                         num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=policy)
 
 
-def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None):
-    """The LLMEngine an engine folder describes (device and dtype may be overridden at load)."""
+def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None,
+                max_batch_size: int | None = None):
+    """The LLMEngine an engine folder describes (device, dtype and the KV-cache slots may be overridden at load)."""
+    from dataclasses import replace
+
     from pipeline.engine.cost_model import CostModel
     from pipeline.engine.llm_engine import LLMEngine
 
     folder = Path(path)
     manifest = read_engine_manifest(folder)
+    config = engine_config(manifest, device, dtype)
+    if max_batch_size is not None:
+        config = replace(config, max_batch_size=max_batch_size)
     draft = manifest["draft"]
     draft_arg = {"none": None, "ngram": "ngram"}.get(draft["kind"])
     if draft["kind"] == "model":
         draft_arg = folder / draft["path"]
     elif draft["kind"] == "eagle3":  # draft/ holds the head's checkpoint, in whichever layout it came
         draft_arg = f"eagle3:{folder / draft['path']}"
-    return LLMEngine.load(folder / manifest["target"]["path"], engine_config(manifest, device, dtype), draft=draft_arg,
-                          cost_model=CostModel.load(folder))
+    return LLMEngine.load(folder / manifest["target"]["path"], config, draft=draft_arg, cost_model=CostModel.load(folder))

@@ -22,6 +22,7 @@ from pipeline.errors import ConfigError
 
 FILENAME = "cost_model.json"
 FORMAT = 1
+DEFAULT_SOURCE = "default (not measured)"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class CostModel:
         values = [v for r in self.target_s for v in r] + [*self.draft_fixed_s, *self.draft_per_token_s]
         if any(not (v >= 0.0 and v < float("inf")) for v in values):
             raise ConfigError("cost model times must be finite and >= 0")
+
+    @property
+    def measured(self) -> bool:
+        """False for the rule of thumb an engine falls back on (default_cost_model)."""
+        return not self.source.startswith(DEFAULT_SOURCE)
 
     @property
     def max_drafts(self) -> int:
@@ -118,7 +124,7 @@ def default_cost_model(max_drafts: int, max_rows: int = 64, proposer: str = "") 
         fixed, per_token = tuple(0.005 * r for r in rows), tuple(0.0 for _ in rows)
     else:
         fixed, per_token = tuple(0.1 for _ in rows), tuple(0.02 * r for r in rows)
-    return CostModel(rows, widths, target, fixed, per_token, proposer=proposer, source="default (not measured)")
+    return CostModel(rows, widths, target, fixed, per_token, proposer=proposer, source=DEFAULT_SOURCE)
 
 
 def _interpolate(xs: tuple[int, ...], ys: list[float] | tuple[float, ...], x: float) -> float:
