@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.bench.prompts import PromptSet
+from pipeline.engine.draft_plan import add_counts
 from pipeline.errors import ConfigError
 
 MODES = ("off", "on", "gated")
@@ -107,15 +108,11 @@ def summarize(set_name: str, mode: str, concurrency: int, traces: list[Trace], w
     ttfts = [t.events[0][0] - t.sent for t in traces if t.events]
     itls = [(b[0] - a[0]) / b[1] for t in traces for a, b in zip(t.events, t.events[1:]) if b[1] > 0]
     drafted, accepted = sum(t.drafted for t in traces), sum(t.accepted for t in traces)
-    skipped: dict[str, int] = {}
-    for t in traces:
-        for reason, n in t.skipped.items():
-            skipped[reason] = skipped.get(reason, 0) + n
     return Point(set_name, mode, concurrency, len(traces), tokens, round(wall_s, 4),
                  round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
                  _r(percentile(ttfts, 0.5)), _r(percentile(ttfts, 0.99)), _r(percentile(itls, 0.5)),
                  _r(percentile(itls, 0.99)), round(accepted / drafted, 4) if drafted else None,
-                 sum(t.draft_steps for t in traces), dict(sorted(skipped.items())), busy_retries)
+                 sum(t.draft_steps for t in traces), add_counts(t.skipped for t in traces), busy_retries)
 
 
 def _r(x: float | None) -> float | None:

@@ -59,7 +59,7 @@ def calibrate(engine: LLMEngine, budget_s: float = BUDGET_S) -> Calibration:
     rows: list[int] = []
     target: list[tuple[float, ...]] = []
     for b in grid:
-        if rows and len(rows) >= 2 and time.perf_counter() - t0 > budget_s / 2:
+        if len(rows) >= 2 and time.perf_counter() - t0 > budget_s / 2:
             break
         target.append(tuple(_time_target(engine, b, w, context) for w in widths))
         rows.append(b)

@@ -28,6 +28,8 @@ Pure: no torch, no engine; the engine and the unit tests call it the same way.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pipeline.engine.cost_model import CostModel
@@ -147,6 +149,25 @@ def speculation_summary(draft_steps: int, skipped: dict[str, int]) -> str:
     return line
 
 
+def add_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Reason -> steps, summed over responses or requests, sorted by reason."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for reason, n in c.items():
+            total[reason] = total.get(reason, 0) + n
+    return dict(sorted(total.items()))
+
+
+def read_counts(text) -> dict[str, int]:
+    """A served response's skipped_steps (JSON text or bytes: reason -> steps) as a dict of positive counts;
+    {} for a missing or malformed value, so a client of an older server still works."""
+    try:
+        counts = json.loads(text) if text else {}
+        return {str(k): int(v) for k, v in counts.items() if int(v) > 0}
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+        return {}
+
+
 # ---- a request's acceptance -----------------------------------------------------------------------
 
 PRIOR_ACCEPTANCE = 0.6  # a new request's assumed acceptance: high enough that it tries drafting
@@ -174,6 +195,11 @@ class AcceptanceEstimate:
         self.accepted = self.accepted * DECAY + accepted
         self.checks = self.checks * DECAY + accepted + (accepted < drafted)
         self.skipped = 0
+
+    def skipped_for(self, reason: str) -> None:
+        """A step it drafted nothing: only skips for its own acceptance bring a probe nearer."""
+        if reason == ACCEPTANCE:
+            self.skipped += 1
 
     def proposed(self, found: bool) -> None:
         """A step it was to draft: whether the proposer had drafts for it."""

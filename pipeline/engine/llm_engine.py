@@ -20,7 +20,7 @@ import torch
 
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.cost_model import CostModel, default_cost_model
-from pipeline.engine.draft_plan import ACCEPTANCE, EMPTY, PROPOSER_FAILED, Row, plan_drafts
+from pipeline.engine.draft_plan import EMPTY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.model import Transformer
@@ -256,8 +256,7 @@ class LLMEngine:
     def _skipped(self, req: Request, reason: str) -> None:
         req.skip_reasons[reason] = req.skip_reasons.get(reason, 0) + 1
         self.stats.skip_reasons[reason] = self.stats.skip_reasons.get(reason, 0) + 1
-        if reason == ACCEPTANCE:
-            req.acceptance.skipped += 1
+        req.acceptance.skipped_for(reason)
 
     def _verify(self, reqs: list[Request], drafts: list[list[int]], q_rows: dict[int, torch.Tensor],
                 finished: list[Request]) -> None:

@@ -15,7 +15,6 @@ tritonclient is imported inside the functions that use it, so `pipeline --help` 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import queue
 import threading
@@ -24,7 +23,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from pipeline.engine.draft_plan import speculation_summary
+from pipeline.engine.draft_plan import add_counts, read_counts, speculation_summary
 from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
 
 ENSEMBLE = "ensemble"
@@ -116,7 +115,7 @@ class Result:
 
     @property
     def skipped_steps(self) -> dict[str, int]:
-        return _add_counts(c.skipped for c in self.chunks)
+        return add_counts(c.skipped for c in self.chunks)
 
     @property
     def tokens(self) -> int:
@@ -142,22 +141,10 @@ class Result:
         return {"prompt": self.prompt, "text": self.text, "stats": self.stats()}
 
 
-def _add_counts(counts) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for c in counts:
-        for reason, n in c.items():
-            total[reason] = total.get(reason, 0) + n
-    return dict(sorted(total.items()))
-
-
 def _skipped(result) -> dict[str, int]:
-    """A response's skipped_steps; {} from a server whose ensemble predates it, or on a malformed value."""
-    try:
-        raw = result.as_numpy("skipped_steps")
-        counts = json.loads(raw.reshape(-1)[0]) if raw is not None else {}
-        return {str(k): int(v) for k, v in counts.items()}
-    except (ValueError, TypeError, AttributeError):
-        return {}
+    """A response's skipped_steps; {} from a server whose ensemble predates it."""
+    raw = result.as_numpy("skipped_steps")
+    return read_counts(raw.reshape(-1)[0]) if raw is not None and raw.size else {}
 
 
 def _draft_steps(result) -> int:
@@ -402,7 +389,7 @@ class BatchResult:
                 "accepted_tokens": sum(r.accepted for r in self.results), "drafted_tokens": drafted,
                 "acceptance_rate": round(sum(r.accepted for r in self.results) / drafted, 4) if drafted else None,
                 "draft_steps": sum(r.draft_steps for r in self.results),
-                "skipped_steps": _add_counts(r.skipped_steps for r in self.results)}
+                "skipped_steps": add_counts(r.skipped_steps for r in self.results)}
 
     def to_json_dict(self) -> dict:
         return {"outputs": [r.to_json_dict() for r in self.results], "stats": self.stats(),
@@ -475,5 +462,5 @@ def remote_stats_line(results: list[Result], wall_s: float, url: str) -> str:
         parts.append(f"acceptance {accepted / drafted:.2f} ({accepted}/{drafted} drafts)")
     # Why steps didn't draft, never a bare "no drafts" (docs/gate.md has the reasons).
     parts.append(speculation_summary(sum(r.draft_steps for r in results),
-                                     _add_counts(r.skipped_steps for r in results)))
+                                     add_counts(r.skipped_steps for r in results)))
     return ", ".join(parts[:1]) + " " + ", ".join(parts[1:])

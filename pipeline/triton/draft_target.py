@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from pipeline.engine.cost_model import CostModel, default_cost_model
-from pipeline.engine.draft_plan import ACCEPTANCE, EMPTY, AcceptanceEstimate, Row, plan_drafts
+from pipeline.engine.draft_plan import EMPTY, AcceptanceEstimate, Row, plan_drafts
 from pipeline.errors import PipelineError
 
 # Text-bearing tokens resent before each streamed chunk so postprocessing can rebuild a character split
@@ -225,8 +225,8 @@ def speculate_loop(request: Request, engines: Engines, k: int, emit: Emitter, ca
         plan = plan_drafts([Row(cap=room, acceptance=estimate.value, hit=estimate.hit_rate,
                                 mode="on" if forced else "auto", probe=estimate.probe_due)], cost)
         n, reason = plan.ks[0], plan.reasons[0]
-        if reason == ACCEPTANCE:
-            estimate.skipped += 1
+        if reason is not None:
+            estimate.skipped_for(reason)
         drafts = engines.propose(ids, n)[:n] if n > 0 else []
         if n > 0:
             estimate.proposed(bool(drafts))

@@ -34,6 +34,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pipeline.engine.draft_plan import read_counts
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import PipelineError
 from pipeline.triton import cancel_marks
@@ -67,13 +68,10 @@ def _skipped(outputs: dict, decision: Decision) -> dict[str, int]:
     """A response's steps without drafts, by reason. The engine counts a request the gate sent as "off" under
     "override"; the gate's own reason (load, short) replaces that unless the client really asked for off."""
     raw = outputs.get("skipped_steps")
-    try:
-        skipped = json.loads(raw.reshape(-1)[0]) if raw is not None and raw.size else {}
-    except (ValueError, TypeError, UnicodeDecodeError):
-        skipped = {}
+    skipped = read_counts(raw.reshape(-1)[0]) if raw is not None and raw.size else {}
     if not decision.speculate and decision.reason != OVERRIDE and OVERRIDE in skipped:
         skipped[decision.reason] = skipped.get(decision.reason, 0) + skipped.pop(OVERRIDE)
-    return {str(k): int(v) for k, v in skipped.items() if int(v) > 0}
+    return skipped
 
 
 def _greedy(request) -> bool:
