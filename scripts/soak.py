@@ -202,8 +202,8 @@ def request_inputs(request: Request) -> list:
 
 
 class Client:
-    """One gRPC client and one stream, one request at a time. The stream is reopened after an error,
-    a cancel or a hang, so a late response of one request can never be read as the next one's."""
+    """One gRPC client and one stream, one request at a time. The stream is reopened after a gRPC failure,
+    a cancel or a hang; responses are matched by request id, so a late one is never read as the next's."""
 
     def __init__(self, url: str, hang_s: float, abort: threading.Event):
         import tritonclient.grpc as grpcclient
@@ -257,7 +257,10 @@ class Client:
                 reply.first_s = last - sent
             if error is not None:
                 reply.error = message(error)
-                self._stop(cancel=True)
+                if getattr(error, "status", lambda: None)():  # a gRPC failure: this stream is broken
+                    self._stop(cancel=True)
+                # else a model's error response, which ends the request and leaves the stream open, as the
+                # pipeline client does: cancelling a stream whose request has finished leaks in tritonserver 2.51.
                 return reply
             response = result.get_response()
             if response.id != request_id:

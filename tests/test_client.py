@@ -114,6 +114,13 @@ def test_refused_requests_are_one_line_errors_and_the_server_keeps_serving(url, 
         generate(ClientOptions(url), "   ", RequestOptions(max_tokens=4))
     after = generate(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS))
     assert after.text == expected[PROMPTS[0]][0]
+    # A model's error ends the request, not the stream: the next request goes out on the same one (cancelling
+    # a stream whose request has ended costs tritonserver 2.51 memory it never frees, docs/reliability.md).
+    with Connection(ClientOptions(url)) as conn:
+        with pytest.raises(RequestError, match="text_input is empty"):
+            conn.generate("   ", RequestOptions(max_tokens=4))
+        assert conn._streaming
+        assert conn.generate(PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS)).text == expected[PROMPTS[0]][0]
 
 
 def test_closing_a_stream_early_cancels_it_and_the_connection_serves_the_next_request(url, expected):

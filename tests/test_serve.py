@@ -97,6 +97,20 @@ def test_command_binds_every_endpoint_to_the_host_and_points_at_the_stub_backend
     assert "--grpc-address=0.0.0.0" in opened and not any(a.startswith("--backend-directory") for a in opened)
 
 
+def test_the_portable_route_runs_with_two_malloc_arenas_unless_the_user_chose(monkeypatch):
+    """Fewer glibc arenas keep the gate's RSS from creeping (docs/reliability.md, Soak); printed in the command,
+    and a value the user exported is left alone. TensorRT-LLM's launch stays upstream's."""
+    from pipeline.triton.launch import Launch
+    from pipeline.triton.server import launch_argv
+
+    binary, options = ServerBinary(Path("/opt/tritonserver/bin/tritonserver")), ServeOptions(repo=Path("/m"))
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert launch_argv(options, binary)[1] == {"MALLOC_ARENA_MAX": "2"}
+    assert launch_argv(options, binary, launch=Launch("engine", "plain"))[1] == {}
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert launch_argv(options, binary)[1] == {}
+
+
 def test_bundled_server_has_the_stub_for_this_python():
     binary = find_tritonserver()
     assert binary.path.is_file()

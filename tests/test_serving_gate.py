@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pipeline.engine.gate_policy import GatePolicy
-from pipeline.triton.serving_gate import LOAD, OPEN, OVERRIDE, SHORT, ServingGate
+from pipeline.triton.serving_gate import LOAD, OPEN, OVERRIDE, SHORT, Busy, ServingGate
 
 
 def gate(max_batch=8, hysteresis=3, min_tokens=50, **kw) -> ServingGate:
@@ -33,6 +35,25 @@ def test_short_requests_and_overrides():
     for _ in range(20):
         g.admit("auto", 100)
     assert g.admit("on", 100).speculate is True  # the client's override wins over the load
+
+
+def test_a_request_the_engine_has_no_room_for_is_refused_as_busy_and_not_counted_in_flight():
+    """2 slots + 3 queued: the sixth is refused with the engine's own line; a refusal needs no leave, and
+    once one request leaves the next is let in again."""
+    g = gate(slots=2, max_queue_size=3)
+    for _ in range(5):
+        g.admit("auto", 100)
+    with pytest.raises(Busy, match=r"^server busy: 3 requests are already waiting for the engine's 2 slots "
+                                   r"\(max_queue_size 3\); retry in a moment"):
+        g.admit("on", 100)
+    assert g.in_flight == 5 and g.rejected == 1
+    g.leave()
+    assert g.admit("auto", 100).reason == OPEN and g.in_flight == 5
+    # No bound without both numbers (the TensorRT-LLM route; a repository from before the check).
+    unbounded = gate(slots=2)
+    for _ in range(50):
+        unbounded.admit("auto", 100)
+    assert unbounded.in_flight == 50 and unbounded.rejected == 0
 
 
 def test_zero_threshold_never_speculates_on_auto():

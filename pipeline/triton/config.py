@@ -195,6 +195,10 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
         "gate_hysteresis": str(spec.gate.hysteresis),
         "gate_min_tokens": str(spec.gate.min_tokens),
     }
+    if spec.backend == "torch" and spec.queue_limit:
+        # The gate refuses a request the engine has no room for, before the BLS call (serving_gate.Busy).
+        params["engine_slots"] = str(spec.max_batch_size)
+        params["engine_max_queue_size"] = str(spec.queue_limit)
     if spec.backend == "trtllm":
         if spec.has_draft:
             params["draft_model"] = TRTLLM_DRAFT

@@ -8,6 +8,9 @@ Per request, in this order:
 - max_tokens below `min_tokens` never speculates: the draft's prefill and per-step cost don't pay back;
 - load: more than `max_batch_size` requests in flight turns speculation off, and it comes back only at
   or below `max_batch_size - hysteresis`, so a load hovering at the threshold doesn't flap.
+Before all that, a request that would find the engine full (its slots and its queue: `capacity`) is refused
+as busy here, so it never reaches the engine: a refusal the engine sends back through BLS costs
+tritonserver 2.51 about 0.45 KB it never frees (docs/reliability.md, "Leak or allocator?").
 How well drafts pay is judged per request and per step, from that request's own acceptance
 (engine/draft_plan.py): one request whose drafts fail never turns speculation off for the others. The
 rolling acceptance kept here feeds the metrics only.
@@ -20,9 +23,20 @@ from collections import deque
 from dataclasses import dataclass
 
 from pipeline.engine.gate_policy import GatePolicy
+from pipeline.errors import PipelineError
 
 # Reasons, for metrics labels and logs.
 OVERRIDE, SHORT, LOAD, OPEN = "override", "short", "load", "open"
+
+
+def busy_message(waiting: int, slots: int, max_queue_size: int) -> str:
+    """The one line a request refused as busy gets, from the gate or from the engine itself."""
+    return (f"server busy: {waiting} requests are already waiting for the engine's {slots} slots (max_queue_size "
+            f"{max_queue_size}); retry in a moment, or serve a repository assembled with a larger --max-queue-size")
+
+
+class Busy(PipelineError):
+    """The engine's slots and queue are all taken: the request is refused before it is counted in flight."""
 
 
 @dataclass(frozen=True)
@@ -32,9 +46,14 @@ class Decision:
 
 
 class ServingGate:
-    def __init__(self, policy: GatePolicy, window: int = 512):
+    def __init__(self, policy: GatePolicy, window: int = 512, slots: int = 0, max_queue_size: int = 0):
         self.policy = policy
         self.window = window
+        # The engine holds slots + max_queue_size requests; more are refused (Busy). 0 for either: no bound
+        # here (the TensorRT-LLM route, or a repository from before this check; the engine still refuses).
+        self.slots, self.max_queue_size = slots, max_queue_size
+        self.capacity = slots + max_queue_size if slots and max_queue_size else 0
+        self.rejected = 0
         self.lock = threading.Lock()
         self.in_flight = 0
         self.load_open = policy.max_batch_size > 0  # the load half of the state, with hysteresis
@@ -45,8 +64,12 @@ class ServingGate:
     # ---- requests ------------------------------------------------------------------------------
 
     def admit(self, requested: str, max_tokens: int) -> Decision:
-        """A request arrives: count it in flight and decide. Every admit needs one `leave`."""
+        """A request arrives: count it in flight and decide. Every admit needs one `leave`; one refused
+        as Busy is not counted and needs none."""
         with self.lock:
+            if self.capacity and self.in_flight >= self.capacity:
+                self.rejected += 1
+                raise Busy(busy_message(self.in_flight - self.slots, self.slots, self.max_queue_size))
             self.in_flight += 1
             self._update_load()
             if requested in ("on", "off"):

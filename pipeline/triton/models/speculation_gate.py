@@ -22,7 +22,7 @@ Metrics (Prometheus, on Triton's metrics port), named after vLLM's and TensorRT-
   pipeline_spec_decode_skipped_steps_total{reason=...} (decode steps that drafted nothing, and why),
   pipeline_spec_decode_acceptance_rate, pipeline_spec_decode_mean_acceptance_length (rolling window),
   pipeline_gate_speculating (1/0), pipeline_gate_threshold, pipeline_gate_in_flight,
-  pipeline_gate_flips_total.
+  pipeline_gate_flips_total, pipeline_gate_rejected_total (refused as busy, before the engine).
 """
 
 import itertools
@@ -40,7 +40,7 @@ from pipeline.errors import PipelineError
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.draft_target import drain
-from pipeline.triton.serving_gate import OVERRIDE, Decision, ServingGate
+from pipeline.triton.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
@@ -114,6 +114,9 @@ class Metrics:
                                 "Requests in flight above which speculation turns off").Metric(labels=self.labels)
         self.in_flight = family("pipeline_gate_in_flight", F.GAUGE, "Requests in flight").Metric(labels=self.labels)
         self.flips = family("pipeline_gate_flips_total", F.COUNTER, "Times the load gate changed state").Metric(labels=self.labels)
+        self.rejected = family("pipeline_gate_rejected_total", F.COUNTER,
+                               "Requests refused as busy before reaching the engine (its slots and queue full)"
+                               ).Metric(labels=self.labels)
         self.skipped = family("pipeline_spec_decode_skipped_steps_total", F.COUNTER,
                               "Decode steps of speculating-capable requests that drafted nothing, by reason")
         self._by_mode: dict = {}
@@ -161,7 +164,8 @@ class TritonPythonModel:
         self.num_draft_tokens = int(params.get("num_draft_tokens", "4"))
         self.gate = ServingGate(
             GatePolicy(max_batch_size=int(params["gate_max_batch_size"]),
-                       hysteresis=int(params["gate_hysteresis"]), min_tokens=int(params["gate_min_tokens"])))
+                       hysteresis=int(params["gate_hysteresis"]), min_tokens=int(params["gate_min_tokens"])),
+            slots=int(params.get("engine_slots", "0")), max_queue_size=int(params.get("engine_max_queue_size", "0")))
         self.metrics = Metrics(json.loads(args["model_config"])["name"]) if hasattr(pb_utils, "MetricFamily") else None
         self._pending = [0, 0, 0]  # drafted, accepted, steps not yet published; sender thread only
         self._stream_ids = itertools.count(1)
@@ -177,6 +181,11 @@ class TritonPythonModel:
             try:
                 decision = self.gate.admit(str(_scalar(request, "speculation")),
                                            int(_scalar(request, "request_output_len")))
+            except Busy as err:  # UNAVAILABLE, as the engine's own refusal: clients retry it
+                self.outbox.put(lambda: self.metrics and self.metrics.rejected.increment(1))
+                self._send(sender, pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(err), pb_utils.TritonError.UNAVAILABLE)), FINAL)
+                continue
             except Exception as err:  # noqa: BLE001  a malformed request fails alone
                 self._send(sender, pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(client_message(err, "speculation_gate"))), FINAL)

@@ -22,6 +22,7 @@ from pipeline.engine.sampling import SamplingParams
 from pipeline.models.tokenizer import load_tokenizer
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
+from pipeline.triton.serving_gate import busy_message
 from pipeline.triton.validate import read_engine_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -208,11 +209,10 @@ class TritonPythonModel:
         waiting = len(self.engine.waiting) - len(self.engine.free_slots)
         if self.max_queue_size and waiting >= self.max_queue_size:
             # Refused before it queues: a client told "busy" now can retry or go elsewhere (a load balancer,
-            # another replica); one left waiting minutes behind the queue hears nothing until then.
+            # another replica); one left waiting minutes behind the queue hears nothing until then. Through the
+            # ensemble the gate refuses first (serving_gate.Busy); this check covers direct callers and races.
             slots = self.engine.config.max_batch_size
-            self._send_error(state, f"server busy: {waiting} requests are already waiting for the engine's {slots} "
-                                    f"slots (max_queue_size {self.max_queue_size}); retry in a moment, or serve a "
-                                    f"repository assembled with a larger --max-queue-size", busy=True)
+            self._send_error(state, busy_message(waiting, slots, self.max_queue_size), busy=True)
             self._count_finish("rejected")
             return
         try:
