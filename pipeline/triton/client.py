@@ -319,7 +319,7 @@ class Connection:
                     if _status(error):  # a gRPC failure: the stream is broken, start a fresh one next time
                         self._stop_stream(cancel=True)
                     # A model's error response ends the request, not the stream, which stays open: cancelling a
-                    # stream whose request has finished costs tritonserver 2.51 about 0.9 KB it never frees.
+                    # stream whose request has finished costs tritonserver 2.51 about 0.8 KB it never frees.
                     raise self._error(error)
                 response = result.get_response()
                 if response.id != request_id:

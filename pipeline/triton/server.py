@@ -200,7 +200,7 @@ def server_command(options: ServeOptions, binary: ServerBinary, backend_director
 
 # glibc gives threads arenas of their own, up to 8 per core, and memory freed in one arena serves only that one.
 # The gate runs each stream on a fresh thread: over a 10-minute soak its stub's RSS grew 10-11% after warm-up
-# with its live heap flat, and +4.6% with 2 arenas. The portable route only (TensorRT-LLM's launch is upstream's);
+# with its live heap flat, and +3.2% with 2 arenas. The portable route only (TensorRT-LLM's launch is upstream's);
 # a value the user exported wins.
 ARENA_ENV, ARENA_MAX = "MALLOC_ARENA_MAX", "2"
 

@@ -10,7 +10,7 @@ Per request, in this order:
   or below `max_batch_size - hysteresis`, so a load hovering at the threshold doesn't flap.
 Before all that, a request that would find the engine full (its slots and its queue: `capacity`) is refused
 as busy here, so it never reaches the engine: a refusal the engine sends back through BLS costs
-tritonserver 2.51 about 0.45 KB it never frees (docs/reliability.md, "Leak or allocator?").
+tritonserver 2.51 about 0.45 KB it never frees (docs/reliability.md, "Where tritonserver's memory went").
 How well drafts pay is judged per request and per step, from that request's own acceptance
 (engine/draft_plan.py): one request whose drafts fail never turns speculation off for the others. The
 rolling acceptance kept here feeds the metrics only.
