@@ -257,7 +257,9 @@ class Client:
                 reply.first_s = last - sent
             if error is not None:
                 reply.error = message(error)
-                if getattr(error, "status", lambda: None)():  # a gRPC failure: this stream is broken
+                from pipeline.triton.client import stream_error_status
+
+                if stream_error_status(error):  # a gRPC failure: this stream is broken
                     self._stop(cancel=True)
                 # else a model's error response, which ends the request and leaves the stream open, as the
                 # pipeline client does: cancelling a stream whose request has finished leaks in tritonserver 2.51.

@@ -177,7 +177,7 @@ def _grpcclient():
     return grpcclient
 
 
-def _status(error: Exception) -> str:
+def stream_error_status(error: Exception) -> str:
     """The gRPC status of a stream error: "" for a model's error response, a StatusCode for a gRPC failure."""
     status = error.status() if hasattr(error, "status") and callable(error.status) else None
     return str(status) if status else ""
@@ -316,7 +316,7 @@ class Connection:
                 deadline = time.monotonic() + self.options.response_timeout_s
                 if error is not None:
                     done = True
-                    if _status(error):  # a gRPC failure: the stream is broken, start a fresh one next time
+                    if stream_error_status(error):  # a gRPC failure: the stream is broken, start a fresh one next time
                         self._stop_stream(cancel=True)
                     # A model's error response ends the request, not the stream, which stays open: cancelling a
                     # stream whose request has finished costs tritonserver 2.51 about 0.8 KB it never frees.
@@ -341,7 +341,7 @@ class Connection:
     def _error(self, error: Exception) -> Exception:
         """A model's error response -> RequestError; a broken or cancelled stream (a gRPC status) -> ServeError."""
         message = _message(error)
-        status = _status(error)
+        status = stream_error_status(error)
         if "UNAVAILABLE" in status or "server is stopping" in message.lower():
             return ServeError(f"lost tritonserver at {self.target} ({message[:160]}); check it is still running "
                               "(`pipeline serve`) and retry")

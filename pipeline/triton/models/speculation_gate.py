@@ -122,6 +122,7 @@ class Metrics:
         self._by_mode: dict = {}
         self._by_skip: dict = {}
         self._flips_sent = 0
+        self._rejected_sent = 0
 
     def count_request(self, speculate: bool, reason: str):
         key = ("speculative" if speculate else "standard", reason)
@@ -149,6 +150,9 @@ class Metrics:
         if gate.flips > self._flips_sent:
             self.flips.increment(gate.flips - self._flips_sent)
             self._flips_sent = gate.flips
+        if gate.rejected > self._rejected_sent:
+            self.rejected.increment(gate.rejected - self._rejected_sent)
+            self._rejected_sent = gate.rejected
 
 
 class TritonPythonModel:
@@ -181,8 +185,7 @@ class TritonPythonModel:
             try:
                 decision = self.gate.admit(str(_scalar(request, "speculation")),
                                            int(_scalar(request, "request_output_len")))
-            except Busy as err:  # UNAVAILABLE, as the engine's own refusal: clients retry it
-                self.outbox.put(lambda: self.metrics and self.metrics.rejected.increment(1))
+            except Busy as err:  # UNAVAILABLE, as the engine's own refusal: clients retry it (counted by publish)
                 self._send(sender, pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(err), pb_utils.TritonError.UNAVAILABLE)), FINAL)
                 continue
