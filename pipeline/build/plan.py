@@ -169,9 +169,10 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
             deps.append(stages[-1].name)
 
     trt = s.backend == "trtllm"
-    # On the portable engine the Triton speculation_gate model sends every request an explicit on/off, so the
-    # engine folder keeps compile's default gate (used only by `pipeline generate --model engines/...`) and the
-    # gate lives in the assemble stage alone: changing --gate-batch-size rebuilds only the repository.
+    # On the portable engine the Triton speculation_gate model decides load and short outputs for every
+    # request, and the served engine leaves them to it (pipeline/triton/models/torch_engine.py). So the engine
+    # folder keeps compile's default gate (used only by `pipeline generate --model engines/...`) and the gate
+    # lives in the assemble stage alone: changing --gate-batch-size rebuilds only the repository.
     gate = s.gate_batch_size if trt else CompileOptions.gate_batch_size
     engine = build_dir / ENGINE_FOLDER
     copts = CompileOptions(

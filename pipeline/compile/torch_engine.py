@@ -104,8 +104,9 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
 
 
 def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None,
-                max_batch_size: int | None = None):
-    """The LLMEngine an engine folder describes (device, dtype and the KV-cache slots may be overridden at load)."""
+                max_batch_size: int | None = None, gate=None):
+    """The LLMEngine an engine folder describes (device, dtype, the KV-cache slots and the gate's GatePolicy may
+    be overridden at load)."""
     from dataclasses import replace
 
     from pipeline.engine.cost_model import CostModel
@@ -116,6 +117,8 @@ def load_engine(path: str | Path, device: str | None = None, dtype: str | None =
     config = engine_config(manifest, device, dtype)
     if max_batch_size is not None:
         config = replace(config, max_batch_size=max_batch_size)
+    if gate is not None:
+        config = replace(config, gate=gate)
     draft = manifest["draft"]
     draft_arg = {"none": None, "ngram": "ngram"}.get(draft["kind"])
     if draft["kind"] == "model":

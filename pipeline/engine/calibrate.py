@@ -1,11 +1,15 @@
 """Measure the cost model (engine/cost_model.py) on this machine, with the engine that will serve.
 
 - The target: one verify forward per (rows B, width W) on the grid, every W from 1 to K + 1, the rows
-  attending to CONTEXT tokens each; the median of at least REPS runs after a warm-up run, made
-  monotone in B and W (noise must not make a wider step look cheaper). It writes into the engine's own
-  cache slots: calibrate a fresh engine, before it serves.
+  attending to CONTEXT tokens each. The widths of one B are timed in turn, round after round (at least
+  REPS), and each keeps its fastest run: on a shared machine interference only ever adds time, and a
+  slow spell then lands on every width alike instead of on one (a median of runs in a row let a busy
+  second make B=16 look as cheap at W=4 as at W=1). Made monotone in B and W (noise must not make a
+  wider step look cheaper). It writes into the engine's own cache slots: calibrate a fresh engine,
+  before it serves.
 - The proposer: real engine steps over B requests that always draft (speculation "on"), first K tokens a
-  step and then one, timing only the proposer's calls. Its cost per step is then fixed + per_token * k.
+  step and then one, timing only the proposer's calls (the fastest step of each). Its cost per step is
+  then fixed + per_token * k.
 
 Rows past the time budget are left out (the model extrapolates from the last two), so a slow machine
 still gets a model, and a note says so.
@@ -14,7 +18,6 @@ still gets a model, and a note says so.
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -61,7 +64,7 @@ def calibrate(engine: LLMEngine, budget_s: float = BUDGET_S) -> Calibration:
     for b in grid:
         if len(rows) >= 2 and time.perf_counter() - t0 > budget_s / 2:
             break
-        target.append(tuple(_time_target(engine, b, w, context) for w in widths))
+        target.append(_time_target(engine, b, widths, context))
         rows.append(b)
 
     fixed, per_token = [0.0] * len(rows), [0.0] * len(rows)
@@ -87,22 +90,28 @@ def calibrate(engine: LLMEngine, budget_s: float = BUDGET_S) -> Calibration:
     return Calibration(cost, time.perf_counter() - t0, note)
 
 
-def _time_target(engine: LLMEngine, rows: int, width: int, context: int) -> float:
-    """Median seconds of one verify forward: `rows` rows of `width` tokens, after `context` cached ones
-    (stale cache contents: the time doesn't depend on them)."""
+def _time_target(engine: LLMEngine, rows: int, widths: tuple[int, ...], context: int) -> tuple[float, ...]:
+    """Fastest seconds of one verify forward per width: `rows` rows of `width` tokens, after `context` cached
+    ones (stale cache contents: the time doesn't depend on them). The widths take turns, round by round."""
     dev = engine.config.device
     vocab = engine.model.cfg.vocab_size
-    ids = torch.randint(vocab, (rows, width), generator=torch.Generator().manual_seed(rows * 100 + width)).to(dev)
-    # Rows a few positions apart, as running requests are: the masked attention path, not the uniform one.
-    fb = ForwardBatch.build(list(range(rows)), [context + i % 4 for i in range(rows)], [width] * rows,
-                            engine.cache, dev)
-    engine._target_forward(ids, fb)  # warms up kernels and allocations
-    times: list[float] = []
-    while len(times) < REPS or (sum(times) < MIN_SHAPE_S and len(times) < MAX_REPS):
-        start = time.perf_counter()
-        engine._target_forward(ids, fb)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    shapes = []
+    for width in widths:
+        ids = torch.randint(vocab, (rows, width), generator=torch.Generator().manual_seed(rows * 100 + width)).to(dev)
+        # Rows a few positions apart, as running requests are: the masked attention path, not the uniform one.
+        fb = ForwardBatch.build(list(range(rows)), [context + i % 4 for i in range(rows)], [width] * rows,
+                                engine.cache, dev)
+        engine._target_forward(ids, fb)  # warms up kernels and allocations
+        shapes.append((ids, fb))
+    times: list[list[float]] = [[] for _ in widths]
+    rounds = 0
+    while rounds < REPS or (sum(map(sum, times)) < MIN_SHAPE_S * len(widths) and rounds < MAX_REPS):
+        for j, (ids, fb) in enumerate(shapes):
+            start = time.perf_counter()
+            engine._target_forward(ids, fb)
+            times[j].append(time.perf_counter() - start)
+        rounds += 1
+    return tuple(min(t) for t in times)
 
 
 def monotone(table: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
@@ -132,7 +141,7 @@ def _time_proposer(engine: LLMEngine, rows: int, K: int, context: int) -> tuple[
         timed.append(time.perf_counter() - start)
         return out
 
-    medians = {}
+    fastest = {}
     proposer.propose = propose
     try:
         engine.step()  # prefill
@@ -142,10 +151,10 @@ def _time_proposer(engine: LLMEngine, rows: int, K: int, context: int) -> tuple[
             timed.clear()
             for _ in range(PROPOSER_STEPS + 1):
                 engine.step()
-            medians[k] = statistics.median(timed[1:]) if len(timed) > 1 else (timed[0] if timed else 0.0)
+            fastest[k] = min(timed[1:]) if len(timed) > 1 else (timed[0] if timed else 0.0)
     finally:
         del proposer.propose  # the instance attribute goes; the class's method is back
         for r in reqs:
             engine.cancel(r)
-    per_token = max(0.0, (medians[K] - medians[1]) / (K - 1)) if K > 1 else 0.0
-    return max(0.0, medians[1] - per_token), per_token
+    per_token = max(0.0, (fastest[K] - fastest[1]) / (K - 1)) if K > 1 else 0.0
+    return max(0.0, fastest[1] - per_token), per_token

@@ -37,7 +37,7 @@ def byte_tokenizer(extra_tokens: int = 0):
 def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int = 2, intermediate: int = 128, vocab_size: int = 320, tie: bool = False,
                     model_type: str = "llama", rope_scaling: dict | None = None, attention_bias: bool = False,
-                    init_std: float = 0.1, extra_tokens: int = 0) -> Path:
+                    init_std: float = 0.1, extra_tokens: int = 0, max_positions: int = 1024) -> Path:
     """Write a seeded random model + byte tokenizer to `path`. init_std is larger than the usual 0.02
     so that logits are well separated: greedy tests then don't hinge on near-ties."""
     import torch
@@ -46,7 +46,7 @@ def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int =
     tok = byte_tokenizer(extra_tokens)
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  max_position_embeddings=1024, tie_word_embeddings=tie, initializer_range=init_std,
+                  max_position_embeddings=max_positions, tie_word_embeddings=tie, initializer_range=init_std,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, rms_norm_eps=1e-5)
     torch.manual_seed(seed)
     if model_type == "qwen2":

@@ -17,6 +17,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.compile.torch_engine import load_engine, read_engine_manifest
+from pipeline.engine.gate_policy import GatePolicy
 from pipeline.engine.request import RequestStatus
 from pipeline.engine.sampling import SamplingParams
 from pipeline.models.tokenizer import load_tokenizer
@@ -132,7 +133,13 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         engine_dir = config["parameters"]["engine_dir"]["string_value"]
-        self.engine = load_engine(engine_dir)
+        # The repository's speculation_gate decides load and short outputs for every request (its own ceiling
+        # and min tokens, which `pipeline bench --apply` rewrites) and sends "off" where they say no. The
+        # engine folder's gate would be a second ceiling, from compile's defaults, on the "auto" requests the
+        # repository's let through (a build with --gate-batch-size 64 skipped steps for load past 32): here
+        # it never binds, and the planner still chooses each auto request's drafts step by step.
+        slots = read_engine_manifest(engine_dir)["max_batch_size"]
+        self.engine = load_engine(engine_dir, gate=GatePolicy(max_batch_size=slots, hysteresis=0, min_tokens=0))
         # Requests that may wait for a slot (0: no bound); past it a request is refused at once as busy.
         self.max_queue_size = int(config["parameters"].get("max_queue_size", {}).get("string_value", "0"))
         tokenizer = load_tokenizer(Path(engine_dir) / read_engine_manifest(engine_dir)["tokenizer"])
