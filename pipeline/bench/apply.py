@@ -3,13 +3,15 @@
 - the fitted gate ceiling into a repository's speculation_gate (gate_max_batch_size, and its hysteresis by
   the usual rule), read at the server's next start;
 - the cost model measured for the bench's largest concurrency into the engine folder (cost_model.json),
-  which the engine reads at load.
+  which the engine reads at load, and the fitted ceiling into its engine.json (gate_batch_size), which
+  `pipeline generate --model ENGINE` runs under (a served engine leaves load to the repository's gate).
 Each file is written whole (a temp file renamed over it). A later `pipeline build` rewrites both from its
 own flags, so the closing line says which flag keeps the ceiling.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -31,6 +33,16 @@ def apply_threshold(repo: Path, threshold: int) -> str:
     msg.parameters["gate_hysteresis"].string_value = str(min(default_hysteresis(threshold), threshold))
     _write_whole(gate_dir / CONFIG_FILE, config_text(msg))
     return f"{gate_dir / CONFIG_FILE}: gate_max_batch_size {old} -> {threshold} (restart the server to use it)"
+
+
+def apply_engine_threshold(engine_dir: Path, threshold: int) -> str:
+    from pipeline.compile.torch_engine import ENGINE_FILE, read_engine_manifest
+
+    manifest = read_engine_manifest(engine_dir)
+    old = manifest.get("gate_batch_size")
+    manifest["gate_batch_size"] = threshold
+    _write_whole(Path(engine_dir) / ENGINE_FILE, json.dumps(manifest, indent=2) + "\n")
+    return f"{Path(engine_dir) / ENGINE_FILE}: gate_batch_size {old} -> {threshold}"
 
 
 def apply_cost_model(engine_dir: Path, cost: CostModel) -> str:

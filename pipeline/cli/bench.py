@@ -40,8 +40,8 @@ def _levels(text: str) -> tuple[int, ...]:
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=Path("bench.png"), show_default=True,
               help="Where to write the PNG of tokens/s against concurrency.")
 @click.option("--apply", "apply_", is_flag=True,
-              help="Write the fitted gate ceiling into --repo's speculation_gate, and the measured cost model into "
-                   "the engine folder.")
+              help="Write the fitted gate ceiling into --repo's speculation_gate and the engine folder's engine.json, "
+                   "and the measured cost model into the engine folder.")
 @click.option("--repo", type=click.Path(path_type=Path), help="The repository --apply updates.")
 @click.option("json_", "--json", is_flag=True, help="Print the results as JSON (the table goes to stderr).")
 def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, calibrate, plot_path, apply_, repo,
@@ -96,6 +96,8 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
         threshold = fitted_threshold(points)
         if repo is not None and threshold is not None:
             applied.append(applying.apply_threshold(repo, threshold))
+        if engine is not None and threshold is not None:
+            applied.append(applying.apply_engine_threshold(engine, threshold))
         if engine is not None and calibration is not None:
             applied.append(applying.apply_cost_model(engine, calibration.cost))
         if threshold is not None:
