@@ -8,24 +8,24 @@ instant and `pipeline --help` stays fast.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pipeline.engine.draft_plan import speculation_summary
-from pipeline.errors import RequestError
+from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.engine.gate_policy import PORTABLE_CEILING
+from pipeline.errors import ConfigError, RequestError
+from pipeline.models.presets import DEFAULT_MODEL
+from pipeline.records import read_records
 
-DEFAULT_MODEL = "smollm2-135m"
-NO_DRAFT = "none"
-NGRAM_DRAFT = "ngram"
 
 
 @dataclass(frozen=True)
 class GenerateOptions:
     prompts: tuple[str, ...]
     model: str = DEFAULT_MODEL  # preset, HF folder, .gguf file, hub id, or a `pipeline compile --backend torch` folder
-    draft: str = NO_DRAFT  # "none", "ngram", or a draft model reference like `model`
+    draft: str = "none"  # --draft: none, ngram, eagle3:DIR or a draft model (pipeline/draft_spec.py)
     num_draft_tokens: int = 4  # k
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
@@ -36,17 +36,9 @@ class GenerateOptions:
     raw: bool = False  # skip the chat template
     max_seq_len: int = 2048
     max_batch_size: int = 1  # raised to the number of prompts: all of them decode as one batch
-    gate_batch_size: int = 32  # speculate while the decoding batch is at or below this
-    gate_hysteresis: int = 4
+    gate_batch_size: int = PORTABLE_CEILING  # speculate while the decoding batch is at or below this
+    gate_hysteresis: int | None = None  # None: the default for the ceiling (gate_policy.default_hysteresis)
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
-
-    @property
-    def draft_kind(self) -> str:
-        """"none", "ngram", "eagle3" (eagle3:DIR, an EAGLE-3 head) or "model"."""
-        d = self.draft.strip().lower()
-        if d.startswith("eagle3:"):
-            return "eagle3"
-        return d if d in (NO_DRAFT, NGRAM_DRAFT) else "model"
 
 
 @dataclass(frozen=True)
@@ -96,111 +88,24 @@ class GenerateResult:
 
 
 def read_prompts_file(path: str | Path) -> list[str]:
-    """Prompts from a file: JSONL (one {"prompt": ...} object per line) or plain text (one per line).
-
-    A `.jsonl`/`.json` file must be JSONL. Any other file is JSONL when every non-blank line is a
-    JSON object with a "prompt"; otherwise each non-blank line is a prompt.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise RequestError(f"can't read prompts file {path} ({type(err).__name__}); pass a readable UTF-8 text "
-                           "or JSONL file") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not lines:
-        raise RequestError(f"prompts file {path} is empty; put one prompt per line, or one "
-                           '{"prompt": ...} object per line')
-    if path.suffix.lower() in (".jsonl", ".json"):
-        return [_jsonl_prompt(path, n, line) for n, line in lines]
-    try:
-        return [_jsonl_prompt(path, n, line) for n, line in lines]
-    except RequestError:
-        return [line for _, line in lines]
-
-
-def _jsonl_prompt(path: Path, n: int, line: str) -> str:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
-        obj = None
-    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-        raise RequestError(f'{path}:{n} is not a JSON object with a string "prompt"; '
-                           'write one {"prompt": "..."} per line')
-    return obj["prompt"]
+    """Prompts from a file: JSONL (one {"prompt": ...} object per line) or plain text (one per line), by the
+    rule every command's files follow (pipeline/records.py)."""
+    return read_records(path, "prompt", "prompts file", error=RequestError)
 
 
 def generate(options: GenerateOptions) -> GenerateResult:
     """Resolve, validate, load, then decode every prompt in one engine.generate call."""
-    from pipeline.engine.config import EngineConfig, GatePolicy, ModelConfig
     from pipeline.engine.llm_engine import LLMEngine
-    from pipeline.engine.sampling import SamplingParams
-    from pipeline.models.resolve import ResolvedModel, resolve_model
-    from pipeline.models.tokenizer import (check_draft_compatible, encode_prompt, load_tokenizer,
-                                           stop_token_ids, uses_chat_template)
 
     prompts = list(options.prompts)
     if not prompts:
         raise RequestError("no prompt given; pass PROMPT or --prompts-file FILE")
-
-    # Cheap checks first: a bad setting fails before any weights load.
-    config = EngineConfig(
-        max_batch_size=max(len(prompts), options.max_batch_size),
-        max_seq_len=options.max_seq_len,
-        dtype=options.dtype,
-        num_draft_tokens=options.num_draft_tokens,
-        gate=GatePolicy(max_batch_size=options.gate_batch_size,
-                        hysteresis=min(options.gate_hysteresis, max(options.gate_batch_size, 0)),
-                        min_tokens=options.min_spec_tokens),
-    )
-    SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
-                   top_k=options.top_k, seed=options.seed)
-
-    engine_dir = Path(options.model).expanduser()
-    draft_kind, draft_ref = options.draft_kind, options.draft
-    if (engine_dir / "engine.json").is_file():
-        # A `pipeline compile --backend torch` folder brings its own limits, dtype, gate and draft;
-        # --draft other than none still picks another draft.
-        from pipeline.compile.torch_engine import engine_config, read_engine_manifest
-
-        manifest = read_engine_manifest(engine_dir)
-        built = engine_config(manifest)
-        config = replace(built, max_batch_size=max(len(prompts), built.max_batch_size))
-        target = ResolvedModel(options.model, engine_dir.resolve().name, engine_dir / manifest["target"]["path"],
-                               "engine")
-        if draft_kind == NO_DRAFT and manifest["draft"]["kind"] != NO_DRAFT:
-            draft_kind = manifest["draft"]["kind"]
-            draft_ref = str(engine_dir / manifest["draft"]["path"]) if draft_kind in ("model", "eagle3") else draft_kind
-    else:
-        target = resolve_model(options.model)
-    draft_arg: str | Path | None = None
-    draft_name, draft_path = draft_kind, None
-    if draft_kind == NGRAM_DRAFT:
-        draft_arg = NGRAM_DRAFT
-    elif draft_kind == "model":
-        draft = resolve_model(draft_ref)
-        check_draft_compatible(target.path, draft.path)
-        draft_arg = draft_path = draft.path
-        draft_name = draft.name
-    elif draft_kind == "eagle3":
-        draft_path = Path(draft_ref.split(":", 1)[1] if draft_ref.lower().startswith("eagle3:") else draft_ref)
-        draft_path = draft_path.expanduser().absolute()
-        draft_arg = f"eagle3:{draft_path}"
-
-    tokenizer = load_tokenizer(target.path)
-    chat = uses_chat_template(tokenizer, options.raw)
-    prompt_ids = [encode_prompt(tokenizer, p, options.raw) for p in prompts]
-    for i, ids in enumerate(prompt_ids):
-        if len(ids) >= config.max_seq_len:
-            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
-            raise RequestError(f"{which} is {len(ids)} tokens but --max-seq-len is {config.max_seq_len}; "
-                               "shorten the prompt or raise --max-seq-len")
-    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(target.path).eos_token_ids, chat=chat)
-    params = SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
-                            top_k=options.top_k, seed=options.seed, stop_token_ids=stops)
+    config = _checked_config(options, len(prompts))  # cheap checks first: a bad setting fails before any load
+    target, draft, draft_name, config = _models(options, config, len(prompts))
+    tokenizer, chat, prompt_ids, params = _requests(options, prompts, target.path, config)
 
     t0 = time.perf_counter()
-    engine = LLMEngine.load(target.path, config, draft=draft_arg, eos_token_ids=stops)
+    engine = LLMEngine.load(target.path, config, draft=draft, eos_token_ids=params.stop_token_ids)
     load_time = time.perf_counter() - t0
 
     requests = engine.generate(prompt_ids, params)
@@ -216,7 +121,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
     ]
     info = RunInfo(
         model=target.name, model_path=str(target.path), draft=draft_name,
-        draft_path=str(draft_path) if draft_path else None, dtype=config.dtype,
+        draft_path=str(draft.path) if draft.path else None, dtype=config.dtype,
         num_draft_tokens=config.num_draft_tokens, max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len, gate_batch_size=config.gate.max_batch_size,
         min_spec_tokens=config.gate.min_tokens, chat_template=chat, load_time_s=round(load_time, 3),
@@ -225,17 +130,84 @@ def generate(options: GenerateOptions) -> GenerateResult:
     return GenerateResult(outputs=outputs, stats=engine.stats.to_dict(), info=info)
 
 
+def _checked_config(options: GenerateOptions, n_prompts: int):
+    """The engine's config from the options, and the sampling settings checked, before anything loads."""
+    from pipeline.engine.config import EngineConfig, GatePolicy
+    from pipeline.engine.sampling import SamplingParams
+
+    config = EngineConfig(
+        max_batch_size=max(n_prompts, options.max_batch_size),
+        max_seq_len=options.max_seq_len,
+        dtype=options.dtype,
+        num_draft_tokens=options.num_draft_tokens,
+        gate=GatePolicy.with_ceiling(options.gate_batch_size, options.gate_hysteresis, options.min_spec_tokens),
+    )
+    SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
+                   top_k=options.top_k, seed=options.seed)
+    return config
+
+
+def _models(options: GenerateOptions, config, n_prompts: int):
+    """(target, draft, the draft's name, config): --model resolved, or an engine folder with its own limits, dtype,
+    gate and draft (a --draft other than none still picks another draft); a draft model resolved to its folder."""
+    from pipeline.models.resolve import ResolvedModel, resolve_model
+    from pipeline.models.tokenizer import check_draft_compatible
+
+    engine_dir = Path(options.model).expanduser()
+    draft = parse_draft(options.draft)
+    if (engine_dir / "engine.json").is_file():
+        from pipeline.engine.folder import engine_config, manifest_draft, read_engine_manifest
+
+        manifest = read_engine_manifest(engine_dir)
+        built = engine_config(manifest)
+        config = replace(built, max_batch_size=max(n_prompts, built.max_batch_size))
+        target = ResolvedModel(options.model, engine_dir.resolve().name, engine_dir / manifest["target"]["path"],
+                               "engine")
+        if not draft.speculates:
+            draft = manifest_draft(engine_dir, manifest)
+    else:
+        target = resolve_model(options.model)
+    if draft.kind == "eagle3" and not draft.ref:
+        raise ConfigError("--draft eagle3 needs the head's folder here: --draft eagle3:DIR (`pipeline build "
+                          "--draft eagle3` trains one, or `pipeline draft train`)")
+    if draft.kind != "model":
+        return target, draft, draft.kind, config
+    resolved = resolve_model(draft.ref)  # a preset or hub id: its local folder
+    check_draft_compatible(target.path, resolved.path)
+    return target, DraftSpec("model", str(resolved.path)), resolved.name, config
+
+
+def _requests(options: GenerateOptions, prompts: list[str], target_path: Path, config):
+    """(tokenizer, whether the chat template applies, prompt ids, sampling params with the stop tokens)."""
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, uses_chat_template
+
+    tokenizer = load_tokenizer(target_path)
+    chat = uses_chat_template(tokenizer, options.raw)
+    prompt_ids = [encode_prompt(tokenizer, p, options.raw) for p in prompts]
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) >= config.max_seq_len:
+            which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
+            raise RequestError(f"{which} is {len(ids)} tokens but --max-seq-len is {config.max_seq_len}; "
+                               "shorten the prompt or raise --max-seq-len")
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(target_path).eos_token_ids, chat=chat)
+    params = SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
+                            top_k=options.top_k, seed=options.seed, stop_token_ids=stops)
+    return tokenizer, chat, prompt_ids, params
+
+
 def stats_line(result: GenerateResult) -> str:
     """One human line: what ran and how fast (decode time only)."""
     s, info = result.stats, result.info
-    draft = info.draft if info.draft == NO_DRAFT else f"{info.draft} k={info.num_draft_tokens}"
+    draft = info.draft if info.draft == "none" else f"{info.draft} k={info.num_draft_tokens}"
     weights = info.engine.get("target", {}).get("weights", "dense")
     fmt = info.dtype if weights == "dense" else f"{info.dtype}, {weights} weights"
     line = (f"[{info.model}, draft {draft}, {fmt}] {s['generated_tokens']} tokens, "
-            f"{s['tokens_per_s']} tok/s (decode only; load {info.load_time_s:.1f} s), {s['steps']} steps")
+            f"{s['tokens_per_s']} tok/s (prefill and decode; load {info.load_time_s:.1f} s), {s['steps']} steps")
     if s["drafted_tokens"]:
         line += (f", acceptance {s['acceptance_rate']:.2f}, mean acceptance length "
                  f"{s['mean_acceptance_length']:.2f}")
-    if info.draft != NO_DRAFT:
+    if info.draft != "none":
         line += f"; {speculation_summary(s['verified_rows'], s['skip_reasons'])}"
     return line

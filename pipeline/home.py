@@ -6,9 +6,11 @@ import os
 from pathlib import Path
 
 
-def pipeline_home() -> Path:
-    """$PIPELINE_HOME, else ~/.cache/pipeline; created on first use."""
+def pipeline_home(create: bool = True) -> Path:
+    """$PIPELINE_HOME, else ~/.cache/pipeline; created on first use (create=False: only named, for code that
+    looks without writing, as a build's --dry-run)."""
     env = os.environ.get("PIPELINE_HOME")
     home = Path(env).expanduser() if env else Path.home() / ".cache" / "pipeline"
-    home.mkdir(parents=True, exist_ok=True)
+    if create:
+        home.mkdir(parents=True, exist_ok=True)
     return home

@@ -13,7 +13,21 @@ from __future__ import annotations
 import importlib.metadata
 
 from pipeline.errors import ConfigError
-from pipeline.triton.upstream import TRITON_CONTAINER, TRTLLM_VERSION
+
+# The release the tables in pipeline.triton.upstream and pipeline.compile.reference follow, and the container that
+# serves it (triton-inference-server/tensorrtllm_backend dockerfile/Dockerfile.triton.trt_llm_backend:
+# TENSORRTLLM_VER=1.2.1, BASE_IMAGE=nvcr.io/nvidia/tritonserver:25.12-py3-min).
+TRTLLM_VERSION = "1.2.1"
+TRITON_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"  # Triton 25.12 + TensorRT-LLM 1.2.1
+
+# NVIDIA's Triton container layout (pipeline.triton.upstream.DOCKERFILE: WORKDIR /app; COPY triton_backend/...)
+CONTAINER_APP = "/app"
+CONTAINER_TEMPLATES = "all_models/inflight_batcher_llm"  # under /app
+CONTAINER_FILL_TEMPLATE = "tools/fill_template.py"  # under /app
+CONTAINER_LAUNCH_SCRIPT = "scripts/launch_triton_server.py"  # under /app
+CONTAINER_RUN_PY = "examples/run.py"  # under /app (DOCKERFILE copies examples/)
+CONTAINER_LLMAPI_MODEL = "all_models/llmapi/tensorrt_llm"  # under /app: config.pbtxt, 1/model.py, 1/helpers.py
+CONTAINER_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # upstream.LAUNCH_SCRIPT parse_arguments --tritonserver default
 
 # The releases this pipeline's commands and YAML are written for, by major.minor.
 SUPPORTED = ("1.2",)

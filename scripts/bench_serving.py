@@ -147,7 +147,7 @@ class InProcess:
     """The same engine folder in this process; prompts tokenized as the server's preprocessing does."""
 
     def __init__(self, engine_dir: Path):
-        from pipeline.compile.torch_engine import load_engine, read_engine_manifest
+        from pipeline.engine.folder import load_engine, read_engine_manifest
         from pipeline.engine.config import ModelConfig
         from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
@@ -273,7 +273,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from pipeline.compile.torch_engine import read_engine_manifest
+    from pipeline.engine.folder import read_engine_manifest
     from pipeline.triton.assemble import AssembleOptions, assemble
     from pipeline.triton.server import ServeOptions, TritonServer
 

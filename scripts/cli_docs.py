@@ -15,14 +15,14 @@ OUT = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 WIDTH = 110  # fixed, so the text doesn't depend on the terminal that runs this
 
 
-def _commands(group: click.Group, ctx: click.Context, prefix: str):
+def _commands(group: click.Group, ctx: click.Context):
     for name in sorted(group.list_commands(ctx)):
         cmd = group.get_command(ctx, name)
-        sub = click.Context(cmd, info_name=f"{prefix} {name}", parent=ctx, terminal_width=WIDTH,
+        sub = click.Context(cmd, info_name=name, parent=ctx, terminal_width=WIDTH,
                             max_content_width=WIDTH)
         yield sub.command_path, cmd.get_help(sub)
         if isinstance(cmd, click.Group):
-            yield from _commands(cmd, sub, f"{prefix} {name}")
+            yield from _commands(cmd, sub)
 
 
 def render() -> str:
@@ -32,7 +32,7 @@ def render() -> str:
     lines = ["# `pipeline` command reference", "",
              "Generated from each command's `--help` by `python scripts/cli_docs.py`; a test fails when it is stale.",
              "What the commands do together, with real output: [guide.md](guide.md).", ""]
-    for path, text in [("pipeline", main.get_help(ctx)), *_commands(main, ctx, "pipeline")]:
+    for path, text in [("pipeline", main.get_help(ctx)), *_commands(main, ctx)]:
         lines += [f"## `{path}`", "", "```", text.rstrip(), "```", ""]
     return "\n".join(lines)
 

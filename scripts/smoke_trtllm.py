@@ -43,6 +43,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline.errors import one_line
+
 MODES = ("off", "auto", "on")  # auto runs before on: on an idle server with no acceptance history it must speculate
 BUILD_SETTINGS = {"--num-draft-tokens": "4", "--max-batch-size": "64", "--gate-batch-size": "8"}
 SMOKE_MAX_SEQ_LEN = 1024  # prompts here are a few dozen tokens; short engines build and load faster
@@ -70,10 +72,6 @@ class StepFailed(Exception):
     def __init__(self, step: str, detail: str, tail: list[str]):
         super().__init__(detail)
         self.step, self.detail, self.tail = step, detail, tail
-
-
-def one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 # ---- the tiny pair -------------------------------------------------------------------------------

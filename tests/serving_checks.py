@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.compile import load_engine
+from pipeline.engine import load_engine
 from ports import free_ports
 
 MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs

@@ -18,7 +18,7 @@ from cli_checks import assert_one_line_error
 from pipeline.build import BuildOptions, Environment, Weights, plan_build, run_build
 from pipeline.build.progress import StageProgress, format_bar, progress_enabled
 from pipeline.cli import main
-from pipeline.compile import load_engine
+from pipeline.engine import load_engine
 from pipeline.errors import ConfigError, PlanError
 from pipeline.plan.gpus import get_gpu
 from pipeline.triton.config import read_config
@@ -53,7 +53,7 @@ def test_plan_for_llama70b_eagle3_on_h100_quantizes_target_to_fp8_keeps_head_and
     plan = plan_build(BuildOptions(target="llama-70b", draft="eagle3", engines_dir=tmp_path / "engines",
                                    repo=tmp_path / "repo"), h100_env())
     s = plan.settings
-    assert (s.backend, s.target_qformat, s.draft_kind, s.draft_ref, s.draft_qformat) == \
+    assert (s.backend, s.target_qformat, s.draft.kind, s.draft.ref, s.draft_qformat) == \
         ("trtllm", "fp8", "eagle3", HEAD, "none")
     assert s.tp_size == 2 and plan.memory_plan.fits and plan.memory_plan.min_tp == 2  # 1 x H100 can't hold it
     assert [st.name for st in plan.stages] == ["quantize_target", "compile", "assemble"]
@@ -69,7 +69,7 @@ def test_plan_for_llama70b_eagle3_on_h100_quantizes_target_to_fp8_keeps_head_and
 
 
 def test_plan_refuses_a_pinned_tp_that_does_not_fit_and_names_the_fix(tmp_path):
-    with pytest.raises(PlanError, match="--tp 2"):
+    with pytest.raises(PlanError, match="--tp-size 2"):
         plan_build(BuildOptions(target="llama-70b", draft="eagle3", tp_size=1, engines_dir=tmp_path), h100_env())
 
 
@@ -200,11 +200,20 @@ def test_a_missing_target_folder_is_a_one_line_error(tmp_path):
     assert_one_line_error(result, "nope", "existing model folder")
 
 
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_an_unknown_model_is_an_error_listing_the_presets_even_for_a_dry_run(tmp_path, flag):
+    result = CliRunner().invoke(main, ["build", flag, "no-such-model", "--engines-dir", str(tmp_path / "e"),
+                                       "--repo", str(tmp_path / "r"), "--dry-run"])
+    assert result.exit_code == 1
+    assert_one_line_error(result, "unknown model 'no-such-model'", "smollm2-135m")
+    assert not (tmp_path / "e").exists()
+
+
 # ---- real builds of a tiny target -------------------------------------------------------------------------------
 
 
 def test_build_writes_a_loadable_engine_a_triton_repo_and_the_manifest(tiny_target, tmp_path):
-    from pipeline.compile import load_engine
+    from pipeline.engine import load_engine
 
     result = run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
     assert statuses(result) == {"compile": "built", "assemble": "built"}

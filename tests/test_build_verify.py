@@ -15,7 +15,7 @@ from test_build import cpu_env, statuses, tiny_options
 from test_gguf import write_tiny_gguf
 
 from pipeline.build import run_build
-from pipeline.compile import load_engine
+from pipeline.engine import load_engine
 from pipeline.models.resolve import resolve_model
 
 WEIGHTS = "model.safetensors"

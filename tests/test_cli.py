@@ -195,6 +195,28 @@ def test_missing_prompts_file(tiny_target, tmp_path):
     assert "does not exist" in result.output and "Traceback" not in result.output
 
 
+def test_a_bad_option_value_exits_2_and_names_its_own_flag(tiny_target, tmp_path):
+    """As click's own usage errors: 2. build's two format flags each name themselves."""
+    result = run("build", "--target", tiny_target, "--target-qformat", "bogus", "--engines-dir", tmp_path / "e",
+                 "--repo", tmp_path / "r", "--dry-run")
+    assert result.exit_code == 2
+    assert_one_line_error(result, "unknown --target-qformat 'bogus'")
+    result = run("quantize", "--model", tiny_target, "--qformat", "bogus", "-o", tmp_path / "q")
+    assert result.exit_code == 2
+    assert_one_line_error(result, "unknown --qformat 'bogus'")
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch):
+    import pipeline.plan
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.plan, "plan_memory", interrupted)
+    result = run("plan", "--target", "llama-70b", "--gpu", "h100")
+    assert result.exit_code == 130 and result.output == "Interrupted.\n", result.output
+
+
 # ---- the real default model ---------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -12,13 +12,14 @@ from click.testing import CliRunner
 
 from cli_checks import assert_one_line_error
 from pipeline.cli import main
-from pipeline.compile import CompileOptions, compile_model, load_engine
+from pipeline.compile import CompileOptions, compile_model
+from pipeline.engine import load_engine
 from pipeline.errors import RequestError, ServeError
 from pipeline.triton.client import ClientOptions, Connection, RequestOptions, generate, grpc_target, stream_generate
 from ports import free_ports
 from serving_checks import served_engine
 
-pytest.importorskip("tritonclient.grpc")
+import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
 
 MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
 PROMPTS = ["abcabcabc hello", "one two one two one", "x"]
@@ -79,7 +80,7 @@ def test_json_gives_each_concurrent_prompt_its_own_answer_and_stats(url, expecte
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(PROMPTS[1:]) + "\n")
     runner = CliRunner()
-    on = runner.invoke(main, ["generate", PROMPTS[0], "-f", str(prompts_file), "--url", url, "-n", str(MAX_TOKENS),
+    on = runner.invoke(main, ["generate", PROMPTS[0], "--prompts-file", str(prompts_file), "--url", url, "-n", str(MAX_TOKENS),
                               "--speculation", "on", "-k", "2", "--json"])
     assert on.exit_code == 0, on.output
     report = json.loads(on.stdout)

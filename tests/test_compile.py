@@ -11,12 +11,13 @@ import yaml
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.compile import CompileOptions, compile_model, load_engine
+from pipeline.compile import CompileOptions, compile_model
 from pipeline.compile import reference as ref
 from pipeline.compile.checkpoint import read_checkpoint
-from pipeline.compile.draft import DraftSpec, parse_draft
 from pipeline.compile.llmapi import LlmApiSettings, llm_api_options, serve_command
 from pipeline.compile.trtllm_build import build_command, derive_sizes, flags_of
+from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.engine import load_engine
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
@@ -125,7 +126,7 @@ def test_tp_and_pp_come_from_a_real_quantize_export(tmp_path_factory):
 # "DraftTarget", "NGram"; "Eagle3" and "Draft_Target" raise "Invalid decoding type" there.
 @pytest.mark.parametrize("kind,decoding_type", [("model", "DraftTarget"), ("eagle3", "Eagle"), ("ngram", "NGram")])
 def test_llm_api_yaml_uses_only_known_keys_with_the_right_values(kind, decoding_type):
-    draft = DraftSpec(kind, None if kind == "ngram" else Path("/ckpt/draft"))
+    draft = DraftSpec(kind, "" if kind == "ngram" else "/ckpt/draft")
     sizes = derive_sizes(64, 3, 4096)
     options = llm_api_options(draft, sizes, LlmApiSettings(gate_batch_size=32, kv_cache_dtype="fp8",
                                                             free_gpu_memory_fraction=0.85))
@@ -148,7 +149,7 @@ def test_eagle3_with_a_gate_is_two_model_so_max_concurrency_can_turn_it_off():
     Drafter (get_spec_drafter): a gate asked for means eagle3_one_model false; no gate, one-model."""
     from pipeline.compile.llmapi import gate_note
 
-    head = DraftSpec("eagle3", Path("/heads/eagle3"))
+    head = DraftSpec("eagle3", "/heads/eagle3")
     gated = llm_api_options(head, derive_sizes(16, 4, 4096), LlmApiSettings(32, "auto", 0.9))
     assert gated["speculative_config"]["eagle3_one_model"] is False
     assert gated["speculative_config"]["max_concurrency"] == 32
@@ -188,13 +189,17 @@ def test_serve_command_uses_known_trtllm_serve_flags():
     assert value_of(cmd, "--backend") == "pytorch" and value_of(cmd, "--tp_size") == "2"
 
 
-def test_parse_draft():
-    assert parse_draft(None) == DraftSpec("none")
-    assert parse_draft("NGram") == DraftSpec("ngram")
-    assert parse_draft("eagle3:/x/head") == DraftSpec("eagle3", Path("/x/head"))
-    assert parse_draft("/x/draft").kind == "model"
-    with pytest.raises(ConfigError, match="eagle3: needs a folder"):
-        parse_draft("eagle3:")
+def test_one_parser_reads_every_spelling_of_draft_and_writes_it_back():
+    for text, spec in ((None, DraftSpec("none")), ("NGram", DraftSpec("ngram")), ("eagle3", DraftSpec("eagle3")),
+                       ("eagle3:/x/head", DraftSpec("eagle3", "/x/head")), ("/x/draft", DraftSpec("model", "/x/draft")),
+                       ("smollm2-135m", DraftSpec("model", "smollm2-135m"))):
+        assert parse_draft(text) == spec
+        assert parse_draft(str(spec)) == spec  # str() is the --draft spelling
+    assert parse_draft("eagle3:/x/head").path == Path("/x/head") and parse_draft("ngram").path is None
+    assert parse_draft("auto", allow_auto=True).kind == "auto"
+    for bad, needle in (("eagle3:", "eagle3: needs a folder"), ("auto", "is for `pipeline build`"), ("  ", "empty")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_draft(bad)
 
 
 # ---- validation before building -----------------------------------------------------------------
@@ -352,11 +357,11 @@ def test_torch_engine_folder_generates_what_the_source_folders_do(tiny_target, t
     source_draft = {"none": None, "ngram": "ngram", "model": tiny_draft}[draft]
     config = EngineConfig(max_batch_size=4, max_seq_len=128, num_draft_tokens=3)
     expected = [r.output_ids for r in LLMEngine.load(tiny_target, config, draft=source_draft).generate(prompts, params)]
-    for engine in (load_engine(out), LLMEngine.from_engine_dir(out)):
-        assert engine.config.gate.max_batch_size == 4
-        assert (engine.proposer is None) == (draft == "none")
-        assert draft == "none" or engine.config.num_draft_tokens == 3
-        assert [r.output_ids for r in engine.generate(prompts, params)] == expected
+    engine = load_engine(out)
+    assert engine.config.gate.max_batch_size == 4
+    assert (engine.proposer is None) == (draft == "none")
+    assert draft == "none" or engine.config.num_draft_tokens == 3
+    assert [r.output_ids for r in engine.generate(prompts, params)] == expected
 
 
 def test_a_torch_engine_with_a_draft_carries_the_cost_model_measured_here(tiny_target, tmp_path):

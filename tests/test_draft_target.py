@@ -302,7 +302,6 @@ def standin_repo(root: Path, target: Path, draft: Path) -> Path:
 
 @pytest.fixture(scope="module", params=["same_draft", "other_draft"])
 def served(request, tiny_target, tiny_draft, tmp_path_factory):
-    pytest.importorskip("tritonclient.grpc")
     from pipeline.errors import PipelineError
     from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
     from ports import free_ports

@@ -16,7 +16,7 @@ from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import DraftMismatchError, ModelFormatError
-from tiny_models import greedy_reference, make_tiny_llama
+from tiny_models import flip_gate, greedy_reference, make_tiny_llama, staggered_past_the_gate
 
 MAX_TOKENS = 24
 DRAFT_VOCAB = 100
@@ -156,17 +156,11 @@ def test_greedy_output_identical_to_target_only_with_an_eagle3_head(target, head
 def test_drafts_equal_a_fresh_head_after_joins_leaves_and_gate_flips(target, head, reference):
     # The head's incremental cache (catch-up after the gate was off, rollback past rejected drafts,
     # rows joining and leaving) must give exactly the drafts a fresh head computes from the whole prefix.
-    gate = GatePolicy(max_batch_size=2, hysteresis=1, min_tokens=0)
-    engine = LLMEngine.load(target, config(num_draft_tokens=3, gate=gate), draft=f"eagle3:{head}")
+    engine = LLMEngine.load(target, config(num_draft_tokens=3, gate=flip_gate()), draft=f"eagle3:{head}")
     rec = Recorder(engine.proposer)
     prompts = make_prompts(4, seed=5)
     budgets = [30, 10, 16, 30]
-    reqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=budgets[0]))]
-    for _ in range(4):
-        engine.step()
-    reqs += [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[1:], budgets[1:])]
-    while engine.has_unfinished():
-        engine.step()
+    reqs = staggered_past_the_gate(engine, prompts, budgets)
     for p, n, r in zip(prompts, budgets, reqs):
         assert r.output_ids == reference(p, n)
     assert engine.gate.flips >= 2 and engine.stats.nonspec_steps > 0
@@ -238,7 +232,6 @@ def test_head_matches_modelopt_drafts(tmp_path, target):
     pseudo_speculative_generate drafts (random weights, norms far from 1, a random d2t)."""
     import copy
 
-    pytest.importorskip("modelopt")
     import modelopt.torch.speculative as mtsp
     from modelopt.torch.export import export_speculative_decoding
     from modelopt.torch.speculative.config import EAGLE3_DEFAULT_CFG

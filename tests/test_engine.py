@@ -9,7 +9,7 @@ from pipeline.engine.proposers import NgramProposer
 from pipeline.engine.request import FinishReason
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import ConfigError, RequestError
-from tiny_models import greedy_reference
+from tiny_models import flip_gate, greedy_reference, staggered_past_the_gate
 
 MAX_TOKENS = 40
 
@@ -66,18 +66,10 @@ def test_greedy_output_identical_when_requests_join_and_leave_mid_flight(tiny_ta
 
 
 def test_greedy_output_identical_when_gate_flips_mid_request(tiny_target, tiny_draft, reference):
-    # Gate: speculate at <= 2 running, off above 2, back on at <= 1. Staggered arrivals and
-    # different lengths make the batch cross the threshold both ways while requests are mid-decode.
-    gate = GatePolicy(max_batch_size=2, hysteresis=1, min_tokens=0)
-    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3, gate=gate), draft=tiny_draft)
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3, gate=flip_gate()), draft=tiny_draft)
     prompts = make_prompts(4, seed=5)
     budgets = [40, 12, 20, 40]
-    reqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=budgets[0]))]
-    for _ in range(4):
-        engine.step()
-    reqs += [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[1:], budgets[1:])]
-    while engine.has_unfinished():
-        engine.step()
+    reqs = staggered_past_the_gate(engine, prompts, budgets)
     for p, n, r in zip(prompts, budgets, reqs):
         assert r.output_ids == reference(p, n)
     assert engine.gate.flips >= 2  # off, then on again

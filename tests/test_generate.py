@@ -73,12 +73,6 @@ def test_small_gate_batch_size_clamps_hysteresis(tiny_target):
     assert result.info.gate_batch_size == 1
 
 
-@pytest.mark.parametrize("draft,kind", [("none", "none"), ("NONE", "none"), ("ngram", "ngram"),
-                                        ("./my-draft", "model"), ("smollm2-135m", "model")])
-def test_draft_kind(draft, kind):
-    assert GenerateOptions(prompts=("x",), draft=draft).draft_kind == kind
-
-
 # ---- errors are library exceptions, raised before weights load ----------------------------------
 
 def test_errors_are_pipeline_errors(tiny_target, tmp_path):

@@ -133,7 +133,7 @@ def test_a100_refuses_fp8(kw, needle):
 
 
 def test_tp_must_divide_the_heads():
-    with pytest.raises(PlanError, match="--tp 3 does not divide llama-3.3-70b's 64 attention heads"):
+    with pytest.raises(PlanError, match="--tp-size 3 does not divide llama-3.3-70b's 64 attention heads"):
         plan(tp=3)
     with pytest.raises(PlanError, match="9 attention heads"):
         plan(target="smollm2", tp=2)
@@ -166,7 +166,7 @@ def test_check_fits_names_the_shortfall_and_the_fixes():
     assert "\n" not in message
     assert message.startswith("llama-3.3-70b bf16 needs 141.1 GB for weights + 2.8 GB eagle3 draft")
     assert "21.7 GB KV" in message and "1 x H100 80GB" in message and "short" in message
-    assert "--tp 4" in message and "--target-qformat int4_awq" in message
+    assert "--tp-size 4" in message and "--target-qformat int4_awq" in message
     check_fits(plan(draft="eagle3", tp=4))  # fits: no error
 
 
@@ -181,7 +181,7 @@ def test_check_fits_suggests_a_smaller_batch_when_weights_fit():
 
 def test_cli_json_has_the_plan():
     result = run("--target", "llama-70b", "--draft", "eagle3", "--gpu", "h100-80gb", "--json")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # the JSON is printed whole; the exit says DOES NOT FIT
     data = json.loads(result.stdout)
     assert {"target", "draft", "gpu", "tp", "target_weight_bytes", "draft_weight_bytes", "kv_bytes_per_token",
             "kv_cache_bytes", "reserve_bytes", "used_bytes", "headroom_bytes", "fits", "min_tp", "fixes",
@@ -198,17 +198,19 @@ def test_cli_table_shows_every_format_and_the_verdict():
     for needle in ("none", "int4_awq", "w4a8_awq", "int8_sq", "fp8 *", "target bf16", "target fp8",
                    "activations/workspace", "headroom", "verdict: FITS on 2 x H100 80GB", "smallest TP that fits: 2"):
         assert needle in result.output, needle
-    assert "DOES NOT FIT" in run("--target", "llama-70b", "--gpu", "h100").output
+    too_big = run("--target", "llama-70b", "--gpu", "h100")
+    assert "DOES NOT FIT" in too_big.output and too_big.exit_code == 1  # so a script can branch on the verdict
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("--target", "llama-70b", "--gpu", "tpu"), "unknown --gpu"),
-    (("--target", "gpt-5", "--gpu", "h100"), "unknown model"),
-    (("--target", "llama-70b", "--gpu", "h100", "--tp", "3"), "does not divide"),
-    (("--target", "llama-70b", "--gpu", "a100-80gb", "--target-qformat", "fp8"), "no FP8"),
-    (("--target", "llama-70b", "--gpu", "h100", "--max-batch-size", "0"), "--max-batch-size must be >= 1"),
+@pytest.mark.parametrize("args, needle, status", [
+    (("--target", "llama-70b", "--gpu", "tpu"), "unknown --gpu", 2),
+    (("--target", "gpt-5", "--gpu", "h100"), "unknown model", 1),  # a well-formed name that names nothing
+    (("--target", "llama-70b", "--gpu", "h100", "--tp", "3"), "does not divide", 2),
+    (("--target", "llama-70b", "--gpu", "a100-80gb", "--target-qformat", "fp8"), "no FP8", 2),
+    (("--target", "llama-70b", "--gpu", "h100", "--max-batch-size", "0"), "--max-batch-size must be >= 1", 2),
 ])
-def test_cli_bad_input_is_one_line(args, needle):
+def test_cli_bad_input_is_one_line(args, needle, status):
+    """A bad option or value exits 2, as click's own usage errors do; a model that isn't there exits 1."""
     result = run(*args)
-    assert result.exit_code == 1
+    assert result.exit_code == status
     assert_one_line_error(result, needle)

@@ -57,7 +57,7 @@ def test_user_jsonl_reads_text_fields(tmp_path):
 
 @pytest.mark.parametrize("name,content,needle", [
     ("empty.txt", "\n \n", "is empty"),
-    ("empty.jsonl", "", "has no text"),
+    ("empty.jsonl", "", "is empty"),
     ("bad.jsonl", '{"text": "ok"}\nnot json\n', ":2 is not a JSON object"),
     ("latin1.txt", b"caf\xe9", "can't read"),
 ])

@@ -18,7 +18,7 @@ from pipeline.compile import CompileOptions, compile_model
 from serving_checks import (expected_text, expected_texts, inputs, metrics, responses, served_engine,  # noqa: E402
                             soak_script, tensor)
 
-pytest.importorskip("tritonclient.grpc")
+import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
 
 THRESHOLD, HYSTERESIS = 12, 4
 MAX_TOKENS = 100
@@ -478,7 +478,7 @@ def test_sixty_four_abandoned_streams_free_every_slot_and_decode_little_for_nobo
 @pytest.mark.parametrize("stream", [True, False])
 def test_an_answer_that_stops_at_its_first_token_is_an_empty_answer_not_an_error(server, engine_dir, stream):
     """end_id set to the token the model says first: zero tokens out, streamed or not."""
-    from pipeline.compile import load_engine
+    from pipeline.engine import load_engine
     from pipeline.engine.sampling import SamplingParams
     from pipeline.models.tokenizer import encode_prompt, load_tokenizer
 
@@ -499,7 +499,7 @@ LONG_TOKENS = 2000  # with the chat template the prompt is 34 tokens; max_seq_le
 @pytest.fixture(scope="module")
 def one_slot(tmp_path_factory) -> tuple[Path, str]:
     """A portable engine with one KV-cache slot, and a prompt whose answer holds it for LONG_TOKENS tokens."""
-    from pipeline.compile import load_engine
+    from pipeline.engine import load_engine
     from pipeline.engine.sampling import SamplingParams
     from pipeline.models.tiny import make_tiny_llama
     from pipeline.models.tokenizer import encode_prompt, load_tokenizer

@@ -67,7 +67,6 @@ def port_args() -> list[str]:
 
 
 def test_every_check_passes_on_a_served_standin_repository_with_forty_concurrent_requests(pair, tmp_path, capsys):
-    pytest.importorskip("tritonclient.grpc")
     from pipeline.engine.gate_policy import GatePolicy
     from pipeline.errors import PipelineError
     from pipeline.triton.server import find_tritonserver

@@ -20,7 +20,7 @@ from pipeline.triton.config import (
     write_config,
 )
 
-pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+from tritonclient.grpc import model_config_pb2 as pb  # noqa: E402
 
 TORCH = RepoSpec(backend="torch", tokenizer_dir="/models/smollm2", engine_dir="/engines/smollm2")
 TRTLLM = RepoSpec(backend="trtllm", tokenizer_dir="/models/llama", engine_dir="/engines/target",
@@ -292,8 +292,8 @@ def test_real_tritonserver_loads_the_written_repository_and_streams_through_the_
     import queue
 
     import numpy as np
-    grpcclient = pytest.importorskip("tritonclient.grpc")
-    server_mod = pytest.importorskip("pipeline.triton.server")
+    import tritonclient.grpc as grpcclient
+    import pipeline.triton.server as server_mod
     from pipeline.errors import PipelineError
 
     try:
@@ -399,12 +399,12 @@ def test_kv_budget_leaves_the_draft_room_whichever_model_loads_first():
     is free after its weights, what is left still holds the draft's weights, KV, CUDA context and workspace."""
     from pipeline.models.presets import get_preset
     from pipeline.plan.gpus import get_gpu
-    from pipeline.plan.memory import CUDA_CONTEXT_BYTES, DraftSpec, PlanInputs, plan_memory
+    from pipeline.plan.memory import CUDA_CONTEXT_BYTES, PlanDraft, PlanInputs, plan_memory
     from pipeline.triton.assemble import DRAFT_WORKSPACE_BYTES, kv_budget
 
     draft = get_preset("llama-3.2-1b")
     plan = plan_memory(PlanInputs("llama-70b", get_preset("llama-70b").arch, get_gpu("h100-80gb"), tp=2,
-                                  target_qformat="fp8", draft=DraftSpec("model", "llama-1b", draft.arch),
+                                  target_qformat="fp8", draft=PlanDraft("model", "llama-1b", draft.arch),
                                   draft_qformat="int4_awq", max_batch_size=16, max_seq_len=4096)).to_dict()
     kv = kv_budget(plan, 16, 4096, has_draft=True)
     free = plan["gpu_memory_bytes"] - CUDA_CONTEXT_BYTES - plan["reserve_bytes"]["activations"] \
@@ -522,7 +522,7 @@ def scalar(request, name):
 
 def llmapi_server(tmp_path, tiny_target, tiny_draft, upstream_dir):
     """The llmapi repository on the CPU server: launch.json set to plain (no MPI, no TensorRT-LLM here)."""
-    server_mod = pytest.importorskip("pipeline.triton.server")
+    import pipeline.triton.server as server_mod
     from pipeline.errors import PipelineError
     from pipeline.triton.launch import Launch, write_launch
 
@@ -543,7 +543,7 @@ def stream_call(url: str, inputs: list, timeout: float = 30) -> tuple[list[dict]
     """One streamed ensemble call: each response's outputs as numpy, and the error if any."""
     import queue
 
-    grpcclient = pytest.importorskip("tritonclient.grpc")
+    import tritonclient.grpc as grpcclient
     client = grpcclient.InferenceServerClient(url)
     got = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))

@@ -27,7 +27,7 @@ from pipeline.triton.draft_target import SENT_INPUTS
 from pipeline.triton.launch import LAUNCH_FILE, ORCHESTRATOR_ENV, Launch, launch_command, plan_launch
 from pipeline.triton.trtllm_template import TrtllmModel, check_config, container_config, escape, find_container_tools
 
-pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+from tritonclient.grpc import model_config_pb2 as pb  # noqa: E402
 
 SPEC = RepoSpec(backend="trtllm", tokenizer_dir="/models/llama", engine_dir="/engines/target",
                 draft_engine_dir="/engines/draft", kv_fraction_target=0.7, kv_fraction_draft=0.7,

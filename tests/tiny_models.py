@@ -19,3 +19,25 @@ def greedy_reference(engine, default_max_tokens: int):
         return cache[key]
 
     return ref
+
+
+def staggered_past_the_gate(engine, prompts: list[list[int]], budgets: list[int]):
+    """The gate-flip scenario: the first request decodes alone for 4 steps, then the rest arrive at once, so the
+    decoding batch crosses a gate of 2 (FLIP_GATE) both ways while requests are mid-decode. Returns the requests,
+    all finished."""
+    from pipeline.engine.sampling import SamplingParams
+
+    reqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=budgets[0]))]
+    for _ in range(4):
+        engine.step()
+    reqs += [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[1:], budgets[1:])]
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
+def flip_gate():
+    """Speculate at <= 2 decoding, off above 2, back on at <= 1; every request long enough to speculate."""
+    from pipeline.engine.gate_policy import GatePolicy
+
+    return GatePolicy(max_batch_size=2, hysteresis=1, min_tokens=0)

@@ -20,7 +20,7 @@ from pipeline.errors import ConfigError
 
 
 def apply_threshold(repo: Path, threshold: int) -> str:
-    from pipeline.triton.assemble import default_hysteresis
+    from pipeline.engine.gate_policy import default_hysteresis
     from pipeline.triton.config import CONFIG_FILE, GATE, config_text, read_config
 
     gate_dir = Path(repo) / GATE
@@ -30,13 +30,13 @@ def apply_threshold(repo: Path, threshold: int) -> str:
     msg = read_config(gate_dir)
     old = msg.parameters["gate_max_batch_size"].string_value
     msg.parameters["gate_max_batch_size"].string_value = str(threshold)
-    msg.parameters["gate_hysteresis"].string_value = str(min(default_hysteresis(threshold), threshold))
+    msg.parameters["gate_hysteresis"].string_value = str(default_hysteresis(threshold))
     _write_whole(gate_dir / CONFIG_FILE, config_text(msg))
     return f"{gate_dir / CONFIG_FILE}: gate_max_batch_size {old} -> {threshold} (restart the server to use it)"
 
 
 def apply_engine_threshold(engine_dir: Path, threshold: int) -> str:
-    from pipeline.compile.torch_engine import ENGINE_FILE, read_engine_manifest
+    from pipeline.engine.folder import ENGINE_FILE, read_engine_manifest
 
     manifest = read_engine_manifest(engine_dir)
     old = manifest.get("gate_batch_size")

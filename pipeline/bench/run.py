@@ -125,7 +125,7 @@ class EngineTarget:
     """The portable engine folder, loaded here with `slots` KV-cache slots."""
 
     def __init__(self, engine_dir: Path, slots: int, calibrate: bool, say: Callable[[str], None]):
-        from pipeline.compile.torch_engine import load_engine, read_engine_manifest
+        from pipeline.engine.folder import load_engine, read_engine_manifest
         from pipeline.engine.calibrate import calibrate as measure
         from pipeline.models.tokenizer import load_tokenizer
 

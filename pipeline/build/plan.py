@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.build.options import EAGLE3, EAGLE3_PREFIX, BuildOptions, Environment
+from pipeline.build.options import BuildOptions, Environment
+from pipeline.draft_spec import EAGLE3, MODEL, DraftSpec
 from pipeline.build.settings import Settings, check_options, model_name, plain, resolve_settings
 from pipeline.errors import ConfigError
 
@@ -108,7 +109,7 @@ def _preview(s: Settings, o: BuildOptions, env: Environment, stages: list[Stage]
     arch = _arch_or_none(o.target, env)
     if arch is None:
         return None
-    draft_arch = model_arch(s.draft_ref)[1] if s.draft_kind == "model" else None
+    draft_arch = model_arch(s.draft.ref)[1] if s.draft.kind == MODEL else None
     by_name = {stage.name: stage for stage in stages}
     quant_kv = {role: by_name[f"quantize_{role}"].options.kv_cache_dtype
                 for role in ("target", "draft") if f"quantize_{role}" in by_name}
@@ -150,22 +151,22 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
     target_ckpt, target_dep = checkpoint("target", s.target, s.target_qformat)
     deps = [target_dep] if target_dep else []
     models = [] if target_dep else [s.target]
-    draft_arg = s.draft_kind
-    if s.draft_kind == "model":
-        draft_ckpt, draft_dep = checkpoint("draft", s.draft_ref, s.draft_qformat)
-        draft_arg = str(draft_ckpt)
+    draft_arg = str(s.draft)
+    if s.draft.kind == MODEL:
+        draft_ckpt, draft_dep = checkpoint("draft", s.draft.ref, s.draft_qformat)
+        draft_arg = str(DraftSpec(MODEL, str(draft_ckpt)))
         deps += [draft_dep] if draft_dep else []
-        models += [] if draft_dep else [s.draft_ref]
-    elif s.draft_kind == EAGLE3:
+        models += [] if draft_dep else [s.draft.ref]
+    elif s.draft.kind == EAGLE3:
         if s.draft_qformat != "none":
             raise ConfigError(f"an EAGLE-3 head is compiled as it is; drop --draft-qformat {s.draft_qformat}")
         skipped.append(("quantize_draft", "an EAGLE-3 head is compiled as it is"))
-        if s.draft_ref:
-            draft_arg = f"{EAGLE3_PREFIX}{_weights_path(s.draft_ref, env)}"
-            models.append(s.draft_ref)
+        if s.draft.ref:
+            draft_arg = str(DraftSpec(EAGLE3, str(_weights_path(s.draft.ref, env))))
+            models.append(s.draft.ref)
         else:
             head = _train_stage(s, o, env, build_dir, stages)
-            draft_arg = f"{EAGLE3_PREFIX}{head}"
+            draft_arg = str(DraftSpec(EAGLE3, str(head)))
             deps.append(stages[-1].name)
 
     trt = s.backend == "trtllm"
@@ -245,8 +246,8 @@ def _missing(s: Settings, env: Environment) -> tuple[str, ...]:
         if not env.trtllm:
             out.append(f"TensorRT-LLM (run the build inside NVIDIA's container {TRTLLM_CONTAINER})")
     flags = {s.target: "--target DIR"}
-    if s.draft_ref:
-        flags[s.draft_ref] = "--draft eagle3:DIR" if s.draft_kind == EAGLE3 else "--draft DIR"
+    if s.draft.ref:
+        flags[s.draft.ref] = "--draft eagle3:DIR" if s.draft.kind == EAGLE3 else "--draft DIR"
     for ref, flag in flags.items():
         w = env.weights_of(ref)
         if not w.present:

@@ -49,21 +49,19 @@ def preview_trtllm(compile_options, settings, target_arch, draft_arch, quant_kv:
                    repo: Path) -> Preview:
     """compile_options: the compile stage's CompileOptions; quant_kv: role -> the KV dtype its quantize stage
     writes ("fp8" | "none"); target_arch/draft_arch: ModelArch (draft_arch None unless a draft model)."""
-    from pipeline.compile.draft import parse_draft
+    from pipeline.draft_spec import parse_draft
     from pipeline.compile.run import generate, resolve
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET
     from pipeline.triton.launch import plan_launch
     from pipeline.triton.server import ServeOptions, ServerBinary, launch_argv, shell_line
-    from pipeline.triton.upstream import CONTAINER_TRITONSERVER
+    from pipeline.trtllm_version import CONTAINER_TRITONSERVER
 
     o, s = compile_options, settings
     layout = s.export
     max_pos = s.max_seq_len  # the real compile checks it against the checkpoint's max_position_embeddings
     target = describe_checkpoint(o.target, target_arch, layout=layout, qformat=s.target_qformat,
                                  kv_fp8=quant_kv.get("target") == "fp8", tp=s.tp_size, max_position_embeddings=max_pos)
-    draft = parse_draft(o.draft)
-    if draft.path is not None and "<" in o.draft:  # weights not here yet: keep the placeholder as it is
-        draft = type(draft)(draft.kind, Path(o.draft.split(":", 1)[-1] if draft.kind == "eagle3" else o.draft))
+    draft = parse_draft(o.draft)  # a "<...>" placeholder for weights not written yet stays as it is (DraftSpec.path)
     draft_ckpt = None
     if draft.kind == "model":
         draft_ckpt = describe_checkpoint(draft.path, draft_arch, layout=layout, qformat=s.draft_qformat,

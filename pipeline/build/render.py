@@ -21,7 +21,7 @@ def render_plan(plan: BuildPlan) -> str:
              line("backend", s.backend, "backend"),
              line("target", f"{s.target}, {s.target_qformat}", "target_qformat"),
              line("draft", s.draft_label, "draft")]
-    if s.draft_kind in ("model", "eagle3"):
+    if s.draft.kind in ("model", "eagle3"):
         lines.append(line("draft fmt", s.draft_qformat, "draft_qformat"))
     sizes = f"max batch {s.max_batch_size} x {s.max_seq_len or 'auto'} tokens"
     lines += [line("sizes", f"{sizes}, K={s.num_draft_tokens}, kv cache {s.kv_cache_dtype}"),

@@ -23,6 +23,7 @@ from pipeline.build.options import BuildOptions, Environment, Weights, detect_en
 from pipeline.build.plan import BuildPlan, Stage, plan_build
 from pipeline.build.progress import StageProgress, progress_enabled
 from pipeline.errors import ConfigError, MissingDependencyError
+from pipeline.models.gguf import quiet_conversion
 
 PLACEHOLDER = "README.md"
 # What a finished output holds: a folder without it is not reused.
@@ -97,7 +98,7 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
     t0 = time.perf_counter()
     # The embedded GGUF converts once (20-60 s); hashing reads every model byte the first time only.
     first = not manifest.get("models")
-    with StageProgress("prepare models", 45.0 if first or options.force else 1.0, show, stream):
+    with StageProgress("prepare models", 45.0 if first or options.force else 1.0, show, stream), quiet_conversion():
         plan, env, notes = _with_resolved_models(options, plan, env)
         model_hashes = _hash_models(plan, env, manifest)
     for note in notes:
@@ -224,7 +225,7 @@ def _with_resolved_models(options: BuildOptions, plan: BuildPlan,
 
     s = plan.settings
     weights = dict(env.weights)
-    refs = [s.target] + ([s.draft_ref] if s.draft_kind == "model" else [])
+    refs = [s.target] + ([s.draft.ref] if s.draft.kind == "model" else [])
     notes = []
     for ref in refs:
         resolved = resolve_model(ref, verify=options.force)

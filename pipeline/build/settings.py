@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.build.options import EAGLE3, EAGLE3_PREFIX, KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment
+from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment
+from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_draft
+from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import ConfigError
 from pipeline.plan.gpus import GPU, get_gpu
 
 PLAN_GPU = "h100-80gb"  # what a trtllm plan assumes when there is no GPU here and no --gpu
 # Per backend: (max batch size, max sequence length, gate batch size).
-TORCH_SIZES = (8, 2048, 4)  # bench_engine: n-gram pays 1.11x at batch 4 and 0.87x at 16 on a 2-core CPU
+TORCH_SIZES = (8, 2048, PORTABLE_CEILING)
 TRTLLM_SIZES = (16, 4096, 32)  # `pipeline plan`'s defaults; speculation pays up to batch ~32 on a GPU
 QFORMAT_REASONS = {
     ("trtllm", "target", True): "fp8: FP8 tensor cores halve the weight reads (perplexity +2-5% measured on SmolLM2)",
@@ -40,8 +42,7 @@ class Settings:
 
     backend: str
     target: str
-    draft_kind: str  # none | ngram | eagle3 | model
-    draft_ref: str  # the draft model or EAGLE-3 head ("" for none/ngram)
+    draft: DraftSpec  # resolved: none, ngram, a draft model, or an EAGLE-3 head (ref "": the build trains one)
     target_qformat: str
     draft_qformat: str
     kv_cache_dtype: str  # bf16 | fp8
@@ -57,7 +58,7 @@ class Settings:
 
     @property
     def draft_label(self) -> str:
-        return self.draft_kind if self.draft_kind in ("none", "ngram") else f"{self.draft_kind} {self.draft_ref}"
+        return self.draft.kind if self.draft.kind in ("none", NGRAM) else f"{self.draft.kind} {self.draft.ref}"
 
 
 def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
@@ -65,15 +66,15 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     arch = _arch_or_none(o.target, env)
     backend = _backend(o, env, arch, reasons)
     gpu = _plan_gpu(o, env, backend, reasons)
-    draft_kind, draft_ref = _draft(o, env, backend, reasons)
+    draft = _draft(o, env, backend, reasons)
     target_q = _qformat(o.target_qformat, backend, "target", gpu, reasons, "target_qformat")
-    draft_q = (_qformat(o.draft_qformat, backend, draft_kind, gpu, reasons, "draft_qformat")
-               if draft_kind in ("model", EAGLE3) else "none")
+    draft_q = (_qformat(o.draft_qformat, backend, draft.kind, gpu, reasons, "draft_qformat")
+               if draft.kind in (MODEL, EAGLE3) else "none")
     kv = "bf16" if o.kv_cache_dtype in ("auto", "bf16") else "fp8"
     if backend == "torch" and kv == "fp8":
         raise ConfigError("the portable engine keeps its KV cache in the compute dtype; drop --kv-cache-dtype fp8 "
                           "(or build with --backend trtllm)")
-    if kv == "fp8" and draft_kind == "model" and backend == "trtllm" and target_q != "fp8":
+    if kv == "fp8" and draft.kind == MODEL and backend == "trtllm" and target_q != "fp8":
         # The engine route: each engine's KV dtype comes from its checkpoint, and only an FP8 one can hold FP8 KV.
         raise ConfigError(f"--kv-cache-dtype fp8 needs an fp8 target on TensorRT-LLM engines (trtllm-build refuses "
                           f"an FP8 KV cache beside {target_q} weights); add --target-qformat fp8, or drop "
@@ -83,13 +84,13 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     if max_seq is None:  # the backend's default, at most the model's own limit where its config.json is here
         max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
     settings = Settings(
-        backend=backend, target=o.target, draft_kind=draft_kind, draft_ref=draft_ref, target_qformat=target_q,
+        backend=backend, target=o.target, draft=draft, target_qformat=target_q,
         draft_qformat=draft_q, kv_cache_dtype=kv, num_draft_tokens=o.num_draft_tokens,
         gate_batch_size=o.gate_batch_size if o.gate_batch_size is not None else gate,
         max_batch_size=o.max_batch_size if o.max_batch_size is not None else batch,
         max_input_len=o.max_input_len, max_seq_len=max_seq, tp_size=o.tp_size or 1,
         gpu=gpu.key if gpu is not None else None,
-        export="trtllm" if backend == "trtllm" and draft_kind == "model" else "hf", reasons=reasons)
+        export="trtllm" if backend == "trtllm" and draft.kind == MODEL else "hf", reasons=reasons)
     if o.gate_batch_size is None:
         reasons["gate_batch_size"] = (f"{settings.gate_batch_size}: " + (
             "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 (0.87x)"
@@ -102,13 +103,12 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
 
 
 def _with_memory_plan(s: Settings, o: BuildOptions, arch, gpu: GPU, reasons: dict) -> tuple[Settings, Any]:
-    from pipeline.plan.memory import DraftSpec, PlanInputs, check_fits, plan_memory
+    from pipeline.plan.memory import PlanDraft, PlanInputs, check_fits, plan_memory
     from pipeline.plan.resolve import model_arch
 
     if arch is None:
         return s, None  # a hub id with nothing local: nothing to size yet (`missing` says what to fetch)
-    draft = DraftSpec(s.draft_kind, s.draft_kind) if s.draft_kind != "model" else \
-        DraftSpec("model", *model_arch(s.draft_ref))
+    draft = PlanDraft(s.draft.kind, s.draft.kind) if s.draft.kind != MODEL else PlanDraft(MODEL, *model_arch(s.draft.ref))
     # A draft engine keeps its checkpoint's KV dtype: FP8 only where the draft is FP8 (plan.quant_kv).
     draft_kv = s.kv_cache_dtype if s.export == "hf" or s.draft_qformat == "fp8" else "bf16"
     inputs = PlanInputs(target_name=model_name(o.target), target=arch, gpu=gpu, tp=s.tp_size,
@@ -152,41 +152,35 @@ def _plan_gpu(o: BuildOptions, env: Environment, backend: str, reasons: dict) ->
     return get_gpu(PLAN_GPU)
 
 
-def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> tuple[str, str]:
+def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> DraftSpec:
+    """--draft resolved: auto picks, and a bare eagle3 names the head (published, trained earlier, or "" for one
+    this build trains)."""
     from pipeline.models.presets import get_preset
 
-    text = o.draft.strip()
-    kind = text.lower()
+    draft = parse_draft(o.draft, allow_auto=True)
     preset = get_preset(o.target)
     head = preset.eagle3_head if preset is not None else None
-    if kind == "auto":
+    if draft.kind == AUTO:
         if backend == "trtllm" and head:
             reasons["draft"] = f"eagle3: {head} is published for {preset.name}"
-            return EAGLE3, head
+            return DraftSpec(EAGLE3, head)
         reasons["draft"] = "ngram: needs no weights and pays when answers copy from the prompt"
-        return "ngram", ""
-    if kind in ("ngram", "none"):
-        return kind, ""
-    if kind.startswith(EAGLE3_PREFIX):
-        folder = text[len(EAGLE3_PREFIX):].strip()
-        if not folder:
-            raise ConfigError("--draft eagle3: needs a folder after the colon, e.g. --draft eagle3:heads/my-head")
-        return EAGLE3, folder
-    if kind == EAGLE3:
-        if backend == "torch" and env.trained_head is not None:
-            reasons["draft"] = f"eagle3: the head trained for {o.target} in the cache ({env.trained_head})"
-            return EAGLE3, str(env.trained_head)
-        if backend == "torch":
-            # "" = the build trains the head (a train_draft stage), reused by later builds like any stage.
-            reasons["draft"] = (f"eagle3: no head given, so the build trains one for {o.target} with ModelOpt "
-                                f"(`pipeline draft train`, at most {o.draft_budget_minutes:g} minutes) and reuses "
-                                f"it on later builds; --draft eagle3:DIR takes a trained or published head")
-            return EAGLE3, ""
-        if not head:
-            raise ConfigError(f"{o.target} has no published EAGLE-3 head; pass --draft eagle3:DIR with a trained "
-                              f"head, or use --draft ngram")
-        return EAGLE3, head
-    return "model", text
+        return DraftSpec(NGRAM)
+    if draft.kind != EAGLE3 or draft.ref:
+        return draft
+    if backend == "torch" and env.trained_head is not None:
+        reasons["draft"] = f"eagle3: the head trained for {o.target} in the cache ({env.trained_head})"
+        return DraftSpec(EAGLE3, str(env.trained_head))
+    if backend == "torch":
+        # "" = the build trains the head (a train_draft stage), reused by later builds like any stage.
+        reasons["draft"] = (f"eagle3: no head given, so the build trains one for {o.target} with ModelOpt "
+                            f"(`pipeline draft train`, at most {o.draft_budget_minutes:g} minutes) and reuses "
+                            f"it on later builds; --draft eagle3:DIR takes a trained or published head")
+        return draft
+    if not head:
+        raise ConfigError(f"{o.target} has no published EAGLE-3 head; pass --draft eagle3:DIR with a trained "
+                          f"head, or use --draft ngram")
+    return DraftSpec(EAGLE3, head)
 
 
 def _qformat(requested: str, backend: str, role: str, gpu: GPU | None, reasons: dict, key: str) -> str:
@@ -194,7 +188,7 @@ def _qformat(requested: str, backend: str, role: str, gpu: GPU | None, reasons: 
 
     value = requested.strip().lower()
     if value != "auto":
-        return get_format(value).name  # raises with the list of formats
+        return get_format(value, "--" + key.replace("_", "-")).name  # raises with the list of formats
     if backend == "trtllm" and role == "target":
         reason = QFORMAT_REASONS[("trtllm", "target", bool(gpu and gpu.fp8))]
     else:

@@ -3,6 +3,11 @@
 Commands parse options, call one library function and print its result. Library errors
 (pipeline.errors.PipelineError) become one-line click errors here, in one place: `PipelineGroup`.
 Commands import torch/transformers inside their bodies so `pipeline --help` stays fast.
+
+A short flag means one thing on every command: -t --target, -m --model (generate and quantize run or quantize
+one model), -d --draft, -k --num-draft-tokens, -n --max-tokens, -b --backend, -g --gpu, -e --engine,
+-r --repo, -o --output, -u --url, -p --prompts, -c --concurrency, -f --force, -q --quiet. Spellings that
+meant something else before still parse, hidden from --help (cli/aliased.py).
 """
 
 from __future__ import annotations
@@ -10,17 +15,28 @@ from __future__ import annotations
 import click
 
 from pipeline import __version__
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, one_line
+
+
+class _Failed(click.ClickException):
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class PipelineGroup(click.Group):
-    """A click group that turns every PipelineError raised by a command into `Error: <message>`."""
+    """A click group that turns every PipelineError raised by a command into `Error: <message>` with the error's
+    exit status (2 for a bad option or value, as click's own usage errors; 1 otherwise), and Ctrl-C into one line
+    and 130 (128 + SIGINT, as a shell reports it)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except PipelineError as err:
-            raise click.ClickException(" ".join(str(err).split()) or type(err).__name__) from None
+            raise _Failed(one_line(err), err.exit_code) from None
+        except KeyboardInterrupt:
+            click.echo("Interrupted.", err=True)
+            raise click.exceptions.Exit(130) from None
 
 
 @click.group(cls=PipelineGroup)

@@ -34,7 +34,7 @@ def _levels(text: str) -> tuple[int, ...]:
 @click.option("max_tokens", "--max-tokens", type=int, help="New tokens per request [default: the set's own].")
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Rounds per concurrency, modes interleaved; each point is its fastest round. Use 2 or more on a "
-                   "noisy machine: identical work measured 7-17% apart between single runs on 2 shared cores.")
+                   "shared or noisy machine, where single runs of identical work differ by more than the 3% target.")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="In process: measure the cost model for the largest concurrency when the engine's doesn't cover it.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=Path("bench.png"), show_default=True,

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import click
 
+from pipeline.models.presets import DEFAULT_MODEL
+
 
 @click.command()
-@click.option("--target", "-t", default="smollm2-135m", show_default=True,
+@click.option("--target", "-t", default=DEFAULT_MODEL, show_default=True,
               help="Target model: a preset (smollm2-135m is embedded; llama-70b, ...), a folder, a .gguf or a hub id.")
 @click.option("--draft", "-d", default="auto", show_default=True,
               help="eagle3 (the preset's published head on TensorRT-LLM; on the portable engine the build trains "
@@ -20,8 +22,8 @@ import click
                    "(once: later builds reuse it).")
 @click.option("target_qformat", "--target-qformat", default="auto", show_default=True,
               help="fp8, int4_awq, w4a8_awq, int8_sq or none. auto: fp8 on an FP8 GPU with TensorRT-LLM (halves "
-                   "the weight reads; +2-5% perplexity measured on SmolLM2); none (bf16) on the portable engine, the fastest on CPU "
-                   "(fp8 is dequantized at load: 0.93x).")
+                   "the weight reads, for a small perplexity cost); none (bf16) on the portable engine, the fastest "
+                   "on CPU (fp8 is dequantized at load there). Measured costs: docs/benchmarks.md.")
 @click.option("draft_qformat", "--draft-qformat", default="auto", show_default=True,
               help="Same formats. auto: int4_awq for a draft model (memory-bound, and its quality never changes "
                    "the output); an EAGLE-3 head stays bf16; ngram has no weights.")
@@ -31,7 +33,7 @@ import click
               help="K: the most tokens drafted per step.")
 @click.option("gate_batch_size", "--gate-batch-size", type=int,
               help="Speculate only while at most this many requests decode [default: 4 on the portable engine, "
-                   "where n-gram pays at batch 4 and not at 16 on a 2-core CPU; 32 on TensorRT-LLM].")
+                   "32 on TensorRT-LLM]. `pipeline bench --apply` fits it on this machine.")
 @click.option("--backend", "-b", default="auto", show_default=True, type=click.Choice(["auto", "torch", "trtllm"]),
               help="auto: TensorRT-LLM where it is importable and a GPU is present (or the target is too big for "
                    "this machine's memory), else the portable engine (torch).")

@@ -42,7 +42,7 @@ import click
               help="torch backend with a draft: measure this machine's step costs (up to a minute) for the draft "
                    "planner, stored in the engine folder.")
 @click.option("dry_run", "--dry-run", is_flag=True, help="Write the configs and print the commands; build nothing.")
-@click.option("--force", is_flag=True, help="Replace the output folder if it exists, and build even if the GPU plan doesn't fit.")
+@click.option("--force", "-f", is_flag=True, help="Replace the output folder if it exists, and build even if the GPU plan doesn't fit.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
 @click.option("output", "--output", "-o", type=click.Path(path_type=Path),
               help="Output folder [default: engines/<target folder name>-<backend>].")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.generate import DEFAULT_MODEL
+from pipeline.models.presets import DEFAULT_MODEL
 
 
 @click.group()
@@ -32,12 +32,13 @@ def draft():
               help="Also distil on this many 256-token samples of the built-in prose/code text (one target "
                    "forward each, no generation); 0 trains on the answers only.")
 @click.option("max_epochs", "--epochs", type=int, default=50, show_default=True, help="At most this many epochs.")
-@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--force", "-f", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("json_", "--json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars (they show only when stderr is a terminal).")
 @click.option("output", "--output", "-o", required=True, type=click.Path(path_type=Path),
               help="Output folder for the exported head (must not exist unless --force).")
 def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens, text_samples, max_epochs, force,
-          json_, output):
+          json_, quiet, output):
     """Train a draft head for TARGET by self-distillation, and export it to -o DIR.
 
     The target answers the prompts (this project's engine), its hidden states are cached, and
@@ -56,5 +57,5 @@ def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens
         target=target, output=output, method=method.strip().lower(), data=data, budget_minutes=budget_minutes,
         draft_vocab_size=draft_vocab_size, max_new_tokens=max_new_tokens, text_samples=text_samples,
         max_epochs=max_epochs, force=force,
-        progress=not json_))
+        progress=not (json_ or quiet)))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else train_summary(result))

@@ -8,8 +8,11 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from pipeline.cli.aliased import Aliased
+from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import RequestError
-from pipeline.generate import DEFAULT_MODEL, GenerateOptions
+from pipeline.generate import GenerateOptions
+from pipeline.models.presets import DEFAULT_MODEL
 
 # Settings of the in-process engine: a served repository fixes them at `pipeline compile` / `assemble`.
 IN_PROCESS_ONLY = ("model", "draft", "dtype", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",
@@ -19,7 +22,7 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 
 @click.command()
 @click.argument("prompt", required=False)
-@click.option("prompts_file", "--prompts-file", "-f", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("prompts_file", "--prompts-file", cls=Aliased, hidden=("-f",), type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='More prompts: JSONL (one {"prompt": ...} per line) or plain text (one per line).')
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Target: a preset, a Hugging Face folder, a .gguf file or a hub id.")
@@ -30,7 +33,7 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
               help="Tokens drafted per speculative step.")
 @click.option("max_tokens", "--max-tokens", "-n", type=int, default=128, show_default=True,
               help="New tokens per prompt, at most.")
-@click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", cls=Aliased, hidden=("-t",), type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("top_p", "--top-p", type=float, default=1.0, show_default=True)
 @click.option("top_k", "--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
@@ -40,8 +43,9 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
               help="Prompt + new tokens per request.")
 @click.option("max_batch_size", "--max-batch-size", type=int, default=1, show_default=True,
               help="KV-cache slots; raised to the number of prompts, which decode as one batch.")
-@click.option("gate_batch_size", "--gate-batch-size", type=int, default=32, show_default=True,
-              help="Speculate only while the decoding batch is at or below this (0 = never).")
+@click.option("gate_batch_size", "--gate-batch-size", type=int, default=PORTABLE_CEILING, show_default=True,
+              help="Speculate only while the decoding batch is at or below this (0 = never); as build's default "
+                   "for the portable engine. An engine folder (--model DIR) brings its own.")
 @click.option("min_spec_tokens", "--min-spec-tokens", type=int, default=50, show_default=True,
               help="Requests with --max-tokens below this never speculate.")
 @click.option("--url", "-u", metavar="HOST:PORT", default=None,

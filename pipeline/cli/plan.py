@@ -6,16 +6,19 @@ import json
 
 import click
 
+from pipeline.cli.aliased import Aliased
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.weights import WEIGHT_FORMATS
 
 
 @click.command()
-@click.option("--target", "-m", required=True, help="Target model: a preset (e.g. llama-70b) or a local folder.")
+@click.option("--target", "-t", cls=Aliased, hidden=("-m",), required=True,
+              help="Target model: a preset (e.g. llama-70b) or a local folder.")
 @click.option("--draft", "-d", default="none", show_default=True,
               help="eagle3 (the target's EAGLE-3 head), ngram (no weights), none, or a draft model (preset/folder).")
 @click.option("--gpu", "-g", required=True, help=f"GPU kind: {', '.join(GPUS)}.")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel size (GPUs).")
+@click.option("tp", "--tp-size", cls=Aliased, hidden=("--tp",), type=int, default=1, show_default=True,
+              help="Tensor parallel size (GPUs).")
 @click.option("target_qformat", "--target-qformat", default="none", show_default=True,
               help=f"Target weight format: {', '.join(WEIGHT_FORMATS)}.")
 @click.option("draft_qformat", "--draft-qformat", default="none", show_default=True,
@@ -29,7 +32,7 @@ from pipeline.plan.weights import WEIGHT_FORMATS
 def plan(target, draft, gpu, tp, target_qformat, draft_qformat, kv_cache_dtype, max_batch_size, max_seq_len, json_):
     """Plan GPU memory: weights per format, KV cache per dtype, reserve, headroom, verdict and smallest TP.
 
-    Needs no GPU and no weights: presets carry their architecture.
+    Needs no GPU and no weights: presets carry their architecture. Exits 1 when the verdict is DOES NOT FIT.
 
     \b
     Example:
@@ -41,3 +44,5 @@ def plan(target, draft, gpu, tp, target_qformat, draft_qformat, kv_cache_dtype, 
         target=target, gpu=gpu, draft=draft, tp=tp, target_qformat=target_qformat, draft_qformat=draft_qformat,
         kv_cache_dtype=kv_cache_dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else render_table(result))
+    if not result.fits:  # scripts can branch on it: 1, as a failed check
+        raise click.exceptions.Exit(1)

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import click
 
-from pipeline.generate import DEFAULT_MODEL
+from pipeline.cli.aliased import Aliased
+from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.quantize.formats import EXPORTS, FORMATS, KV_CACHE_DTYPES
 
 
 @click.command()
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Model to quantize: a preset, a Hugging Face folder, a .gguf file or a hub id.")
-@click.option("--qformat", "-q", required=True, help=f"Format: {', '.join(FORMATS)}.")
+@click.option("--qformat", cls=Aliased, hidden=("-q",), required=True, help=f"Format: {', '.join(FORMATS)}.")
 @click.option("kv_cache_dtype", "--kv-cache-dtype", default="none", show_default=True,
               help=f"KV-cache quantization: {', '.join(KV_CACHE_DTYPES)}.")
 @click.option("calib_size", "--calib-size", type=int, default=32, show_default=True, help="Calibration samples.")
@@ -29,7 +30,7 @@ from pipeline.quantize.formats import EXPORTS, FORMATS, KV_CACHE_DTYPES
               help=f"Checkpoint: {' or '.join(EXPORTS)} (unified Hugging Face, or TensorRT-LLM).")
 @click.option("tp_size", "--tp-size", type=int, default=1, show_default=True, help="TensorRT-LLM tensor parallel.")
 @click.option("pp_size", "--pp-size", type=int, default=1, show_default=True, help="TensorRT-LLM pipeline parallel.")
-@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--force", "-f", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("json_", "--json", is_flag=True, help="Print the report as JSON.")
 @click.option("output", "--output", "-o", required=True, type=click.Path(path_type=Path),
               help="Output folder (must not exist unless --force).")

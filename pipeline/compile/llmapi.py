@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.compile.draft import DraftSpec
 from pipeline.compile.reference import DECODING_TYPES_BY_RELEASE, TRTLLM_VERSION
 from pipeline.compile.trtllm_build import BuildSizes
+from pipeline.draft_spec import DraftSpec
 
 OPTIONS_FILE = "extra_llm_api_options.yaml"
 EAGLE3_TWO_MODEL_COST = ("two-model EAGLE-3, so max_concurrency can turn it off (1.2's one-model EAGLE-3 has no "

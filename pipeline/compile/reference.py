@@ -1,10 +1,10 @@
 """What TensorRT-LLM accepts, copied from its source, so generated commands and configs can be checked.
 
 Reference version: TensorRT-LLM 1.2.1, the release in NVIDIA's Triton container that serves it
-(pipeline.triton.upstream: TRTLLM_VERSION, TRITON_CONTAINER); build and serve in that one container, so
-the engines are built by the TensorRT-LLM that loads them. TensorRT-LLM can't be installed here (see
-/work/shared/FACTS.md), so tests check every generated flag and key against these tables: a typo'd flag
-fails a test instead of a build in the container.
+(pipeline.trtllm_version: TRTLLM_VERSION, TRITON_CONTAINER); build and serve in that one container, so
+the engines are built by the TensorRT-LLM that loads them. TensorRT-LLM can't be installed on the machines
+this is developed on (no GPU, and no wheel for them), so tests check every generated flag and key against
+these tables: a typo'd flag fails a test instead of a build in the container.
 Sources (NVIDIA/TensorRT-LLM):
   tensorrt_llm/commands/build.py     parse_arguments(): trtllm-build's own flags
   tensorrt_llm/plugin/plugin.py      cli_plugin_args + add_plugin_argument(): the plugin flags
@@ -21,7 +21,7 @@ Sources (NVIDIA/TensorRT-LLM):
 
 from __future__ import annotations
 
-from pipeline.triton.upstream import TRITON_CONTAINER, TRTLLM_VERSION  # noqa: F401  (re-exported)
+from pipeline.trtllm_version import TRITON_CONTAINER, TRTLLM_VERSION  # noqa: F401  (re-exported)
 
 TRTLLM_CONTAINER = TRITON_CONTAINER
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from pipeline.compile import llmapi, torch_engine
 from pipeline.compile.checkpoint import Checkpoint, read_checkpoint
-from pipeline.compile.draft import DraftSpec, parse_draft
 from pipeline.compile.reference import TRTLLM_CONTAINER, TRTLLM_VERSION
 from pipeline.compile.trtllm_build import BuildSizes, build_command, derive_sizes, run_command
 from pipeline.compile.validate import check_draft_len, check_draft_matches, check_plan, pick_route
+from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.errors import ConfigError, MissingDependencyError
 
 MANIFEST_FILE = "compile.json"
@@ -163,6 +163,9 @@ def compile_model(options: CompileOptions) -> CompileResult:
     check_output(output, options.force, ConfigError, "-o")
     target = read_checkpoint(options.target)
     draft = parse_draft(options.draft)
+    if draft.kind == "eagle3" and not draft.ref:
+        raise ConfigError("compile needs the head's folder: --draft eagle3:DIR (`pipeline build --draft eagle3` "
+                          "finds the published head, or trains one)")
     draft_ckpt = read_checkpoint(draft.path) if draft.path is not None else None
     r = resolve(options, target, draft, draft_ckpt)
     check_draft_matches(target, draft, draft_ckpt)
@@ -229,7 +232,7 @@ def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: 
         if options.calibrate and draft.speculates:
             _calibrate(stage, result, manifest)
     result.files.insert(0, torch_engine.ENGINE_FILE)
-    result.commands["load"] = ["python", "-c", f'from pipeline.compile import load_engine; '
+    result.commands["load"] = ["python", "-c", f'from pipeline.engine import load_engine; '
                                                f'engine = load_engine("{result.output}")']
     manifest["configs"] = {torch_engine.ENGINE_FILE: engine}
 
@@ -238,8 +241,9 @@ def _calibrate(stage: Path, result: CompileResult, manifest: dict) -> None:
     """Measure the staged engine's cost model on this machine and store it with the engine."""
     from pipeline.engine.calibrate import calibrate
     from pipeline.engine.cost_model import FILENAME
+    from pipeline.engine.folder import load_engine
 
-    cal = calibrate(torch_engine.load_engine(stage))
+    cal = calibrate(load_engine(stage))
     cal.cost.save(stage)
     result.files.append(FILENAME)
     result.notes.append(f"cost model measured in {cal.seconds:.0f} s ({cal.cost.source})"

@@ -1,9 +1,5 @@
-"""The portable engine folder: what `pipeline compile --backend torch` writes and `load_engine` reads.
-
-Layout:
-  engine.json    sizes (max batch, max sequence length, max draft length), dtypes, gate, draft kind
-  target/        the target's Hugging Face checkpoint files: config, *.safetensors, tokenizer
-  draft/         a draft model's checkpoint, or an EAGLE-3 head's (only with one of those)
+"""The portable engine folder's writer: what `pipeline compile --backend torch` writes (its reader, and the
+format's name, version and layout, are the engine's own: pipeline/engine/folder.py).
 
 Weights stay in the checkpoint's own (Hugging Face, maybe ModelOpt-quantized) layout rather than the
 engine's fused one: the loader's HF path is the tested one for quantized tensors and their scales, and
@@ -20,12 +16,9 @@ import shutil
 from pathlib import Path
 
 from pipeline.compile.checkpoint import Checkpoint
-from pipeline.compile.draft import DraftSpec
-from pipeline.errors import ModelFormatError
+from pipeline.draft_spec import DraftSpec
+from pipeline.engine.folder import ENGINE_FILE, FORMAT, FORMAT_VERSION
 
-ENGINE_FILE = "engine.json"
-FORMAT = "pipeline-torch-engine"
-FORMAT_VERSION = 1
 RUNTIME_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 FICLONE = 0x40049409  # linux/fs.h: the destination shares the source's blocks until either is written
 
@@ -76,53 +69,3 @@ def _clone_or_copy(src: Path, dst: Path) -> None:
         shutil.copystat(src, dst)
     except OSError:  # ext4, tmpfs, overlayfs, another filesystem: copy2 rewrites the empty dst
         shutil.copy2(src, dst)
-
-
-def read_engine_manifest(path: str | Path) -> dict:
-    folder = Path(path)
-    file = folder / ENGINE_FILE
-    if not file.is_file():
-        raise ModelFormatError(f"{folder} has no {ENGINE_FILE}; build it with `pipeline compile --backend torch`")
-    manifest = json.loads(file.read_text())
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise ModelFormatError(f"{file} is not a version-{FORMAT_VERSION} portable engine; rebuild it with "
-                               f"`pipeline compile --backend torch --force`")
-    if not (folder / manifest["target"]["path"]).is_dir():
-        raise ModelFormatError(f"{folder} has engine.json but no weights (a --dry-run?); run `pipeline compile` "
-                               f"without --dry-run")
-    return manifest
-
-
-def engine_config(manifest: dict, device: str | None = None, dtype: str | None = None):
-    from pipeline.engine.config import EngineConfig, GatePolicy
-
-    gate = manifest.get("gate_batch_size")
-    policy = GatePolicy() if gate is None else GatePolicy(max_batch_size=gate, hysteresis=min(4, gate))
-    return EngineConfig(max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
-                        dtype=dtype or manifest["dtype"], device=device or "cpu",
-                        num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=policy)
-
-
-def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None,
-                max_batch_size: int | None = None, gate=None):
-    """The LLMEngine an engine folder describes (device, dtype, the KV-cache slots and the gate's GatePolicy may
-    be overridden at load)."""
-    from dataclasses import replace
-
-    from pipeline.engine.cost_model import CostModel
-    from pipeline.engine.llm_engine import LLMEngine
-
-    folder = Path(path)
-    manifest = read_engine_manifest(folder)
-    config = engine_config(manifest, device, dtype)
-    if max_batch_size is not None:
-        config = replace(config, max_batch_size=max_batch_size)
-    if gate is not None:
-        config = replace(config, gate=gate)
-    draft = manifest["draft"]
-    draft_arg = {"none": None, "ngram": "ngram"}.get(draft["kind"])
-    if draft["kind"] == "model":
-        draft_arg = folder / draft["path"]
-    elif draft["kind"] == "eagle3":  # draft/ holds the head's checkpoint, in whichever layout it came
-        draft_arg = f"eagle3:{folder / draft['path']}"
-    return LLMEngine.load(folder / manifest["target"]["path"], config, draft=draft_arg, cost_model=CostModel.load(folder))

@@ -96,7 +96,7 @@ def run_command(target_engine: Path, draft_engine: Path | None, tokenizer_dir: P
     first takes that share of all free memory, so the README lowers it to 0.5; a one-sequence token bound
     (--max_tokens_in_paged_kv_cache, the smaller of the two bounds wins) keeps either from crowding the other
     out whatever the load order."""
-    from pipeline.triton.upstream import CONTAINER_APP, CONTAINER_RUN_PY
+    from pipeline.trtllm_version import CONTAINER_APP, CONTAINER_RUN_PY
 
     mpi = ["mpirun", "-n", str(world_size), "--allow-run-as-root"] if world_size > 1 else []
     fraction = min(free_gpu_memory_fraction, SHARED_KV_FRACTION) if draft_engine is not None else free_gpu_memory_fraction

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from pipeline.compile.checkpoint import Checkpoint
-from pipeline.compile.draft import DraftSpec
+from pipeline.draft_spec import DraftSpec
 from pipeline.errors import ConfigError, DraftMismatchError
 
 BACKENDS = ("trtllm", "torch")
@@ -76,7 +76,7 @@ def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | No
     """Sizes within the GPU plan: the one call into pipeline.plan, for --gpu or else the GPU nvidia-smi
     reports. Skipped when neither names a GPU. A plan that doesn't fit is refused unless `force`."""
     from pipeline.plan.gpus import detect_gpu, get_gpu
-    from pipeline.plan.memory import DraftSpec as PlanDraft, PlanInputs, check_fits, plan_memory
+    from pipeline.plan.memory import PlanDraft, PlanInputs, check_fits, plan_memory
 
     gpu_spec = get_gpu(gpu) if gpu is not None else detect_gpu()
     if gpu_spec is None:

@@ -7,7 +7,6 @@ needs the network. Every HELDOUT_EVERY-th prompt is held out for measuring accep
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ConfigError
+from pipeline.records import read_records
 
 BUILTIN = "builtin"
 BUILTIN_FILE = Path(__file__).parent / "data" / "prompts.jsonl"
@@ -22,21 +22,9 @@ HELDOUT_EVERY = 10
 
 
 def load_prompts(data: str = BUILTIN) -> list[str]:
-    """--data: "builtin", or a file with one prompt per line (plain text, or JSONL with a "prompt" field)."""
+    """--data: "builtin", or a file of prompts (JSONL with a "prompt" field, or one per line: pipeline/records.py)."""
     path = BUILTIN_FILE if data == BUILTIN else Path(data).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"--data {data}: no such file; pass a file with one prompt per line, or --data builtin")
-    prompts = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            try:
-                line = json.loads(line)["prompt"]
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(f"--data {path}: a JSON line needs a \"prompt\" field; fix line {line[:40]!r}") from None
-        prompts.append(line)
+    prompts = read_records(path, "prompt", "--data prompts file")
     if len(prompts) < 2:
         raise ConfigError(f"--data {path} has {len(prompts)} prompt(s); training needs at least 2 (one is held out)")
     return prompts

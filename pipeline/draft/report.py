@@ -31,6 +31,7 @@ def measure_acceptance(target: Path, head_dir: Path, prompt_ids: list[list[int]]
     With a deadline (time.monotonic()), decoding stops at the first step past it and a K reports what was
     verified by then (`finished_prompts` of `prompts`), or None if nothing was.
     """
+    from pipeline.draft_spec import DraftSpec
     from pipeline.engine.config import EngineConfig, GatePolicy
     from pipeline.engine.llm_engine import LLMEngine
     from pipeline.engine.sampling import SamplingParams
@@ -43,7 +44,7 @@ def measure_acceptance(target: Path, head_dir: Path, prompt_ids: list[list[int]]
             continue
         config = EngineConfig(max_batch_size=batch_size, max_seq_len=max_len, dtype=dtype, num_draft_tokens=k,
                               gate=GatePolicy(max_batch_size=batch_size, hysteresis=0, min_tokens=0))
-        engine = LLMEngine.load(target, config, draft=f"eagle3:{head_dir}", eos_token_ids=eos_token_ids)
+        engine = LLMEngine.load(target, config, draft=DraftSpec("eagle3", str(head_dir)), eos_token_ids=eos_token_ids)
         reqs = [engine.add_request(p, SamplingParams(max_tokens=max_new_tokens)) for p in prompt_ids]
         while engine.has_unfinished() and (deadline is None or time.monotonic() <= deadline):
             engine.step()

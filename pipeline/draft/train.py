@@ -120,9 +120,11 @@ def _work_dir(target: Path, opts: TrainOptions, prompts: list[str]) -> Path:
 
 
 def _bar(total: int, desc: str, enabled: bool):
+    """A bar on stderr, shown only on a terminal: a log file or a pipe gets the summary alone."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True, leave=True)
+    return tqdm(total=total, desc=desc, disable=not (enabled and sys.stderr.isatty()), file=sys.stderr,
+                dynamic_ncols=True, leave=True)
 
 
 def _save(obj, path: Path) -> None:

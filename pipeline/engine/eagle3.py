@@ -34,9 +34,6 @@ from pipeline.engine.sampling import probs_from_logits, sample
 from pipeline.engine.speculative import Proposal
 from pipeline.errors import DraftMismatchError, ModelFormatError
 
-LAYOUTS = ("modelopt", "eagle", "speculators")
-
-
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     """Target layers whose *outputs* the head fuses: low, middle, high. The same rule as ModelOpt's
     default_eagle_aux_layer_ids and the EAGLE-3 reference (which captures the inputs of layers 2,

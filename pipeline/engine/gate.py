@@ -1,8 +1,10 @@
-"""The operator's load ceiling on speculation, checked every engine iteration."""
+"""The operator's load ceiling on speculation, with hysteresis: one state machine for the engine (every
+iteration, over its decoding rows) and the served repository's gate (every arrival and departure, over the
+requests in flight). Pure: no torch."""
 
 from __future__ import annotations
 
-from pipeline.engine.config import GatePolicy
+from pipeline.engine.gate_policy import GatePolicy
 
 
 class SpeculationGate:
@@ -20,6 +22,7 @@ class SpeculationGate:
         self.flips = 0
 
     def update(self, batch_size: int) -> bool:
+        """The load now (decoding rows, or requests in flight): whether auto requests may speculate."""
         p = self.policy
         if p.max_batch_size == 0:
             return False

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from pipeline.errors import ConfigError
 
 
+# The portable engine's default ceiling (build's --gate-batch-size on torch, and generate's): on a 2-core CPU
+# n-gram drafts paid at batch 4 and not at 16. `pipeline bench --apply` fits it on the machine that serves.
+PORTABLE_CEILING = 4
+
+
 @dataclass(frozen=True)
 class GatePolicy:
     """When the engine speculates, decided afresh every iteration.
@@ -28,3 +33,14 @@ class GatePolicy:
             raise ConfigError("gate hysteresis must be between 0 and max_batch_size")
         if self.min_tokens < 0:
             raise ConfigError("gate min_tokens must be >= 0")
+
+    @classmethod
+    def with_ceiling(cls, max_batch_size: int, hysteresis: int | None = None, min_tokens: int = 50) -> GatePolicy:
+        """The one rule for a ceiling's hysteresis: the one given (at most the ceiling), or the default."""
+        band = default_hysteresis(max_batch_size) if hysteresis is None else hysteresis
+        return cls(max_batch_size, min(band, max(max_batch_size, 0)), min_tokens)
+
+
+def default_hysteresis(max_batch_size: int) -> int:
+    """4 at the default ceiling of 32; 1 at a CPU's 4, where 4 would wait for an empty server. At most the ceiling."""
+    return min(max(1, max_batch_size // 8), max(max_batch_size, 0))

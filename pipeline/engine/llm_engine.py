@@ -29,10 +29,8 @@ from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenC
 from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
 from pipeline.engine.speculative import accept_greedy, accept_sampled
 from pipeline.engine.stats import EngineStats
-from pipeline.errors import DraftMismatchError, RequestError
-
-
-EAGLE3_PREFIX = "eagle3:"
+from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.errors import ConfigError, DraftMismatchError, RequestError, one_line
 
 
 class LLMEngine:
@@ -57,37 +55,33 @@ class LLMEngine:
         self._step_lock = threading.RLock()  # held for a whole step; cancel waits for the step to end
 
     @classmethod
-    def load(cls, target: str | Path, config: EngineConfig, draft: str | Path | None = None,
+    def load(cls, target: str | Path, config: EngineConfig, draft: DraftSpec | str | Path | None = None,
              eos_token_ids: tuple[int, ...] = (), cost_model: CostModel | None = None) -> "LLMEngine":
-        """target: a HF folder. draft: None, "ngram", "eagle3:FOLDER" (an EAGLE-3 head), or a HF folder
-        of a draft model."""
+        """target: a HF folder. draft: a DraftSpec, or its --draft spelling (none, ngram, eagle3:FOLDER for an
+        EAGLE-3 head, or a draft model's HF folder); None for none."""
         from pipeline.engine.weights import load_transformer
 
+        spec = draft if isinstance(draft, DraftSpec) else parse_draft(draft)
+        if spec.kind == "eagle3" and spec.path is None:
+            raise ConfigError("the engine needs the EAGLE-3 head's folder: --draft eagle3:DIR")
         dtype, device = config.torch_dtype, config.device
         model = load_transformer(target, config.max_seq_len, dtype, device)
         proposer: Proposer | None = None
-        if draft == "ngram":
+        if spec.kind == "ngram":
             proposer = NgramProposer()
-        elif isinstance(draft, str) and draft.startswith(EAGLE3_PREFIX):
+        elif spec.kind == "eagle3":
             from pipeline.engine.eagle3 import Eagle3Proposer, load_eagle3_head
 
-            head = load_eagle3_head(draft[len(EAGLE3_PREFIX):], model.cfg, config.max_seq_len, dtype, device)
+            head = load_eagle3_head(spec.path, model.cfg, config.max_seq_len, dtype, device)
             proposer = Eagle3Proposer(head, model, config.max_batch_size, config.max_seq_len)
-        elif draft is not None:
-            draft_model = load_transformer(draft, config.max_seq_len, dtype, device)
+        elif spec.kind == "model":
+            draft_model = load_transformer(spec.path, config.max_seq_len, dtype, device)
             if draft_model.cfg.vocab_size != model.cfg.vocab_size:
                 raise DraftMismatchError(
                     f"draft vocabulary ({draft_model.cfg.vocab_size}) differs from the target's "
                     f"({model.cfg.vocab_size}); use a draft from the same model family, or --draft ngram")
             proposer = DraftModelProposer(draft_model, config.max_batch_size, config.max_seq_len)
         return cls(model, config, proposer, eos_token_ids or model.cfg.eos_token_ids, cost_model=cost_model)
-
-    @classmethod
-    def from_engine_dir(cls, path: str | Path, device: str | None = None, dtype: str | None = None) -> "LLMEngine":
-        """An engine folder written by `pipeline compile --backend torch` (see pipeline/compile/torch_engine.py)."""
-        from pipeline.compile.torch_engine import load_engine
-
-        return load_engine(path, device, dtype)
 
     def describe(self) -> dict:
         """What runs, for reports and `pipeline generate --json`: the target's (and a draft model's)
@@ -157,7 +151,7 @@ class LLMEngine:
             if decoding:
                 self._decode(decoding, finished)
             if admitted or decoding:
-                self.stats.decode_time_s += time.perf_counter() - t0
+                self.stats.step_time_s += time.perf_counter() - t0
             return finished
 
     def _admit(self) -> list[Request]:
@@ -347,7 +341,7 @@ class LLMEngine:
             retry_one(r)
 
     def _fail(self, req: Request, err: Exception, finished: list[Request]) -> None:
-        req.error = " ".join(str(err).split()) or type(err).__name__
+        req.error = one_line(err)
         self.stats.failed_requests += 1
         self._finish(req, FinishReason.ERROR)
         if req not in finished:

@@ -17,7 +17,7 @@ class EngineStats:
     generated_tokens: int = 0
     failed_requests: int = 0  # requests ended by an error tied to them (the others carried on)
     proposer_failures: int = 0  # proposals that raised; their rows went on without speculation
-    decode_time_s: float = 0.0  # time inside step(): prefill + decode, not model loading
+    step_time_s: float = 0.0  # time inside step(): prefill and decode, not model loading
     # Row-steps that drafted nothing, by reason (engine/draft_plan.py), summed over requests.
     skip_reasons: dict[str, int] = field(default_factory=dict)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -51,7 +51,7 @@ class EngineStats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.decode_time_s if self.decode_time_s else 0.0
+        return self.generated_tokens / self.step_time_s if self.step_time_s else 0.0
 
     def to_dict(self) -> dict:
         return {

@@ -13,7 +13,10 @@ import glob
 import json
 import os
 import shutil
+import sys
 import tempfile
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from pipeline.checksums import first_change, record_files
@@ -22,6 +25,18 @@ from pipeline.errors import MissingDependencyError, ModelFormatError, ModelNotFo
 # Config keys that describe the GGUF source, not the architecture: a dense copy must not carry them.
 _SOURCE_ONLY_KEYS = ("quantization_config", "_model_name_or_path", "transformers_version")
 RECORD = "conversion.json"
+_bars = True  # transformers' per-tensor bar during a conversion; off under quiet_conversion()
+
+
+@contextmanager
+def quiet_conversion():
+    """No conversion bar inside: for a caller that shows its own (build's stage bar) or was asked to be quiet."""
+    global _bars
+    was, _bars = _bars, False
+    try:
+        yield
+    finally:
+        _bars = was
 
 
 def is_converted(folder: Path) -> bool:
@@ -73,6 +88,7 @@ def _write_hf_folder(gguf_file: Path, folder: Path) -> None:
         import gguf  # noqa: F401  (transformers needs it to read the file)
         import torch
         from safetensors.torch import save_file
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as err:
         raise MissingDependencyError(
@@ -80,6 +96,10 @@ def _write_hf_folder(gguf_file: Path, folder: Path) -> None:
         ) from None
 
     src_dir, name = str(gguf_file.parent), gguf_file.name
+    # Its tqdm ignores transformers' own progress-bar switch: a bar only on a terminal, and never under
+    # quiet_conversion().
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = partial(bar, disable=not (_bars and sys.stderr.isatty()))
     try:
         model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
@@ -89,6 +109,8 @@ def _write_hf_folder(gguf_file: Path, folder: Path) -> None:
             f"{gguf_file} could not be read as a GGUF checkpoint ({first_line}); "
             "use a Llama-family GGUF or a Hugging Face folder"
         ) from None
+    finally:
+        gguf_utils.tqdm = bar
 
     save_file(_dense_state_dict(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(_hf_config(model), indent=2, sort_keys=True) + "\n")

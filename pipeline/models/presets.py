@@ -39,6 +39,8 @@ class Preset:
     arch: ModelArch | None = None  # the published config.json's shape, for `pipeline plan` without the weights
 
 
+DEFAULT_MODEL = "smollm2-135m"  # the embedded preset: every command's default model, offline
+
 _ALL = (
     Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", params_b=0.135,
            aliases=("smollm2", "smollm"), embedded=True,

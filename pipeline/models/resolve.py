@@ -70,10 +70,13 @@ def resolve_model(ref: str, verify: bool = False) -> ResolvedModel:
         return ResolvedModel(ref, ref.split("/")[1], folder, "hub", note)
     if "/" in ref or os.sep in ref or ref.startswith("~"):
         raise ModelNotFoundError(f"{ref}: no such folder; pass an existing Hugging Face model folder")
-    raise ModelNotFoundError(
-        f"unknown model {ref!r}: not a preset ({', '.join(PRESETS)}), a local folder, a .gguf file "
-        "or a hub id (org/name)"
-    )
+    raise ModelNotFoundError(unknown_model(ref))
+
+
+def unknown_model(ref: str) -> str:
+    """The one line for a name that is no preset, folder, file or hub id: it lists the presets."""
+    return (f"unknown model {ref!r}: not a preset ({', '.join(PRESETS)}), a local folder, a .gguf file "
+            "or a hub id (org/name)")
 
 
 def check_model_folder(folder: Path) -> Path:

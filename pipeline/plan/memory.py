@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pipeline.draft_spec import DRAFT_KINDS
 from pipeline.errors import PlanError
 from pipeline.models.presets import ModelArch
 from pipeline.plan.gpus import GPU
@@ -32,7 +33,6 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 MIN_ACTIVATION_BYTES = 2 * GIB
 ACTIVATION_FRACTION = 0.10  # 1 - TensorRT-LLM's free_gpu_memory_fraction (0.9)
 FP8_FORMATS = ("fp8", "w4a8_awq")  # formats with FP8 tensors
-DRAFT_KINDS = ("none", "ngram", "eagle3", "model")
 ASSUMPTIONS = (
     "GB = 1e9 bytes",
     "TP splits attention/MLP linears, the lm_head and KV heads; the embedding and norms are replicated",
@@ -45,7 +45,10 @@ ASSUMPTIONS = (
 
 
 @dataclass(frozen=True)
-class DraftSpec:
+class PlanDraft:
+    """A draft as the memory plan sees it: its kind, a name for the table and, for a draft model, its shape
+    (the --draft text itself is parsed once, by pipeline/draft_spec.py)."""
+
     kind: str  # none | ngram | eagle3 | model
     name: str
     arch: ModelArch | None = None  # a draft model's shape; None for the others (EAGLE-3 takes the target's)
@@ -64,7 +67,7 @@ class PlanInputs:
     gpu: GPU
     tp: int = 1
     target_qformat: str = "none"
-    draft: DraftSpec = field(default_factory=lambda: DraftSpec("none", "none"))
+    draft: PlanDraft = field(default_factory=lambda: PlanDraft("none", "none"))
     draft_qformat: str = "none"
     kv_cache_dtype: str = "bf16"
     max_batch_size: int = 16
@@ -84,7 +87,7 @@ class PlanInputs:
         for value in (self.kv_cache_dtype, self.draft_kv):
             if value not in KV_DTYPE_BYTES:
                 raise PlanError(f"unknown --kv-cache-dtype {value!r}; pick one of {', '.join(KV_DTYPE_BYTES)}")
-        for flag, value in (("--tp", self.tp), ("--max-batch-size", self.max_batch_size),
+        for flag, value in (("--tp-size", self.tp), ("--max-batch-size", self.max_batch_size),
                             ("--max-seq-len", self.max_seq_len)):
             if value < 1:
                 raise PlanError(f"{flag} must be >= 1 (got {value})")
@@ -93,7 +96,7 @@ class PlanInputs:
             problem = tp_problem(arch, self.tp)
             if problem:
                 ok = _or([str(t) for t in TP_SIZES if not tp_problem(arch, t)])
-                raise PlanError(f"--tp {self.tp} does not divide {name}'s {problem}; use --tp {ok}")
+                raise PlanError(f"--tp-size {self.tp} does not divide {name}'s {problem}; use --tp-size {ok}")
 
     def _check_fp8(self):
         if self.gpu.fp8:
@@ -192,7 +195,7 @@ class MemoryPlan:
             return []
         out = []
         if self.min_tp and self.min_tp > self.tp:
-            out.append(f"--tp {self.min_tp}")
+            out.append(f"--tp-size {self.min_tp}")
         smaller = [f for f in ("fp8", "int4_awq") if self.target_weights[f].total
                    < self.target_weights[self.inputs.target_qformat].total]
         for fmt in smaller:

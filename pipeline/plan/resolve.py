@@ -8,7 +8,8 @@ from pathlib import Path
 from pipeline.errors import ModelNotFoundError, PlanError
 from pipeline.models.presets import PRESETS, ModelArch, get_preset
 from pipeline.plan.gpus import get_gpu
-from pipeline.plan.memory import PlanInputs, DraftSpec
+from pipeline.draft_spec import MODEL, parse_draft
+from pipeline.plan.memory import PlanDraft, PlanInputs
 
 KV_DTYPE_ALIASES = {"bf16": "bf16", "fp16": "bf16", "none": "bf16", "auto": "bf16", "fp8": "fp8"}
 
@@ -31,13 +32,13 @@ def model_arch(ref: str) -> tuple[str, ModelArch]:
                              "or a local folder with config.json")
 
 
-def draft_spec(ref: str) -> DraftSpec:
-    """--draft: eagle3 (the target's EAGLE-3 head), ngram (no weights), none, or a draft model."""
-    kind = ref.strip().lower()
-    if kind in ("none", "ngram", "eagle3"):
-        return DraftSpec(kind, kind)
-    name, arch = model_arch(ref)
-    return DraftSpec("model", name, arch)
+def plan_draft(ref: str) -> PlanDraft:
+    """--draft: eagle3 (the target's EAGLE-3 head, or eagle3:DIR), ngram (no weights), none, or a draft model."""
+    draft = parse_draft(ref)
+    if draft.kind != MODEL:
+        return PlanDraft(draft.kind, draft.kind)
+    name, arch = model_arch(draft.ref)
+    return PlanDraft(MODEL, name, arch)
 
 
 def kv_dtype(name: str) -> str:
@@ -54,6 +55,6 @@ def plan_inputs(target: str, gpu: str, draft: str = "none", tp: int = 1, target_
     target_name, arch = model_arch(target)
     return PlanInputs(
         target_name=target_name, target=arch, gpu=get_gpu(gpu), tp=tp,
-        target_qformat=target_qformat.strip().lower(), draft=draft_spec(draft),
+        target_qformat=target_qformat.strip().lower(), draft=plan_draft(draft),
         draft_qformat=draft_qformat.strip().lower(), kv_cache_dtype=kv_dtype(kv_cache_dtype),
         max_batch_size=max_batch_size, max_seq_len=max_seq_len)

@@ -9,11 +9,11 @@ held-out records, so quality numbers compare across calibration choices.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import CalibrationError
+from pipeline.records import read_records
 
 BUILTIN = "builtin"
 BUILTIN_FILE = Path(__file__).parent / "data" / "calib.jsonl"
@@ -26,10 +26,6 @@ class TextSet:
     records: tuple[str, ...]
     source: str  # "builtin", "builtin (held out)" or the file path
 
-    @property
-    def chars(self) -> int:
-        return sum(len(r) for r in self.records)
-
 
 def split_records(records: list[str]) -> tuple[list[str], list[str]]:
     """(calibration, held out): deterministic, by position."""
@@ -39,7 +35,7 @@ def split_records(records: list[str]) -> tuple[list[str], list[str]]:
 
 
 def builtin_records() -> list[str]:
-    return _read_jsonl(BUILTIN_FILE)
+    return read_records(BUILTIN_FILE, "text", "built-in calibration file", error=CalibrationError, blocks=True)
 
 
 def builtin_split() -> tuple[TextSet, TextSet]:
@@ -52,7 +48,7 @@ def calibration_text(spec: str | Path) -> TextSet:
     if str(spec) == BUILTIN:
         return builtin_split()[0]
     path = Path(spec).expanduser()
-    records = _read_jsonl(path) if path.suffix.lower() in (".jsonl", ".json") else _read_txt(path)
+    records = read_records(path, "text", "calibration file (--calib-data)", error=CalibrationError, blocks=True)
     return TextSet(tuple(records), str(path))
 
 
@@ -83,40 +79,3 @@ def make_samples(tokenizer, text: TextSet, num_samples: int, seq_len: int, *, wh
             f"{what} text ({text.source}) has {len(ids)} tokens, fewer than {num_samples} x {seq_len} = {need}; "
             f"lower {flag}" + (" or pass a longer --calib-data FILE" if what == "calibration" else ""))
     return torch.tensor(ids[:need], dtype=torch.long).view(num_samples, seq_len)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise CalibrationError(f"can't read calibration file {path} ({type(err).__name__}); pass a readable UTF-8 "
-                               '.txt file or a .jsonl file with one {"text": ...} per line') from None
-
-
-def _read_txt(path: Path) -> list[str]:
-    """Blank-line-separated samples; a text without blank lines is one sample, cut into windows later."""
-    records = [block.strip("\n") for block in _read(path).split("\n\n") if block.strip()]
-    if not records:
-        raise CalibrationError(f"calibration file {path} is empty; put text in it (samples separated by blank "
-                               'lines), or use --calib-data builtin')
-    return records
-
-
-def _read_jsonl(path: Path) -> list[str]:
-    records = []
-    for n, line in enumerate(_read(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise CalibrationError(f'{path}:{n} is not a JSON object with a string "text"; '
-                                   'write one {"text": "..."} per line')
-        if obj["text"].strip():
-            records.append(obj["text"])
-    if not records:
-        raise CalibrationError(f'calibration file {path} has no text; write one {{"text": "..."}} per line, '
-                               "or use --calib-data builtin")
-    return records

@@ -81,10 +81,11 @@ class ModelShape:
                 "intermediate_size": self.intermediate_size}
 
 
-def get_format(name: str) -> QFormat:
+def get_format(name: str, flag: str = "--qformat") -> QFormat:
+    """flag: the option the name came from, for the message (build has --target-qformat and --draft-qformat)."""
     fmt = FORMATS.get(name.strip().lower())
     if fmt is None:
-        raise QuantizeError(f"unknown --qformat {name!r}; pick one of {', '.join(FORMATS)}")
+        raise QuantizeError(f"unknown {flag} {name!r}; pick one of {', '.join(FORMATS)}")
     return fmt
 
 

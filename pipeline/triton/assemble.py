@@ -81,15 +81,10 @@ class Plan:
     launch: Launch = Launch("torch", "plain")
 
 
-def default_hysteresis(gate_batch_size: int) -> int:
-    """4 at the default threshold of 32; 1 at a CPU's 4, where 4 would wait for an empty server."""
-    return max(1, gate_batch_size // 8)
-
-
 def detect_backend(engine: Path, requested: str = "auto") -> str:
     """torch for a folder with engine.json, trtllm for one with compile.json from `compile -b trtllm`."""
     from pipeline.compile.run import MANIFEST_FILE
-    from pipeline.compile.torch_engine import ENGINE_FILE
+    from pipeline.engine.folder import ENGINE_FILE
 
     if requested not in BACKENDS:
         raise ConfigError(f"unknown --backend {requested!r}; pick one of {', '.join(BACKENDS)}")
@@ -115,10 +110,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _gate(options: AssembleOptions) -> GatePolicy:
-    return GatePolicy(max_batch_size=options.gate_batch_size,
-                      hysteresis=min(default_hysteresis(options.gate_batch_size) if options.gate_hysteresis is None
-                                     else options.gate_hysteresis, max(options.gate_batch_size, 0)),
-                      min_tokens=options.min_spec_tokens)
+    return GatePolicy.with_ceiling(options.gate_batch_size, options.gate_hysteresis, options.min_spec_tokens)
 
 
 def repo_spec(options: AssembleOptions) -> RepoSpec:
@@ -141,7 +133,7 @@ def plan_repository(options: AssembleOptions) -> Plan:
 
 def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     """A portable engine folder: sizes from its engine.json, the gate from the options."""
-    from pipeline.compile.torch_engine import read_engine_manifest
+    from pipeline.engine.folder import read_engine_manifest
 
     manifest = read_engine_manifest(engine)
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),

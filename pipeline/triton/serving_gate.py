@@ -22,6 +22,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from pipeline.engine.gate import SpeculationGate
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import PipelineError
 
@@ -56,8 +57,7 @@ class ServingGate:
         self.rejected = 0
         self.lock = threading.Lock()
         self.in_flight = 0
-        self.load_open = policy.max_batch_size > 0  # the load half of the state, with hysteresis
-        self.flips = 0
+        self.load = SpeculationGate(policy)  # the load half of the state, with hysteresis, over in-flight requests
         self._recent: deque[tuple[int, int, int]] = deque()  # (drafted, accepted, verify_steps) per response
         self._sums = [0, 0, 0]
 
@@ -71,19 +71,19 @@ class ServingGate:
                 self.rejected += 1
                 raise Busy(busy_message(self.in_flight - self.slots, self.slots, self.max_queue_size))
             self.in_flight += 1
-            self._update_load()
+            self.load.update(self.in_flight)
             if requested in ("on", "off"):
                 return Decision(requested == "on", OVERRIDE)
             if max_tokens < self.policy.min_tokens:
                 return Decision(False, SHORT)
-            if not self.load_open:
+            if not self.load.on:
                 return Decision(False, LOAD)
             return Decision(True, OPEN)
 
     def leave(self) -> None:
         with self.lock:
             self.in_flight -= 1
-            self._update_load()
+            self.load.update(self.in_flight)
 
     def record(self, drafted: int, accepted: int, verify_steps: int) -> None:
         """One response's verification counts, into the rolling window."""
@@ -112,18 +112,11 @@ class ServingGate:
         return 1.0 + accepted / steps if steps else 0.0
 
     @property
+    def flips(self) -> int:
+        return self.load.flips
+
+    @property
     def speculating(self) -> bool:
         """Whether an auto request with enough max_tokens may speculate now."""
         with self.lock:
-            return self.load_open
-
-    def _update_load(self) -> None:
-        p = self.policy
-        if p.max_batch_size == 0:
-            return
-        was = self.load_open
-        if self.load_open and self.in_flight > p.max_batch_size:
-            self.load_open = False
-        elif not self.load_open and self.in_flight <= p.max_batch_size - p.hysteresis:
-            self.load_open = True
-        self.flips += was != self.load_open
+            return self.load.on

@@ -21,10 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.triton.tensors import TensorSpec as Tensor
+# The release and its container's layout live with the version checks (compile reads them too); re-exported here,
+# where the tables that cite them are.
+from pipeline.trtllm_version import (CONTAINER_APP, CONTAINER_FILL_TEMPLATE, CONTAINER_LAUNCH_SCRIPT,  # noqa: F401
+                                     CONTAINER_LLMAPI_MODEL, CONTAINER_RUN_PY, CONTAINER_TEMPLATES,
+                                     CONTAINER_TRITONSERVER, TRITON_CONTAINER, TRTLLM_VERSION)
 
-TRTLLM_VERSION = "1.2.1"
 TEMPLATE_COMMIT = "0c8de69a1ca6213eebb20a51873890ff128666c2"  # NVIDIA/TensorRT-LLM, tensorrt_llm/version.py 1.2.0rc8
-TRITON_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"  # Triton 25.12 + TensorRT-LLM 1.2.1
 
 # Upstream files, in NVIDIA/TensorRT-LLM unless the path names another repository.
 TEMPLATE = "triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt"
@@ -55,14 +58,7 @@ class Ref:
     symbol: str
 
 
-# ---- NVIDIA's Triton container layout (DOCKERFILE: WORKDIR /app; COPY triton_backend/{all_models,tools,scripts}) ----
-CONTAINER_APP = "/app"
-CONTAINER_TEMPLATES = "all_models/inflight_batcher_llm"  # under /app
-CONTAINER_FILL_TEMPLATE = "tools/fill_template.py"  # under /app
-CONTAINER_LAUNCH_SCRIPT = "scripts/launch_triton_server.py"  # under /app
-CONTAINER_RUN_PY = "examples/run.py"  # under /app (DOCKERFILE copies examples/)
-CONTAINER_LLMAPI_MODEL = "all_models/llmapi/tensorrt_llm"  # under /app: config.pbtxt, 1/model.py, 1/helpers.py
-CONTAINER_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # LAUNCH_SCRIPT parse_arguments --tritonserver default
+# NVIDIA's container (the layout above, in pipeline.trtllm_version):
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"  # TEMPLATE executor_worker_path
 
 

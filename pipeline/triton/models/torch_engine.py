@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.compile.torch_engine import load_engine, read_engine_manifest
+from pipeline.engine.folder import load_engine, read_engine_manifest
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.engine.request import RequestStatus
 from pipeline.engine.sampling import SamplingParams

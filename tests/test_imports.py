@@ -1,0 +1,63 @@
+"""The package's shape: no import cycle between its parts, and the torch-free modules stay torch-free."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "pipeline"
+
+
+def part_imports() -> dict[str, set[str]]:
+    """pipeline.<part> -> the other parts it imports (anywhere in its files, function bodies included)."""
+    graph: dict[str, set[str]] = {}
+    for f in PACKAGE.rglob("*.py"):
+        rel = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        part = ".".join(rel[:2]) if len(rel) > 1 else rel[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                if name.startswith("pipeline."):
+                    other = ".".join(name.split(".")[:2])
+                    if other != part:
+                        graph.setdefault(part, set()).add(other)
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_the_parts_import_each_other_one_way_only():
+    assert cycle(part_imports()) is None, " -> ".join(cycle(part_imports()))
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_gate_and_the_draft_vocabulary_load_without_torch():
+    """The Triton configs and the serving gate read these; `pipeline.engine`'s own names load lazily."""
+    code = ("import sys; import pipeline.triton.serving_gate, pipeline.engine.draft_plan, pipeline.engine.cost_model, "
+            "pipeline.draft_spec, pipeline.engine; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
