@@ -127,6 +127,13 @@ def test_bench_measures_a_served_repository_through_grpc(ngram_engine, tmp_path)
     assert "load" in by_mode[(2, "gated")]["skipped_steps"] and "load" not in by_mode[(1, "gated")]["skipped_steps"]
 
 
+def test_each_round_starts_with_the_next_mode():
+    from pipeline.bench.run import round_order
+
+    modes = ("off", "on", "gated")
+    assert [round_order(modes, r) for r in range(4)] == [modes, ("on", "gated", "off"), ("gated", "off", "on"), modes]
+
+
 def test_a_point_is_its_fastest_round():
     from pipeline.bench.run import fastest_round
 
