@@ -125,8 +125,8 @@ class EngineTarget:
     """The portable engine folder, loaded here with `slots` KV-cache slots."""
 
     def __init__(self, engine_dir: Path, slots: int, calibrate: bool, say: Callable[[str], None]):
-        from pipeline.engine.folder import load_engine, read_engine_manifest
         from pipeline.engine.calibrate import calibrate as measure
+        from pipeline.engine.folder import load_engine, read_engine_manifest
         from pipeline.models.tokenizer import load_tokenizer
 
         manifest = read_engine_manifest(engine_dir)

@@ -104,8 +104,8 @@ def _eagle3_ref(target: str) -> str:
 def locate_weights(ref: str) -> Weights:
     """A local folder or .gguf as is; the embedded preset's converted folder (or its GGUF); a hub model
     only from the local Hugging Face cache. Nothing is converted or downloaded here."""
-    from pipeline.models.presets import get_preset
     from pipeline.errors import ModelNotFoundError
+    from pipeline.models.presets import get_preset
     from pipeline.models.resolve import EMBEDDED_INSTALL, PRESETS, unknown_model
 
     path = Path(ref).expanduser()

@@ -3,9 +3,9 @@
 - The target: one verify forward per (rows B, width W) on the grid, every W from 1 to K + 1, the rows
   attending to CONTEXT tokens each. The widths of one B are timed in turn, round after round (at least
   REPS), and each keeps its fastest run: on a shared machine interference only ever adds time, and a
-  slow spell then lands on every width alike instead of on one (a median of runs in a row let a busy
-  second make B=16 look as cheap at W=4 as at W=1). Made monotone in B and W (noise must not make a
-  wider step look cheaper). It writes into the engine's own cache slots: calibrate a fresh engine,
+  slow spell then lands on every width alike instead of on one (medians of runs in a row, made monotone,
+  read B=16 as 312 ms at widths 1 to 4 alike during a CI run). Made monotone in B and W (noise must not
+  make a wider step look cheaper). It writes into the engine's own cache slots: calibrate a fresh engine,
   before it serves.
 - The proposer: real engine steps over B requests that always draft (speculation "on"), first K tokens a
   step and then one, timing only the proposer's calls (the fastest step of each). Its cost per step is

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.cost_model import CostModel, default_cost_model
 from pipeline.engine.draft_plan import EMPTY, PROPOSER_FAILED, Row, plan_drafts
@@ -29,7 +30,6 @@ from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenC
 from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
 from pipeline.engine.speculative import accept_greedy, accept_sampled
 from pipeline.engine.stats import EngineStats
-from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.errors import ConfigError, DraftMismatchError, RequestError, one_line
 
 
