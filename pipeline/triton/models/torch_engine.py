@@ -138,11 +138,12 @@ class TritonPythonModel:
         # engine folder's gate would be a second ceiling, from compile's defaults, on the "auto" requests the
         # repository's let through (a build with --gate-batch-size 64 skipped steps for load past 32): here
         # it never binds, and the planner still chooses each auto request's drafts step by step.
-        slots = read_engine_manifest(engine_dir)["max_batch_size"]
-        self.engine = load_engine(engine_dir, gate=GatePolicy(max_batch_size=slots, hysteresis=0, min_tokens=0))
+        manifest = read_engine_manifest(engine_dir)
+        self.engine = load_engine(engine_dir, gate=GatePolicy(max_batch_size=manifest["max_batch_size"], hysteresis=0,
+                                                              min_tokens=0))
         # Requests that may wait for a slot (0: no bound); past it a request is refused at once as busy.
         self.max_queue_size = int(config["parameters"].get("max_queue_size", {}).get("string_value", "0"))
-        tokenizer = load_tokenizer(Path(engine_dir) / read_engine_manifest(engine_dir)["tokenizer"])
+        tokenizer = load_tokenizer(Path(engine_dir) / manifest["tokenizer"])
         self.text_vocab = len(tokenizer)
         self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
