@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.build.options import BuildOptions, Environment
-from pipeline.draft_spec import EAGLE3, MODEL, DraftSpec
 from pipeline.build.settings import Settings, check_options, model_name, plain, resolve_settings
+from pipeline.draft_spec import EAGLE3, MODEL, DraftSpec
 from pipeline.errors import ConfigError
 
 MANIFEST_FILE = "build.json"
@@ -154,7 +154,7 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
     draft_arg = str(s.draft)
     if s.draft.kind == MODEL:
         draft_ckpt, draft_dep = checkpoint("draft", s.draft.ref, s.draft_qformat)
-        draft_arg = str(DraftSpec(MODEL, str(draft_ckpt)))
+        draft_arg = str(draft_ckpt)
         deps += [draft_dep] if draft_dep else []
         models += [] if draft_dep else [s.draft.ref]
     elif s.draft.kind == EAGLE3:

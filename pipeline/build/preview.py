@@ -49,8 +49,8 @@ def preview_trtllm(compile_options, settings, target_arch, draft_arch, quant_kv:
                    repo: Path) -> Preview:
     """compile_options: the compile stage's CompileOptions; quant_kv: role -> the KV dtype its quantize stage
     writes ("fp8" | "none"); target_arch/draft_arch: ModelArch (draft_arch None unless a draft model)."""
-    from pipeline.draft_spec import parse_draft
     from pipeline.compile.run import generate, resolve
+    from pipeline.draft_spec import parse_draft
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET
     from pipeline.triton.launch import plan_launch
     from pipeline.triton.server import ServeOptions, ServerBinary, launch_argv, shell_line

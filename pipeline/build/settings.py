@@ -103,12 +103,12 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
 
 
 def _with_memory_plan(s: Settings, o: BuildOptions, arch, gpu: GPU, reasons: dict) -> tuple[Settings, Any]:
-    from pipeline.plan.memory import PlanDraft, PlanInputs, check_fits, plan_memory
-    from pipeline.plan.resolve import model_arch
+    from pipeline.plan.memory import PlanInputs, check_fits, plan_memory
+    from pipeline.plan.resolve import plan_draft
 
     if arch is None:
         return s, None  # a hub id with nothing local: nothing to size yet (`missing` says what to fetch)
-    draft = PlanDraft(s.draft.kind, s.draft.kind) if s.draft.kind != MODEL else PlanDraft(MODEL, *model_arch(s.draft.ref))
+    draft = plan_draft(s.draft)
     # A draft engine keeps its checkpoint's KV dtype: FP8 only where the draft is FP8 (plan.quant_kv).
     draft_kv = s.kv_cache_dtype if s.export == "hf" or s.draft_qformat == "fp8" else "bf16"
     inputs = PlanInputs(target_name=model_name(o.target), target=arch, gpu=gpu, tp=s.tp_size,

@@ -8,7 +8,7 @@ from pathlib import Path
 from pipeline.errors import ModelNotFoundError, PlanError
 from pipeline.models.presets import PRESETS, ModelArch, get_preset
 from pipeline.plan.gpus import get_gpu
-from pipeline.draft_spec import MODEL, parse_draft
+from pipeline.draft_spec import MODEL, DraftSpec, parse_draft
 from pipeline.plan.memory import PlanDraft, PlanInputs
 
 KV_DTYPE_ALIASES = {"bf16": "bf16", "fp16": "bf16", "none": "bf16", "auto": "bf16", "fp8": "fp8"}
@@ -32,9 +32,10 @@ def model_arch(ref: str) -> tuple[str, ModelArch]:
                              "or a local folder with config.json")
 
 
-def plan_draft(ref: str) -> PlanDraft:
-    """--draft: eagle3 (the target's EAGLE-3 head, or eagle3:DIR), ngram (no weights), none, or a draft model."""
-    draft = parse_draft(ref)
+def plan_draft(ref: str | DraftSpec) -> PlanDraft:
+    """--draft (or its parsed spec): eagle3 (the target's EAGLE-3 head, or eagle3:DIR), ngram (no weights), none,
+    or a draft model, whose shape the plan reads."""
+    draft = ref if isinstance(ref, DraftSpec) else parse_draft(ref)
     if draft.kind != MODEL:
         return PlanDraft(draft.kind, draft.kind)
     name, arch = model_arch(draft.ref)
