@@ -14,7 +14,7 @@ import importlib.metadata
 
 from pipeline.errors import ConfigError
 
-# The release the tables in pipeline.triton.upstream and pipeline.compile.reference follow, and the container that
+# The release the tables in pipeline.triton.upstream and pipeline.compiler.reference follow, and the container that
 # serves it (triton-inference-server/tensorrtllm_backend dockerfile/Dockerfile.triton.trt_llm_backend:
 # TENSORRTLLM_VER=1.2.1, BASE_IMAGE=nvcr.io/nvidia/tritonserver:25.12-py3-min).
 TRTLLM_VERSION = "1.2.1"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ import numpy as np
 from bench_engine import CODE  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from bench_engine import PROMPTS as ENGINE_PROMPTS  # noqa: E402
 from bench_engine import print_markdown  # noqa: E402
+from pipeline.triton.ports import free_ports
 
 # bench_engine's prompts (answers that copy from the prompt, where n-gram lookup pays, and free-form ones)
 # and four more, cycled over the requests.
@@ -199,19 +199,8 @@ class InProcess:
 # ---- setup ----------------------------------------------------------------------------------------
 
 
-def free_ports(n: int = 3) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def build_engine(args, work: Path) -> Path:
-    from pipeline.compile import CompileOptions, compile_model
+    from pipeline.compiler import CompileOptions, compile_model
     from pipeline.models.resolve import resolve_model
 
     out = work / "engine"

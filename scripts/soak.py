@@ -48,7 +48,8 @@ from pathlib import Path
 import numpy as np
 
 # The benchmark scripts' own helpers (scripts/ is on sys.path when this runs as a script).
-from bench_serving import fmt, free_ports, print_markdown  # noqa: E402
+from bench_serving import fmt, print_markdown  # noqa: E402
+from pipeline.triton.ports import free_ports  # noqa: E402
 
 # What a hostile or careless client sends -> the one line it gets back (tests/test_serving.py sends these too).
 BAD_REQUESTS = {

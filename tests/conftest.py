@@ -45,3 +45,15 @@ def smollm2(tmp_path_factory) -> Path:
             os.environ.pop("PIPELINE_HOME", None)
         else:
             os.environ["PIPELINE_HOME"] = old
+
+
+# The fast loop (`pytest -m "not slow"`) leaves out every test that starts a tritonserver (5-40 s each on two
+# cores) or runs the embedded SmolLM2. Tests that reach them through these fixtures are marked here; tests that
+# start a server inline carry @pytest.mark.slow themselves.
+SLOW_FIXTURES = {"smollm2", "server", "url", "served", "echo_server", "llmapi_server", "served_repo"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.engine import load_engine
-from ports import free_ports
+from pipeline.triton.ports import free_ports
 
 MAX_TOKENS = 60  # past the gate's min tokens (50), so speculation really runs
 
@@ -116,17 +116,12 @@ def metrics(url: str) -> dict[str, float]:
 @contextlib.contextmanager
 def served_engine(engine_dir: Path, folder: Path, **assemble_options):
     """Assemble a repository for a portable engine folder under `folder` and serve it on free ports;
-    yields the TritonServer. Skips the test where no tritonserver can be found."""
-    import pytest
+    yields the TritonServer."""
 
-    from pipeline.errors import PipelineError
     from pipeline.triton.assemble import AssembleOptions, assemble
     from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
 
-    try:
-        binary = find_tritonserver()
-    except PipelineError as err:
-        pytest.skip(str(err))
+    binary = find_tritonserver()
     repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=folder / "repo", **assemble_options)).repo)
     grpc, http, metrics_port = free_ports()
     with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics_port),

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.compile import CompileOptions, compile_model
+from pipeline.compiler import CompileOptions, compile_model
 from pipeline.errors import ConfigError
 from pipeline.triton.assemble import PYTHON_MODELS, AssembleOptions, assemble
 from pipeline.triton.config import read_config

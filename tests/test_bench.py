@@ -7,9 +7,9 @@ from click.testing import CliRunner
 
 from pipeline.bench.fit import crossover
 from pipeline.bench.report import fitted_threshold
-from pipeline.bench.run import Point
+from pipeline.bench.sweep import Point
 from pipeline.cli import main
-from pipeline.compile import CompileOptions, compile_model
+from pipeline.compiler import CompileOptions, compile_model
 from pipeline.engine.cost_model import CostModel
 from pipeline.engine.draft_plan import expected_tokens
 
@@ -109,6 +109,7 @@ def test_bad_bench_options_are_one_line_errors(ngram_engine):
         assert message is None or message in result.output
 
 
+@pytest.mark.slow
 def test_bench_measures_a_served_repository_through_grpc(ngram_engine, tmp_path):
     from serving_checks import served_engine
 
@@ -128,14 +129,14 @@ def test_bench_measures_a_served_repository_through_grpc(ngram_engine, tmp_path)
 
 
 def test_each_round_starts_with_the_next_mode():
-    from pipeline.bench.run import round_order
+    from pipeline.bench.sweep import round_order
 
     modes = ("off", "on", "gated")
     assert [round_order(modes, r) for r in range(4)] == [modes, ("on", "gated", "off"), ("gated", "off", "on"), modes]
 
 
 def test_a_point_is_its_fastest_round():
-    from pipeline.bench.run import fastest_round
+    from pipeline.bench.sweep import fastest_round
 
     rounds = [point("chat", "off", 4, rate) for rate in (90.0, 120.0, 100.0)]
     assert fastest_round(rounds).tokens_per_s == 120.0

@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from cli_checks import assert_one_line_error
 from pipeline.cli import main
-from pipeline.compile import CompileOptions, compile_model
+from pipeline.compiler import CompileOptions, compile_model
 from pipeline.engine import load_engine
 from pipeline.errors import RequestError, ServeError
-from pipeline.triton.client import ClientOptions, Connection, RequestOptions, generate, grpc_target, stream_generate
-from ports import free_ports
+from pipeline.triton.client import ClientOptions, Connection, RequestOptions, grpc_target, run_request
+from pipeline.triton.ports import free_ports
 from serving_checks import served_engine
 
 import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
@@ -69,7 +69,7 @@ def test_streamed_cli_output_equals_the_in_process_greedy_text(url, expected):
 def test_stream_arrives_in_chunks_whose_counts_add_up_to_the_engine_tokens(url, expected):
     text, tokens = expected[PROMPTS[0]]
     seen = []
-    result = generate(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS, speculation="on"),
+    result = run_request(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS, speculation="on"),
                       on_chunk=seen.append)
     assert result.text == text and seen == result.chunks and len(seen) > 1
     assert result.tokens == tokens and 0 < result.accepted <= result.drafted
@@ -112,8 +112,8 @@ def test_refused_requests_are_one_line_errors_and_the_server_keeps_serving(url, 
     assert_one_line_error(runner.invoke(main, ["generate", "hi", "--url", url, "-n", "10000"]),
                           "server refused the request", "beyond the engine's max_seq_len")
     with pytest.raises(RequestError, match="text_input is empty"):
-        generate(ClientOptions(url), "   ", RequestOptions(max_tokens=4))
-    after = generate(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS))
+        run_request(ClientOptions(url), "   ", RequestOptions(max_tokens=4))
+    after = run_request(ClientOptions(url), PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS))
     assert after.text == expected[PROMPTS[0]][0]
     # A model's error ends the request, not the stream: the next request goes out on the same one (cancelling
     # a stream whose request has ended costs tritonserver 2.51 memory it never frees, docs/reliability.md).
@@ -125,9 +125,9 @@ def test_refused_requests_are_one_line_errors_and_the_server_keeps_serving(url, 
 
 
 def test_closing_a_stream_early_cancels_it_and_the_connection_serves_the_next_request(url, expected):
-    first = next(stream_generate(ClientOptions(url), PROMPTS[1], RequestOptions(max_tokens=MAX_TOKENS)))
-    assert expected[PROMPTS[1]][0].startswith(first.text)  # the generator is dropped here: its request is cancelled
     with Connection(ClientOptions(url)) as conn:
+        first = next(conn.stream(PROMPTS[1], RequestOptions(max_tokens=MAX_TOKENS)))
+        assert expected[PROMPTS[1]][0].startswith(first.text)  # the generator is dropped here: it is cancelled
         stream = conn.stream("walk away", RequestOptions(max_tokens=200))
         next(stream)
         stream.close()  # what Ctrl-C does to the CLI's loop
@@ -146,7 +146,7 @@ def test_an_unreachable_server_or_a_missing_model_is_a_one_line_error(url):
     assert_one_line_error(waited, "cannot reach tritonserver")
     assert time.monotonic() - t0 >= 1.5
     with pytest.raises(ServeError, match="model 'nope' is not ready"):
-        generate(ClientOptions(url, model="nope"), "hi", RequestOptions(max_tokens=4))
+        run_request(ClientOptions(url, model="nope"), "hi", RequestOptions(max_tokens=4))
 
 
 def test_url_refuses_in_process_options_and_url_options_need_a_url():

@@ -1,5 +1,5 @@
 """`pipeline compile`: generated trtllm-build commands and LLM-API YAML checked against TensorRT-LLM 1.2's
-own flag and key tables (pipeline/compile/reference.py), the checks that run before building, --dry-run
+own flag and key tables (pipeline/compiler/reference.py), the checks that run before building, --dry-run
 output, and the portable engine folder's round trip through LLMEngine."""
 
 import json
@@ -11,11 +11,11 @@ import yaml
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.compile import CompileOptions, compile_model
-from pipeline.compile import reference as ref
-from pipeline.compile.checkpoint import read_checkpoint
-from pipeline.compile.llmapi import LlmApiSettings, llm_api_options, serve_command
-from pipeline.compile.trtllm_build import build_command, derive_sizes, flags_of
+from pipeline.compiler import CompileOptions, compile_model
+from pipeline.compiler import reference as ref
+from pipeline.compiler.checkpoint import read_checkpoint
+from pipeline.compiler.llmapi import LlmApiSettings, llm_api_options, serve_command
+from pipeline.compiler.trtllm_build import build_command, derive_sizes, flags_of
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine import load_engine
 from pipeline.engine.config import EngineConfig
@@ -147,7 +147,7 @@ def test_llm_api_yaml_uses_only_known_keys_with_the_right_values(kind, decoding_
 def test_eagle3_with_a_gate_is_two_model_so_max_concurrency_can_turn_it_off():
     """1.2's max_concurrency is read only by Drafter.should_use_spec_decode, and one-model EAGLE-3 gets no
     Drafter (get_spec_drafter): a gate asked for means eagle3_one_model false; no gate, one-model."""
-    from pipeline.compile.llmapi import gate_note
+    from pipeline.compiler.llmapi import gate_note
 
     head = DraftSpec("eagle3", "/heads/eagle3")
     gated = llm_api_options(head, derive_sizes(16, 4, 4096), LlmApiSettings(32, "auto", 0.9))
@@ -163,7 +163,7 @@ def test_eagle3_with_a_gate_is_two_model_so_max_concurrency_can_turn_it_off():
 
 def test_decoding_type_names_follow_the_installed_release_and_an_unknown_one_is_refused(monkeypatch):
     from pipeline import trtllm_version
-    from pipeline.compile.llmapi import decoding_type
+    from pipeline.compiler.llmapi import decoding_type
 
     assert decoding_type("eagle3", "1.2.1") == decoding_type("eagle3", "1.2.0rc8") == "Eagle"
     monkeypatch.setattr(trtllm_version, "installed", lambda: "1.3.0rc2")
@@ -329,7 +329,7 @@ def test_llmapi_route_writes_yaml_and_serve_command(tiny_target, tiny_draft, tmp
 
 
 def test_real_engine_build_without_trtllm_names_the_container(trt, tmp_path, monkeypatch):
-    import pipeline.compile.run as compile_run
+    import pipeline.compiler.compiler as compile_run
 
     monkeypatch.setattr(compile_run, "trtllm_available", lambda: False)
     out = tmp_path / "e"

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from serving_checks import responses, tensor  # noqa: E402
-from pipeline.triton.draft_target import (Emitter, Request, accepted_count, generate, parse_stop_words, stop_at,
-                                          stop_words_tensor)
+from pipeline.triton.draft_target import (Emitter, TritonRequest, accepted_count, parse_stop_words,
+                                          serve_request, stop_at, stop_words_tensor)
 
 # ---- the loop on toy models ---------------------------------------------------------------------
 
@@ -80,7 +80,7 @@ def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(
 def run(engines, tensors, *, speculate=True, k=4, cancel_after=None):
     sent = []
     cancelled = (lambda: len(sent) >= cancel_after) if cancel_after else (lambda: False)
-    generate(tensors, speculate=speculate, num_draft_tokens=k, target_model="t", draft_model="d",
+    serve_request(tensors, speculate=speculate, num_draft_tokens=k, target_model="t", draft_model="d",
              send=sent.append, cancelled=cancelled, engines=engines)
     return sent
 
@@ -160,7 +160,7 @@ def test_a_forced_request_drafts_every_step_however_bad_its_drafts():
     target = toy(7)
     engines = ToyEngines(target, lambda ids: (target(ids) + 1) % 40)
     sent = []
-    generate(request_tensors(PROMPT, 30), speculate=True, num_draft_tokens=4, target_model="t", draft_model="d",
+    serve_request(request_tensors(PROMPT, 30), speculate=True, num_draft_tokens=4, target_model="t", draft_model="d",
              send=sent.append, cancelled=lambda: False, engines=engines, forced=True)
     assert tokens_of(sent) == ToyEngines(target, target)._greedy(target, PROMPT, 30)
     # One token a step (every draft rejected); near max_tokens the drafts shrink so the target's token fits.
@@ -216,7 +216,7 @@ def test_the_prefix_counts_only_text_tokens():
     """Ids past the tokenizer's vocabulary decode to nothing: a run of them must not push a split
     character's first bytes out of the resent prefix."""
     sent = []
-    emit = Emitter(Request.from_tensors(request_tensors(PROMPT, 20, stream=True)), sent.append, lambda t: t < 50)
+    emit = Emitter(TritonRequest.from_tensors(request_tensors(PROMPT, 20, stream=True)), sent.append, lambda t: t < 50)
     for t in [1, 2, 3] + [99] * 7 + [4]:
         emit.add([t])
     assert sent[-1]["output_ids"].tolist() == [[1, 2, 3] + [99] * 7 + [4]]
@@ -224,7 +224,7 @@ def test_the_prefix_counts_only_text_tokens():
 
 
 def test_a_stop_word_straddling_two_steps_still_stops():
-    r = Request.from_tensors(request_tensors(PROMPT, 9, stop_words=[(4, 5, 6)]))
+    r = TritonRequest.from_tensors(request_tensors(PROMPT, 9, stop_words=[(4, 5, 6)]))
     assert stop_at([1, 4], [5, 6, 7], r) == 2
     assert stop_at([1, 4, 5], [6], r) == 1
     assert stop_at([], [4, 5], r) is None
@@ -254,7 +254,7 @@ def test_tensors_sent_to_tensorrt_llm_are_inputs_of_its_config_with_their_dtype_
 
     dtypes = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
     specs = {t.name: t for t in TRTLLM_INPUTS}
-    request = Request.from_tensors(request_tensors(PROMPT, 9, end_id=2, stop_words=[(4, 5)], temperature=temperature))
+    request = TritonRequest.from_tensors(request_tensors(PROMPT, 9, end_id=2, stop_words=[(4, 5)], temperature=temperature))
     engines = TritonEngines("tensorrt_llm", "tensorrt_llm_draft", request, lambda: False)
     sent = engines._inputs(PROMPT, 4, greedy=request.greedy, streaming=True) | {
         "draft_input_ids": np.array([[1, 2]], np.int32)}
@@ -267,7 +267,7 @@ def test_tensors_sent_to_tensorrt_llm_are_inputs_of_its_config_with_their_dtype_
 
 
 def test_request_reads_the_gate_tensors():
-    r = Request.from_tensors(request_tensors(PROMPT + [0, 0], 9, stream=True, end_id=2) |
+    r = TritonRequest.from_tensors(request_tensors(PROMPT + [0, 0], 9, stream=True, end_id=2) |
                              {"input_lengths": np.array([[5]], np.int32)})
     assert (r.prompt, r.max_tokens, r.end_id, r.stream, r.greedy) == (tuple(PROMPT), 9, 2, True, True)
 
@@ -302,14 +302,10 @@ def standin_repo(root: Path, target: Path, draft: Path) -> Path:
 
 @pytest.fixture(scope="module", params=["same_draft", "other_draft"])
 def served(request, tiny_target, tiny_draft, tmp_path_factory):
-    from pipeline.errors import PipelineError
     from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
-    from ports import free_ports
+    from pipeline.triton.ports import free_ports
 
-    try:
-        binary = find_tritonserver()
-    except PipelineError as err:
-        pytest.skip(str(err))
+    binary = find_tritonserver()
     draft = tiny_target if request.param == "same_draft" else tiny_draft
     repo = standin_repo(tmp_path_factory.mktemp("trtllm"), tiny_target, draft)
     grpc, http, metrics = free_ports()
@@ -431,7 +427,7 @@ def test_the_server_stops_in_seconds_after_cancelled_failed_and_early_stopped_st
     from tritonclient.utils import InferenceServerException
 
     from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
-    from ports import free_ports
+    from pipeline.triton.ports import free_ports
 
     repo = standin_repo(tmp_path, tiny_target, tiny_target)
     grpc, http, metrics = free_ports()

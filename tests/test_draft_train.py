@@ -129,6 +129,7 @@ def test_a_budget_too_small_to_train_the_minimum_steps_fails_in_one_line_and_exp
     assert not out.exists() and not list(tmp_path.glob(".head*"))  # no head, no staging folder beside it
 
 
+@pytest.mark.slow  # trains with ModelOpt for its whole budget under an artificially slowed target
 def test_a_busy_machine_still_ends_within_the_budget_and_trains_the_minimum_steps(
         tmp_path, target, prompts_file, monkeypatch):
     from pipeline.draft.budget import allowed_overrun_s

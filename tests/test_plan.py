@@ -13,8 +13,8 @@ from pipeline.plan.memory import GB, TP_SIZES
 from pipeline.plan.weights import eagle3_weight_bytes, kv_bytes_per_token, linear_bytes, model_weight_bytes
 from cli_checks import assert_one_line_error  # noqa: E402
 
-LLAMA_70B = PRESETS["llama-3.3-70b"].arch
-LLAMA_8B = PRESETS["llama-3.1-8b"].arch
+LLAMA_70B = PRESETS["llama-3.3-70b"].shape
+LLAMA_8B = PRESETS["llama-3.1-8b"].shape
 
 
 def plan(**kw):
@@ -29,7 +29,7 @@ def run(*args):
 
 def test_preset_architectures_add_up_to_the_published_parameter_counts():
     for preset in PRESETS.values():
-        assert preset.arch.param_count / 1e9 == pytest.approx(preset.params_b, rel=0.01), preset.name
+        assert preset.shape.param_count / 1e9 == pytest.approx(preset.params_b, rel=0.01), preset.name
 
 
 def test_gpu_catalog_records_memory_bandwidth_fp8_and_architecture():

@@ -6,14 +6,14 @@ import pytest
 from tiny_models import byte_tokenizer
 
 from pipeline.errors import CalibrationError, QuantizeError
+from pipeline.models.presets import PRESETS
+from pipeline.models.shape import ModelShape
 from pipeline.quantize.calib import (BUILTIN_FILE, HELDOUT_EVERY, builtin_records, builtin_split, calibration_text,
                                      evaluation_text, make_samples, split_records)
-from pipeline.quantize.formats import (FORMATS, ModelShape, block_size_for, check_model_fits, check_request,
-                                      get_format)
+from pipeline.quantize.formats import FORMATS, block_size_for, check_model_fits, check_request, get_format
 
-SMOLLM2_SHAPE = ModelShape("llama", hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
-                           head_dim=64, num_layers=30)
-TINY_128 = ModelShape("llama", hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
+SMOLLM2_SHAPE = PRESETS["smollm2-135m"].shape
+TINY_128 = ModelShape(vocab_size=1000, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
                       num_layers=2)
 
 
@@ -99,7 +99,7 @@ def test_awq_blocks_are_128_and_int4_falls_back_to_64_where_128_does_not_divide(
     assert block_size_for(get_format("w4a8_awq"), TINY_128) == 128
     with pytest.raises(QuantizeError, match=r"blocks of 128.*hidden_size \(576\).*--qformat fp8.*int4_awq"):
         check_model_fits(get_format("w4a8_awq"), SMOLLM2_SHAPE)
-    odd = ModelShape("llama", hidden_size=96, intermediate_size=256, num_heads=3, num_kv_heads=1, head_dim=32,
+    odd = ModelShape(vocab_size=1000, hidden_size=96, intermediate_size=256, num_heads=3, num_kv_heads=1, head_dim=32,
                      num_layers=1)
     with pytest.raises(QuantizeError, match=r"blocks of 128 or 64.*hidden_size \(96\)"):
         check_model_fits(get_format("int4_awq"), odd)
@@ -116,7 +116,7 @@ def test_awq_blocks_must_fit_each_tensor_parallel_shard():
 
 
 def test_fp8_needs_multiples_of_16():
-    odd = ModelShape("llama", hidden_size=72, intermediate_size=144, num_heads=2, num_kv_heads=1, head_dim=36,
+    odd = ModelShape(vocab_size=1000, hidden_size=72, intermediate_size=144, num_heads=2, num_kv_heads=1, head_dim=36,
                      num_layers=1)
     with pytest.raises(QuantizeError, match="multiples of 16.*--qformat none"):
         check_model_fits(get_format("fp8"), odd)
@@ -126,7 +126,8 @@ def test_fp8_needs_multiples_of_16():
 def test_tp_must_divide_heads_and_trtllm_needs_a_known_decoder():
     with pytest.raises(QuantizeError, match="--tp-size 2 does not divide num_attention_heads"):
         check_model_fits(get_format("fp8"), SMOLLM2_SHAPE, "trtllm", tp_size=2)
-    gpt2 = ModelShape("gpt2", 128, 512, 4, 4, 32, 2)
+    gpt2 = ModelShape(model_type="gpt2", vocab_size=1000, hidden_size=128, intermediate_size=512,
+                      num_heads=4, num_kv_heads=4, head_dim=32, num_layers=2)
     with pytest.raises(QuantizeError, match="--export hf"):
         check_model_fits(get_format("fp8"), gpt2, "trtllm")
 

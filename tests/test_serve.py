@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ports import free_ports
+from pipeline.triton.ports import free_ports
 from click.testing import CliRunner
 
 from pipeline.cli import main
@@ -149,6 +149,7 @@ def test_metrics_port_answers(echo_server):
         assert "nv_inference_request_success" in response.read().decode()
 
 
+@pytest.mark.slow
 def test_stop_leaves_no_stub_processes_or_shared_memory(echo_repo):
     server = TritonServer(options_for(echo_repo))
     try:
@@ -163,6 +164,7 @@ def test_stop_leaves_no_stub_processes_or_shared_memory(echo_repo):
     assert server.shm_prefix.startswith(SHM_PREFIX)
 
 
+@pytest.mark.slow
 def test_broken_model_error_names_the_model_and_its_log_line(tmp_path):
     write_model(tmp_path / "repo", "broken", BROKEN_MODEL)
     server = TritonServer(options_for(tmp_path / "repo", log_file=tmp_path / "server.log"))
@@ -178,6 +180,7 @@ def test_broken_model_error_names_the_model_and_its_log_line(tmp_path):
     assert group_members(pid) == []
 
 
+@pytest.mark.slow
 def test_port_in_use_is_a_one_line_error(echo_repo):
     options = options_for(echo_repo)
     with socket.socket() as held:
@@ -192,6 +195,7 @@ def test_port_in_use_is_a_one_line_error(echo_repo):
         assert server.process is None
 
 
+@pytest.mark.slow
 def test_a_port_taken_while_the_models_load_is_an_error_not_a_server_without_that_endpoint(echo_repo, monkeypatch):
     """tritonserver binds its ports after loading the models, and without the metrics port it logs an error
     and serves on: a port taken after our check must fail the start, in one line naming the flag."""
@@ -226,6 +230,7 @@ def test_cli_empty_repo_is_a_one_line_error(tmp_path):
     assert result.exit_code == 1 and "has no models" in result.output and result.output.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_cli_serves_until_sigterm_and_reaps_its_children(echo_repo, tmp_path):
     grpc, http, metrics = free_ports()
     log = tmp_path / "server.log"
@@ -323,6 +328,7 @@ class TritonPythonModel:
 """
 
 
+@pytest.mark.slow
 def test_a_dead_stub_is_restarted_and_a_crash_loop_ends_with_its_reason(tmp_path):
     from pipeline.triton.supervise import RestartBudget, python_stubs, supervise
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.compile import CompileOptions, compile_model
+from pipeline.compiler import CompileOptions, compile_model
 from serving_checks import (expected_text, expected_texts, inputs, metrics, responses, served_engine,  # noqa: E402
                             soak_script, tensor)
 
@@ -355,6 +355,7 @@ def test_preprocessing_called_without_max_tokens_is_an_error_not_an_empty_answer
         c.close()
 
 
+@pytest.mark.slow
 def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(engine_dir, tmp_path):
     """kill -9 of the torch_engine stub mid-load, under `pipeline serve`: every client in flight gets an error
     within 10 s, readiness drops, serve says why in one line, and a new request succeeds within 60 s."""
@@ -364,7 +365,7 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(eng
     import sys
     import urllib.request
 
-    from ports import free_ports
+    from pipeline.triton.ports import free_ports
 
     from pipeline.triton.assemble import AssembleOptions, assemble
     from pipeline.triton.supervise import python_stubs
@@ -440,6 +441,7 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(eng
         cli.wait(60)
 
 
+@pytest.mark.slow
 def test_sixty_four_abandoned_streams_free_every_slot_and_decode_little_for_nobody(tiny_target, tmp_path):
     """64 streams of up to 900 tokens at once, each left by its client after 2 responses: none decodes to
     max_tokens for nobody, every slot comes back, and few tokens are made in all. Postprocessing passes each
@@ -530,6 +532,7 @@ def hold_the_slot(srv, blocker: str):
     return held
 
 
+@pytest.mark.slow
 def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(one_slot, tmp_path):
     """One slot, held by a long answer; eight streamed requests queue behind it and each client leaves after
     its first keepalive. All eight end as cancelled while still queued, with no token decoded for them."""
@@ -570,6 +573,7 @@ def test_requests_abandoned_in_the_queue_are_cancelled_not_decoded_for_nobody(on
 
 
 
+@pytest.mark.slow
 def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued_ones_are_served(one_slot, tmp_path):
     """One slot held, max_queue_size 2: of five more requests two queue and three are refused within a
     second or two, in one line that says why; once the slot frees, the queued two finish. (The refusal

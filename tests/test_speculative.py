@@ -351,6 +351,7 @@ def accept_on_ratio_without_residual_clamp(logits, drafts, q, req):
     return k, sample(p[k], req.generator)
 
 
+@pytest.mark.slow  # negative controls of the checks themselves: CI runs them, the fast loop need not
 @pytest.mark.parametrize("name, rule", [
     ("dense", accept_always),
     ("dense", resample_from_p),
@@ -477,6 +478,7 @@ def engine_fits(streams, joint):
     return results
 
 
+@pytest.mark.slow  # the end-to-end check's negative control
 def test_engine_check_rejects_a_wrong_rule(tiny_vocab_models, exact_joint, monkeypatch):
     """Negative control for the end-to-end check: the engine with a wrong acceptance rule fails it."""
     import pipeline.engine.llm_engine as llm_engine

@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import pytest
-from ports import free_ports
+from pipeline.triton.ports import free_ports
 from serving_checks import tensor as grpc_input
 
 from pipeline.errors import ConfigError
@@ -288,18 +288,15 @@ class TritonPythonModel:
 '''
 
 
+@pytest.mark.slow
 def test_real_tritonserver_loads_the_written_repository_and_streams_through_the_ensemble(tmp_path):
     import queue
 
     import numpy as np
     import tritonclient.grpc as grpcclient
     import pipeline.triton.server as server_mod
-    from pipeline.errors import PipelineError
 
-    try:
-        binary = server_mod.find_tritonserver()
-    except PipelineError as err:
-        pytest.skip(str(err))
+    binary = server_mod.find_tritonserver()
     repo = tmp_path / "repo"
     for name, msg in repository_configs(TORCH).items():
         write_config(repo / name, msg)
@@ -347,7 +344,7 @@ def trt_checkpoint(folder, tokenizer_from, **shape):
 
 
 def compiled(tmp_path, target, draft, **kw):
-    from pipeline.compile import CompileOptions, compile_model
+    from pipeline.compiler import CompileOptions, compile_model
 
     out = tmp_path / "engines"
     compile_model(CompileOptions("trtllm", target, out, draft=str(draft), dry_run=True, **kw))
@@ -403,8 +400,8 @@ def test_kv_budget_leaves_the_draft_room_whichever_model_loads_first():
     from pipeline.triton.assemble import DRAFT_WORKSPACE_BYTES, kv_budget
 
     draft = get_preset("llama-3.2-1b")
-    plan = plan_memory(PlanInputs("llama-70b", get_preset("llama-70b").arch, get_gpu("h100-80gb"), tp=2,
-                                  target_qformat="fp8", draft=PlanDraft("model", "llama-1b", draft.arch),
+    plan = plan_memory(PlanInputs("llama-70b", get_preset("llama-70b").shape, get_gpu("h100-80gb"), tp=2,
+                                  target_qformat="fp8", draft=PlanDraft("model", "llama-1b", draft.shape),
                                   draft_qformat="int4_awq", max_batch_size=16, max_seq_len=4096)).to_dict()
     kv = kv_budget(plan, 16, 4096, has_draft=True)
     free = plan["gpu_memory_bytes"] - CUDA_CONTEXT_BYTES - plan["reserve_bytes"]["activations"] \
@@ -426,7 +423,7 @@ def test_kv_budget_leaves_the_draft_room_whichever_model_loads_first():
 def test_engine_route_serves_a_target_alone_in_leader_mode_and_refuses_missing_engines(tiny_target, tmp_path):
     import json
 
-    from pipeline.compile import CompileOptions, compile_model
+    from pipeline.compiler import CompileOptions, compile_model
 
     no_draft = tmp_path / "no-draft"
     compile_model(CompileOptions("trtllm", trt_checkpoint(tmp_path / "t", tiny_target, tp=2), no_draft,
@@ -498,7 +495,7 @@ def test_llmapi_route_writes_the_llmapi_model_with_compiles_yaml(tiny_target, ti
     assert config["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
                                             "speculative_model_dir": str(tiny_draft), "max_concurrency": 6}
     assert config["max_batch_size"] == 16 and config["kv_cache_config"]["enable_block_reuse"] is True
-    from pipeline.compile.reference import LLM_API_KEYS
+    from pipeline.compiler.reference import LLM_API_KEYS
     assert set(config) - {"model", "backend", "triton_config"} <= LLM_API_KEYS
     assert (repo / "tensorrt_llm" / "1" / "model.py").read_text().startswith('"""Triton python model `tensorrt_llm`')
     assert json.loads((repo / "launch.json").read_text())["mode"] == "llmapi"
@@ -523,13 +520,9 @@ def scalar(request, name):
 def llmapi_server(tmp_path, tiny_target, tiny_draft, upstream_dir):
     """The llmapi repository on the CPU server: launch.json set to plain (no MPI, no TensorRT-LLM here)."""
     import pipeline.triton.server as server_mod
-    from pipeline.errors import PipelineError
     from pipeline.triton.launch import Launch, write_launch
 
-    try:
-        binary = server_mod.find_tritonserver()
-    except PipelineError as err:
-        pytest.skip(str(err))
+    binary = server_mod.find_tritonserver()
     engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", gate_batch_size=6, num_draft_tokens=3)
     assembled(engine, tmp_path, llmapi_model_dir=str(upstream_dir))
     write_launch(tmp_path / "repo", Launch("llmapi", "plain"))
@@ -563,6 +556,7 @@ def stream_call(url: str, inputs: list, timeout: float = 30) -> tuple[list[dict]
     return responses, error
 
 
+@pytest.mark.slow
 def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft, tmp_path):
     """Through the ensemble with the same inputs as the other routes: our loader finds the llmapi model
     where the container keeps it (here a stand-in with upstream's contract: model.yaml from its own folder,
@@ -613,6 +607,7 @@ def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft
     assert echoed["model"] == str(tiny_target) and echoed["speculative_config"]["max_concurrency"] == 6
 
 
+@pytest.mark.slow
 def test_llmapi_repository_without_tensorrt_llm_fails_to_load_naming_the_container(tiny_target, tiny_draft, tmp_path):
     from pipeline.errors import ServeError
 

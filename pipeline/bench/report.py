@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.bench.fit import Crossover, crossover
-from pipeline.bench.run import Point
+from pipeline.bench.sweep import Point
 
 TARGET_RATIO = 0.97
 

@@ -7,7 +7,7 @@ file hashes, tool versions), run (the executor), progress (the stderr bar), rend
 
 from pipeline.build.options import BuildOptions, Environment, Weights, detect_environment
 from pipeline.build.plan import BuildPlan, Stage, plan_build
-from pipeline.build.run import BuildResult, run_build
+from pipeline.build.runner import BuildResult, run_build
 
 __all__ = ["BuildOptions", "BuildPlan", "BuildResult", "Environment", "Stage", "Weights", "detect_environment",
            "plan_build", "run_build"]

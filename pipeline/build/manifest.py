@@ -100,7 +100,7 @@ def tool_versions() -> dict[str, str | None]:
         triton = f"{BUNDLED_TRITONSERVER.get(pytriton, 'unknown')} (bundled in nvidia-pytriton {pytriton})"
     else:
         triton = None
-    return {"pipeline": version("specpipe"), "torch": version("torch"), "modelopt": version("nvidia-modelopt"),
+    return {"pipeline": version("specdec-pipeline"), "torch": version("torch"), "modelopt": version("nvidia-modelopt"),
             "transformers": version("transformers"), "tensorrt_llm": version("tensorrt_llm") or version("tensorrt-llm"),
             "tritonserver": triton}
 

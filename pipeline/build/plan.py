@@ -103,50 +103,33 @@ def plan_build(options: BuildOptions, env: Environment) -> BuildPlan:
 def _preview(s: Settings, o: BuildOptions, env: Environment, stages: list[Stage], repo: Path):
     """The trtllm-build lines / LLM-API YAML and the server launch, from the architectures; None without one."""
     from pipeline.build.preview import preview_trtllm
-    from pipeline.build.settings import _arch_or_none
-    from pipeline.plan.resolve import model_arch
+    from pipeline.build.settings import _shape_or_none
+    from pipeline.plan.resolve import model_shape
 
-    arch = _arch_or_none(o.target, env)
-    if arch is None:
+    shape = _shape_or_none(o.target, env)
+    if shape is None:
         return None
-    draft_arch = model_arch(s.draft.ref)[1] if s.draft.kind == MODEL else None
+    draft_shape = model_shape(s.draft.ref)[1] if s.draft.kind == MODEL else None
     by_name = {stage.name: stage for stage in stages}
     quant_kv = {role: by_name[f"quantize_{role}"].options.kv_cache_dtype
                 for role in ("target", "draft") if f"quantize_{role}" in by_name}
-    return preview_trtllm(by_name["compile"].options, s, arch, draft_arch, quant_kv, repo)
+    return preview_trtllm(by_name["compile"].options, s, shape, draft_shape, quant_kv, repo)
 
 
 # ---- stages -----------------------------------------------------------------------------------------------------
 
 
 def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, repo: Path):
-    from pipeline.compile.run import CompileOptions
-    from pipeline.quantize.run import QuantizeOptions
-
     stages: list[Stage] = []
     skipped: list[tuple[str, str]] = []
-    def quant_kv(qformat: str) -> str:
-        # An FP8 KV cache goes only into an FP8 checkpoint: trtllm-build refuses it beside INT4-AWQ weights
-        # (pipeline.compile.reference.FP8_KV_QUANT_ALGOS), so an INT4-AWQ draft keeps a bf16 KV cache.
-        return "fp8" if s.export == "trtllm" and s.kv_cache_dtype == "fp8" and qformat == "fp8" else "none"
 
     def checkpoint(role: str, ref: str, qformat: str) -> tuple[Path, str | None]:
         """The folder compile reads for `ref`: a quantize stage's output, or the model's own folder."""
         if qformat == "none" and s.export == "hf":
             skipped.append((f"quantize_{role}", f"--{role}-qformat none: compile reads {ref}'s own folder"))
             return _weights_path(ref, env), None
-        suffix = f"-trtllm-tp{s.tp_size}" if s.export == "trtllm" else ""
-        out = build_dir / f"{role}-{qformat}{suffix}"
-        local = env.weights_of(ref).path
-        opts = QuantizeOptions(model=str(local) if local is not None and local.suffix != ".gguf" else ref,
-                               output=out, qformat=qformat, kv_cache_dtype=quant_kv(qformat),
-                               calib_size=o.calib_size, export=s.export,
-                               tp_size=s.tp_size if s.export == "trtllm" else 1, force=True)
-        cmd = ("pipeline", "quantize", "--model", opts.model, "--qformat", qformat, "--kv-cache-dtype",
-               opts.kv_cache_dtype, "--calib-size", str(o.calib_size), "--export", s.export, "--tp-size",
-               str(opts.tp_size), "-o", str(out), "--force")
-        stages.append(_keyed(Stage(f"quantize_{role}", "quantize", opts, cmd, out, models=(ref,)), stages))
-        return out, stages[-1].name
+        stages.append(_keyed(_quantize_stage(s, o, env, build_dir, role, ref, qformat), stages))
+        return stages[-1].output, stages[-1].name
 
     target_ckpt, target_dep = checkpoint("target", s.target, s.target_qformat)
     deps = [target_dep] if target_dep else []
@@ -169,13 +152,44 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
             draft_arg = str(DraftSpec(EAGLE3, str(head)))
             deps.append(stages[-1].name)
 
+    engine = build_dir / ENGINE_FOLDER
+    stages.append(_keyed(_compile_stage(s, target_ckpt, draft_arg, engine, tuple(deps), tuple(models)), stages))
+    aopts, note = _assemble_options(s, engine, repo)
+    cmd = ("pipeline", "assemble", "--engine", str(engine), "--repo", str(repo), "--gate-batch-size",
+           str(s.gate_batch_size), "--force")
+    stages.append(_keyed(Stage("assemble", "assemble", aopts, cmd, repo, ("compile",), note=note), stages))
+    return stages, skipped
+
+
+def _quantize_stage(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, role: str, ref: str,
+                    qformat: str) -> Stage:
+    from pipeline.quantize.quantizer import QuantizeOptions
+
+    # An FP8 KV cache goes only into an FP8 checkpoint: trtllm-build refuses it beside INT4-AWQ weights
+    # (pipeline.compiler.reference.FP8_KV_QUANT_ALGOS), so an INT4-AWQ draft keeps a bf16 KV cache.
+    kv = "fp8" if s.export == "trtllm" and s.kv_cache_dtype == "fp8" and qformat == "fp8" else "none"
+    suffix = f"-trtllm-tp{s.tp_size}" if s.export == "trtllm" else ""
+    out = build_dir / f"{role}-{qformat}{suffix}"
+    local = env.weights_of(ref).path
+    opts = QuantizeOptions(model=str(local) if local is not None and local.suffix != ".gguf" else ref,
+                           output=out, qformat=qformat, kv_cache_dtype=kv, calib_size=o.calib_size, export=s.export,
+                           tp_size=s.tp_size if s.export == "trtllm" else 1, force=True)
+    cmd = ("pipeline", "quantize", "--model", opts.model, "--qformat", qformat, "--kv-cache-dtype", kv,
+           "--calib-size", str(o.calib_size), "--export", s.export, "--tp-size", str(opts.tp_size), "-o", str(out),
+           "--force")
+    return Stage(f"quantize_{role}", "quantize", opts, cmd, out, models=(ref,))
+
+
+def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path, deps: tuple[str, ...],
+                   models: tuple[str, ...]) -> Stage:
+    from pipeline.compiler.compiler import CompileOptions
+
     trt = s.backend == "trtllm"
     # On the portable engine the Triton speculation_gate model decides load and short outputs for every
     # request, and the served engine leaves them to it (pipeline/triton/models/torch_engine.py). So the engine
     # folder keeps compile's default gate (used only by `pipeline generate --model engines/...`) and the gate
     # lives in the assemble stage alone: changing --gate-batch-size rebuilds only the repository.
     gate = s.gate_batch_size if trt else CompileOptions.gate_batch_size
-    engine = build_dir / ENGINE_FOLDER
     copts = CompileOptions(
         backend=s.backend, target=target_ckpt, output=engine, draft=draft_arg, num_draft_tokens=s.num_draft_tokens,
         max_batch_size=s.max_batch_size, max_input_len=s.max_input_len, max_seq_len=s.max_seq_len,
@@ -191,13 +205,7 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
     cmd += ["--tp-size", str(copts.tp_size)] if copts.tp_size else []
     cmd += ["--gpu", s.gpu] if trt and s.gpu else []
     cmd += ["-o", str(engine), "--force"]
-    stages.append(_keyed(Stage("compile", "compile", copts, tuple(cmd), engine, tuple(deps), tuple(models)), stages))
-
-    aopts, note = _assemble_options(s, engine, repo)
-    cmd = ("pipeline", "assemble", "--engine", str(engine), "--repo", str(repo), "--gate-batch-size",
-           str(s.gate_batch_size), "--force")
-    stages.append(_keyed(Stage("assemble", "assemble", aopts, cmd, repo, ("compile",), note=note), stages))
-    return stages, skipped
+    return Stage("compile", "compile", copts, tuple(cmd), engine, deps, models)
 
 
 def _train_stage(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, stages: list[Stage]) -> Path:
@@ -237,7 +245,7 @@ def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:
 
 
 def _missing(s: Settings, env: Environment) -> tuple[str, ...]:
-    from pipeline.compile.reference import TRTLLM_CONTAINER
+    from pipeline.compiler.reference import TRTLLM_CONTAINER
 
     out = []
     if s.backend == "trtllm":

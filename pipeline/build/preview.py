@@ -3,7 +3,7 @@
 The quantize stages haven't written their checkpoints yet, so each is described from the model's
 architecture (a preset's, or a local config.json) and the stage's settings: layout, TP, quant_algo, KV
 quantization. Those descriptions go through the very functions `pipeline compile` runs
-(pipeline.compile.run.resolve and generate), and the launch through `pipeline serve`'s
+(pipeline.compiler.compiler.resolve and generate), and the launch through `pipeline serve`'s
 (pipeline.triton.launch), so a user planning a 70B deployment on a laptop reviews exactly the trtllm-build
 lines, the LLM-API YAML and the server command that will run in the container. Pure.
 """
@@ -14,7 +14,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.compile.checkpoint import Checkpoint
+from pipeline.compiler.checkpoint import Checkpoint
 
 
 @dataclass
@@ -31,25 +31,25 @@ class Preview:
         return dict(self.__dict__)
 
 
-def describe_checkpoint(path: Path, arch, *, layout: str, qformat: str, kv_fp8: bool, tp: int,
+def describe_checkpoint(path: Path, shape, *, layout: str, qformat: str, kv_fp8: bool, tp: int,
                         max_position_embeddings: int | None, is_eagle3: bool = False) -> Checkpoint:
     """The Checkpoint `pipeline quantize` will write at `path`, as compile would read it back."""
     from pipeline.quantize.formats import FORMATS
 
     fmt = FORMATS.get(qformat)
     path = Path(path) if "<" in str(path) else Path(path).absolute()  # "<llama-70b weights>": not here yet
-    return Checkpoint(path=path, layout=layout, vocab_size=arch.vocab_size, dtype="bfloat16",
+    return Checkpoint(path=path, layout=layout, vocab_size=shape.vocab_size, dtype="bfloat16",
                       tp_size=tp if layout == "trtllm" else 1, pp_size=1,
                       max_position_embeddings=max_position_embeddings,
                       quant_algo=fmt.trtllm_algo if fmt is not None else None,
                       kv_cache_quant_algo="FP8" if kv_fp8 else None, is_eagle3=is_eagle3)
 
 
-def preview_trtllm(compile_options, settings, target_arch, draft_arch, quant_kv: dict[str, str],
+def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_kv: dict[str, str],
                    repo: Path) -> Preview:
     """compile_options: the compile stage's CompileOptions; quant_kv: role -> the KV dtype its quantize stage
-    writes ("fp8" | "none"); target_arch/draft_arch: ModelArch (draft_arch None unless a draft model)."""
-    from pipeline.compile.run import generate, resolve
+    writes ("fp8" | "none"); target_shape/draft_shape: ModelShape (draft_shape None unless a draft model)."""
+    from pipeline.compiler.compiler import resolve, route_files
     from pipeline.draft_spec import parse_draft
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET
     from pipeline.triton.launch import plan_launch
@@ -59,19 +59,19 @@ def preview_trtllm(compile_options, settings, target_arch, draft_arch, quant_kv:
     o, s = compile_options, settings
     layout = s.export
     max_pos = s.max_seq_len  # the real compile checks it against the checkpoint's max_position_embeddings
-    target = describe_checkpoint(o.target, target_arch, layout=layout, qformat=s.target_qformat,
+    target = describe_checkpoint(o.target, target_shape, layout=layout, qformat=s.target_qformat,
                                  kv_fp8=quant_kv.get("target") == "fp8", tp=s.tp_size, max_position_embeddings=max_pos)
     draft = parse_draft(o.draft)  # a "<...>" placeholder for weights not written yet stays as it is (DraftSpec.path)
     draft_ckpt = None
     if draft.kind == "model":
-        draft_ckpt = describe_checkpoint(draft.path, draft_arch, layout=layout, qformat=s.draft_qformat,
+        draft_ckpt = describe_checkpoint(draft.path, draft_shape, layout=layout, qformat=s.draft_qformat,
                                          kv_fp8=quant_kv.get("draft") == "fp8", tp=s.tp_size,
                                          max_position_embeddings=max_pos)
     elif draft.kind == "eagle3":
-        draft_ckpt = describe_checkpoint(draft.path, target_arch, layout="hf", qformat="none", kv_fp8=False, tp=1,
+        draft_ckpt = describe_checkpoint(draft.path, target_shape, layout="hf", qformat="none", kv_fp8=False, tp=1,
                                          max_position_embeddings=max_pos, is_eagle3=True)
     r = resolve(o, target, draft, draft_ckpt)
-    generated = generate(o, Path(o.output).absolute(), target, draft, draft_ckpt, r)
+    generated = route_files(o, Path(o.output).absolute(), target, draft, draft_ckpt, r)
     models = (TRTLLM_TARGET, TRTLLM_DRAFT) if r.route == "engine" and draft.kind == "model" else (TRTLLM_TARGET,)
     launch = plan_launch(r.route, world_size=r.tp * r.pp, trtllm_models=models if r.route == "engine" else (),
                          tensorrt_llm_version=r.tensorrt_llm_version)

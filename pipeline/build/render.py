@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from pipeline.build.plan import BuildPlan
-from pipeline.build.run import BuildResult
+from pipeline.build.runner import BuildResult
 
 
 def render_plan(plan: BuildPlan) -> str:

@@ -63,8 +63,8 @@ class Settings:
 
 def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     reasons: dict[str, str] = {}
-    arch = _arch_or_none(o.target, env)
-    backend = _backend(o, env, arch, reasons)
+    shape = _shape_or_none(o.target, env)
+    backend = _backend(o, env, shape, reasons)
     gpu = _plan_gpu(o, env, backend, reasons)
     draft = _draft(o, env, backend, reasons)
     target_q = _qformat(o.target_qformat, backend, "target", gpu, reasons, "target_qformat")
@@ -99,19 +99,19 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
         if (o.tp_size or 1) > 1:
             raise ConfigError("the portable engine runs on one device; drop --tp-size (or build with --backend trtllm)")
         return settings, None
-    return _with_memory_plan(settings, o, arch, gpu, reasons)
+    return _with_memory_plan(settings, o, shape, gpu, reasons)
 
 
-def _with_memory_plan(s: Settings, o: BuildOptions, arch, gpu: GPU, reasons: dict) -> tuple[Settings, Any]:
+def _with_memory_plan(s: Settings, o: BuildOptions, shape, gpu: GPU, reasons: dict) -> tuple[Settings, Any]:
     from pipeline.plan.memory import PlanInputs, check_fits, plan_memory
     from pipeline.plan.resolve import plan_draft
 
-    if arch is None:
+    if shape is None:
         return s, None  # a hub id with nothing local: nothing to size yet (`missing` says what to fetch)
     draft = plan_draft(s.draft)
     # A draft engine keeps its checkpoint's KV dtype: FP8 only where the draft is FP8 (plan.quant_kv).
     draft_kv = s.kv_cache_dtype if s.export == "hf" or s.draft_qformat == "fp8" else "bf16"
-    inputs = PlanInputs(target_name=model_name(o.target), target=arch, gpu=gpu, tp=s.tp_size,
+    inputs = PlanInputs(target_name=model_name(o.target), target=shape, gpu=gpu, tp=s.tp_size,
                         target_qformat=s.target_qformat, draft=draft, draft_qformat=s.draft_qformat,
                         kv_cache_dtype=s.kv_cache_dtype, draft_kv_cache_dtype=draft_kv,
                         max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len or TRTLLM_SIZES[1])
@@ -126,13 +126,13 @@ def _with_memory_plan(s: Settings, o: BuildOptions, arch, gpu: GPU, reasons: dic
     return s, plan
 
 
-def _backend(o: BuildOptions, env: Environment, arch, reasons: dict) -> str:
+def _backend(o: BuildOptions, env: Environment, shape, reasons: dict) -> str:
     if o.backend != "auto":
         return o.backend
     if env.gpu is not None and env.trtllm:
         reasons["backend"] = f"trtllm: a {env.gpu.name} and TensorRT-LLM are here"
         return "trtllm"
-    bf16_bytes = 2 * arch.param_count if arch is not None else 0
+    bf16_bytes = 2 * shape.param_count if shape is not None else 0
     if env.host_memory_bytes and bf16_bytes > env.host_memory_bytes // 2:
         reasons["backend"] = (f"trtllm: {bf16_bytes / 1e9:.0f} GB of bf16 weights is too much for this machine's "
                               f"{env.host_memory_bytes / 1e9:.0f} GB on the portable engine")
@@ -230,18 +230,18 @@ def model_name(ref: str) -> str:
     return (path.stem if path.suffix.lower() == ".gguf" else path.name) or "model"
 
 
-def _arch_or_none(ref: str, env: Environment):
+def _shape_or_none(ref: str, env: Environment):
     from pipeline.errors import PipelineError
     from pipeline.models.presets import get_preset
-    from pipeline.plan.resolve import model_arch
+    from pipeline.plan.resolve import model_shape
 
     w = env.weights_of(ref)
     local = w.path if w.path is not None and w.path.is_dir() else None
     preset = get_preset(ref)
     try:
-        if preset is not None and preset.arch is not None:
-            return model_arch(ref)[1]
-        return model_arch(str(local))[1] if local is not None else None
+        if preset is not None and preset.shape is not None:
+            return preset.shape
+        return model_shape(str(local))[1] if local is not None else None
     except PipelineError:
         return None
 

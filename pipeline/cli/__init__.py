@@ -51,7 +51,7 @@ def main():
 
 from pipeline.cli.generate import generate  # noqa: E402  (registers on `main`)
 from pipeline.cli.quantize import quantize  # noqa: E402
-from pipeline.cli.compile import compile  # noqa: E402,A004
+from pipeline.cli.compile import compile_command  # noqa: E402
 from pipeline.cli.plan import plan  # noqa: E402
 from pipeline.cli.serve import serve  # noqa: E402
 from pipeline.cli.assemble import assemble  # noqa: E402
@@ -61,7 +61,7 @@ from pipeline.cli.bench import bench  # noqa: E402
 
 main.add_command(generate)
 main.add_command(quantize)
-main.add_command(compile)
+main.add_command(compile_command)
 main.add_command(plan)
 main.add_command(serve)
 main.add_command(assemble)

@@ -55,10 +55,9 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
       pipeline bench --url 127.0.0.1:8001 -p chat -p my_prompts.jsonl -c 1,4,16
       pipeline bench --engine engines/smollm2-135m/engine --apply --repo triton_repo
     """
-    from pipeline.bench import apply as applying
     from pipeline.bench.prompts import prompt_set
-    from pipeline.bench.report import fitted_threshold, plot, render_table, to_json
-    from pipeline.bench.run import BenchOptions, EngineTarget, ServedTarget, sweep
+    from pipeline.bench.report import plot, render_table, to_json
+    from pipeline.bench.sweep import BenchOptions, EngineTarget, ServedTarget
 
     options = BenchOptions(engine=engine, url=url, sets=tuple(sets), concurrency=_levels(concurrency),
                            modes=tuple(m.strip() for m in modes.split(",") if m.strip()), requests=requests,
@@ -72,17 +71,7 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
 
     target = (EngineTarget(engine, max(options.concurrency), options.calibrate, say) if engine is not None
               else ServedTarget(url))
-    total = len(prompt_sets) * len(options.concurrency) * len(options.modes)
-
-    def shown(p):
-        return p and f"{p.set} c={p.concurrency} {p.mode} {p.tokens_per_s:.1f} tok/s"
-
-    if sys.stderr.isatty():
-        with click.progressbar(length=total, label="bench", file=sys.stderr, item_show_func=shown) as bar:
-            points = sweep(target, prompt_sets, options, lambda p: bar.update(1, p))
-    else:  # a log file: one line per point instead of a bar
-        done = iter(range(1, total + 1))
-        points = sweep(target, prompt_sets, options, lambda p: say(f"[{next(done)}/{total}] {shown(p)}"))
+    points = _sweep_with_progress(target, prompt_sets, options, say)
     table = render_table(points, target.name)
     written = plot(points, plot_path, f"pipeline bench: {target.name}")
     extra = {"plot": str(written), "options": {"sets": list(options.sets), "concurrency": list(options.concurrency),
@@ -91,18 +80,8 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
     calibration = getattr(target, "calibration", None)
     if calibration is not None:
         extra["cost_model"] = calibration.cost.to_json()
-    applied = []
+    applied = _apply(points, engine, repo, calibration) if apply_ else []
     if apply_:
-        threshold = fitted_threshold(points)
-        if repo is not None and threshold is not None:
-            applied.append(applying.apply_threshold(repo, threshold))
-        if engine is not None and threshold is not None:
-            applied.append(applying.apply_engine_threshold(engine, threshold))
-        if engine is not None and calibration is not None:
-            applied.append(applying.apply_cost_model(engine, calibration.cost))
-        if threshold is not None:
-            applied.append(f"a later `pipeline build` writes these again from its flags: pass --gate-batch-size "
-                           f"{threshold} to keep the ceiling")
         extra["applied"] = applied
     if json_:
         click.echo(table, err=True)
@@ -112,3 +91,37 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
         click.echo(f"plot: {written}")
         for line in applied:
             click.echo(f"applied: {line}")
+
+
+def _sweep_with_progress(target, prompt_sets, options, say):
+    from pipeline.bench.sweep import sweep
+
+    total = len(prompt_sets) * len(options.concurrency) * len(options.modes)
+
+    def shown(p):
+        return p and f"{p.set} c={p.concurrency} {p.mode} {p.tokens_per_s:.1f} tok/s"
+
+    if sys.stderr.isatty():
+        with click.progressbar(length=total, label="bench", file=sys.stderr, item_show_func=shown) as bar:
+            return sweep(target, prompt_sets, options, lambda p: bar.update(1, p))
+    done = iter(range(1, total + 1))  # a log file: one line per point instead of a bar
+    return sweep(target, prompt_sets, options, lambda p: say(f"[{next(done)}/{total}] {shown(p)}"))
+
+
+def _apply(points, engine: Path | None, repo: Path | None, calibration) -> list[str]:
+    """Write the fitted ceiling (repository and engine.json) and the measured cost model; one line per write."""
+    from pipeline.bench import apply as applying
+    from pipeline.bench.report import fitted_threshold
+
+    applied = []
+    threshold = fitted_threshold(points)
+    if repo is not None and threshold is not None:
+        applied.append(applying.apply_threshold(repo, threshold))
+    if engine is not None and threshold is not None:
+        applied.append(applying.apply_engine_threshold(engine, threshold))
+    if engine is not None and calibration is not None:
+        applied.append(applying.apply_cost_model(engine, calibration.cost))
+    if threshold is not None:
+        applied.append(f"a later `pipeline build` writes these again from its flags: pass --gate-batch-size "
+                       f"{threshold} to keep the ceiling")
+    return applied

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 
-@click.command()
+@click.command("compile")
 @click.option("--backend", "-b", required=True, type=click.Choice(["trtllm", "torch"]),
               help="trtllm: TensorRT-LLM engines or LLM-API config; torch: the portable engine folder.")
 @click.option("--target", "-t", required=True, type=click.Path(path_type=Path),
@@ -46,7 +46,7 @@ import click
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
 @click.option("output", "--output", "-o", type=click.Path(path_type=Path),
               help="Output folder [default: engines/<target folder name>-<backend>].")
-def compile(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
+def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
             max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, tp_size, pp_size, dtype, gpu,
             calibrate, dry_run, force, json_, output):
     """Turn quantized checkpoints into what TensorRT-LLM serves, or the portable engine folder.
@@ -60,8 +60,8 @@ def compile(backend, target, draft, route, num_draft_tokens, max_batch_size, max
       pipeline compile -b trtllm -t ckpt/target-hf -d eagle3:heads/eagle3 -o engines/eagle3
       pipeline compile -b torch -t ckpt/target-hf -d ckpt/draft-hf -o engines/portable
     """
-    from pipeline.compile import CompileOptions, compile_model
-    from pipeline.compile.run import DEFAULT_ENGINES_DIR
+    from pipeline.compiler import CompileOptions, compile_model
+    from pipeline.compiler.compiler import DEFAULT_ENGINES_DIR
 
     if output is None:
         output = DEFAULT_ENGINES_DIR / f"{Path(target).name}-{backend}"

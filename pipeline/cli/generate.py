@@ -137,15 +137,14 @@ def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens,
 
 def _generate_remote(prompts, url, *, max_tokens, temperature, top_p, top_k, seed, speculation, num_draft_tokens,
                      stream, timeout, wait, json_):
-    from pipeline.triton.client import ClientOptions, RequestOptions, generate_many, remote_stats_line
-    from pipeline.triton.client import generate as run_remote
+    from pipeline.triton.client import ClientOptions, RequestOptions, generate_many, remote_stats_line, run_request
 
     client = ClientOptions(url=url, response_timeout_s=timeout, wait_s=wait)
     options = RequestOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                              speculation=speculation, num_draft_tokens=num_draft_tokens, stream=stream)
     if len(prompts) == 1 and not json_:
         # One prompt: print each response's text as it arrives (click.echo flushes).
-        result = run_remote(client, prompts[0], options, on_chunk=lambda chunk: click.echo(chunk.text, nl=False))
+        result = run_request(client, prompts[0], options, on_chunk=lambda chunk: click.echo(chunk.text, nl=False))
         click.echo()
         click.echo(remote_stats_line([result], result.total_s, url), err=True)
         return

@@ -234,20 +234,100 @@ def train_draft(opts: TrainOptions) -> TrainResult:
         return _train_draft(opts)
 
 
+@dataclass
+class _Setup:
+    """What every phase reads: the target, its tokenizer and shapes, the prompt split and the work folder."""
+
+    target: Path
+    target_cfg: dict
+    vocab_size: int
+    draft_vocab_size: int
+    train_prompts: list[str]
+    heldout_prompts: list[str]
+    work: Path
+    tokenizer: object
+    stops: tuple[int, ...]
+    aux_layers: tuple[int, ...]
+
+
+@dataclass
+class _Progress:
+    """The training loop's state; all but step_s and stopped_by go into the checkpoint, so an interrupted run
+    resumes where it stopped."""
+
+    step: int = 0
+    epoch: int = 0
+    in_epoch: int = 0  # batches of the current epoch already trained
+    train_s: float = 0.0
+    loss: float | None = None
+    accs: list[float] = field(default_factory=list)
+    resumed_from: int = 0
+    step_s: float | None = None  # seconds per step, smoothed: when the next one would overrun the budget
+    stopped_by: str = "epochs"  # "epochs" | "budget"
+
+    def save(self, file: Path, model, opt, num_seqs: int) -> None:
+        _save({"head": model.eagle_module.state_dict(), "optimizer": opt.state_dict(), "step": self.step,
+               "epoch": self.epoch, "in_epoch": self.in_epoch, "num_seqs": num_seqs, "train_seconds": self.train_s,
+               "loss": self.loss, "train_acc": self.accs}, file)
+
+    @classmethod
+    def resume(cls, file: Path, model, opt, num_seqs: int) -> "_Progress":
+        if not file.is_file():
+            return cls()
+        ck = torch.load(file)
+        model.eagle_module.load_state_dict(ck["head"])
+        opt.load_state_dict(ck["optimizer"])
+        # Same data: continue the epoch; more data since (a rerun added answers): start a new one.
+        in_epoch = ck.get("in_epoch", 0) if ck.get("num_seqs") == num_seqs else 0
+        return cls(step=ck["step"], epoch=ck["epoch"], in_epoch=in_epoch, train_s=ck["train_seconds"],
+                   loss=ck.get("loss"), accs=ck.get("train_acc", []), resumed_from=ck["step"])
+
+
 def _train_draft(opts: TrainOptions) -> TrainResult:
     from pipeline.draft.budget import PhasePlan
-    from pipeline.draft.data import draft_vocab, load_prompts, split_prompts
-    from pipeline.engine.config import ModelConfig
-    from pipeline.engine.eagle3 import default_aux_layer_ids
-    from pipeline.models.resolve import resolve_model
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
-    from pipeline.staging import check_output, staged_output
+    from pipeline.staging import check_output
 
     t_start = time.monotonic()
     deadline = t_start + opts.budget_minutes * 60
     opts.validate()
     check_output(opts.output, opts.force, DraftTrainError, "-o")
     _import_modelopt()  # 7-10 s on 2 cores: inside the budget, and a missing one fails before any work
+    setup = _setup(opts)
+    plan = PhasePlan(start=time.monotonic(), deadline=deadline)
+    phase_s = {"setup": round(plan.start - t_start, 1)}
+
+    # 1-2. answers and hidden states, cached in the work folder; a rerun continues where this one stopped.
+    seqs, feats = _collect_data(setup.target, setup.tokenizer, setup.stops, setup.train_prompts, setup.aux_layers,
+                                setup.work, opts, plan)
+    phase_s["data"] = round(time.monotonic() - plan.start, 1)
+    if not seqs:
+        raise DraftTrainError(f"no training data within {opts.budget_minutes:g} min ({_timings(phase_s)}): "
+                              f"raise {opts.budget_flag}; a rerun keeps the data made so far")
+
+    # 3. train with ModelOpt.
+    t_train = time.monotonic()
+    arch = head_architecture(setup.target_cfg, setup.draft_vocab_size)
+    model = _head_model(setup, arch, seqs)
+    progress = _train_head(model, seqs, feats, setup.work / "checkpoint.pt", opts, plan.train_end)
+    phase_s["train"] = round(time.monotonic() - t_train, 1)
+    needed = min(MIN_TRAIN_STEPS, opts.max_epochs * _per_epoch(seqs, opts))
+    if progress.step < needed:
+        pace = f" at {progress.step_s:.1f} s/step" if progress.step_s else ""
+        raise DraftTrainError(f"trained {progress.step} of the {needed} steps a head needs in "
+                              f"{opts.budget_minutes:g} min ({_timings(phase_s)}{pace}): raise {opts.budget_flag}; "
+                              "a rerun keeps the data and the steps made so far")
+
+    # 4. export (staged), then measure acceptance on the held-out prompts until the deadline.
+    return _export_and_measure(model, arch, setup, seqs, progress, opts, phase_s, t_start, deadline)
+
+
+def _setup(opts: TrainOptions) -> _Setup:
+    from pipeline.draft.data import load_prompts, split_prompts
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.eagle3 import default_aux_layer_ids
+    from pipeline.models.resolve import resolve_model
+    from pipeline.models.tokenizer import load_tokenizer, stop_token_ids
+
     target = resolve_model(opts.target).path
     target_cfg = json.loads((target / "config.json").read_text())
     mc = ModelConfig.from_hf_dict(target_cfg)
@@ -259,135 +339,125 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
     work = _work_dir(target, opts, prompts)
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
-
     tok = load_tokenizer(target)
-    stops = stop_token_ids(tok, mc.eos_token_ids)
-    aux_layers = default_aux_layer_ids(mc.num_layers)
-    plan = PhasePlan(start=time.monotonic(), deadline=deadline)
-    phase_s = {"setup": round(plan.start - t_start, 1)}
+    return _Setup(target=target, target_cfg=target_cfg, vocab_size=mc.vocab_size, draft_vocab_size=dv,
+                  train_prompts=train_p, heldout_prompts=held_p, work=work, tokenizer=tok,
+                  stops=stop_token_ids(tok, mc.eos_token_ids), aux_layers=default_aux_layer_ids(mc.num_layers))
 
-    # 1-2. answers and hidden states, cached in the work folder; a rerun continues where this one stopped.
-    seqs, feats = _collect_data(target, tok, stops, train_p, aux_layers, work, opts, plan)
-    phase_s["data"] = round(time.monotonic() - plan.start, 1)
-    if not seqs:
-        raise DraftTrainError(f"no training data within {opts.budget_minutes:g} min ({_timings(phase_s)}): "
-                              f"raise {opts.budget_flag}; a rerun keeps the data made so far")
 
-    # 3. train with ModelOpt.
-    # The draft vocabulary is fixed when training first starts, so a resumed run (maybe with more
-    # answers by then) keeps the head's output rows meaning the same tokens.
-    t_train = time.monotonic()
-    vocab_file = work / "d2t.pt"
+def _head_model(setup: _Setup, arch: dict, seqs: list[list[int]]):
+    """The target with a fresh ModelOpt EAGLE-3 head over the draft vocabulary.
+
+    The draft vocabulary is fixed when training first starts, so a resumed run (maybe with more answers by
+    then) keeps the head's output rows meaning the same tokens."""
+    from pipeline.draft.data import draft_vocab
+
+    vocab_file = setup.work / "d2t.pt"
     if not vocab_file.is_file():
-        _save(draft_vocab(seqs, mc.vocab_size, dv), vocab_file)
-    d2t = torch.load(vocab_file)
-    arch = head_architecture(target_cfg, dv)
-    model = _modelopt_eagle(target, arch, d2t)
-    if tuple(model.eagle_config.eagle_aux_hidden_state_layer_ids) != aux_layers:
+        _save(draft_vocab(seqs, setup.vocab_size, setup.draft_vocab_size), vocab_file)
+    model = _modelopt_eagle(setup.target, arch, torch.load(vocab_file))
+    if tuple(model.eagle_config.eagle_aux_hidden_state_layer_ids) != setup.aux_layers:
         raise DraftTrainError(f"ModelOpt picked aux layers {model.eagle_config.eagle_aux_hidden_state_layer_ids}, "
-                              f"the engine {list(aux_layers)}; set eagle_aux_hidden_state_layer_ids explicitly")
+                              f"the engine {list(setup.aux_layers)}; set eagle_aux_hidden_state_layer_ids explicitly")
+    return model
+
+
+def _per_epoch(seqs: list, opts: TrainOptions) -> int:
+    return math.ceil(len(seqs) / opts.batch_size)
+
+
+def _train_head(model, seqs: list[list[int]], feats: list[dict], ckpt_file: Path, opts: TrainOptions,
+                train_end: float) -> _Progress:
+    """Train until max_epochs or until the next step would pass train_end; checkpointed every epoch and every
+    CHECKPOINT_EVERY_S seconds, and once more at the end (kept even when the run then fails: a rerun with a
+    larger budget resumes from it)."""
     params = [p for p in model.eagle_module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.learning_rate, weight_decay=0.0)
-    ckpt_file = work / "checkpoint.pt"
-    step = epoch = in_epoch = 0  # in_epoch: batches of the current epoch already trained
-    train_s = 0.0
-    loss_v, accs = None, []
-    if ckpt_file.is_file():
-        ck = torch.load(ckpt_file)
-        model.eagle_module.load_state_dict(ck["head"])
-        opt.load_state_dict(ck["optimizer"])
-        step, epoch, train_s = ck["step"], ck["epoch"], ck["train_seconds"]
-        loss_v, accs = ck.get("loss"), ck.get("train_acc", [])
-        # Same data: continue the epoch; more data since (a rerun added answers): start a new one.
-        in_epoch = ck.get("in_epoch", 0) if ck.get("num_seqs") == len(seqs) else 0
-    resumed_from = step
-    per_epoch = math.ceil(len(seqs) / opts.batch_size)
+    progress = _Progress.resume(ckpt_file, model, opt, len(seqs))
+    per_epoch = _per_epoch(seqs, opts)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS), last_epoch=-1)
-    for _ in range(step):
+    for _ in range(progress.step):
         sched.step()
 
-    def checkpoint():
-        _save({"head": model.eagle_module.state_dict(), "optimizer": opt.state_dict(), "step": step,
-               "epoch": epoch, "in_epoch": in_epoch, "num_seqs": len(seqs), "train_seconds": train_s,
-               "loss": loss_v, "train_acc": accs}, ckpt_file)
-
     model.train()
-    stopped_by = "epochs"
-    bar_start = epoch * per_epoch + in_epoch
     last_ck = time.monotonic()
-    step_s = None
     with _bar(opts.max_epochs * per_epoch, "train eagle3 head", opts.progress) as bar:
-        bar.update(bar_start)
-        while epoch < opts.max_epochs:
-            batches = _batches(len(seqs), opts.batch_size, epoch, opts.seed)
-            for b in batches[in_epoch:]:
-                if time.monotonic() + (step_s or 0.0) > plan.train_end:
-                    stopped_by = "budget"
+        bar.update(progress.epoch * per_epoch + progress.in_epoch)
+        while progress.epoch < opts.max_epochs:
+            batches = _batches(len(seqs), opts.batch_size, progress.epoch, opts.seed)
+            for b in batches[progress.in_epoch:]:
+                if time.monotonic() + (progress.step_s or 0.0) > train_end:
+                    progress.stopped_by = "budget"
                     break
-                t0 = time.monotonic()
-                # ModelOpt caches its training-time-test masks per step index only, assuming one
-                # sequence length for the whole run; our batches vary, so rebuild them per batch.
-                model._cached_attn_blk_masks = {}
-                out = model(**_collate([(seqs[i], feats[i]) for i in b]))
-                out.loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                dt = time.monotonic() - t0
-                step_s = dt if step_s is None else 0.8 * step_s + 0.2 * dt
-                train_s += dt
-                step += 1
-                in_epoch += 1
-                loss_v, accs = float(out.loss.detach()), [round(float(a), 4) for a in out.train_acc[0]]
-                left = max(0.0, plan.train_end - time.monotonic())
+                _train_step(model, params, opt, sched, [(seqs[i], feats[i]) for i in b], progress)
+                left = max(0.0, train_end - time.monotonic())
                 # The bar's total (and so its ETA) is what the budget allows, not max_epochs' steps.
-                done = epoch * per_epoch + in_epoch
-                bar.total = min(opts.max_epochs * per_epoch, done + int(left / step_s))
-                bar.set_postfix(loss=f"{loss_v:.3f}", acc=accs[0] if accs else None, budget_left=f"{left:.0f}s")
+                done = progress.epoch * per_epoch + progress.in_epoch
+                bar.total = min(opts.max_epochs * per_epoch, done + int(left / progress.step_s))
+                bar.set_postfix(loss=f"{progress.loss:.3f}", acc=progress.accs[0] if progress.accs else None,
+                                budget_left=f"{left:.0f}s")
                 bar.update(1)
                 if time.monotonic() - last_ck > CHECKPOINT_EVERY_S:
-                    checkpoint()
+                    progress.save(ckpt_file, model, opt, len(seqs))
                     last_ck = time.monotonic()
             else:
-                epoch, in_epoch = epoch + 1, 0
-                checkpoint()
+                progress.epoch, progress.in_epoch = progress.epoch + 1, 0
+                progress.save(ckpt_file, model, opt, len(seqs))
                 last_ck = time.monotonic()
                 continue
             break
-    checkpoint()  # kept even when the run fails below: a rerun with a larger budget resumes from it
-    phase_s["train"] = round(time.monotonic() - t_train, 1)
-    needed = min(MIN_TRAIN_STEPS, opts.max_epochs * per_epoch)
-    if step < needed:
-        pace = f" at {step_s:.1f} s/step" if step_s else ""
-        raise DraftTrainError(f"trained {step} of the {needed} steps a head needs in {opts.budget_minutes:g} min "
-                              f"({_timings(phase_s)}{pace}): raise {opts.budget_flag}; a rerun keeps the data "
-                              f"and the steps made so far")
+    progress.save(ckpt_file, model, opt, len(seqs))
+    return progress
 
-    # 4. export (staged), then measure acceptance on the held-out prompts until the deadline.
+
+def _train_step(model, params, opt, sched, batch: list[tuple[list[int], dict]], progress: _Progress) -> None:
+    t0 = time.monotonic()
+    # ModelOpt caches its training-time-test masks per step index only, assuming one sequence length for the
+    # whole run; our batches vary, so rebuild them per batch.
+    model._cached_attn_blk_masks = {}
+    out = model(**_collate(batch))
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    dt = time.monotonic() - t0
+    progress.step_s = dt if progress.step_s is None else 0.8 * progress.step_s + 0.2 * dt
+    progress.train_s += dt
+    progress.step += 1
+    progress.in_epoch += 1
+    progress.loss, progress.accs = float(out.loss.detach()), [round(float(a), 4) for a in out.train_acc[0]]
+
+
+def _export_and_measure(model, arch: dict, setup: _Setup, seqs: list[list[int]], progress: _Progress,
+                        opts: TrainOptions, phase_s: dict, t_start: float, deadline: float) -> TrainResult:
     from modelopt.torch.export import export_speculative_decoding
 
     from pipeline.draft.report import measure_acceptance
+    from pipeline.models.tokenizer import encode_prompt
+    from pipeline.staging import staged_output
 
     t_eval = time.monotonic()
     model.eval()
-    held_ids = [encode_prompt(tok, p, raw=False) for p in held_p]
+    held_ids = [encode_prompt(setup.tokenizer, p, raw=False) for p in setup.heldout_prompts]
     with staged_output(opts.output, opts.force, DraftTrainError, "-o") as stage:
         export_speculative_decoding(model, export_dir=stage)
         _fix_export_config(stage, arch)
-        acceptance = measure_acceptance(target, stage, held_ids, ks=(6,), max_new_tokens=opts.eval_tokens,
-                                        eos_token_ids=stops, deadline=deadline)
+        acceptance = measure_acceptance(setup.target, stage, held_ids, ks=(6,), max_new_tokens=opts.eval_tokens,
+                                        eos_token_ids=setup.stops, deadline=deadline)
         phase_s["eval"] = round(time.monotonic() - t_eval, 1)
         result = TrainResult(
-            output=str(opts.output), target=str(target), method=opts.method, work_dir=str(work),
-            train_prompts=len(train_p), heldout_prompts=len(held_p), train_tokens=sum(len(s) for s in seqs),
-            draft_vocab_size=dv, aux_layers=list(aux_layers),
+            output=str(opts.output), target=str(setup.target), method=opts.method, work_dir=str(setup.work),
+            train_prompts=len(setup.train_prompts), heldout_prompts=len(setup.heldout_prompts),
+            train_tokens=sum(len(s) for s in seqs), draft_vocab_size=setup.draft_vocab_size,
+            aux_layers=list(setup.aux_layers),
             head={k: arch[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                        "intermediate_size", "num_hidden_layers")},
             text_samples=opts.text_samples,
-            epochs=round(epoch + in_epoch / per_epoch, 2), steps=step, resumed_from_step=resumed_from,
-            train_seconds=round(train_s, 1), total_seconds=round(time.monotonic() - t_start, 1),
-            budget_minutes=opts.budget_minutes, stopped_by=stopped_by, final_loss=loss_v, train_acc=accs,
+            epochs=round(progress.epoch + progress.in_epoch / _per_epoch(seqs, opts), 2), steps=progress.step,
+            resumed_from_step=progress.resumed_from, train_seconds=round(progress.train_s, 1),
+            total_seconds=round(time.monotonic() - t_start, 1), budget_minutes=opts.budget_minutes,
+            stopped_by=progress.stopped_by, final_loss=progress.loss, train_acc=progress.accs,
             phase_seconds=phase_s, acceptance=acceptance)
         (stage / "train_report.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from pipeline.engine.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.errors import ConfigError, ModelFormatError
+from pipeline.models.shape import ModelShape, read_config
 
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "mistral"}
 
@@ -33,33 +33,25 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture of a Llama-family decoder, read from a Hugging Face config.json."""
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(ModelShape):
+    """What the engine needs to run a Llama-family decoder: its ModelShape plus rope, norm epsilon, biases and
+    special tokens, read from a Hugging Face config.json."""
 
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
-    tie_word_embeddings: bool
     qkv_bias: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        shape = ModelShape.from_hf_config(cfg)
+        if shape.model_type not in SUPPORTED_ARCHITECTURES:
             raise ModelFormatError(
-                f"model_type {model_type!r} is not supported by the portable engine; "
+                f"model_type {shape.model_type!r} is not supported by the portable engine; "
                 f"use a Llama-family model ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
             )
         # transformers 5 moved rope_theta/rope_scaling into "rope_parameters"; accept both layouts.
@@ -78,35 +70,28 @@ class ModelConfig:
             )
         elif rope_type not in ("default", None):
             raise ModelFormatError(f"rope type {rope_type!r} is not supported; supported: default, llama3")
-        num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            **{f.name: getattr(shape, f.name) for f in fields(ModelShape)},
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama has them when attention_bias is set.
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=shape.model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise ModelFormatError(f"{path} is missing; a model folder needs config.json (Hugging Face layout)")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        return cls.from_hf_dict(read_config(folder))
+
+    @property
+    def shape(self) -> ModelShape:
+        """The shape alone (a ModelConfig never equals a ModelShape: dataclasses compare their classes too)."""
+        return ModelShape(**{f.name: getattr(self, f.name) for f in fields(ModelShape)})
 
 
 @dataclass(frozen=True)

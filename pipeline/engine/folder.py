@@ -1,6 +1,6 @@
 """The portable engine folder, read: engine.json and the checkpoints beside it, into an LLMEngine.
 
-`pipeline compile --backend torch` writes it (pipeline/compile/torch_engine.py); the engine owns the format,
+`pipeline compile --backend torch` writes it (pipeline/compiler/engine_folder.py); the engine owns the format,
 so reading it needs nothing from compile. Layout:
   engine.json    sizes (max batch, max sequence length, max draft length), dtypes, gate, draft kind
   target/        the target's Hugging Face checkpoint files: config, *.safetensors, tokenizer

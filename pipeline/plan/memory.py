@@ -9,7 +9,7 @@ Assumptions (also in `MemoryPlan.assumptions`):
 - The draft runs with the target's TP and is sharded the same way (TensorRT-LLM draft-target runs both with
   one mapping; an EAGLE-3 head is built into the target engine). n-gram drafting holds no weights and no KV.
 - KV cache = per token x batch x max_seq_len. A draft engine keeps its checkpoint's KV dtype (an INT4-AWQ
-  draft can't take an FP8 KV cache; see pipeline.compile.reference.FP8_KV_QUANT_ALGOS).
+  draft can't take an FP8 KV cache; see pipeline.compiler.reference.FP8_KV_QUANT_ALGOS).
 - Reserve per GPU: 1 GiB CUDA context + activations/workspace of max(2 GiB, 10% of GPU memory): the 10% is
   what TensorRT-LLM leaves free with its default free_gpu_memory_fraction=0.9.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.draft_spec import DRAFT_KINDS
 from pipeline.errors import PlanError
-from pipeline.models.presets import ModelArch
+from pipeline.models.shape import ModelShape
 from pipeline.plan.gpus import GPU
 from pipeline.plan.weights import (
     KV_DTYPE_BYTES, WEIGHT_FORMATS, WeightBytes, eagle3_weight_bytes, kv_bytes_per_token, model_weight_bytes,
@@ -51,19 +51,19 @@ class PlanDraft:
 
     kind: str  # none | ngram | eagle3 | model
     name: str
-    arch: ModelArch | None = None  # a draft model's shape; None for the others (EAGLE-3 takes the target's)
+    shape: ModelShape | None = None  # a draft model's shape; None for the others (EAGLE-3 takes the target's)
 
     def __post_init__(self):
         if self.kind not in DRAFT_KINDS:
             raise PlanError(f"unknown draft kind {self.kind!r}; pick one of {', '.join(DRAFT_KINDS)}")
-        if self.kind == "model" and self.arch is None:
-            raise PlanError(f"draft model {self.name!r} needs its architecture")
+        if self.kind == "model" and self.shape is None:
+            raise PlanError(f"draft model {self.name!r} needs its shape (config.json)")
 
 
 @dataclass(frozen=True)
 class PlanInputs:
     target_name: str
-    target: ModelArch
+    target: ModelShape
     gpu: GPU
     tp: int = 1
     target_qformat: str = "none"
@@ -92,10 +92,10 @@ class PlanInputs:
             if value < 1:
                 raise PlanError(f"{flag} must be >= 1 (got {value})")
         self._check_fp8()
-        for name, arch in self._sharded_models():
-            problem = tp_problem(arch, self.tp)
+        for name, shape in self._sharded_models():
+            problem = tp_problem(shape, self.tp)
             if problem:
-                ok = _or([str(t) for t in TP_SIZES if not tp_problem(arch, t)])
+                ok = _or([str(t) for t in TP_SIZES if not tp_problem(shape, t)])
                 raise PlanError(f"--tp-size {self.tp} does not divide {name}'s {problem}; use --tp-size {ok}")
 
     def _check_fp8(self):
@@ -111,21 +111,21 @@ class PlanInputs:
                             "can't run; use int4_awq, int8_sq or none (and --kv-cache-dtype bf16), "
                             "or an FP8 GPU (l40s, h100-80gb, h200-141gb, b200-180gb)")
 
-    def _sharded_models(self) -> list[tuple[str, ModelArch]]:
+    def _sharded_models(self) -> list[tuple[str, ModelShape]]:
         models = [(self.target_name, self.target)]
         if self.draft.kind == "model":
-            models.append((self.draft.name, self.draft.arch))
+            models.append((self.draft.name, self.draft.shape))
         return models
 
 
-def tp_problem(arch: ModelArch, tp: int) -> str | None:
-    """What of `arch` tp can't split evenly, or None."""
-    if arch.num_heads % tp:
-        return f"{arch.num_heads} attention heads"
-    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
-        return f"{arch.num_kv_heads} KV heads"
-    if arch.intermediate_size % tp:
-        return f"intermediate size {arch.intermediate_size}"
+def tp_problem(shape: ModelShape, tp: int) -> str | None:
+    """What of `shape` tp can't split evenly, or None."""
+    if shape.num_heads % tp:
+        return f"{shape.num_heads} attention heads"
+    if shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        return f"{shape.num_kv_heads} KV heads"
+    if shape.intermediate_size % tp:
+        return f"intermediate size {shape.intermediate_size}"
     return None
 
 
@@ -237,7 +237,7 @@ def _draft_weights(inputs: PlanInputs) -> WeightBytes:
     if inputs.draft.kind == "eagle3":
         return eagle3_weight_bytes(inputs.target, inputs.draft_qformat)
     if inputs.draft.kind == "model":
-        return model_weight_bytes(inputs.draft.arch, inputs.draft_qformat)
+        return model_weight_bytes(inputs.draft.shape, inputs.draft_qformat)
     return WeightBytes(0, 0)
 
 
@@ -245,7 +245,7 @@ def _draft_kv(inputs: PlanInputs, kv_dtype: str) -> int:
     if inputs.draft.kind == "eagle3":
         return kv_bytes_per_token(inputs.target, 1, kv_dtype, inputs.tp)
     if inputs.draft.kind == "model":
-        return kv_bytes_per_token(inputs.draft.arch, inputs.draft.arch.num_layers, kv_dtype, inputs.tp)
+        return kv_bytes_per_token(inputs.draft.shape, inputs.draft.shape.num_layers, kv_dtype, inputs.tp)
     return 0
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.errors import ModelNotFoundError, PlanError
-from pipeline.models.presets import PRESETS, ModelArch, get_preset
+from pipeline.models.presets import PRESETS, get_preset
+from pipeline.models.shape import ModelShape
 from pipeline.plan.gpus import get_gpu
 from pipeline.draft_spec import MODEL, DraftSpec, parse_draft
 from pipeline.plan.memory import PlanDraft, PlanInputs
@@ -14,20 +15,14 @@ from pipeline.plan.memory import PlanDraft, PlanInputs
 KV_DTYPE_ALIASES = {"bf16": "bf16", "fp16": "bf16", "none": "bf16", "auto": "bf16", "fp8": "fp8"}
 
 
-def model_arch(ref: str) -> tuple[str, ModelArch]:
-    """(display name, architecture) of a preset or a local Hugging Face folder."""
+def model_shape(ref: str) -> tuple[str, ModelShape]:
+    """(display name, shape) of a preset or a local Hugging Face folder."""
     preset = get_preset(ref)
-    if preset is not None and preset.arch is not None:
-        return preset.name, preset.arch
+    if preset is not None and preset.shape is not None:
+        return preset.name, preset.shape
     path = Path(ref).expanduser()
     if path.is_dir():
-        from pipeline.engine.config import ModelConfig  # imports torch: only for a folder
-
-        cfg = ModelConfig.from_folder(path)
-        return path.resolve().name, ModelArch(
-            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_word_embeddings)
+        return path.resolve().name, ModelShape.from_folder(path)
     raise ModelNotFoundError(f"unknown model {ref!r} for planning: pass a preset ({', '.join(PRESETS)}) "
                              "or a local folder with config.json")
 
@@ -38,8 +33,8 @@ def plan_draft(ref: str | DraftSpec) -> PlanDraft:
     draft = ref if isinstance(ref, DraftSpec) else parse_draft(ref)
     if draft.kind != MODEL:
         return PlanDraft(draft.kind, draft.kind)
-    name, arch = model_arch(draft.ref)
-    return PlanDraft(MODEL, name, arch)
+    name, shape = model_shape(draft.ref)
+    return PlanDraft(MODEL, name, shape)
 
 
 def kv_dtype(name: str) -> str:
@@ -53,9 +48,9 @@ def plan_inputs(target: str, gpu: str, draft: str = "none", tp: int = 1, target_
                 draft_qformat: str = "none", kv_cache_dtype: str = "bf16", max_batch_size: int = 16,
                 max_seq_len: int = 4096) -> PlanInputs:
     """PlanInputs from the strings a command line carries; raises PlanError/ModelNotFoundError on bad input."""
-    target_name, arch = model_arch(target)
+    target_name, shape = model_shape(target)
     return PlanInputs(
-        target_name=target_name, target=arch, gpu=get_gpu(gpu), tp=tp,
+        target_name=target_name, target=shape, gpu=get_gpu(gpu), tp=tp,
         target_qformat=target_qformat.strip().lower(), draft=plan_draft(draft),
         draft_qformat=draft_qformat.strip().lower(), kv_cache_dtype=kv_dtype(kv_cache_dtype),
         max_batch_size=max_batch_size, max_seq_len=max_seq_len)

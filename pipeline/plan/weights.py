@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipeline.models.presets import ModelArch
+from pipeline.models.shape import ModelShape
 
 WEIGHT_FORMATS = ("none", "fp8", "int4_awq", "w4a8_awq", "int8_sq")
 AWQ_GROUP = 128
@@ -56,24 +56,24 @@ def linear_bytes(qformat: str, in_features: int, out_features: int) -> int:
     raise ValueError(f"unknown weight format {qformat!r}")
 
 
-def _layer_linears(arch: ModelArch, attn_in: int) -> list[tuple[int, int]]:
+def _layer_linears(shape: ModelShape, attn_in: int) -> list[tuple[int, int]]:
     """(in, out) of a decoder layer's linears; `attn_in` is what q/k/v read (2 x hidden in an EAGLE-3 layer)."""
-    h, q, kv, inter = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
-        arch.intermediate_size
+    h, q, kv, inter = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
+        shape.intermediate_size
     return [(attn_in, q), (attn_in, kv), (attn_in, kv), (q, h), (h, inter), (h, inter), (inter, h)]
 
 
-def model_weight_bytes(arch: ModelArch, qformat: str) -> WeightBytes:
+def model_weight_bytes(shape: ModelShape, qformat: str) -> WeightBytes:
     """A whole decoder model. A tied lm_head is still counted: TensorRT-LLM checkpoints store it as its own tensor."""
-    h = arch.hidden_size
-    layer = sum(linear_bytes(qformat, i, o) for i, o in _layer_linears(arch, h))
-    lm_head = 2 * arch.vocab_size * h
-    embedding = 2 * arch.vocab_size * h
-    norms = 2 * h * (2 * arch.num_layers + 1)
-    return WeightBytes(sharded=arch.num_layers * layer + lm_head, replicated=embedding + norms)
+    h = shape.hidden_size
+    layer = sum(linear_bytes(qformat, i, o) for i, o in _layer_linears(shape, h))
+    lm_head = 2 * shape.vocab_size * h
+    embedding = 2 * shape.vocab_size * h
+    norms = 2 * h * (2 * shape.num_layers + 1)
+    return WeightBytes(sharded=shape.num_layers * layer + lm_head, replicated=embedding + norms)
 
 
-def eagle3_weight_bytes(target: ModelArch, qformat: str, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> WeightBytes:
+def eagle3_weight_bytes(target: ModelShape, qformat: str, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> WeightBytes:
     """An EAGLE-3 head for `target`: one decoder layer at the target's width whose q/k/v read
     [embedding, hidden] (2 x hidden), fc fusing three target hidden states (3 x hidden -> hidden),
     and an lm_head over the draft vocabulary. The embedding is the target's (the yuhuili checkpoints
@@ -87,11 +87,11 @@ def eagle3_weight_bytes(target: ModelArch, qformat: str, draft_vocab: int = EAGL
     return WeightBytes(sharded=layer + fc + lm_head, replicated=norms + vocab_maps)
 
 
-def kv_heads_per_gpu(arch: ModelArch, tp: int) -> int:
+def kv_heads_per_gpu(shape: ModelShape, tp: int) -> int:
     """TP splits the KV heads; past num_kv_heads GPUs each one holds a replicated head."""
-    return max(1, arch.num_kv_heads // tp)
+    return max(1, shape.num_kv_heads // tp)
 
 
-def kv_bytes_per_token(arch: ModelArch, num_layers: int, kv_dtype: str, tp: int = 1) -> int:
+def kv_bytes_per_token(shape: ModelShape, num_layers: int, kv_dtype: str, tp: int = 1) -> int:
     """K and V, every layer, one token, on one GPU of a tp group."""
-    return 2 * num_layers * kv_heads_per_gpu(arch, tp) * arch.head_dim * KV_DTYPE_BYTES[kv_dtype]
+    return 2 * num_layers * kv_heads_per_gpu(shape, tp) * shape.head_dim * KV_DTYPE_BYTES[kv_dtype]

@@ -8,6 +8,6 @@ Importing this package is instant; torch, transformers and modelopt load inside 
 
 from pipeline.quantize.formats import FORMATS, KV_CACHE_DTYPES, QFormat
 from pipeline.quantize.report import QuantizeReport, render_table
-from pipeline.quantize.run import QuantizeOptions, quantize
+from pipeline.quantize.quantizer import QuantizeOptions, quantize
 
 __all__ = ["FORMATS", "KV_CACHE_DTYPES", "QFormat", "QuantizeOptions", "QuantizeReport", "quantize", "render_table"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import QuantizeError
+from pipeline.models.shape import ModelShape
 
 KV_CACHE_DTYPES = ("fp8", "none")
 EXPORTS = ("hf", "trtllm")
@@ -46,39 +47,6 @@ FORMATS: dict[str, QFormat] = {f.name: f for f in (
             "INT8 weights (per channel) and activations (per tensor) after SmoothQuant"),
     QFormat("none", None, None, 16, 16, (), 1, "no quantization: export as is (a baseline)"),
 )}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the format rules need from a model's config.json."""
-
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> "ModelShape":
-        heads = int(cfg.get("num_attention_heads", 0))
-        hidden = int(cfg.get("hidden_size", 0))
-        return cls(
-            model_type=str(cfg.get("model_type", "")),
-            hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size", 0)),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or (hidden // heads if heads else 0)),
-            num_layers=int(cfg.get("num_hidden_layers", 0)),
-        )
-
-    @property
-    def in_features(self) -> dict[str, int]:
-        """Input features of each linear: q/k/v/gate/up read the hidden state, o_proj the heads, down_proj the MLP."""
-        return {"hidden_size": self.hidden_size, "num_heads*head_dim": self.num_heads * self.head_dim,
-                "intermediate_size": self.intermediate_size}
 
 
 def get_format(name: str, flag: str = "--qformat") -> QFormat:

@@ -83,7 +83,7 @@ class Plan:
 
 def detect_backend(engine: Path, requested: str = "auto") -> str:
     """torch for a folder with engine.json, trtllm for one with compile.json from `compile -b trtllm`."""
-    from pipeline.compile.run import MANIFEST_FILE
+    from pipeline.compiler.compiler import MANIFEST_FILE
     from pipeline.engine.folder import ENGINE_FILE
 
     if requested not in BACKENDS:
@@ -123,7 +123,7 @@ def plan_repository(options: AssembleOptions) -> Plan:
     backend = detect_backend(engine, options.backend)
     if backend == "torch":
         return Plan(_torch_spec(engine, options), "torch")
-    from pipeline.compile.run import MANIFEST_FILE
+    from pipeline.compiler.compiler import MANIFEST_FILE
 
     manifest = _read_json(engine / MANIFEST_FILE)
     if manifest.get("route") == "llmapi":
@@ -238,7 +238,7 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
     """The PyTorch-backend route: TensorRT-LLM's llmapi model with compile's YAML and sizes."""
     import yaml
 
-    from pipeline.compile.llmapi import OPTIONS_FILE
+    from pipeline.compiler.llmapi import OPTIONS_FILE
 
     options_file = engine / OPTIONS_FILE
     if not options_file.is_file():

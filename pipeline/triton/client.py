@@ -362,15 +362,7 @@ class Connection:
                       time.perf_counter() - t0)
 
 
-def stream_generate(client: ClientOptions, prompt: str, options: RequestOptions) -> Iterator[Chunk]:
-    """Check the server, then yield one request's responses as they arrive."""
-    options.validate()
-    with Connection(client) as conn:
-        conn.check_ready()
-        yield from conn.stream(prompt, options)
-
-
-def generate(client: ClientOptions, prompt: str, options: RequestOptions, on_chunk=None) -> Result:
+def run_request(client: ClientOptions, prompt: str, options: RequestOptions, on_chunk=None) -> Result:
     """Check the server, then run one request to the end."""
     options.validate()
     with Connection(client) as conn:

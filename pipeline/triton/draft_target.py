@@ -51,7 +51,7 @@ class EngineCallError(PipelineError):
 
 
 @dataclass(frozen=True)
-class Request:
+class TritonRequest:
     """REQUEST_TENSORS of one request, as plain values."""
 
     prompt: tuple[int, ...]
@@ -65,7 +65,7 @@ class Request:
     stream: bool
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, np.ndarray]) -> Request:
+    def from_tensors(cls, tensors: dict[str, np.ndarray]) -> TritonRequest:
         def scalar(name):
             return tensors[name].reshape(-1)[0]
 
@@ -102,7 +102,7 @@ def stop_words_tensor(words: tuple[tuple[int, ...], ...]) -> np.ndarray:
     return out
 
 
-def stop_at(before: list[int], new: list[int], request: Request) -> int | None:
+def stop_at(before: list[int], new: list[int], request: TritonRequest) -> int | None:
     """How many of `new` to keep, up to and including the first end_id or stop word (a word may start
     in `before`, the tokens already generated); None when nothing in `new` ends the answer."""
     seq = before + new
@@ -147,7 +147,7 @@ class Engines(Protocol):
 
     def verify(self, ids: list[int], drafts: list[int]) -> list[int]: ...
 
-    def decode(self, ids: list[int], n: int, request: Request) -> Iterator[list[int]]: ...
+    def decode(self, ids: list[int], n: int, request: TritonRequest) -> Iterator[list[int]]: ...
 
 
 def text_token_filter(tokenizer_dir: str) -> Callable[[int], bool]:
@@ -164,7 +164,7 @@ def text_token_filter(tokenizer_dir: str) -> Callable[[int], bool]:
 class Emitter:
     """Builds GENERATION_TENSORS responses: deltas of the counts, and the prefix resend when streaming."""
 
-    def __init__(self, request: Request, send: Send, is_text: Callable[[int], bool] | None = None):
+    def __init__(self, request: TritonRequest, send: Send, is_text: Callable[[int], bool] | None = None):
         self.request, self.send = request, send
         self.is_text = is_text or (lambda t: t != request.end_id)
         self.tokens: list[int] = []
@@ -207,7 +207,7 @@ class Emitter:
         return start
 
 
-def speculate_loop(request: Request, engines: Engines, k: int, emit: Emitter, cancelled: Callable[[], bool],
+def speculate_loop(request: TritonRequest, engines: Engines, k: int, emit: Emitter, cancelled: Callable[[], bool],
                    cost: CostModel | None = None, forced: bool = False) -> None:
     """Draft proposes, target verifies, until max_tokens, end_id or a stop word; checks cancel each step.
 
@@ -246,7 +246,7 @@ def speculate_loop(request: Request, engines: Engines, k: int, emit: Emitter, ca
             return
 
 
-def plain_loop(request: Request, engines: Engines, emit: Emitter, cancelled: Callable[[], bool],
+def plain_loop(request: TritonRequest, engines: Engines, emit: Emitter, cancelled: Callable[[], bool],
                reason: str | None = None) -> None:
     """The target alone (streaming when the request streams): relay its tokens up to a stop. reason: why
     it doesn't speculate, counted once per token (one decode step each)."""
@@ -264,7 +264,7 @@ def plain_loop(request: Request, engines: Engines, emit: Emitter, cancelled: Cal
 class TritonEngines:
     """The tensorrt_llm target and draft through BLS, both decoupled (exec(decoupled=True))."""
 
-    def __init__(self, target_model: str, draft_model: str, request: Request, cancelled: Callable[[], bool]):
+    def __init__(self, target_model: str, draft_model: str, request: TritonRequest, cancelled: Callable[[], bool]):
         self.target_model, self.draft_model = target_model, draft_model
         self.request, self.cancelled = request, cancelled
 
@@ -322,11 +322,11 @@ class TritonEngines:
             tensors["draft_input_ids"] = np.array([drafts], np.int32)
         return [t for chunk in self._call(self.target_model, tensors) for t in chunk]
 
-    def decode(self, ids: list[int], n: int, request: Request) -> Iterator[list[int]]:
+    def decode(self, ids: list[int], n: int, request: TritonRequest) -> Iterator[list[int]]:
         return self._call(self.target_model, self._inputs(ids, n, greedy=request.greedy, streaming=request.stream))
 
 
-def generate(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_tokens: int, target_model: str,
+def serve_request(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_tokens: int, target_model: str,
              draft_model: str, send: Send, cancelled: Callable[[], bool], engines: Engines | None = None,
              is_text: Callable[[int], bool] | None = None, reason: str = "override", forced: bool = False) -> None:
     """Answer one request (REQUEST_TENSORS as numpy arrays) with GENERATION_TENSORS responses via `send`.
@@ -339,7 +339,7 @@ def generate(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_token
     EngineCallError (one line) if a model fails.
     is_text: `text_token_filter(tokenizer_dir)`; without it every token but end_id counts as text.
     """
-    request = Request.from_tensors(tensors)
+    request = TritonRequest.from_tensors(tensors)
     engines = engines or TritonEngines(target_model, draft_model, request, cancelled)
     emit = Emitter(request, send, is_text)
     if speculate and request.greedy and num_draft_tokens > 0:

@@ -15,7 +15,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -29,6 +28,7 @@ from typing import Callable
 
 from pipeline.errors import ServeError
 from pipeline.triton.launch import Launch, launch_command, read_launch
+from pipeline.triton.ports import port_in_use
 from pipeline.triton.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
 
 STUB_NAME = "triton_python_backend_stub"
@@ -231,16 +231,6 @@ def server_env(binary: ServerBinary, base: dict[str, str] | None = None) -> dict
     return env
 
 
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 _FAILED_MODEL = re.compile(r"failed to load '([^']+)' version")
 # tritonserver 2.51 logs this and keeps running without that endpoint (seen with the metrics port taken
 # between our port check and its bind, which comes after the models load).
@@ -248,8 +238,9 @@ _FAILED_SERVICE = re.compile(r"failed to start (\S+) service: (.*)")
 _UNAVAILABLE = re.compile(r"^\|\s*(\S+)\s*\|\s*\d+\s*\|\s*(UNAVAILABLE: .*?)\s*\|\s*$")
 
 
-def _one_line(line: str) -> str:
-    # Triton quotes messages and escapes their newlines: keep the first line of the message.
+def _log_message(line: str) -> str:
+    # A log line's message (pipeline.errors.one_line folds an exception instead). Triton quotes messages and
+    # escapes their newlines: keep the first line of the message.
     return " ".join(line.split("\\n", 1)[0].split()).rstrip('"').rstrip()
 
 
@@ -259,7 +250,7 @@ def missing_service(log: str) -> str | None:
         if match := _FAILED_SERVICE.search(line):
             service = match.group(1).lower()
             flag = f"; pass another --{service}-port" if service in ("grpc", "http", "metrics") else ""
-            return f"its {service} service did not start: {_one_line(match.group(2))}{flag}"
+            return f"its {service} service did not start: {_log_message(match.group(2))}{flag}"
     return None
 
 
@@ -268,16 +259,16 @@ def failure_from_log(log: str) -> str | None:
     lines = log.splitlines()
     for line in lines:
         if match := _FAILED_MODEL.search(line):
-            return f"model '{match.group(1)}' failed to load: {_one_line(line)}"
+            return f"model '{match.group(1)}' failed to load: {_log_message(line)}"
     for line in lines:
         if match := _UNAVAILABLE.search(line):
             return f"model '{match.group(1)}' failed to load: {match.group(2)}"
     for line in lines:
         if "Socket already in use" in line or "Address already in use" in line:
-            return f"a port is already in use: {_one_line(line)}"
+            return f"a port is already in use: {_log_message(line)}"
     for line in lines:
         if line.startswith("error:"):
-            return _one_line(line)
+            return _log_message(line)
     return None
 
 

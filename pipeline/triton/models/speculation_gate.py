@@ -222,12 +222,12 @@ class TritonPythonModel:
 
         try:
             if self.backend == "trtllm":
-                from pipeline.triton.draft_target import generate
+                from pipeline.triton.draft_target import serve_request
 
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 k = int(tensors.get("num_draft_tokens", np.array([[self.num_draft_tokens]])).reshape(-1)[0])
                 k = min(k, self.num_draft_tokens)  # the target engine's max_draft_len; TensorRT-LLM refuses more
-                generate(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
+                serve_request(tensors, speculate=decision.speculate, num_draft_tokens=k, target_model=self.engine_model,
                          draft_model=self.draft_model, send=forward, cancelled=cancelled, is_text=self.is_text,
                          reason=decision.reason, forced=decision.speculate and decision.reason == OVERRIDE)
             else:

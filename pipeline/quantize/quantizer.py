@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import QuantizeError
+from pipeline.models.shape import ModelShape
 from pipeline.quantize.calib import BUILTIN
-from pipeline.quantize.formats import (TRTLLM_DECODER_TYPES, ModelShape, block_size_for, check_model_fits,
+from pipeline.quantize.formats import (TRTLLM_DECODER_TYPES, block_size_for, check_model_fits,
                                       check_request, get_format)
 from pipeline.quantize.report import QuantizeReport
 
@@ -38,6 +39,18 @@ class QuantizeOptions:
     force: bool = False  # replace an existing output folder
     batch_size: int = 8  # samples per forward, calibration and evaluation
 
+    def validate(self):
+        """The chosen QFormat, once every setting that is wrong whatever the model is refused."""
+        fmt = get_format(self.qformat)
+        check_request(fmt, self.kv_cache_dtype, self.export, self.tp_size, self.pp_size)
+        for flag, value in (("--calib-size", self.calib_size), ("--eval-size", self.eval_size),
+                            ("batch size", self.batch_size)):
+            if value < 1:
+                raise QuantizeError(f"{flag} must be at least 1 (got {value})")
+        if self.calib_seq_len < 2:
+            raise QuantizeError(f"--calib-seq-len must be at least 2 (got {self.calib_seq_len})")
+        return fmt
+
 
 def quantize(options: QuantizeOptions) -> QuantizeReport:
     import torch
@@ -48,34 +61,18 @@ def quantize(options: QuantizeOptions) -> QuantizeReport:
 
 
 def _quantize(options: QuantizeOptions) -> QuantizeReport:
+    from pipeline.models.resolve import resolve_model
+    from pipeline.models.tokenizer import load_tokenizer
+    from pipeline.quantize.calib import calibration_text, evaluation_text, make_samples
     from pipeline.staging import check_output
 
     t_start = time.perf_counter()
-    fmt = get_format(options.qformat)
-    check_request(fmt, options.kv_cache_dtype, options.export, options.tp_size, options.pp_size)
-    for flag, value in (("--calib-size", options.calib_size), ("--eval-size", options.eval_size),
-                        ("batch size", options.batch_size)):
-        if value < 1:
-            raise QuantizeError(f"{flag} must be at least 1 (got {value})")
-    if options.calib_seq_len < 2:
-        raise QuantizeError(f"--calib-seq-len must be at least 2 (got {options.calib_seq_len})")
+    fmt = options.validate()
     output = Path(options.output).expanduser().absolute()
     check_output(output, options.force, QuantizeError, "-o")
-
-    from pipeline.models.resolve import resolve_model
-
     source = resolve_model(options.model)
     config = json.loads((source.path / "config.json").read_text())
-    shape = ModelShape.from_config(config)
-    check_model_fits(fmt, shape, options.export, options.tp_size, options.pp_size)
-    block_size = block_size_for(fmt, shape, options.export, options.tp_size)
-    max_pos = config.get("max_position_embeddings")
-    if max_pos and options.calib_seq_len > max_pos:
-        raise QuantizeError(f"--calib-seq-len {options.calib_seq_len} is longer than the model's "
-                            f"max_position_embeddings ({max_pos}); lower it")
-
-    from pipeline.models.tokenizer import load_tokenizer
-    from pipeline.quantize.calib import calibration_text, evaluation_text, make_samples
+    shape, block_size = _check_model(options, fmt, config)
 
     tokenizer = load_tokenizer(source.path)
     calib_text = calibration_text(options.calib_data) if fmt.quantized else None
@@ -95,21 +92,12 @@ def _quantize(options: QuantizeOptions) -> QuantizeReport:
     calib_time = time.perf_counter() - t0
     after = measure_quality(model, held_out, options.batch_size) if fmt.quantized else before
 
-    from pipeline.quantize.export import copy_tokenizer_files, export_hf, export_trtllm, exported_quant_algo
+    from pipeline.quantize.export import copy_tokenizer_files, exported_quant_algo
     from pipeline.staging import staged_output
 
-    source_dtype = _torch_dtype(config)
     with staged_output(output, options.force, QuantizeError, "-o") as stage:
         t0 = time.perf_counter()
-        if options.export == "hf":
-            export_hf(model, stage, source_dtype)
-        else:
-            import torch
-
-            # TensorRT-LLM's quantized kernels run in 16-bit: a 32-bit source exports as bf16.
-            dtype = source_dtype if source_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-            export_trtllm(model, stage, TRTLLM_DECODER_TYPES[shape.model_type], dtype,
-                          options.tp_size, options.pp_size)
+        _export(model, stage, options, shape, _torch_dtype(config))
         copy_tokenizer_files(source.path, stage)
         export_time = time.perf_counter() - t0
         report = QuantizeReport(
@@ -129,6 +117,30 @@ def _quantize(options: QuantizeOptions) -> QuantizeReport:
         )
         (stage / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
+
+
+def _check_model(options: QuantizeOptions, fmt, config: dict) -> tuple[ModelShape, int | None]:
+    """The model's shape and the format's block size for it, once the format and sequence length fit it."""
+    shape = ModelShape.from_hf_config(config)
+    check_model_fits(fmt, shape, options.export, options.tp_size, options.pp_size)
+    max_pos = config.get("max_position_embeddings")
+    if max_pos and options.calib_seq_len > max_pos:
+        raise QuantizeError(f"--calib-seq-len {options.calib_seq_len} is longer than the model's "
+                            f"max_position_embeddings ({max_pos}); lower it")
+    return shape, block_size_for(fmt, shape, options.export, options.tp_size)
+
+
+def _export(model, stage: Path, options: QuantizeOptions, shape: ModelShape, source_dtype) -> None:
+    import torch
+
+    from pipeline.quantize.export import export_hf, export_trtllm
+
+    if options.export == "hf":
+        export_hf(model, stage, source_dtype)
+        return
+    # TensorRT-LLM's quantized kernels run in 16-bit: a 32-bit source exports as bf16.
+    dtype = source_dtype if source_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    export_trtllm(model, stage, TRTLLM_DECODER_TYPES[shape.model_type], dtype, options.tp_size, options.pp_size)
 
 
 def _torch_dtype(config: dict):

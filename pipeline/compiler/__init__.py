@@ -1,5 +1,5 @@
 """`pipeline compile`: quantized checkpoints -> what TensorRT-LLM serves, or the portable engine folder."""
 
-from pipeline.compile.run import CompileOptions, CompileResult, compile_model
+from pipeline.compiler.compiler import CompileOptions, CompileResult, compile_model
 
 __all__ = ["CompileOptions", "CompileResult", "compile_model"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.compile.reference import DECODING_TYPES_BY_RELEASE, TRTLLM_VERSION
-from pipeline.compile.trtllm_build import BuildSizes
+from pipeline.compiler.reference import DECODING_TYPES_BY_RELEASE, TRTLLM_VERSION
+from pipeline.compiler.trtllm_build import BuildSizes
 from pipeline.draft_spec import DraftSpec
 
 OPTIONS_FILE = "extra_llm_api_options.yaml"

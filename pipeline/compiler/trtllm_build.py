@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.compile.checkpoint import Checkpoint
+from pipeline.compiler.checkpoint import Checkpoint
 from pipeline.errors import ConfigError
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -25,11 +25,6 @@ class BuildSizes:
     max_seq_len: int
     max_num_tokens: int
     max_draft_len: int  # K; 0 without speculation
-
-    @property
-    def draft_tokens_per_batch(self) -> int:
-        """Tokens one decode iteration of a full batch feeds the target: the pending token plus K drafts per row."""
-        return self.max_batch_size * (self.max_draft_len + 1)
 
 
 def derive_sizes(max_batch_size: int, max_draft_len: int, max_position_embeddings: int | None,

@@ -119,48 +119,52 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
         key = mf.input_key(stage.config_key, [keys[d] for d in stage.deps],
                            [model_hashes[ref] for ref in stage.models])
         keys[stage.name] = key
-        record = manifest["stages"].get(stage.name) or {}
-        if not stage.runnable:
-            result.stages.append(StageResult(stage.name, stage.kind, "not run", str(stage.output), 0.0, key,
-                                             note=stage.note))
-            manifest["stages"][stage.name] = {"key": key, "status": "not run", "note": stage.note}
-            continue
-        note = ""
-        if not options.force and record.get("key") == key and _complete(stage):
-            changed = _changed_output(stage, record)
-            if changed is None:
-                record.update(reused=True, last_reused=mf._now())
-                result.stages.append(StageResult(stage.name, stage.kind, "reused", str(stage.output),
-                                                 record.get("duration_s", 0.0), key, record.get("bytes", 0)))
-                continue
-            say(f"{stage.name}: {changed}; rebuilding")
-            note = f"rebuilt: {changed}"
-        expected = record.get("duration_s") or FIRST_ESTIMATE_S[stage.kind]
-        t0 = time.perf_counter()
-        with StageProgress(stage.name, expected, show, stream):
-            run_stage(stage)
-        duration = round(time.perf_counter() - t0, 3)
-        # What a later run checks before reusing this output: it reads the bytes once, here.
-        files = checksums.record_files(stage.output)
-        size = sum(f["size"] for f in files.values())
-        manifest["stages"][stage.name] = {
-            "key": key, "config_key": stage.config_key, "status": "built", "reused": False, "built": mf._now(),
-            "duration_s": duration, "output": str(stage.output), "bytes": size,
-            "outputs": sorted(p.name + ("/" if p.is_dir() else "") for p in stage.output.iterdir()),
-            "files": files, "command": " ".join(stage.command)}
-        mf.write_manifest(plan.manifest_file, manifest)  # the next run resumes after this stage
-        result.stages.append(StageResult(stage.name, stage.kind, "built", str(stage.output), duration, key, size,
-                                         note))
+        result.stages.append(_run_or_reuse(stage, key, manifest, plan.manifest_file, options.force, say,
+                                           lambda name, expected: StageProgress(name, expected, show, stream)))
     result.total_s = round(time.perf_counter() - t_start, 3)
     manifest["last_run"] = {"total_s": result.total_s, "statuses": {s.name: s.status for s in result.stages}}
     mf.write_manifest(plan.manifest_file, manifest)
     return result
 
 
+def _run_or_reuse(stage: Stage, key: str, manifest: dict, manifest_file: Path, force: bool, say,
+                  progress) -> StageResult:
+    """Reuse the stage's output when its input key matches and its files are as recorded; else run it and record
+    it in the manifest, written at once so the next run resumes after this stage. progress(name, expected_s):
+    the bar to run it under."""
+    record = manifest["stages"].get(stage.name) or {}
+    if not stage.runnable:
+        manifest["stages"][stage.name] = {"key": key, "status": "not run", "note": stage.note}
+        return StageResult(stage.name, stage.kind, "not run", str(stage.output), 0.0, key, note=stage.note)
+    note = ""
+    if not force and record.get("key") == key and _complete(stage):
+        changed = _changed_output(stage, record)
+        if changed is None:
+            record.update(reused=True, last_reused=mf._now())
+            return StageResult(stage.name, stage.kind, "reused", str(stage.output), record.get("duration_s", 0.0),
+                               key, record.get("bytes", 0))
+        say(f"{stage.name}: {changed}; rebuilding")
+        note = f"rebuilt: {changed}"
+    t0 = time.perf_counter()
+    with progress(stage.name, record.get("duration_s") or FIRST_ESTIMATE_S[stage.kind]):
+        run_stage(stage)
+    duration = round(time.perf_counter() - t0, 3)
+    # What a later run checks before reusing this output: it reads the bytes once, here.
+    files = checksums.record_files(stage.output)
+    size = sum(f["size"] for f in files.values())
+    manifest["stages"][stage.name] = {
+        "key": key, "config_key": stage.config_key, "status": "built", "reused": False, "built": mf._now(),
+        "duration_s": duration, "output": str(stage.output), "bytes": size,
+        "outputs": sorted(p.name + ("/" if p.is_dir() else "") for p in stage.output.iterdir()),
+        "files": files, "command": " ".join(stage.command)}
+    mf.write_manifest(manifest_file, manifest)
+    return StageResult(stage.name, stage.kind, "built", str(stage.output), duration, key, size, note)
+
+
 def run_stage(stage: Stage) -> None:
     """The stage's one library call; each writes its output staged and renamed into place."""
     if stage.kind == "quantize":
-        from pipeline.quantize.run import quantize
+        from pipeline.quantize.quantizer import quantize
 
         quantize(stage.options)
     elif stage.kind == "train":
@@ -168,7 +172,7 @@ def run_stage(stage: Stage) -> None:
 
         train_draft(stage.options)
     elif stage.kind == "compile":
-        from pipeline.compile.run import compile_model
+        from pipeline.compiler.compiler import compile_model
 
         compile_model(stage.options)
     else:

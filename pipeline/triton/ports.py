@@ -1,8 +1,21 @@
-"""Free loopback ports for the tests that start a real tritonserver."""
+"""Loopback ports: whether one is taken (`pipeline serve` checks before it starts tritonserver), and free ones
+for the tests, benchmarks and soak that start their own servers."""
+
+from __future__ import annotations
 
 import random
 import socket
 from pathlib import Path
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def _ephemeral_low() -> int:

@@ -2,7 +2,7 @@
 
 Order: check everything cheap (options, output folder, checkpoints, draft/target agreement, sizes, the
 GPU plan) before anything is written; generate the commands and configs (pure: trtllm_build.py,
-llmapi.py, torch_engine.py); then write into a staging folder renamed into place at the end, so the
+llmapi.py, engine_folder.py); then write into a staging folder renamed into place at the end, so the
 output is never half-written. Only the engine route runs anything (trtllm-build), and only where
 TensorRT-LLM is installed: NVIDIA's container.
 """
@@ -18,11 +18,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.compile import llmapi, torch_engine
-from pipeline.compile.checkpoint import Checkpoint, read_checkpoint
-from pipeline.compile.reference import TRTLLM_CONTAINER, TRTLLM_VERSION
-from pipeline.compile.trtllm_build import BuildSizes, build_command, derive_sizes, run_command
-from pipeline.compile.validate import check_draft_len, check_draft_matches, check_plan, pick_route
+from pipeline.compiler import engine_folder, llmapi
+from pipeline.compiler.checkpoint import Checkpoint, read_checkpoint
+from pipeline.compiler.reference import TRTLLM_CONTAINER, TRTLLM_VERSION
+from pipeline.compiler.trtllm_build import BuildSizes, build_command, derive_sizes, run_command
+from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan, pick_route
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.errors import ConfigError, MissingDependencyError
 
@@ -117,7 +117,7 @@ def resolve(options: CompileOptions, target: Checkpoint, draft: DraftSpec, draft
 
 
 @dataclass
-class Generated:
+class RouteFiles:
     """A TensorRT-LLM route's product, as text: the commands, the files compile writes, the configs."""
 
     commands: dict[str, list[str]] = field(default_factory=dict)
@@ -126,10 +126,10 @@ class Generated:
     notes: list[str] = field(default_factory=list)
 
 
-def generate(options: CompileOptions, output: Path, target: Checkpoint, draft: DraftSpec,
-             draft_ckpt: Checkpoint | None, r: Resolved) -> Generated:
+def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft: DraftSpec,
+             draft_ckpt: Checkpoint | None, r: Resolved) -> RouteFiles:
     """The engine route's trtllm-build commands and build.sh, or the LLM-API route's YAML and serve line. Pure."""
-    out = Generated()
+    out = RouteFiles()
     header = f"#!/usr/bin/env bash\n# TensorRT-LLM {r.tensorrt_llm_version} ({TRTLLM_CONTAINER})\n"
     if r.route == "engine":
         out.commands["build_target"] = build_command(target, output / "target", r.sizes, role="target")
@@ -189,7 +189,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
         if r.route == "torch":
             _torch_route(stage, target, draft, draft_ckpt, r.sizes, options, result, manifest)
         else:
-            generated = generate(options, output, target, draft, draft_ckpt, r)
+            generated = route_files(options, output, target, draft, draft_ckpt, r)
             for name, text in generated.files.items():
                 (stage / name).write_text(text)
             result.commands, result.files, result.notes = generated.commands, list(generated.files), generated.notes
@@ -220,21 +220,21 @@ def _run_builds(stage: Path, result: CompileResult) -> None:
 
 def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None,
                  sizes: BuildSizes, options: CompileOptions, result: CompileResult, manifest: dict) -> None:
-    engine = torch_engine.engine_manifest(
+    engine = engine_folder.engine_manifest(
         target, draft, draft_ckpt, max_batch_size=sizes.max_batch_size, max_seq_len=sizes.max_seq_len,
-        num_draft_tokens=sizes.max_draft_len, dtype=torch_engine.runtime_dtype(target, options.dtype),
+        num_draft_tokens=sizes.max_draft_len, dtype=engine_folder.runtime_dtype(target, options.dtype),
         gate_batch_size=options.gate_batch_size)
     if options.dry_run:
-        (stage / torch_engine.ENGINE_FILE).write_text(json.dumps(engine, indent=2) + "\n")
+        (stage / engine_folder.ENGINE_FILE).write_text(json.dumps(engine, indent=2) + "\n")
     else:
-        torch_engine.write_engine_dir(stage, engine, target, draft_ckpt)
+        engine_folder.write_engine_dir(stage, engine, target, draft_ckpt)
         result.files += ["target/"] + (["draft/"] if draft_ckpt is not None else [])
         if options.calibrate and draft.speculates:
             _calibrate(stage, result, manifest)
-    result.files.insert(0, torch_engine.ENGINE_FILE)
+    result.files.insert(0, engine_folder.ENGINE_FILE)
     result.commands["load"] = ["python", "-c", f'from pipeline.engine import load_engine; '
                                                f'engine = load_engine("{result.output}")']
-    manifest["configs"] = {torch_engine.ENGINE_FILE: engine}
+    manifest["configs"] = {engine_folder.ENGINE_FILE: engine}
 
 
 def _calibrate(stage: Path, result: CompileResult, manifest: dict) -> None:
@@ -268,7 +268,7 @@ def _check_options(o: CompileOptions) -> None:
 
 def _kv_cache_dtype(requested: str, ckpt: Checkpoint, route: str, role: str = "target") -> str:
     """The KV cache dtype for one checkpoint; on the engine route an FP8 KV cache needs an FP8 checkpoint."""
-    from pipeline.compile.reference import FP8_KV_QUANT_ALGOS
+    from pipeline.compiler.reference import FP8_KV_QUANT_ALGOS
 
     quantized = (ckpt.kv_cache_quant_algo or "").upper() == "FP8"
     if route == "engine" and requested == "fp8" and not quantized:

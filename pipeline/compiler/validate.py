@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from pipeline.compile.checkpoint import Checkpoint
+from pipeline.compiler.checkpoint import Checkpoint
 from pipeline.draft_spec import DraftSpec
 from pipeline.errors import ConfigError, DraftMismatchError
 
@@ -86,13 +84,13 @@ def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | No
     if draft.kind in ("ngram", "eagle3"):
         plan_draft = PlanDraft(draft.kind, draft.kind)
     elif draft_ckpt is not None:
-        plan_draft = PlanDraft("model", draft_ckpt.path.name, model_arch(draft_ckpt))
+        plan_draft = PlanDraft("model", draft_ckpt.path.name, model_shape(draft_ckpt))
     kv = "fp8" if kv_cache_dtype == "fp8" else "bf16"
     draft_kv = kv
     if route == "engine" and draft_ckpt is not None:  # a draft engine takes its own checkpoint's KV dtype
         draft_kv = "fp8" if (draft_ckpt.kv_cache_quant_algo or "").upper() == "FP8" else "bf16"
     plan = plan_memory(PlanInputs(
-        target_name=target.path.name, target=model_arch(target), gpu=gpu_spec, tp=tp or target.tp_size,
+        target_name=target.path.name, target=model_shape(target), gpu=gpu_spec, tp=tp or target.tp_size,
         target_qformat=qformat_of(target), draft=plan_draft,
         draft_qformat=qformat_of(draft_ckpt) if draft_ckpt is not None and draft.kind == "model" else "none",
         kv_cache_dtype=kv, draft_kv_cache_dtype=draft_kv,
@@ -102,17 +100,10 @@ def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | No
     return plan.to_dict()
 
 
-def model_arch(ckpt: Checkpoint):
-    from pipeline.models.presets import ModelArch
+def model_shape(ckpt: Checkpoint):
+    from pipeline.models.shape import ModelShape
 
-    cfg = json.loads((ckpt.path / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    return ModelArch(
-        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg.get("head_size") or cfg["hidden_size"] // heads,
-        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("share_embedding_table", False))))
+    return ModelShape.from_folder(ckpt.path)
 
 
 def qformat_of(ckpt: Checkpoint) -> str:

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline.compile.checkpoint import Checkpoint
+from pipeline.compiler.checkpoint import Checkpoint
 from pipeline.draft_spec import DraftSpec
 from pipeline.engine.folder import ENGINE_FILE, FORMAT, FORMAT_VERSION
 
