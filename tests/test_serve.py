@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline.triton.ports import free_ports
 from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.errors import ServeError
+from pipeline.triton.ports import free_ports
 from pipeline.triton.server import (
     SHM_PREFIX, ServeOptions, ServerBinary, TritonServer, failure_from_log, find_tritonserver, group_members,
     server_command,

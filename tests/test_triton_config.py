@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import pytest
-from pipeline.triton.ports import free_ports
+from serving_checks import metrics as scrape
 from serving_checks import tensor as grpc_input
 
 from pipeline.errors import ConfigError
@@ -19,6 +19,7 @@ from pipeline.triton.config import (
     repository_configs,
     write_config,
 )
+from pipeline.triton.ports import free_ports
 
 from tritonclient.grpc import model_config_pb2 as pb  # noqa: E402
 
@@ -593,6 +594,8 @@ def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft
         assert beams == [] and "beam_width 2" in error
         after, error = stream_call(url, request(False))  # the server serves on after bad requests
         assert error is None and after
+        # The autoscaler's per-pod metric (pipeline deploy kubernetes) exists on this route too, back at 0.
+        assert scrape(server.endpoints.metrics).get('pipeline_gate_in_flight{model="llmapi_frontend"}') == 0.0
 
     texts = [r["text_output"].reshape(-1)[0].decode() for r in streamed]
     assert len(texts) == 3 and texts[1:] == [" second", " third"]  # deltas of the stand-in's running text

@@ -58,6 +58,7 @@ from pipeline.cli.assemble import assemble  # noqa: E402
 from pipeline.cli.build import build  # noqa: E402
 from pipeline.cli.draft import draft  # noqa: E402
 from pipeline.cli.bench import bench  # noqa: E402
+from pipeline.cli.deploy import deploy  # noqa: E402
 
 main.add_command(generate)
 main.add_command(quantize)
@@ -68,3 +69,4 @@ main.add_command(assemble)
 main.add_command(build)
 main.add_command(draft)
 main.add_command(bench)
+main.add_command(deploy)

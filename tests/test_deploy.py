@@ -1,0 +1,175 @@
+"""`pipeline deploy kubernetes`: manifests for the 70B plans and the CPU default, validated against the Kubernetes
+API's published schemas (kubernetes-validate) and, for the PodMonitor CRD, prometheus-operator's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from cli_checks import assert_one_line_error
+from pipeline.cli import main
+
+K8S_VERSION = "1.35"  # a recent release; kubernetes-validate ships its schemas
+SCHEMAS = Path(__file__).parent / "schemas"  # CRDs, trimmed from their projects (source in each "$comment")
+
+
+def deploy(tmp_path, *args) -> tuple[Path, dict[str, dict]]:
+    out = tmp_path / "deploy"
+    result = CliRunner().invoke(main, ["deploy", "kubernetes", *args, "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    docs = {p.name: yaml.safe_load(p.read_text()) for p in out.glob("*.yaml")}
+    return out, docs
+
+
+def validate(docs: dict[str, dict]) -> None:
+    import jsonschema
+
+    for name, doc in docs.items():
+        if doc.get("kind") in ("Kustomization",) or name == "prometheus-adapter-rules.yaml":
+            continue
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            schema = json.loads((SCHEMAS / "podmonitor.json").read_text())
+            jsonschema.validate(doc, schema)
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def pod_spec(docs) -> dict:
+    return docs["deployment.yaml"]["spec"]["template"]["spec"]
+
+
+def server(docs) -> dict:
+    return pod_spec(docs)["containers"][0]
+
+
+def check_wiring(docs) -> None:
+    """What must agree across the manifests, whatever the route."""
+    kust = docs["kustomization.yaml"]
+    assert sorted(kust["resources"]) == sorted(n for n in docs if n not in ("kustomization.yaml",
+                                                                               "prometheus-adapter-rules.yaml"))
+    pod_labels = docs["deployment.yaml"]["spec"]["template"]["metadata"]["labels"]
+    for name in ("service.yaml", "pdb.yaml"):
+        selector = docs[name]["spec"].get("selector")
+        selector = selector.get("matchLabels", selector)
+        assert selector.items() <= pod_labels.items(), name
+    assert docs["podmonitor.yaml"]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    ports = {p["name"] for p in server(docs)["ports"]}
+    assert {"http", "grpc", "metrics"} == ports
+    assert docs["podmonitor.yaml"]["spec"]["podMetricsEndpoints"][0]["port"] in ports
+    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
+                        ("livenessProbe", "/v2/health/live")):
+        assert server(docs)[probe]["httpGet"] == {"path": path, "port": "http"}
+    claim = pod_spec(docs)["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert claim == docs["pvc.yaml"]["metadata"]["name"]
+    assert docs["hpa.yaml"]["spec"]["scaleTargetRef"]["name"] == docs["deployment.yaml"]["metadata"]["name"]
+    for doc in docs.values():
+        if "metadata" in doc:
+            labels = doc["metadata"]["labels"]
+            assert {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+                    "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by"} <= labels.keys()
+    # The admin APIs stay restricted, with the key the kubelet expands from the Secret.
+    env = {e["name"]: e for e in server(docs)["env"]}
+    assert env["PIPELINE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "admin-key"
+
+
+def test_70b_eagle3_on_two_h100s(tmp_path):
+    out, docs = deploy(tmp_path, "--target", "llama-70b", "--draft", "eagle3", "--gpu", "h100", "--namespace", "llm",
+                       "--gpu-type", "NVIDIA-H100-80GB-HBM3")
+    validate(docs)
+    check_wiring(docs)
+    container = server(docs)
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 2}  # TP 2, as the memory plan picks
+    assert docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == \
+        {"nvidia.com/gpu": 2}
+    # The LLM-API route: one rank under mpirun, its tp x pp workers started by TensorRT-LLM.
+    assert container["command"][:5] == ["mpirun", "--allow-run-as-root", "-n", "1", "/opt/tritonserver/bin/tritonserver"]
+    assert "--grpc-address=0.0.0.0" in container["command"] and "--model-repository=/models/triton_repo" in \
+        container["command"]
+    assert any("$(PIPELINE_ADMIN_KEY)" in a for a in container["command"])
+    assert pod_spec(docs)["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # 75 GB of weights: minutes, not seconds
+    metric = docs["hpa.yaml"]["spec"]["metrics"][0]["pods"]
+    assert metric["metric"]["name"] == "pipeline_gate_in_flight" and metric["target"]["averageValue"] == "32"
+    assert docs["kustomization.yaml"]["namespace"] == "llm"
+    build = docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert build[:2] == ["pipeline", "build"] and {"--backend", "trtllm", "--tp-size", "2", "--gpu"} <= set(build)
+    assert build[build.index("--draft") + 1] == "eagle3:yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"
+    dockerfile = (out / "Dockerfile").read_text()
+    assert "FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3" in dockerfile and "--no-deps" in dockerfile
+
+
+def test_the_schema_check_catches_a_misspelled_field(tmp_path):
+    _, docs = deploy(tmp_path)
+    server(docs)["livenesProbe"] = server(docs).pop("livenessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError, match="livenesProbe"):
+        kubernetes_validate.validate(docs["deployment.yaml"], K8S_VERSION, strict=True)
+
+
+def test_70b_draft_target_runs_both_engines_under_the_orchestrator(tmp_path):
+    _, docs = deploy(tmp_path, "--target", "llama-70b", "--draft", "llama-1b", "--gpu", "h100", "--backend", "trtllm")
+    validate(docs)
+    check_wiring(docs)
+    container = server(docs)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env.get("TRTLLM_ORCHESTRATOR") == "1"  # two TensorRT-LLM models in one server
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    annotation = docs["deployment.yaml"]["metadata"]["annotations"]["specdec-pipeline/launch"]
+    assert gpus >= 2 and "TRTLLM_ORCHESTRATOR=1" in annotation
+
+
+def test_a_replica_bigger_than_a_node_is_refused_in_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["deploy", "kubernetes", "--target", "llama-70b", "--draft", "eagle3", "--gpu",
+                                       "h100", "--tp-size", "8", "--gpus-per-node", "4", "-o", str(tmp_path / "d")])
+    assert_one_line_error(result, "needs 8 GPUs per replica", "more than one node's 4", "LeaderWorkerSet")
+    assert not (tmp_path / "d").exists()
+
+
+def test_cpu_default_serves_the_portable_engine_without_gpus(tmp_path):
+    out, docs = deploy(tmp_path)
+    validate(docs)
+    check_wiring(docs)
+    container = server(docs)
+    assert "limits" not in container["resources"] and "tolerations" not in pod_spec(docs)
+    assert container["command"] == ["pipeline", "serve", "--repo", "/models/triton_repo", "--host", "0.0.0.0"]
+    metric = docs["hpa.yaml"]["spec"]["metrics"][0]["pods"]
+    assert metric["target"]["averageValue"] == "4"  # the portable engine's gate ceiling
+    build = docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert build[build.index("--backend") + 1] == "torch" and build[build.index("--draft") + 1] == "ngram"
+    assert "FROM python:3.11-slim" in (out / "Dockerfile").read_text()
+
+
+def test_queue_policy_scales_on_triton_queue_to_compute_ratio(tmp_path):
+    _, docs = deploy(tmp_path, "--policy", "queue", "--replicas", "2:8", "--prometheus-release", "prometheus")
+    validate(docs)
+    hpa = docs["hpa.yaml"]["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 8)
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "triton_queue_compute_ratio"
+    rule = docs["prometheus-adapter-rules.yaml"]["rules"][0]
+    assert "nv_inference_queue_duration_us" in rule["metricsQuery"]
+    assert "nv_inference_compute_infer_duration_us" in rule["metricsQuery"]
+    assert rule["name"]["as"] == "triton_queue_compute_ratio"
+    assert docs["podmonitor.yaml"]["metadata"]["labels"]["release"] == "prometheus"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--replicas", "3:1"], "1 <= min <= max"),
+    (["--replicas", "a:b"], "MIN:MAX"),
+    (["--name", "Bad_Name"], "not a DNS label"),
+    (["--policy", "cpu"], "unknown --policy 'cpu'"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, args, needle):
+    assert_one_line_error(CliRunner().invoke(main, ["deploy", "kubernetes", *args, "-o", str(tmp_path / "d")]),
+                          needle)
+
+
+def test_an_existing_output_needs_force(tmp_path):
+    deploy(tmp_path)
+    again = CliRunner().invoke(main, ["deploy", "kubernetes", "-o", str(tmp_path / "deploy")])
+    assert_one_line_error(again, "already exists", "--force")
+    assert CliRunner().invoke(main, ["deploy", "kubernetes", "-o", str(tmp_path / "deploy"), "--force"]).exit_code == 0
