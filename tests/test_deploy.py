@@ -97,6 +97,12 @@ def test_70b_eagle3_on_two_h100s(tmp_path):
     metric = docs["hpa.yaml"]["spec"]["metrics"][0]["pods"]
     assert metric["metric"]["name"] == "pipeline_gate_in_flight" and metric["target"]["averageValue"] == "32"
     assert docs["kustomization.yaml"]["namespace"] == "llm"
+    # The scale-down the simulation (scripts/simulate_scale.py) assumes is the one written.
+    from pipeline.deploy.simulate import SCALE_DOWN_PERIOD_S, SCALE_DOWN_PODS, SCALE_DOWN_WINDOW_S
+
+    down = docs["hpa.yaml"]["spec"]["behavior"]["scaleDown"]
+    assert down["stabilizationWindowSeconds"] == SCALE_DOWN_WINDOW_S
+    assert down["policies"] == [{"type": "Pods", "value": SCALE_DOWN_PODS, "periodSeconds": SCALE_DOWN_PERIOD_S}]
     build = docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert build[:2] == ["pipeline", "build"] and {"--backend", "trtllm", "--tp-size", "2", "--gpu"} <= set(build)
     assert build[build.index("--draft") + 1] == "eagle3:yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"

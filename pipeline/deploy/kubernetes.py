@@ -170,10 +170,13 @@ def hpa(plan: DeployPlan) -> dict:
             "metadata": _meta(plan, plan.name, "server"),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": plan.name},
                      "minReplicas": plan.min_replicas, "maxReplicas": plan.max_replicas, "metrics": [metric],
-                     # A new replica takes minutes to load; scale up at once, but down only after five quiet
-                     # minutes, so a burst's tail doesn't send the pods it needed away.
+                     # A new replica takes minutes to load: scale up at once, but down only after five quiet
+                     # minutes and one pod a minute. In-flight counts fall faster than the load when speculation
+                     # turns back on, so a quick scale-down lands on too few pods to carry the load with it off
+                     # (scripts/simulate_scale.py showed the HPA's default flapping between 1 and 32 pods).
                      "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0},
-                                  "scaleDown": {"stabilizationWindowSeconds": 300}}}}
+                                  "scaleDown": {"stabilizationWindowSeconds": 300,
+                                                "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]}}}}
 
 
 def pdb(plan: DeployPlan) -> dict:
