@@ -10,20 +10,16 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.compiler import CompileOptions, compile_model
 from pipeline.errors import ConfigError
 from pipeline.triton.assemble import PYTHON_MODELS, AssembleOptions, assemble
 from pipeline.triton.config import read_config
-from serving_checks import MAX_TOKENS, expected_text, inputs, responses, served_engine  # noqa: E402
+from serving_checks import MAX_TOKENS, expected_text, inputs, ngram_engine, responses, served_engine  # noqa: E402
 
 import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_target, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny"
-    compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=4,
-                                 max_seq_len=256, gate_batch_size=4))
-    return out
+    return ngram_engine(tiny_target, tmp_path_factory.mktemp("engines"), slots=4)
 
 
 def test_assemble_writes_every_model_with_its_config_and_source(engine_dir, tmp_path):

@@ -12,12 +12,11 @@ from click.testing import CliRunner
 
 from cli_checks import assert_one_line_error
 from pipeline.cli import main
-from pipeline.compiler import CompileOptions, compile_model
 from pipeline.engine import load_engine
 from pipeline.errors import RequestError, ServeError
 from pipeline.triton.client import ClientOptions, Connection, RequestOptions, grpc_target, run_request
 from pipeline.triton.ports import free_ports
-from serving_checks import served_engine
+from serving_checks import ngram_engine, served_engine
 
 import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
 
@@ -27,10 +26,7 @@ PROMPTS = ["abcabcabc hello", "one two one two one", "x"]
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_target, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny"
-    compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=4,
-                                 max_seq_len=256, gate_batch_size=4))
-    return out
+    return ngram_engine(tiny_target, tmp_path_factory.mktemp("engines"), slots=4)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from pipeline.compiler import CompileOptions, compile_model
-from serving_checks import (expected_text, expected_texts, inputs, metrics, responses, served_engine,  # noqa: E402
-                            soak_script, tensor)
+from serving_checks import (expected_text, expected_texts, inputs, metrics, ngram_engine, responses,  # noqa: E402
+                            served_engine, soak_script, tensor)
 
 import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
 
@@ -26,10 +26,7 @@ MAX_TOKENS = 100
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_target, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny"
-    compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=8,
-                                 max_seq_len=256, gate_batch_size=8))
-    return out
+    return ngram_engine(tiny_target, tmp_path_factory.mktemp("engines"), slots=8)
 
 
 @pytest.fixture(scope="module")
