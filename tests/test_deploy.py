@@ -47,6 +47,15 @@ def server(docs) -> dict:
     return pod_spec(docs)["containers"][0]
 
 
+def build_job_plan(docs) -> dict:
+    """The build Job's command, run here with --dry-run: `pipeline build` must take it, and plan what we reviewed."""
+    command = docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["pipeline", "build"]
+    result = CliRunner().invoke(main, [*command[1:], "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["settings"]
+
+
 def check_wiring(docs) -> None:
     """What must agree across the manifests, whatever the route."""
     kust = docs["kustomization.yaml"]
@@ -106,6 +115,9 @@ def test_70b_eagle3_on_two_h100s(tmp_path):
     build = docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert build[:2] == ["pipeline", "build"] and {"--backend", "trtllm", "--tp-size", "2", "--gpu"} <= set(build)
     assert build[build.index("--draft") + 1] == "eagle3:yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"
+    settings = build_job_plan(docs)
+    assert (settings["backend"], settings["tp_size"], settings["target_qformat"], settings["gate_batch_size"]) == \
+        ("trtllm", 2, "fp8", 32)
     dockerfile = (out / "Dockerfile").read_text()
     assert "FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3" in dockerfile and "--no-deps" in dockerfile
 
@@ -147,6 +159,7 @@ def test_cpu_default_serves_the_portable_engine_without_gpus(tmp_path):
     assert metric["target"]["averageValue"] == "4"  # the portable engine's gate ceiling
     build = docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert build[build.index("--backend") + 1] == "torch" and build[build.index("--draft") + 1] == "ngram"
+    assert build_job_plan(docs)["backend"] == "torch"
     assert "FROM python:3.11-slim" in (out / "Dockerfile").read_text()
 
 
