@@ -12,13 +12,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pipeline.engine.draft_plan import speculation_summary
 from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.engine.draft_plan import speculation_summary
 from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import ConfigError, RequestError
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.records import read_records
-
 
 
 @dataclass(frozen=True)

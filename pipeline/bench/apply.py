@@ -11,7 +11,6 @@ own flags, so the closing line says which flag keeps the ceiling.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -36,13 +35,12 @@ def apply_threshold(repo: Path, threshold: int) -> str:
 
 
 def apply_engine_threshold(engine_dir: Path, threshold: int) -> str:
-    from pipeline.engine.folder import ENGINE_FILE, read_engine_manifest
+    from pipeline.engine.folder import read_engine_manifest, write_engine_manifest
 
     manifest = read_engine_manifest(engine_dir)
     old = manifest.get("gate_batch_size")
     manifest["gate_batch_size"] = threshold
-    _write_whole(Path(engine_dir) / ENGINE_FILE, json.dumps(manifest, indent=2) + "\n")
-    return f"{Path(engine_dir) / ENGINE_FILE}: gate_batch_size {old} -> {threshold}"
+    return f"{write_engine_manifest(engine_dir, manifest)}: gate_batch_size {old} -> {threshold}"
 
 
 def apply_cost_model(engine_dir: Path, cost: CostModel) -> str:

@@ -95,25 +95,23 @@ def plan_build(options: BuildOptions, env: Environment) -> BuildPlan:
     build_dir = Path(options.engines_dir).expanduser().absolute() / name
     repo = Path(options.repo).expanduser().absolute()
     stages, skipped = _stages(settings, options, env, build_dir, repo)
-    preview = _preview(settings, options, env, stages, repo) if settings.backend == "trtllm" else None
+    preview = _preview(settings, memory_plan, stages, repo) if settings.backend == "trtllm" else None
     return BuildPlan(options, settings, name, build_dir, repo, tuple(stages), tuple(skipped), memory_plan,
                      _missing(settings, env), preview)
 
 
-def _preview(s: Settings, o: BuildOptions, env: Environment, stages: list[Stage], repo: Path):
-    """The trtllm-build lines / LLM-API YAML and the server launch, from the architectures; None without one."""
+def _preview(s: Settings, memory_plan, stages: list[Stage], repo: Path):
+    """The trtllm-build lines / LLM-API YAML and the server launch, from the shapes the memory plan read; None
+    without one (a model with no config.json here)."""
     from pipeline.build.preview import preview_trtllm
-    from pipeline.build.settings import _shape_or_none
-    from pipeline.plan.resolve import model_shape
 
-    shape = _shape_or_none(o.target, env)
-    if shape is None:
+    if memory_plan is None:
         return None
-    draft_shape = model_shape(s.draft.ref)[1] if s.draft.kind == MODEL else None
     by_name = {stage.name: stage for stage in stages}
     quant_kv = {role: by_name[f"quantize_{role}"].options.kv_cache_dtype
                 for role in ("target", "draft") if f"quantize_{role}" in by_name}
-    return preview_trtllm(by_name["compile"].options, s, shape, draft_shape, quant_kv, repo)
+    return preview_trtllm(by_name["compile"].options, s, memory_plan.inputs.target, memory_plan.inputs.draft.shape,
+                          quant_kv, repo)
 
 
 # ---- stages -----------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 The quantize stages haven't written their checkpoints yet, so each is described from the model's
 architecture (a preset's, or a local config.json) and the stage's settings: layout, TP, quant_algo, KV
 quantization. Those descriptions go through the very functions `pipeline compile` runs
-(pipeline.compiler.compiler.resolve and generate), and the launch through `pipeline serve`'s
+(pipeline.compiler.compiler.resolve and route_files), and the launch through `pipeline serve`'s
 (pipeline.triton.launch), so a user planning a 70B deployment on a laptop reviews exactly the trtllm-build
 lines, the LLM-API YAML and the server command that will run in the container. Pure.
 """

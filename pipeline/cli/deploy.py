@@ -63,7 +63,7 @@ def kubernetes(name, namespace, replicas, image, base_image, storage_class, stor
       kubectl apply -k deploy/llama-3-3-70b
     """
     from pipeline.build import detect_environment, plan_build
-    from pipeline.deploy.kubernetes import files, write
+    from pipeline.deploy.kubernetes import write
     from pipeline.deploy.plan import DeployOptions, plan_deploy
 
     lo, hi = _replicas(replicas)
@@ -73,14 +73,12 @@ def kubernetes(name, namespace, replicas, image, base_image, storage_class, stor
                             prometheus_release=prometheus_release, output=output,
                             force=force)
     build_opts = build_options(**flags)
-    build = plan_build(build_opts, detect_environment(build_opts))
-    if build.memory_plan is not None and not build.memory_plan.fits:
-        raise ConfigError(f"{build.name} does not fit the plan's GPUs (`pipeline plan` says why); change "
-                          "--tp-size, --gpu or the formats")
+    build = plan_build(build_opts, detect_environment(build_opts))  # refuses a memory plan that doesn't fit
     plan = plan_deploy(build, options)
     folder = write(plan, force)
     if json_:
-        click.echo(json.dumps({"output": str(folder), "files": sorted(files(plan)), "name": plan.name,
+        click.echo(json.dumps({"output": str(folder), "files": sorted(p.name for p in folder.iterdir()),
+                               "name": plan.name,
                                "gpus_per_pod": plan.gpus, "launch": plan.launch_line,
                                "build": plan.build_command, "notes": list(plan.notes)}, indent=2))
         return

@@ -24,6 +24,7 @@ from pipeline.compiler.reference import TRTLLM_CONTAINER, TRTLLM_VERSION
 from pipeline.compiler.trtllm_build import BuildSizes, build_command, derive_sizes, run_command
 from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan, pick_route
 from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.engine.folder import ENGINE_FILE, write_engine_manifest
 from pipeline.errors import ConfigError, MissingDependencyError
 
 MANIFEST_FILE = "compile.json"
@@ -225,16 +226,16 @@ def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: 
         num_draft_tokens=sizes.max_draft_len, dtype=engine_folder.runtime_dtype(target, options.dtype),
         gate_batch_size=options.gate_batch_size)
     if options.dry_run:
-        (stage / engine_folder.ENGINE_FILE).write_text(json.dumps(engine, indent=2) + "\n")
+        write_engine_manifest(stage, engine)
     else:
         engine_folder.write_engine_dir(stage, engine, target, draft_ckpt)
         result.files += ["target/"] + (["draft/"] if draft_ckpt is not None else [])
         if options.calibrate and draft.speculates:
             _calibrate(stage, result, manifest)
-    result.files.insert(0, engine_folder.ENGINE_FILE)
+    result.files.insert(0, ENGINE_FILE)
     result.commands["load"] = ["python", "-c", f'from pipeline.engine import load_engine; '
                                                f'engine = load_engine("{result.output}")']
-    manifest["configs"] = {engine_folder.ENGINE_FILE: engine}
+    manifest["configs"] = {ENGINE_FILE: engine}
 
 
 def _calibrate(stage: Path, result: CompileResult, manifest: dict) -> None:

@@ -11,13 +11,12 @@ damage to the model cache it came from. The folder never depends on the source s
 from __future__ import annotations
 
 import fcntl
-import json
 import shutil
 from pathlib import Path
 
 from pipeline.compiler.checkpoint import Checkpoint
 from pipeline.draft_spec import DraftSpec
-from pipeline.engine.folder import ENGINE_FILE, FORMAT, FORMAT_VERSION
+from pipeline.engine.folder import FORMAT, FORMAT_VERSION, write_engine_manifest
 
 RUNTIME_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 FICLONE = 0x40049409  # linux/fs.h: the destination shares the source's blocks until either is written
@@ -51,7 +50,7 @@ def write_engine_dir(stage: Path, manifest: dict, target: Checkpoint, draft_ckpt
     _copy_files(target.path, stage / "target")
     if draft_ckpt is not None:
         _copy_files(draft_ckpt.path, stage / "draft")
-    (stage / ENGINE_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_engine_manifest(stage, manifest)
 
 
 def _copy_files(source: Path, dest: Path) -> None:

@@ -209,7 +209,7 @@ def _serve_command(build, trt: bool) -> tuple[list[str], dict[str, str], str]:
 def _build_command(build) -> list[str]:
     """`pipeline build` for the Job, every auto of this plan pinned: the cluster builds what was reviewed."""
     s, o = build.settings, build.options
-    argv = ["pipeline", "build", "--target", o.target, "--draft", _draft_flag(s), "--backend", s.backend,
+    argv = ["pipeline", "build", "--target", o.target, "--draft", str(s.draft), "--backend", s.backend,
             "--target-qformat", s.target_qformat, "--draft-qformat", s.draft_qformat, "--kv-cache-dtype",
             s.kv_cache_dtype, "--num-draft-tokens", str(s.num_draft_tokens), "--gate-batch-size",
             str(s.gate_batch_size), "--max-batch-size", str(s.max_batch_size), "--tp-size", str(s.tp_size)]
@@ -218,11 +218,6 @@ def _build_command(build) -> list[str]:
     argv += ["--gpu", s.gpu] if s.gpu else []
     argv += ["--draft-budget-minutes", f"{o.draft_budget_minutes:g}"] if s.draft.kind == "eagle3" else []
     return argv + ["--engines-dir", ENGINES_DIR, "--repo", REPO_DIR, "--quiet"]
-
-
-def _draft_flag(s) -> str:
-    # The plan's draft, resolved: an EAGLE-3 head by its hub id, or "eagle3" alone where the build trains one.
-    return str(s.draft) if s.draft.ref or s.draft.kind != "eagle3" else "eagle3"
 
 
 def _weight_bytes(build) -> float:

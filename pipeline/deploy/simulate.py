@@ -44,12 +44,16 @@ class Replica:
     gpus: int
     startup_s: float  # scheduled to serving
 
+    def speculates(self, b: float) -> bool:
+        """Whether the engine's own gate lets b decoding requests draft."""
+        return self.acceptance > 0 and self.num_draft_tokens > 0 and b <= self.gate
+
     def per_request_tokens_per_s(self, b: float) -> float:
         """Tokens per second each of b decoding requests gets."""
         if b <= 0:
             return 0.0
         rows = max(1, round(b))
-        if self.acceptance > 0 and self.num_draft_tokens > 0 and b <= self.gate:
+        if self.speculates(b):
             k = self.num_draft_tokens
             return expected_tokens(self.acceptance, k) / self.cost.step_s(rows, k + 1)
         return 1.0 / self.cost.step_s(rows, 1)
@@ -120,7 +124,7 @@ def simulate(replica: Replica, traffic: Traffic, policy: str, *, min_replicas: i
         rate = replica.per_request_tokens_per_s(b)
         produced = min(ready * b * rate, in_system * L)
         tokens += produced
-        if replica.acceptance > 0 and b <= replica.gate:
+        if replica.speculates(b):
             spec_tokens += produced
         in_system -= produced / L
         if produced > 0:

@@ -11,6 +11,7 @@ so reading it needs nothing from compile. Layout:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +37,16 @@ def read_engine_manifest(path: str | Path) -> dict:
         raise ModelFormatError(f"{folder} has engine.json but no weights (a --dry-run?); run `pipeline compile` "
                                f"without --dry-run")
     return manifest
+
+
+def write_engine_manifest(folder: str | Path, manifest: dict) -> Path:
+    """engine.json, written whole (a temp file renamed over it): compile writes it, `pipeline bench --apply` edits
+    it in a folder an engine may be loading from."""
+    path = Path(folder) / ENGINE_FILE
+    tmp = path.with_name(f".{ENGINE_FILE}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def engine_config(manifest: dict, device: str | None = None, dtype: str | None = None):
