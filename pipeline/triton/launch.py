@@ -118,6 +118,41 @@ def launch_command(launch: Launch, tritonserver: str, base_args: list[str], shm_
     return argv, env
 
 
+LLMAPI_LAUNCHER = "trtllm-llmapi-launch"
+
+
+def multinode_command(launch: Launch, tritonserver: str, base_args: list[str], shm_prefix: str, hosts: list[str],
+                      slots: int, rsh_agent: str, mpirun: str = "mpirun") -> list[str]:
+    """One replica across hosts (pods): mpirun starts every rank on `hosts` (`slots` ranks, one per GPU, on each;
+    the first host runs rank 0, which serves) and reaches them through `rsh_agent` instead of ssh. Pure.
+
+    As kubernetes-sigs/lws docs/examples/tensorrt-llm runs Triton + TensorRT-LLM across pods (LAUNCH_FACTS
+    "hosts" and "kubessh"). Per mode:
+    - leader: the ranks of the one-node launch, spread over the hosts;
+    - llmapi: one rank per GPU instead of one, each under trtllm-llmapi-launch: rank 0 runs tritonserver and
+      the LLM API's MPI leader, every other rank becomes one of its workers and ignores the command
+      (LAUNCH_FACTS "llmapi_ranks"), so one command serves for all: `-np N trtllm-llmapi-launch tritonserver ...`;
+    - orchestrator: refused; it spawns its workers itself, on its own node (LAUNCH_FACTS "spawn").
+    """
+    if launch.mode == "orchestrator":
+        raise ConfigError("draft-target serving (two TensorRT-LLM models under the orchestrator) spawns its workers "
+                          "on one node, so it can't span nodes; use --draft eagle3 or ngram, or a smaller --tp-size")
+    if launch.mode not in ("leader", "llmapi"):
+        raise ConfigError(f"a {launch.mode} launch runs on one machine")
+    ranks = launch.world_size if launch.mode == "leader" else launch.gpus
+    if ranks != slots * len(hosts):
+        raise ConfigError(f"{ranks} ranks don't fill {len(hosts)} hosts of {slots} GPUs each")
+    argv = [mpirun, "--allow-run-as-root", "-mca", "plm_rsh_agent", rsh_agent, "-np", str(ranks),
+            "--host", ",".join(f"{host}:{slots}" for host in hosts)]
+    if launch.mode == "llmapi":
+        return argv + [LLMAPI_LAUNCHER, *rank_command(tritonserver, base_args, 0, launch, shm_prefix)]
+    for rank in range(ranks):
+        argv += ["-n", "1", *rank_command(tritonserver, base_args, rank, launch, shm_prefix)]
+        if rank < ranks - 1:
+            argv.append(":")
+    return argv
+
+
 def write_launch(repo: Path, launch: Launch) -> Path:
     path = Path(repo) / LAUNCH_FILE
     path.write_text(json.dumps(launch.to_dict(), indent=2) + "\n")

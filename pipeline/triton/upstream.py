@@ -45,9 +45,16 @@ LLMAPI_TEMPLATE = "triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt"
 LLMAPI_MODEL_PY = "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py"
 LLMAPI_HELPERS = "triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py"
 LLMAPI_DOC = "triton-inference-server/tensorrtllm_backend:docs/llmapi.md"
+LLMAPI_LAUNCHER = "tensorrt_llm/llmapi/trtllm-llmapi-launch"  # read at 020c89e6
+# Across pods (pipeline deploy kubernetes, multi-node): LeaderWorkerSet's Triton + TensorRT-LLM example, read at
+# kubernetes-sigs/lws v0.10.0 (2161f38f), and the kubessh it copies from NVIDIA's tutorials (e8489525).
+LWS_SERVER = "kubernetes-sigs/lws:docs/examples/tensorrt-llm/build/server.py"
+LWS_RBAC = "kubernetes-sigs/lws:docs/examples/tensorrt-llm/rbac.yaml"
+KUBESSH = "triton-inference-server/tutorials:Deployment/Kubernetes/TensorRT-LLM_Multi-Node_Distributed_Models/containers/kubessh"
 SOURCES = frozenset({TEMPLATE, ENSEMBLE_TEMPLATE, MODEL_INSTANCE_STATE, MODEL_STATE, UTILS_H, FILL_TEMPLATE,
                      LAUNCH_SCRIPT, EXECUTOR_IMPL, DOCKERFILE, MULTI_INSTANCE_DOC, DRAFT_TARGET_README,
-                     LLMAPI_TEMPLATE, LLMAPI_MODEL_PY, LLMAPI_HELPERS, LLMAPI_DOC})
+                     LLMAPI_TEMPLATE, LLMAPI_MODEL_PY, LLMAPI_HELPERS, LLMAPI_DOC, LLMAPI_LAUNCHER, LWS_SERVER,
+                     LWS_RBAC, KUBESSH})
 
 
 @dataclass(frozen=True)
@@ -346,6 +353,21 @@ LAUNCH_FACTS: dict[str, LaunchFact] = {
                                  "as many as tp*pp*cp; unset = the visible GPUs", Ref(MULTI_INSTANCE_DOC, "gpu_device_ids")),
     "participant_ids": LaunchFact("participant_ids must stay unset when the orchestrator spawns its workers",
                                   Ref(EXECUTOR_IMPL, "Executor::Impl::initializeWorkers")),
+    "hosts": LaunchFact("across pods: mpirun --allow-run-as-root -mca plm_rsh_agent kubessh -np <tp*pp> --host "
+                        "<pod>:<GPUs per pod>,... (the leader's pod first), then the per-rank commands; started once "
+                        "every pod of the group is Running", Ref(LWS_SERVER, "do_leader, wait_for_workers")),
+    "kubessh": LaunchFact("kubessh POD CMD... runs kubectl exec POD -- /bin/sh -c CMD: kubectl in the image and a "
+                          "service account allowed pods get/list and pods/exec create", Ref(KUBESSH, "kubessh")),
+    "workers_wait": LaunchFact("worker pods run nothing of their own; the leader's mpirun starts their ranks",
+                               Ref(LWS_SERVER, "do_worker")),
+    "rbac": LaunchFact("Role: get, list on pods; create on pods/exec; bound to the pods' service account",
+                       Ref(LWS_RBAC, "Role tensorrt-sa")),
+    "llmapi_ranks": LaunchFact("under MPI the LLM API runs one rank per GPU, each as trtllm-llmapi-launch "
+                               "<command>: rank 0 runs the command and mgmn_leader_node, the others "
+                               "mgmn_worker_node and ignore the command",
+                               Ref(LLMAPI_LAUNCHER, "mpi_rank")),
+    "llmapi_launch": LaunchFact("--trtllm_llmapi_launch puts trtllm-llmapi-launch before tritonserver in every "
+                                "rank's -n 1 command", Ref(LAUNCH_SCRIPT, "get_cmd")),
     "two_models": LaunchFact("draft + target in one server: --multi-model (orchestrator), the draft and target "
                              "tensorrt_llm models named in --tensorrt_llm_model_name", Ref(DRAFT_TARGET_README, "Triton")),
 }
