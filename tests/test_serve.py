@@ -341,3 +341,23 @@ def test_a_dead_stub_is_restarted_and_a_crash_loop_ends_with_its_reason(tmp_path
             supervise(server, said.append, ready_timeout=60, budget=RestartBudget(limit=1), poll_s=0.1)
         assert server.process.poll() is None  # serve's finally stops it; supervise only restarts
     assert len(said) == 2 and "restarting tritonserver" in said[0] and said[1].startswith("ready again after")
+
+
+def test_what_died_names_a_dead_stub_and_the_server_it_took_down():
+    """A killed stub can take tritonserver with it inside one poll: the line names both, the stub first."""
+    import os
+    from types import SimpleNamespace
+
+    from pipeline.triton.supervise import Stub, what_died
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    up = SimpleNamespace(process=SimpleNamespace(poll=lambda: None), log=lambda: "")
+    down = SimpleNamespace(process=SimpleNamespace(poll=lambda: 1), log=lambda: "")
+    alive = Stub(os.getpid(), "gate")
+    assert what_died(up, [alive]) is None
+    assert what_died(up, [alive, Stub(gone.pid, "torch_engine")]) == \
+        f"the python stub of torch_engine (pid {gone.pid}) died"
+    assert what_died(down, [alive]) == "tritonserver exited with code 1"
+    assert what_died(down, [Stub(gone.pid, "torch_engine")]) == \
+        f"the python stub of torch_engine (pid {gone.pid}) died; tritonserver exited with code 1"

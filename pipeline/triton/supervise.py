@@ -55,15 +55,19 @@ def _alive(pid: int) -> bool:
 
 
 def what_died(server: TritonServer, stubs: list[Stub]) -> str | None:
-    """One line naming the dead process, or None while the server and every stub it started are up."""
+    """One line naming the dead processes, or None while the server and every stub it started are up.
+
+    Both are named when both are gone: a killed stub can take tritonserver down within one poll, and a dead
+    server takes its stubs, so which went first can't be told from here."""
+    parts = []
+    dead = [s for s in stubs if not _alive(s.pid)]
+    if dead:
+        parts.append("the python stub of " + ", ".join(f"{s.model} (pid {s.pid})" for s in dead) + " died")
     code = server.process.poll()
     if code is not None:
         reason = failure_from_log(server.log())
-        return f"tritonserver exited with code {code}" + (f" ({reason})" if reason else "")
-    dead = [s for s in stubs if not _alive(s.pid)]
-    if dead:
-        return "the python stub of " + ", ".join(f"{s.model} (pid {s.pid})" for s in dead) + " died"
-    return None
+        parts.append(f"tritonserver exited with code {code}" + (f" ({reason})" if reason else ""))
+    return "; ".join(parts) or None
 
 
 @dataclass
