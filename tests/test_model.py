@@ -191,6 +191,28 @@ def test_packing_is_cpu_only_and_rebuildable(variant):
         assert all(m.packed is not None and m.packed.dtype == torch.bfloat16 for m in linears)
 
 
+@DTYPES
+def test_a_model_loaded_to_hold_its_weights_once_gives_the_same_logits(variant, dtype, monkeypatch):
+    """keep_plain=False (what the engine loads): packed linears drop their plain weight, nothing else
+    changes, and asking to re-pack says why it can't."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: nothing is packed, so nothing is released")
+    monkeypatch.setenv("PIPELINE_LINEAR", "onednn")  # pack even these tiny weights
+    _, path = variant
+    ids = seqs(2, 9, seed=5)
+    logits = []
+    for keep in (True, False):
+        model = load_transformer(path, MAX_LEN, dtype, keep_plain=keep)
+        cache = model.new_cache(2, MAX_LEN)
+        logits.append(model(ids, ForwardBatch.build([0, 1], [0, 0], [9, 9], cache), cache))
+    assert torch.equal(logits[0], logits[1])
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight.is_meta and m.packed is not None for m in linears)
+    assert not model.embed.weight.is_meta  # the lookup needs it, tied or not
+    with pytest.raises(ValueError, match="plain weight was released"):
+        linears[0].pack()
+
+
 # ---- batch invariance: a row's bits never depend on the rows beside it ------------------------------
 # Greedy output stays the target's own only if every token's logits come out bit for bit the same
 # alone, beside other requests and inside a speculative verify. These shapes are SmolLM2's, where
@@ -268,3 +290,13 @@ def test_a_prompt_prefilled_beside_a_longer_one_gets_the_same_attention():
             mask[..., n:, 0] = True  # pad queries see key 0 only, as ForwardBatch.build makes them
             out = attn.grouped_attention(q[:, :, :t], k[:, :, :t], v[:, :, :t], mask)[:, :, :n]
             assert torch.equal(out, alone), f"a {n}-token prompt padded to {t}"
+
+
+def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path):
+    from pipeline.errors import ModelFormatError
+
+    path = make_tiny_llama(tmp_path / "m", seed=3, layers=2)
+    weights = next(path.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ModelFormatError, match="is truncated"):
+        load_transformer(path, MAX_LEN)

@@ -540,4 +540,4 @@ def _load_target(target: Path, max_seq_len: int):
 
     config = EngineConfig(max_batch_size=ANSWER_BATCH, max_seq_len=max_seq_len, dtype="bf16",
                           gate=GatePolicy(min_tokens=0))
-    return load_transformer(target, max_seq_len, torch.bfloat16), config
+    return load_transformer(target, max_seq_len, torch.bfloat16, keep_plain=False), config

@@ -80,9 +80,19 @@ class Linear(nn.Module):
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def release_plain(self) -> None:
+        """Hold the weight once: keep the packed copy and make the plain one shape-only (meta). Needs a
+        packed copy; after this the module can't be re-packed, cast or moved."""
+        if self.packed is None:
+            raise ValueError("release_plain needs a packed weight")
+        self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+
     def pack(self, backend: str | None = None) -> None:
         backend = backend or os.environ.get(_BACKEND_ENV, "auto")
         w = self.weight
+        if w.is_meta and self.packed is not None:
+            raise ValueError("this linear's plain weight was released (load_transformer(keep_plain=False)); "
+                             "load the model again to pack it another way")
         self.packed = None
         if backend == "torch" or w.device.type != "cpu" or w.is_meta or not _onednn_available():
             return
