@@ -24,7 +24,7 @@ from torch import nn
 _BACKEND_ENV = "PIPELINE_LINEAR"
 # A oneDNN call costs ~10-30 us more than F.linear. That only pays back when the weight streams
 # from DRAM; a weight that stays in L2 (tiny drafts, test models) is faster through F.linear.
-PACK_MIN_BYTES = 1 << 20
+PACK_MIN_BYTES = 256 << 10
 # Rows per CPU call, (fewest, most), per kernel. A row's result must not depend on how many other
 # rows share the call: that keeps greedy output the same alone, in a batch, and under speculation
 # (whose verify feeds k+1 rows per request). Both kernels pick their code path by the row count:

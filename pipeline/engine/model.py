@@ -86,43 +86,51 @@ class Attention(nn.Module):
         ck[fb.slots[:, None], :, fb.write_pos] = k
         cv[fb.slots[:, None], :, fb.write_pos] = v
         L = fb.kv_len
+        grouped = q.dtype == torch.bfloat16 and q.device.type == "cpu"
+        # grouped_attention reads whole blocks of SCORE_ALIGN keys (the ones past L masked): each new length
+        # made the bf16 matmuls new shapes, and oneDNN builds a kernel per shape, so decode paid that at every
+        # step and layer. The cache always holds them: entries past a row's length are zeros or stale K/V.
+        W = min(-(-L // SCORE_ALIGN) * SCORE_ALIGN, ck.shape[2]) if grouped else L
         if fb.slot_range is not None:
             a, b = fb.slot_range
-            keys, values = ck[a:b, :, :L], cv[a:b, :, :L]  # views, no copy
+            keys, values = ck[a:b, :, :W], cv[a:b, :, :W]  # views, no copy
         else:
-            keys, values = ck[:, :, :L].index_select(0, fb.slots), cv[:, :, :L].index_select(0, fb.slots)
+            keys, values = ck[:, :, :W].index_select(0, fb.slots), cv[:, :, :W].index_select(0, fb.slots)
         q = q.transpose(1, 2)  # [B, H, T, D]
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        if grouped:
             # torch's CPU flash-attention kernel in bf16 costs ~100 us per batch row (1.6 ms per layer at
             # B=16 against 0.2 ms for grouped_attention's matmuls) and rounds differently with the batch
             # shape; grouped_attention gives each row the same bits whatever the batch (see there). In
             # fp32 the flash kernel is fast, and SmolLM2's greedy output on the soak's 16 prompts is the
             # same through it alone, batched and speculated (measured, not a test).
-            out = self.grouped_attention(q, keys, values, fb.attn_mask)
+            out = self.grouped_attention(q, keys, values, fb.attn_mask, L)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fb.attn_mask,
                                                  enable_gqa=self.n_kv != self.n_heads)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
     def grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
-        """q: [B, H, T, D]; keys/values: [B, KV, L, D]; mask: [B, 1, T, L] or None -> [B, H, T, D].
+                          mask: torch.Tensor | None, kv_len: int | None = None) -> torch.Tensor:
+        """q: [B, H, T, D]; keys/values: [B, KV, W, D], of which the first kv_len (L, default W) are real;
+        mask: [B, 1, T, L] or None -> [B, H, T, D].
 
         Query heads sharing a KV head are stacked along T, so GQA needs no repeated K/V.
         """
         B, H, T, D = q.shape
         G = H // self.n_kv
-        scores = (q.reshape(B, self.n_kv, G * T, D) @ keys.transpose(-1, -2)).float() * D**-0.5  # [B, KV, G*T, L]
+        L = keys.shape[-2] if kv_len is None else kv_len
+        scores = (q.reshape(B, self.n_kv, G * T, D) @ keys.transpose(-1, -2)).float() * D**-0.5  # [B, KV, G*T, W]
         if mask is not None:
-            scores = scores.masked_fill(~mask.repeat(1, 1, G, 1), float("-inf"))
+            scores[..., :L].masked_fill_(~mask.repeat(1, 1, G, 1), float("-inf"))
+        scores[..., L:] = float("-inf")  # keys read past the real ones (see Attention.forward)
         # softmax's CPU kernel takes another code path for a row of fewer than 16 entries (other bits), so
         # a short row's probabilities depended on the L its batch padded it to: prompts of 3-15 tokens
         # moved when prefilled beside a longer one. Rows padded with -inf to a multiple of SCORE_ALIGN
         # keys always take the same path, and the padding adds exact zeros (checked for L = 1..139).
-        L = scores.shape[-1]
-        if L % SCORE_ALIGN:
-            scores = F.pad(scores, (0, SCORE_ALIGN - L % SCORE_ALIGN), value=float("-inf"))
-        probs = torch.softmax(scores, dim=-1)[..., :L]
+        W = scores.shape[-1]
+        if W % SCORE_ALIGN:
+            scores = F.pad(scores, (0, SCORE_ALIGN - W % SCORE_ALIGN), value=float("-inf"))
+        probs = torch.softmax(scores, dim=-1)[..., :W]
         # probs @ values sums over the keys, and how many keys there are depends on the batch: the
         # longest row sets L, and a shorter row's extra keys are masked to probability 0. A bf16
         # matmul picks its kernel by L (SmolLM2's greedy output alone moved when speculation padded
@@ -132,7 +140,7 @@ class Attention(nn.Module):
         # One query row (G*T = 1: no GQA, one token) would take a matrix-vector kernel of its own.
         rows = probs if G * T > 1 else torch.cat([probs, probs], dim=-2)
         out = None
-        for a in range(0, L, KEY_BLOCK):
+        for a in range(0, W, KEY_BLOCK):
             part = rows[..., a:a + KEY_BLOCK] @ values[:, :, a:a + KEY_BLOCK].float()
             out = part if out is None else out.add_(part)
         return out[..., : G * T, :].to(q.dtype).reshape(B, H, T, D)

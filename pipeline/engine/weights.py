@@ -21,6 +21,7 @@ from pipeline.engine.quant import QuantizedWeight, build_quantized_linear, read_
 from pipeline.errors import ModelFormatError
 
 
+READ_CHUNK = 8 << 20  # bytes per read when a tensor is cast on the way in
 # safetensors' dtype names (its format spec) -> torch's
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -53,19 +54,38 @@ class CheckpointTensors(Mapping):
                 self._where[name] = (f, 8 + size, info)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def read(self, name: str, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor as stored, or cast to `dtype`, or into `out` (contiguous, of its shape). A cast reads
+        READ_CHUNK bytes at a time, so it never holds the stored tensor whole (SmolLM2's fp32 embedding is
+        113 MB, twice its bf16 self)."""
         path, base, info = self._where[name]
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
+        stored = _DTYPES.get(info["dtype"])
+        if stored is None:
             raise ModelFormatError(f"{path.name}: tensor {name} has dtype {info['dtype']}, which the engine "
                                    "doesn't read")
+        if out is None:
+            out = torch.empty(info["shape"], dtype=dtype or stored)
         start, end = info["data_offsets"]
-        out = torch.empty(info["shape"], dtype=dtype)
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        flat = out.view(-1)
+        if flat.numel() * stored.itemsize != end - start:
+            raise ModelFormatError(f"{path.name}: tensor {name} doesn't hold {list(out.shape)} of {info['dtype']}")
+        step = flat.numel() if out.dtype == stored else max(1, READ_CHUNK // stored.itemsize)
+        buf = flat if out.dtype == stored else torch.empty(min(step, flat.numel()), dtype=stored)
         with open(path, "rb", buffering=0) as fh:
             fh.seek(base + start)
-            if out.numel() and fh.readinto(view) != end - start:
-                raise ModelFormatError(f"{path.name} is truncated (tensor {name}); copy the checkpoint again")
+            for i in range(0, flat.numel(), step):
+                n = min(step, flat.numel() - i)
+                part = buf[i:i + n] if buf is flat else buf[:n]
+                if fh.readinto(memoryview(part.view(torch.uint8).numpy())) != n * stored.itemsize:
+                    raise ModelFormatError(f"{path.name} is truncated (tensor {name}); copy the checkpoint again")
+                if buf is not flat:
+                    flat[i:i + n].copy_(part)
         return out
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._where[name][2]["shape"])
 
     def __contains__(self, name) -> bool:  # Mapping's default would read the tensor
         return name in self._where
@@ -97,50 +117,63 @@ def linear_groups(cfg: ModelConfig) -> dict[str, list[str]]:
     return groups
 
 
-def _taker(hf: dict[str, torch.Tensor]):
-    def take(name: str) -> torch.Tensor:
+def _namer(hf: Mapping[str, torch.Tensor]) -> Callable[[str], str]:
+    """A Hugging Face tensor's name as this checkpoint spells it (with or without the "model." prefix)."""
+    def name_of(name: str) -> str:
         for prefix in ("model.", ""):
             if prefix + name in hf:
-                return hf[prefix + name]
+                return prefix + name
         raise ModelFormatError(f"checkpoint is missing tensor {name!r}; is this a Llama-family checkpoint?")
 
-    return take
+    return name_of
+
+
+def _taker(hf: Mapping[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    name_of = _namer(hf)
+    return lambda name: hf[name_of(name)]
 
 
 def _hf_prefix(hf: dict[str, torch.Tensor], name: str) -> str:
     return "model." + name if f"model.{name}.weight" in hf else name
 
 
-def engine_tensors(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, skip: frozenset[str] = frozenset()
-                   ) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """The engine's tensor names, each with how to build it from Hugging Face's: renamed, with q/k/v and
-    gate/up fused. Engine linears named in `skip` (already built, quantized) are left out. The builders
-    read lazily, so the caller casts and places one tensor before the next is read."""
-    take = _taker(hf)
+def engine_tensors(hf: CheckpointTensors, cfg: ModelConfig, skip: frozenset[str] = frozenset()
+                   ) -> Iterator[tuple[str, Callable[[torch.dtype], torch.Tensor]]]:
+    """The engine's tensor names, each with how to build it in a dtype from Hugging Face's: renamed, with
+    q/k/v and gate/up fused (read straight into their rows of the fused tensor). Engine linears named in
+    `skip` (already built, quantized) are left out. The builders read when called, so the caller places
+    one tensor before the next is read."""
+    name_of = _namer(hf)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in hf:
         raise ModelFormatError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
-    yield "embed.weight", lambda: take("embed_tokens.weight")
-    yield "norm.weight", lambda: take("norm.weight")
+
+    def one(hf_name):
+        return lambda dtype: hf.read(name_of(hf_name), dtype)
+
+    def fused(hf_names):
+        def build(dtype):
+            names = [name_of(n) for n in hf_names]
+            shapes = [hf.shape(n) for n in names]
+            out = torch.empty([sum(s[0] for s in shapes), *shapes[0][1:]], dtype=dtype)
+            row = 0
+            for n, s in zip(names, shapes):
+                hf.read(n, out=out[row:row + s[0]])
+                row += s[0]
+            return out
+        return build
+
+    yield "embed.weight", one("embed_tokens.weight")
+    yield "norm.weight", one("norm.weight")
     for engine_name, hf_names in linear_groups(cfg).items():
         if engine_name in skip:
             continue
-        yield engine_name + ".weight", lambda names=hf_names: _fused([take(n + ".weight") for n in names])
+        yield engine_name + ".weight", fused([n + ".weight" for n in hf_names])
         if engine_name.endswith(".qkv") and cfg.qkv_bias:
-            yield engine_name + ".bias", lambda names=hf_names: _fused([take(n + ".bias") for n in names])
+            yield engine_name + ".bias", fused([n + ".bias" for n in hf_names])
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        yield p + "input_norm.weight", lambda p=p: take(p + "input_layernorm.weight")
-        yield p + "post_norm.weight", lambda p=p: take(p + "post_attention_layernorm.weight")
-
-
-def _fused(pieces: list[torch.Tensor]) -> torch.Tensor:
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def to_engine_layout(hf: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                     skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Every engine tensor at once (engine_tensors, materialized)."""
-    return {name: build() for name, build in engine_tensors(hf, cfg, skip)}
+        yield p + "input_norm.weight", one(p + "input_layernorm.weight")
+        yield p + "post_norm.weight", one(p + "post_attention_layernorm.weight")
 
 
 def install_quantized_linears(model: Transformer, hf: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -152,7 +185,7 @@ def install_quantized_linears(model: Transformer, hf: dict[str, torch.Tensor], d
     for engine_name, hf_names in linear_groups(cfg).items():
         pieces = [QuantizedWeight.take(hf, _hf_prefix(hf, n)) for n in hf_names]
         if any(p.weight is None for p in pieces):
-            continue  # to_engine_layout reports the missing tensor
+            continue  # engine_tensors reports the missing tensor
         bias = None
         if engine_name.endswith(".qkv") and cfg.qkv_bias:
             bias = torch.cat([take(n + ".bias") for n in hf_names])
@@ -180,7 +213,7 @@ def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = 
     for name, build in engine_tensors(hf, cfg, quantized):
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        setattr(module, attr, nn.Parameter(build().to(device=device, dtype=dtype), requires_grad=False))
+        setattr(module, attr, nn.Parameter(build(dtype).to(device=device), requires_grad=False))
         if isinstance(module, Linear) and attr == "weight":
             _pack(module, keep_plain)  # now, while this weight alone is in flight
     if cfg.tie_word_embeddings:
