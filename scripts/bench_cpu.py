@@ -57,9 +57,12 @@ N_LOOKUP = 4  # draft tokens per step for every speculative row
 
 
 def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS: VmHWM, which starts afresh with the process's image (getrusage's ru_maxrss
+    carries the parent's peak across fork and exec, so every child reported the parent's)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
