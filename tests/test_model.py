@@ -300,3 +300,20 @@ def test_a_truncated_checkpoint_is_refused_in_one_line(tmp_path):
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(ModelFormatError, match="is truncated"):
         load_transformer(path, MAX_LEN)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_checkpoint_tensors_read_in_pieces_what_safetensors_reads(tmp_path, monkeypatch, dtype):
+    """Reads go in READ_CHUNK pieces, cast or not; shrunk to 1 KB here, every tensor takes many."""
+    from safetensors.torch import load_file
+
+    from pipeline.engine import weights
+
+    path = make_tiny_llama(tmp_path / "m", seed=3, layers=2)
+    monkeypatch.setattr(weights, "READ_CHUNK", 1000)
+    expected = load_file(str(next(path.glob("*.safetensors"))))
+    tensors = weights.CheckpointTensors(path)
+    assert set(tensors) == set(expected)
+    for name, want in expected.items():
+        got = tensors.read(name, dtype)
+        assert torch.equal(got, want if dtype is None else want.to(dtype)), name

@@ -21,7 +21,7 @@ from pipeline.engine.quant import QuantizedWeight, build_quantized_linear, read_
 from pipeline.errors import ModelFormatError
 
 
-READ_CHUNK = 8 << 20  # bytes per read when a tensor is cast on the way in
+READ_CHUNK = 8 << 20  # bytes per read
 # safetensors' dtype names (its format spec) -> torch's
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -71,16 +71,18 @@ class CheckpointTensors(Mapping):
         flat = out.view(-1)
         if flat.numel() * stored.itemsize != end - start:
             raise ModelFormatError(f"{path.name}: tensor {name} doesn't hold {list(out.shape)} of {info['dtype']}")
-        step = flat.numel() if out.dtype == stored else max(1, READ_CHUNK // stored.itemsize)
-        buf = flat if out.dtype == stored else torch.empty(min(step, flat.numel()), dtype=stored)
+        # Pieces of READ_CHUNK bytes, cast or not: one read() stops short of 2 GiB on Linux, and a 70B
+        # model's embedding is 2.1 GB in bf16.
+        step = max(1, READ_CHUNK // stored.itemsize)
+        buf = None if out.dtype == stored else torch.empty(min(step, flat.numel()), dtype=stored)
         with open(path, "rb", buffering=0) as fh:
             fh.seek(base + start)
             for i in range(0, flat.numel(), step):
                 n = min(step, flat.numel() - i)
-                part = buf[i:i + n] if buf is flat else buf[:n]
+                part = flat[i:i + n] if buf is None else buf[:n]
                 if fh.readinto(memoryview(part.view(torch.uint8).numpy())) != n * stored.itemsize:
                     raise ModelFormatError(f"{path.name} is truncated (tensor {name}); copy the checkpoint again")
-                if buf is not flat:
+                if buf is not None:
                     flat[i:i + n].copy_(part)
         return out
 
