@@ -23,7 +23,6 @@ RESOURCES = ("pvc.yaml", "build-job.yaml", "deployment.yaml", "service.yaml", "p
 MULTINODE_RESOURCES = ("pvc.yaml", "build-job.yaml", "serviceaccount.yaml", "role.yaml", "rolebinding.yaml",
                        "leaderworkerset.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml", "pdb.yaml")
 LWS_API = "leaderworkerset.x-k8s.io/v1"
-LWS_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"  # the label LWS puts on every pod of one group
 ADAPTER_RULES = "prometheus-adapter-rules.yaml"  # merged into the adapter's own config, not applied here
 SHM_SIZE = {"trtllm": "16Gi", "torch": "2Gi"}  # /dev/shm: Triton's Python backend moves tensors through it
 
@@ -170,13 +169,13 @@ def deployment(plan: DeployPlan) -> dict:
 def leader_worker_set(plan: DeployPlan) -> dict:
     """A replica across plan.pods_per_replica pods: the leader runs tritonserver's rank 0 and the mpirun that starts
     every rank, the workers hold their GPUs and wait (kubernetes-sigs/lws docs/examples/tensorrt-llm). Only the
-    leader serves, so it alone carries the server labels the Service, the PodMonitor and the PDB's count select;
-    LWS points the HPA at the leaders too (its scale subresource's hpaPodSelector)."""
+    leader serves, so it alone carries the server labels the Service and the PodMonitor select (the PDB counts
+    workers too); LWS points the HPA at the leaders as well (its scale subresource's hpaPodSelector)."""
     leader = _server_pod(plan)
     leader["serviceAccountName"] = f"{plan.name}-mpi"
     worker_container = {"name": "worker", "image": plan.image, "command": ["sleep", "infinity"],
                         "resources": _resources(plan), "volumeMounts": _mounts(read_only=True)}
-    # Workers get the account too: with more than two pods, Open MPI's daemons launch each other (tree spawn).
+    # Workers run as the same account, as lws's example has them (its rbac.yaml binds one account to both).
     worker = {"serviceAccountName": f"{plan.name}-mpi", "containers": [worker_container], "volumes": _volumes(plan),
               "terminationGracePeriodSeconds": 30, **_placement(plan)}
     meta = _meta(plan, plan.name, "server")
