@@ -178,14 +178,17 @@ def engine_tensors(hf: CheckpointTensors, cfg: ModelConfig, skip: frozenset[str]
         yield p + "post_norm.weight", one(p + "post_attention_layernorm.weight")
 
 
-def install_quantized_linears(model: Transformer, hf: dict[str, torch.Tensor], dtype: torch.dtype,
+def install_quantized_linears(model: Transformer, hf: CheckpointTensors, dtype: torch.dtype,
                               device: str | torch.device) -> frozenset[str]:
     """Swap in a quantized module for every engine linear whose checkpoint weights are quantized;
     return their names."""
     cfg, take = model.cfg, _taker(hf)
     installed = set()
     for engine_name, hf_names in linear_groups(cfg).items():
-        pieces = [QuantizedWeight.take(hf, _hf_prefix(hf, n)) for n in hf_names]
+        prefixes = [_hf_prefix(hf, n) for n in hf_names]
+        if not any(f"{prefix}.weight_scale" in hf for prefix in prefixes):
+            continue  # dense: engine_tensors reads it once, rather than reading it here to find that out
+        pieces = [QuantizedWeight.take(hf, prefix) for prefix in prefixes]
         if any(p.weight is None for p in pieces):
             continue  # engine_tensors reports the missing tensor
         bias = None
