@@ -242,6 +242,26 @@ def test_launch_modes_check_their_world_size():
     assert argv == ["tritonserver", "--x", "--backend-config=python,shm-region-prefix-name=p_"] and env == {}
 
 
+def test_the_multi_node_launch_emits_only_what_its_launch_facts_name():
+    """Every mpirun option before the rank commands, and the LLM API's launcher, is in the fact it cites."""
+    from pipeline.triton.launch import LLMAPI_LAUNCHER, multinode_command
+
+    hosts_fact = upstream.LAUNCH_FACTS["hosts"].what
+    for launch in (plan_launch("engine", world_size=4, trtllm_models=(TRTLLM_TARGET,)),
+                   plan_launch("llmapi", world_size=4)):
+        argv = multinode_command(launch, "tritonserver", ["--x"], "p_", ["a", "b"], 2, "kubessh")
+        head = argv[:argv.index("tritonserver") if launch.mode == "llmapi" else argv.index("-n")]
+        for option in head[1:]:
+            if option.startswith("-"):
+                assert option in hosts_fact, option
+        assert head[head.index("-mca") + 1:head.index("-mca") + 3] == ["plm_rsh_agent", "kubessh"]
+        if launch.mode == "llmapi":
+            assert head[-1] == LLMAPI_LAUNCHER and LLMAPI_LAUNCHER in upstream.LAUNCH_FACTS["llmapi_ranks"].what
+    with pytest.raises(ConfigError, match="spawns its workers on one node"):
+        multinode_command(plan_launch("engine", world_size=2, trtllm_models=(TRTLLM_TARGET, "tensorrt_llm_draft")),
+                          "tritonserver", [], "p_", ["a", "b"], 1, "kubessh")
+
+
 # ---- refusals at serve time ------------------------------------------------------------------------------------------
 
 
