@@ -15,6 +15,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_llama
 
+from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.linear import Linear
@@ -149,6 +150,13 @@ def test_ragged_padded_batch_matches_hf(variant, dtype, backend):
     assert torch.equal(model(ids, fb, cache), out)
 
 
+def test_ragged_padded_batch_matches_hf_through_the_torch_small_ops(variant):
+    """The bf16 tests above run the fused C kernels where they built (pipeline/engine/cpu_kernels.py); the
+    torch ops they replace, which run where no compiler is, must match HF as well."""
+    with cpu_kernels.disabled():
+        test_ragged_padded_batch_matches_hf(variant, torch.bfloat16, "onednn")
+
+
 def test_verify_step_matches_single_token_steps(variant):
     """A T=k+1 forward (speculative verify) equals k+1 single-token steps, in fp32."""
     _, path = variant
@@ -233,6 +241,29 @@ def test_a_linear_rows_result_does_not_depend_on_how_many_rows_share_the_call(dt
     for rows in (2, 5, 16, 33, 40, 80):
         assert torch.equal(lin(x[:rows]), alone[:rows]), f"{rows} rows in one call"
     assert torch.equal(lin(x.view(8, 10, in_f)).view(80, out_f), alone)  # [B, T, in] as the model calls it
+
+
+def test_short_calls_from_two_threads_never_share_a_padding_buffer():
+    """A 1-row call is padded through a reused buffer; a second thread calling the same Linear gets its own."""
+    import threading
+
+    lin = Linear(64, 32, bias=False)
+    lin.weight.data.normal_(0, 0.05)
+    lin.pack("onednn")
+    xs = [torch.randn(200, 1, 64, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    want = [torch.cat([lin(x[i:i + 1].repeat(4, 1, 1))[:1] for i in range(200)]) for x in xs]
+    got = [None, None]
+
+    def work(j):
+        got[j] = torch.cat([lin(xs[j][i]) for i in range(200)])
+
+    threads = [threading.Thread(target=work, args=(j,)) for j in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for j in (0, 1):
+        assert torch.equal(got[j].view(200, 1, 32), want[j])
 
 
 def bare_attention(kv_heads: int):

@@ -14,6 +14,7 @@ derived copy, rebuilt by calling `pack_linears` again after moving or casting th
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-layout copy of weight, or None
+        self._pad: tuple[int, torch.Tensor | None] = (0, None)  # (thread, buffer): see _pad_buffer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -66,6 +68,10 @@ class Linear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if fewest <= rows <= most:  # one call as it stands: most decode steps (the loop below costs ~10 us)
             return kernel(flat).view(*x.shape[:-1], self.out_features)
+        if rows < fewest:  # a batch-1 decode step: into a padded buffer, one copy instead of zeros + cat
+            pad = self._pad_buffer(fewest, flat)
+            pad[:rows].copy_(flat)
+            return kernel(pad)[:rows].view(*x.shape[:-1], self.out_features)
         out = []
         for i in range(0, rows, most):
             chunk = flat[i:i + most]
@@ -75,6 +81,17 @@ class Linear(nn.Module):
             out.append(kernel(chunk)[:n])
         y = out[0] if len(out) == 1 else torch.cat(out)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _pad_buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A [rows, in_features] input buffer for short calls, owned by the calling thread: another thread
+        finds the owner differs and makes its own, so two threads' forwards never share one. Its rows past a
+        call's own hold an earlier call's values: harmless, as a row's result never depends on another row
+        (see ONEDNN_ROWS)."""
+        owner, buf = self._pad
+        if owner != threading.get_ident() or buf is None or buf.shape[0] < rows or buf.dtype != like.dtype:
+            buf = like.new_zeros(rows, self.in_features)
+            self._pad = (threading.get_ident(), buf)
+        return buf
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

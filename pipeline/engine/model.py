@@ -2,9 +2,12 @@
 and Qwen2-style qkv bias, with GQA and tied embeddings, reading and writing a preallocated KV cache.
 
 Projections are fused (qkv, gate_up) so a decode step launches fewer ops: at batch 1 on a CPU the
-per-op overhead is a large share of a step. For the same reason rope is applied to q and k in one
-go, and RMSNorm uses the fused kernel where that is exact. Linear weights are packed for oneDNN on
-a CPU (see pipeline/engine/linear.py): that, not the op count, is most of a CPU decode step.
+per-op overhead is a large share of a step. For the same reason, in bf16 on a CPU the small ops
+between the linears run as three C kernels per layer where they could be built (RMSNorm with the
+residual add, rope + cache write + attention, SiLU-and-multiply: pipeline/engine/cpu_kernels.py);
+elsewhere rope is applied to q and k in one go, and RMSNorm uses torch's fused kernel where that is
+exact. Linear weights are packed for oneDNN on a CPU (see pipeline/engine/linear.py): that, not the
+op count, is most of a CPU decode step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
@@ -49,7 +53,18 @@ class RMSNorm(nn.Module):
         # model dtype *before* scaling by the weight, again as transformers does.
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype == x.dtype else None
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on a bf16 CPU."""
+        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype == x.dtype == delta.dtype else None
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps, delta)
+        total = x + delta
+        return total, self(total)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,10 +93,14 @@ class Attention(nn.Module):
                 fb: ForwardBatch) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
+        ck, cv = cache.k[self.layer], cache.v[self.layer]  # [S, KV, Lmax+1, D]
+        kernels = cpu_kernels.for_tensor(qkv) if ck.dtype == cos.dtype == qkv.dtype else None
+        if kernels is not None:  # rope, the cache write and attention in one call (cpu_kernels.c)
+            out = kernels.rope_attend(qkv, cos, sin, ck, cv, fb.slots, fb.write_pos, self.n_heads, self.n_kv)
+            return self.o(out.view(B, T, self.n_heads * self.hd))
         nq = self.n_heads
         qk = apply_rope(qkv[:, :, : nq + self.n_kv], cos, sin)  # q and k in one go
         q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + self.n_kv:]
-        ck, cv = cache.k[self.layer], cache.v[self.layer]  # [S, KV, Lmax+1, D]
         # Advanced indices on dims 0 and 2 put [B, T] first: the value is [B, T, KV, D].
         ck[fb.slots[:, None], :, fb.write_pos] = k
         cv[fb.slots[:, None], :, fb.write_pos] = v
@@ -154,7 +173,11 @@ class MLP(nn.Module):
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up(x)
+        kernels = cpu_kernels.for_tensor(gate_up)
+        if kernels is not None:
+            return self.down(kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -166,9 +189,13 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, fb):
-        x = x + self.attn(self.input_norm(x), cos, sin, cache, fb)
-        return x + self.mlp(self.post_norm(x))
+    def forward(self, x, delta, cos, sin, cache, fb):
+        """This layer's input is x + delta: the previous layer's MLP output (delta; None for none) arrives
+        unadded, so the residual add runs in one kernel with this layer's norm. Returns the same pair for the
+        next layer: the residual after attention and this layer's MLP output."""
+        x, normed = (x, self.input_norm(x)) if delta is None else self.input_norm.add_forward(x, delta)
+        x, normed = self.post_norm.add_forward(x, self.attn(normed, cos, sin, cache, fb))
+        return x, self.mlp(normed)
 
 
 class Transformer(nn.Module):
@@ -220,11 +247,15 @@ class Transformer(nn.Module):
         dtype = x.dtype
         cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]  # [B, T, 1, D]
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
-        captured = []
+        captured, delta = [], None
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
+                if delta is not None:  # the layer's input, added here (the same bits as the fused add)
+                    x, delta = x + delta, None
                 captured.append(x)
-            x = layer(x, cos, sin, cache, fb)
+            x, delta = layer(x, delta, cos, sin, cache, fb)
+        if delta is not None:
+            x = x + delta
         if self.cfg.num_layers in capture_layers:
             captured.append(x)
         if logits_index is not None:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.engine import cpu_kernels
 from pipeline.engine.linear import Linear
 from pipeline.errors import ModelFormatError
 
@@ -346,6 +347,9 @@ def describe_model(model: nn.Module) -> dict:
                                     f"{len(dense)}{rest})" if packed else "F.linear")
     for m in mods:
         desc["kernels"].setdefault(m.kind, m.kernel)
+    w = model.embed.weight
+    if w.dtype == torch.bfloat16 and w.device.type == "cpu":
+        desc["kernels"]["norm, rope, attention, silu"] = cpu_kernels.status()
     acts = {activation_description(m.act) for m in mods if m.act.act_format}
     if acts:
         desc["activations"] = acts.pop() if len(acts) == 1 else sorted(acts)

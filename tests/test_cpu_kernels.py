@@ -1,0 +1,164 @@
+"""The fused C kernels (pipeline/engine/cpu_kernels.c) against the torch ops they replace, and the
+property the engine's losslessness leans on: a row's bits don't depend on the batch around it."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline.engine import cpu_kernels
+from pipeline.engine.config import ModelConfig
+from pipeline.engine.kv_cache import ForwardBatch, KVCache
+from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"no fused kernels: {cpu_kernels.status()}")
+BF = torch.bfloat16
+
+
+def cfg(heads=6, kv=2, head_dim=16, hidden=96) -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=hidden, intermediate_size=160, num_layers=1,
+                       num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=False, qkv_bias=False)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bf16 units in the last place between two same-sign-ish bf16 tensors."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+def test_norm_and_residual_add_match_the_torch_ops():
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5).to(BF)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    x, delta = (torch.randn(5, 3, 96, generator=g) * 4).to(BF), torch.randn(5, 3, 96, generator=g).to(BF)
+    with torch.inference_mode():
+        total, fused = norm.add_forward(x, delta)
+        with cpu_kernels.disabled():
+            ref_total, ref = norm.add_forward(x, delta)
+    assert torch.equal(total, ref_total)  # the add rounds once, as torch's does
+    # The sum of squares runs in another order than torch's: at most a one-ulp difference, rarely.
+    assert ulps(fused, ref) <= 1 and (fused == ref).float().mean() > 0.97
+
+
+def test_silu_mul_matches_the_torch_ops():
+    g = torch.Generator().manual_seed(1)
+    mlp = MLP(cfg())
+    gate_up = (torch.randn(7, 320, generator=g) * 3).to(BF)
+    with torch.inference_mode():
+        fused = KERNELS.silu_mul(gate_up)
+    gate, up = gate_up.split(160, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert mlp.inter == 160 and ulps(fused, ref) <= 1 and (fused == ref).float().mean() > 0.97
+
+
+def attention_setup(c: ModelConfig, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    attn = Attention(c, layer=0).to(BF)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    cos, sin = Transformer.rope_tables(c, 64)
+    return attn, cos, sin, g
+
+
+def run_attention(attn, c, cos, sin, cache, x, slots, starts, lengths):
+    fb = ForwardBatch.build(slots, starts, lengths, cache)
+    with torch.inference_mode():
+        return attn(x, cos[fb.positions].to(BF)[:, :, None], sin[fb.positions].to(BF)[:, :, None], cache, fb)
+
+
+@pytest.mark.parametrize("heads,kv", [(6, 2), (4, 4)], ids=["gqa", "mha"])
+def test_rope_attention_is_as_accurate_as_the_torch_ops_and_writes_the_same_cache(heads, kv):
+    """A padded prefill, then ragged decode steps, in non-contiguous slots: fused, torch ops in bf16, and
+    torch ops in fp32 as the reference. The fused kernel keeps scores in fp32 where the bf16 matmul rounds
+    them, so its error against fp32 may differ from the torch ops', but not grow."""
+    c = cfg(heads=heads, kv=kv)
+    attn, cos, sin, _ = attention_setup(c, 2)
+    x = torch.randn(2, 9, 96, generator=torch.Generator().manual_seed(3)).to(BF)
+    runs = {}
+    for name, dtype in (("fused", BF), ("torch", BF), ("fp32", torch.float32)):
+        module = attn if dtype == BF else copy.deepcopy(attn).float()
+        cache = KVCache(1, 4, 63, kv, 16, dtype)
+        with contextlib.nullcontext() if name == "fused" else cpu_kernels.disabled():
+            outs = [run_attention(module, c, cos, sin, cache, x.to(dtype), [3, 0], [0, 0], [9, 4]),
+                    run_attention(module, c, cos, sin, cache, x[:, :3].to(dtype), [3, 0], [9, 4], [3, 1])]
+        # pads' outputs are dropped by the engine: keep the real tokens
+        runs[name] = (torch.cat([outs[0][0], outs[0][1, :4], outs[1][0], outs[1][1, :1]]).float(), cache)
+    # Rope and the cache write round as apply_rope does: the cached keys and values are the same bits.
+    assert torch.equal(runs["fused"][1].k, runs["torch"][1].k) and torch.equal(runs["fused"][1].v, runs["torch"][1].v)
+    ref = runs["fp32"][0]
+    fused_err, torch_err = ((runs[n][0] - ref).abs().max().item() for n in ("fused", "torch"))
+    assert fused_err <= 1.5 * torch_err, (fused_err, torch_err)
+    assert fused_err < 0.02 * ref.abs().max().item()
+
+
+def test_a_rows_attention_is_the_same_alone_in_a_batch_and_in_a_verify():
+    """The engine's greedy identity (speculative == plain) needs a row's bits to be independent of the
+    batch's other rows and of how many tokens its own forward feeds."""
+    c = cfg()
+    attn, cos, sin, _ = attention_setup(c, 4)
+    seq = torch.randn(1, 30, 96, generator=torch.Generator().manual_seed(5)).to(BF)
+    other = torch.randn(1, 30, 96, generator=torch.Generator().manual_seed(6)).to(BF)
+
+    def decode_alone():
+        cache = KVCache(1, 4, 63, 2, 16, BF)
+        run_attention(attn, c, cos, sin, cache, seq[:, :25], [1], [0], [25])
+        return torch.cat([run_attention(attn, c, cos, sin, cache, seq[:, t:t + 1], [1], [t], [1])
+                          for t in range(25, 30)], 1)
+
+    def verify_in_a_batch():
+        cache = KVCache(1, 4, 63, 2, 16, BF)
+        run_attention(attn, c, cos, sin, cache, torch.cat([seq[:, :25], other[:, :25]]), [1, 2], [0, 0], [25, 12])
+        x = torch.cat([seq[:, 25:30], other[:, 12:17]])
+        return run_attention(attn, c, cos, sin, cache, x, [1, 2], [25, 12], [5, 2])[:1]
+
+    assert torch.equal(decode_alone(), verify_in_a_batch())
+
+
+def test_pads_write_only_the_trash_row():
+    c = cfg()
+    attn, cos, sin, g = attention_setup(c, 7)
+    cache = KVCache(1, 2, 63, 2, 16, BF)
+    x = torch.randn(2, 6, 96, generator=g).to(BF)
+    run_attention(attn, c, cos, sin, cache, x, [0, 1], [0, 0], [6, 2])
+    assert cache.k[0, 1, :, 2:63].abs().sum() == 0 and cache.k[0, 1, :, 63].abs().sum() > 0
+
+
+def test_without_a_compiler_the_torch_ops_run_and_say_why(tmp_path):
+    code = ("import torch; from pipeline.engine import cpu_kernels; from pipeline.engine.model import RMSNorm\n"
+            "n = RMSNorm(8, 1e-5).to(torch.bfloat16)\n"
+            "with torch.inference_mode(): n(torch.ones(2, 8, dtype=torch.bfloat16))\n"
+            "print(cpu_kernels.status())")
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PIPELINE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("torch ops: building them failed"), done.stdout
+
+
+def test_describe_says_which_small_ops_run():
+    model = Transformer(cfg(), 64).to(BF)
+    assert model.describe()["kernels"]["norm, rope, attention, silu"].startswith("fused C (cpu_kernels-")
+    with cpu_kernels.disabled():
+        assert model.describe()["kernels"]["norm, rope, attention, silu"] == "off (PIPELINE_KERNELS=off)"
+    assert "norm, rope, attention, silu" not in Transformer(cfg(), 64).describe()["kernels"]  # fp32: torch ops
+
+
+def test_a_slot_outside_the_cache_raises_and_writes_nothing():
+    c = cfg()
+    attn, cos, sin, g = attention_setup(c, 8)
+    cache = KVCache(1, 2, 63, 2, 16, BF)
+    fb = ForwardBatch.build([1], [0], [3], cache)
+    fb.slots = torch.tensor([2])  # one past the last slot
+    with torch.inference_mode(), pytest.raises(IndexError, match="outside the KV cache"):
+        attn(torch.randn(1, 3, 96, generator=g).to(BF), cos[:3].to(BF)[None, :, None], sin[:3].to(BF)[None, :, None],
+             cache, fb)
+    assert cache.k.abs().sum() == 0 and cache.v.abs().sum() == 0
