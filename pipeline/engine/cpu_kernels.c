@@ -14,19 +14,20 @@
 
 typedef uint16_t bf16;
 
+// Bits move through memcpy, not a union: the vectorizer gives up on loops with union accesses.
 static inline float bf2f(bf16 h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 // Round to nearest even, NaN to the canonical NaN: c10::BFloat16's rounding, so an elementwise
 // result here has the same bits as torch's bf16 op that rounds once.
 static inline bf16 f2bf(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if (f != f) return 0x7FC0;
-    return (bf16)((v.u + (((v.u >> 16) & 1) + 0x7FFF)) >> 16);
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return f != f ? 0x7FC0 : (bf16)((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
 }
 
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
@@ -34,6 +35,29 @@ static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 // Parallel only past this many element-operations: a parallel region costs a few microseconds,
 // more than a decode step's norm or SiLU takes on one core.
 #define PAR_WORK 65536
+
+#define QB 16  // query tokens per attention work item
+#define KB 16  // keys per block of the score loop (one vector lane each)
+
+// exp as 2^n * e^r with |r| <= ln2/2 and Cephes' expf polynomial (relative error about 2e-7), for x
+// clamped to [-87, 88]. Written out so the compiler vectorizes it: libm's expf stays scalar without
+// -ffast-math, and a prefill's softmax and SiLU call it millions of times.
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
 
 // out = w * bf16(x * rsqrt(mean(x^2) + eps)), the rounding transformers' LlamaRMSNorm does in bf16.
 // With delta: sum = bf16(x + delta) first (the residual add), written to `sum`, and normalised.
@@ -69,18 +93,27 @@ void rms_norm_bf16(const bf16 *x, const bf16 *delta, const bf16 *w, float eps, i
     }
 }
 
+// Two passes through an fp32 buffer: written as one loop, gcc 12 didn't vectorize it.
+static void silu_row(const bf16 *g, const bf16 *u, int64_t n, bf16 *o, float *tmp) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) tmp[i] = bf2f(g[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) tmp[i] = 1.0f + exp_poly(-tmp[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = f2bf(round_bf(bf2f(g[i]) / tmp[i]) * bf2f(u[i]));
+}
+
 // gate_up: [rows, 2*inter] (gate then up, as the fused projection lays them out) -> out [rows, inter]:
 // bf16(bf16(silu(gate)) * up), as F.silu(gate) * up rounds in bf16.
 void silu_mul_bf16(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, int threads) {
     int nt = rows * inter >= PAR_WORK ? threads : 1;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *g = gate_up + r * 2 * inter, *u = g + inter;
-        bf16 *o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            float x = bf2f(g[i]);
-            o[i] = f2bf(round_bf(x / (1.0f + expf(-x))) * bf2f(u[i]));
-        }
+#pragma omp parallel num_threads(nt)
+    {
+        float *tmp = malloc(sizeof(float) * inter);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
+        free(tmp);
     }
 }
 
@@ -88,10 +121,12 @@ void silu_mul_bf16(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, 
 // bf16(roll(x, D/2)*sin)), where sin's first half carries rotate_half's sign.
 static inline void rope_head(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, float *out) {
     int64_t h = D / 2;
-    for (int64_t d = 0; d < D; d++) {
-        float r = bf2f(x[d < h ? d + h : d - h]);
-        out[d] = round_bf(round_bf(bf2f(x[d]) * bf2f(cos[d])) + round_bf(r * bf2f(sin[d])));
-    }
+#pragma omp simd
+    for (int64_t d = 0; d < h; d++)
+        out[d] = round_bf(round_bf(bf2f(x[d]) * bf2f(cos[d])) + round_bf(bf2f(x[d + h]) * bf2f(sin[d])));
+#pragma omp simd
+    for (int64_t d = h; d < D; d++)
+        out[d] = round_bf(round_bf(bf2f(x[d]) * bf2f(cos[d])) + round_bf(bf2f(x[d - h]) * bf2f(sin[d])));
 }
 
 // qkv: [B, T, H + 2*KV, D], the fused projection's output. cos/sin: [B, T, D]. cache_k/cache_v: one
@@ -131,57 +166,85 @@ int rope_attend_bf16(const bf16 *qkv, int64_t B, int64_t T, int64_t H, int64_t K
         if (n > max_keys) max_keys = n;
         work += n;
     }
+    // Work items: (row, KV head, block of QB query tokens), so a prefill converts each key and value
+    // to fp32 once per block of queries rather than once per query.
+    const int64_t nqb = (T + QB - 1) / QB, stride = (max_keys + KB - 1) / KB * KB;
     int nt = work * H * D >= PAR_WORK ? threads : 1;
 #pragma omp parallel num_threads(nt)
     {
-        float *q = malloc(sizeof(float) * (G * D + G * D + G * (max_keys + 1)));
-        float *acc = q + G * D, *p = acc + G * D;
+        float *q = malloc(sizeof(float) * QB * G * D);  // the block's rotated queries
+        float *acc = malloc(sizeof(float) * QB * G * D);
+        float *kt = malloc(sizeof(float) * D * KB);  // a block of keys in fp32, transposed
+        float *vf = malloc(sizeof(float) * D);
+        float *p = malloc(sizeof(float) * QB * G * (stride ? stride : 1));  // scores, then probabilities
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * T * KV; item++) {
-            int64_t bt = item / KV, j = item % KV, b = bt / T;
-            int64_t wp = write_pos[bt];
-            bf16 *o = out + (bt * H + j * G) * D;
-            if (wp == trash) {
-                memset(o, 0, sizeof(bf16) * G * D);
-                continue;
+        for (int64_t item = 0; item < B * KV * nqb; item++) {
+            int64_t b = item / (KV * nqb), j = item / nqb % KV, t0 = item % nqb * QB;
+            int64_t nq = T - t0 < QB ? T - t0 : QB, n[QB], nmax = 0;
+            for (int64_t tq = 0; tq < nq; tq++) {
+                int64_t bt = b * T + t0 + tq, wp = write_pos[bt];
+                n[tq] = wp == trash ? 0 : wp + 1;
+                if (n[tq] > nmax) nmax = n[tq];
+                for (int64_t g = 0; g < G && n[tq]; g++)
+                    rope_head(qkv + (bt * W + j * G + g) * D, cos + bt * D, sin + bt * D, D, q + (tq * G + g) * D);
             }
-            int64_t n = wp + 1;
-            const bf16 *row = qkv + bt * W * D;
-            for (int64_t g = 0; g < G; g++) rope_head(row + (j * G + g) * D, cos + bt * D, sin + bt * D, D, q + g * D);
             const bf16 *keys = cache_k + (slots[b] * KV + j) * P * D;
             const bf16 *vals = cache_v + (slots[b] * KV + j) * P * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = q + g * D;
-                float *pg = p + g * n, m = -INFINITY;
-                for (int64_t k = 0; k < n; k++) {
-                    const bf16 *kk = keys + k * D;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qg[d] * bf2f(kk[d]);
-                    pg[k] = dot * scale;
-                    if (pg[k] > m) m = pg[k];
-                }
-                float total = 0.0f;
-                for (int64_t k = 0; k < n; k++) {
-                    pg[k] = expf(pg[k] - m);
-                    total += pg[k];
-                }
-                float inv = 1.0f / total;
-                for (int64_t k = 0; k < n; k++) pg[k] *= inv;
-            }
-            for (int64_t x = 0; x < G * D; x++) acc[x] = 0.0f;
-            for (int64_t k = 0; k < n; k++) {
-                const bf16 *vk = vals + k * D;
-                for (int64_t g = 0; g < G; g++) {
-                    float pk = p[g * n + k];
-                    float *ag = acc + g * D;
+            // Scores: KB keys at a time, one lane per key, summed over d in order. A score's bits depend
+            // only on its query, its key and the key's lane (k mod KB): never on the batch or the block.
+            for (int64_t k0 = 0; k0 < nmax; k0 += KB) {
+                int64_t kn = nmax - k0 < KB ? nmax - k0 : KB;
+                for (int64_t kk = 0; kk < KB; kk++)
+                    for (int64_t d = 0; d < D; d++) kt[d * KB + kk] = kk < kn ? bf2f(keys[(k0 + kk) * D + d]) : 0.0f;
+                for (int64_t tq = 0; tq < nq; tq++) {
+                    if (k0 >= n[tq]) continue;
+                    for (int64_t g = 0; g < G; g++) {
+                        const float *qg = q + (tq * G + g) * D;
+                        float s[KB] = {0};
+                        for (int64_t d = 0; d < D; d++) {
+                            const float qd = qg[d], *restrict kd = kt + d * KB;
 #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) ag[d] += pk * bf2f(vk[d]);
+                            for (int64_t kk = 0; kk < KB; kk++) s[kk] += qd * kd[kk];
+                        }
+                        float *pg = p + (tq * G + g) * stride + k0;
+                        for (int64_t kk = 0; kk < KB; kk++) pg[kk] = s[kk] * scale;
+                    }
                 }
             }
-            for (int64_t x = 0; x < G * D; x++) o[x] = f2bf(acc[x]);
+            for (int64_t tq = 0; tq < nq; tq++) {
+                for (int64_t g = 0; g < G && n[tq]; g++) {
+                    float *pg = p + (tq * G + g) * stride, m = -INFINITY, total = 0.0f;
+                    for (int64_t k = 0; k < n[tq]; k++) m = pg[k] > m ? pg[k] : m;
+#pragma omp simd
+                    for (int64_t k = 0; k < n[tq]; k++) pg[k] = exp_poly(pg[k] - m);
+                    for (int64_t k = 0; k < n[tq]; k++) total += pg[k];  // in order: the same sum every time
+                    float inv = 1.0f / total;
+#pragma omp simd
+                    for (int64_t k = 0; k < n[tq]; k++) pg[k] *= inv;
+                }
+            }
+            for (int64_t x = 0; x < nq * G * D; x++) acc[x] = 0.0f;
+            for (int64_t k = 0; k < nmax; k++) {
+                for (int64_t d = 0; d < D; d++) vf[d] = bf2f(vals[k * D + d]);
+                for (int64_t tq = 0; tq < nq; tq++) {
+                    if (k >= n[tq]) continue;
+                    for (int64_t g = 0; g < G; g++) {
+                        float pk = p[(tq * G + g) * stride + k], *ag = acc + (tq * G + g) * D;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; d++) ag[d] += pk * vf[d];
+                    }
+                }
+            }
+            for (int64_t tq = 0; tq < nq; tq++) {
+                bf16 *o = out + ((b * T + t0 + tq) * H + j * G) * D;
+                for (int64_t x = 0; x < G * D; x++) o[x] = n[tq] ? f2bf(acc[tq * G * D + x]) : 0;
+            }
         }
         free(q);
+        free(acc);
+        free(kt);
+        free(vf);
+        free(p);
     }
     return 0;
 }
