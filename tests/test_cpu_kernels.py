@@ -133,6 +133,14 @@ def test_pads_write_only_the_trash_row():
     assert cache.k[0, 1, :, 2:63].abs().sum() == 0 and cache.k[0, 1, :, 63].abs().sum() > 0
 
 
+def test_an_unknown_setting_is_refused_not_read_as_on(tmp_path):
+    code = ("import torch; from pipeline.engine.model import RMSNorm\n"
+            "with torch.inference_mode(): RMSNorm(8, 1e-5).to(torch.bfloat16)(torch.ones(2, 8, dtype=torch.bfloat16))")
+    env = {**os.environ, "PIPELINE_KERNELS": "of", "PIPELINE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "PIPELINE_KERNELS='of' is not a setting: use auto" in done.stderr
+
+
 def test_without_a_compiler_the_torch_ops_run_and_say_why(tmp_path):
     code = ("import torch; from pipeline.engine import cpu_kernels; from pipeline.engine.model import RMSNorm\n"
             "n = RMSNorm(8, 1e-5).to(torch.bfloat16)\n"

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import ConfigError
 from pipeline.home import pipeline_home
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -127,7 +128,8 @@ class CpuKernels:
 
 _loaded: CpuKernels | None = None
 _why_not: str | None = None  # why the kernels aren't in use, once tried
-_enabled = os.environ.get(_ENV, "auto") != "off"
+_setting = os.environ.get(_ENV, "auto")
+_enabled = _setting != "off"
 
 
 def load() -> CpuKernels | None:
@@ -135,6 +137,8 @@ def load() -> CpuKernels | None:
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
+    if _setting not in ("auto", "off"):
+        raise ConfigError(f"{_ENV}={_setting!r} is not a setting: use auto (the default) or off")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         _why_not = "no C compiler (cc or gcc) on PATH"
