@@ -37,12 +37,11 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-share
 _ENV = "PIPELINE_KERNELS"  # auto (default) | off
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "rms_norm_bf16": [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int],
-    "silu_mul_bf16": [_P, _I, _I, _P, ctypes.c_int],
-    "rope_attend_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P],
+_SIGNATURES = {  # name -> (return type, argument types)
+    "rms_norm_bf16": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
+    "silu_mul_bf16": (None, [_P, _I, _I, _P, ctypes.c_int]),
+    "rope_attend_bf16": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P]),
 }
-_RESTYPES = {"rope_attend_bf16": ctypes.c_int}
 
 
 def _cpu_flags() -> str:
@@ -75,9 +74,9 @@ class CpuKernels:
     def __init__(self, path: Path):
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
+        for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
+            fn.restype, fn.argtypes = restype, argtypes
         self._norm, self._silu = self.lib.rms_norm_bf16, self.lib.silu_mul_bf16
         self._attend = self.lib.rope_attend_bf16
 
@@ -154,7 +153,7 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The kernels when they apply to a forward on x: bf16, on a CPU, no autograd, not switched off."""
     if not _enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
-    return _loaded if _loaded is not None else load()
+    return load()
 
 
 def status() -> str:
