@@ -170,3 +170,70 @@ def test_a_slot_outside_the_cache_raises_and_writes_nothing():
         attn(torch.randn(1, 3, 96, generator=g).to(BF), cos[:3].to(BF)[None, :, None], sin[:3].to(BF)[None, :, None],
              cache, fb)
     assert cache.k.abs().sum() == 0 and cache.v.abs().sum() == 0
+
+
+# ---- weight-quantized linears (quant_linear) ------------------------------------------------------
+
+
+def quantized(bits: int, n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 [n, k], scale [n, k/group], the dequantized weight in float64)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-8, 8) if bits == 4 else (-127, 128)
+    q = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.005
+    w = q.double() * scale.double().repeat_interleave(group, dim=1)
+    return q, scale, w
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_quant_linear_matches_the_dequantized_matmul(bits, dtype):
+    q, scale, w = quantized(bits, 48, 192, 64)
+    blocks, scales = cpu_kernels.block_weights(q, bits), cpu_kernels.block_scales(scale)
+    assert torch.equal(cpu_kernels.unblock_weights(blocks, bits), q)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 192, generator=g).to(dtype)  # tiles of 4 + 4 + 1 rows
+    pre = torch.rand(192, generator=g) + 0.5
+    with torch.inference_mode():
+        y = KERNELS.quant_linear(x, blocks, bits, scales, out_dtype=torch.float32)
+        y_pre = KERNELS.quant_linear(x, blocks, bits, scales, pre_scale=pre)
+    ref = x.double() @ w.t()
+    torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)  # fp32 accumulation
+    assert y_pre.dtype == dtype
+    tol = {torch.float32: 1e-4, BF: 0.05}[dtype]  # bf16 output rounds once
+    torch.testing.assert_close(y_pre.double(), (x.double() * pre.double()) @ w.t(), atol=tol, rtol=0.01)
+
+
+def test_quant_linear_gives_a_row_the_same_bits_alone_and_in_any_batch():
+    q, scale, _ = quantized(4, 64, 256, 32, seed=2)
+    blocks, scales = cpu_kernels.block_weights(q, 4), cpu_kernels.block_scales(scale)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(3)).to(BF)
+    with torch.inference_mode():
+        alone = torch.cat([KERNELS.quant_linear(x[i:i + 1], blocks, 4, scales) for i in range(11)])
+        for rows in (2, 3, 4, 5, 7, 11):  # each row count takes another mix of the 1-4-row variants
+            assert torch.equal(KERNELS.quant_linear(x[:rows], blocks, 4, scales), alone[:rows]), rows
+
+
+@pytest.mark.skipif("avx512f" not in cpu_kernels._cpu_flags(), reason="no AVX-512 here: one code path only")
+def test_quant_linear_avx512_and_portable_code_agree_bit_for_bit():
+    # The portable build lacks -march=native, so it compiles the plain-C tile, not the intrinsics.
+    compiler = os.environ.get("CC") or "cc"
+    portable = cpu_kernels.CpuKernels(cpu_kernels._build(compiler, [f for f in cpu_kernels.FLAGS
+                                                                      if f != "-march=native"]))
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(4)).to(BF)
+    for bits in (4, 8):
+        q, scale, _ = quantized(bits, 32, 128, 64, seed=bits)
+        blocks, scales = cpu_kernels.block_weights(q, bits), cpu_kernels.block_scales(scale)
+        with torch.inference_mode():
+            fast = KERNELS.quant_linear(x, blocks, bits, scales, out_dtype=torch.float32)
+            plain = portable.quant_linear(x, blocks, bits, scales, out_dtype=torch.float32)
+        assert torch.equal(fast, plain), bits
+
+
+def test_quant_linear_refuses_a_layout_it_cannot_hold():
+    q, scale, _ = quantized(4, 16, 96, 32)
+    with pytest.raises(ValueError, match="not a layout"):  # 96 inputs in 5 scale groups: not whole groups
+        KERNELS.quant_linear(torch.zeros(1, 96, dtype=BF), cpu_kernels.block_weights(q, 4), 4,
+                             cpu_kernels.block_scales(torch.rand(16, 5)))
+    assert cpu_kernels.quant_layout_reason(100, 96, 32) is not None  # 100 outputs: not whole blocks of 16
+    assert cpu_kernels.quant_layout_reason(96, 96, 6) is not None  # a group of 6: not a multiple of 4

@@ -9,6 +9,7 @@ fake quantization with input_scale). FP8 is also checked against ModelOpt's own 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -16,13 +17,15 @@ import pytest
 import torch
 from tiny_models import make_tiny_llama
 
+from pipeline.engine import cpu_kernels
 from pipeline.engine.config import EngineConfig, GatePolicy
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.llm_engine import LLMEngine
-from pipeline.engine.quant import DequantizedLinear, Int4Linear, QuantizedWeight, build_quantized_linear
+from pipeline.engine.linear import Linear
+from pipeline.engine.quant import DequantizedLinear, Int4Linear, Int8Head, QuantizedWeight, build_quantized_linear
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.weights import load_transformer
-from pipeline.errors import ModelFormatError
+from pipeline.errors import ConfigError, ModelFormatError
 
 MAX_LEN = 128
 VOCAB = 320
@@ -180,21 +183,37 @@ def test_fp8_engine_matches_modelopts_own_calibrated_model(base, tmp_path):
 # ---- kernels and memory ---------------------------------------------------------------------------
 
 
-def test_int4_awq_runs_on_the_int4_kernel_at_a_quarter_of_the_memory(base, tmp_path_factory):
+def test_int4_awq_runs_on_the_c_kernel_at_a_quarter_of_the_memory(base, tmp_path_factory):
     folder = export(base, tmp_path_factory, "int4_awq")
     dense = load_transformer(base, MAX_LEN, torch.bfloat16)
     for dtype in (torch.float32, torch.bfloat16):
         model = load_transformer(folder, MAX_LEN, dtype)
         layer = model.layers[0]
         for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-            assert isinstance(lin, Int4Linear) and lin.packed.dtype == torch.uint8
-            assert lin.packed.shape == (lin.out_features, lin.in_features // 2)
-        assert layer.attn.o.act.pre_quant_scale is not None  # AWQ scale not foldable into a norm
+            assert isinstance(lin, Int4Linear) and lin.blocks.dtype == torch.uint8
+            assert lin.blocks.shape == (lin.out_features // 16, lin.in_features // 2, 16)
+        assert layer.attn.o.pre_scale is not None  # AWQ scale not foldable into a norm
         desc = model.describe()
         assert desc["weights"] == "int4_awq" and desc["quant_algo"] == "W4A16_AWQ"
-        assert "_weight_int4pack_mm_for_cpu" in desc["kernels"]["int4"]
+        assert "quant_linear" in desc["kernels"]["int4"]
         ratio = desc["layer_weight_bytes"] / dense.describe()["layer_weight_bytes"]
-        assert ratio < 0.3, ratio  # int4 plus one bf16 scale and zero per 128 weights
+        assert ratio < 0.3, ratio  # int4 plus one fp32 scale per group of 128 weights
+
+
+def test_int4_awq_without_the_c_kernels_runs_on_torchs_int4_kernel(base, tmp_path_factory):
+    folder = export(base, tmp_path_factory, "int4_awq")
+    with cpu_kernels.disabled():
+        model = load_transformer(folder, MAX_LEN, torch.bfloat16)
+        lin = model.layers[0].mlp.gate_up
+        assert not lin.c_kernel and not hasattr(lin, "blocks") and lin._torch_pack[0].dtype == torch.uint8
+        assert "_weight_int4pack_mm_for_cpu" in model.describe()["kernels"]["int4"]
+        with torch.inference_mode():
+            torch_logits = engine_logits(model, ids(2, 6))
+    c_model = load_transformer(folder, MAX_LEN, torch.bfloat16)
+    with torch.inference_mode():
+        c_logits = engine_logits(c_model, ids(2, 6))
+    # Two kernels, two roundings (torch's takes bf16 scales and activations): close, not equal.
+    assert torch.nn.functional.cosine_similarity(c_logits, torch_logits, dim=-1).min() > 0.99
 
 
 @pytest.mark.parametrize("qformat, kernel", [("fp8", "no fp8 GEMM"), ("int8_sq", "dequantized"),
@@ -209,26 +228,69 @@ def test_describe_says_which_formats_are_dequantized(base, tmp_path_factory, qfo
     assert isinstance(model.layers[0].attn.qkv, DequantizedLinear)
 
 
-@pytest.mark.parametrize("out_features, group", [(96, 128), (96, 64), (100, 64), (96, 16)])
-def test_int4_linear_matches_dequantized_matmul_or_falls_back(out_features, group):
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+@pytest.mark.parametrize("out_features, group", [(96, 128), (96, 64), (100, 64), (96, 16), (96, 6)])
+def test_int4_linear_matches_dequantized_matmul_or_falls_back(out_features, group, kernels):
     g = torch.Generator().manual_seed(0)
-    K = 256
+    K = 192 if group == 6 else 256
     q = torch.randint(-8, 8, (out_features, K), generator=g, dtype=torch.int8)
     scale = torch.rand(out_features, K // group, generator=g) * 0.02 + 0.01
     packed = ((q[1::2] & 15) << 4 | (q[0::2] & 15)).view(torch.uint8)  # ModelOpt's layout
     piece = QuantizedWeight(weight=packed, weight_scale=scale)
     assert torch.equal(piece.int4()[0], q)
     bias = torch.randn(out_features, generator=g)
-    lin = build_quantized_linear([piece], bias, torch.float32, torch.device("cpu"))
-    x = torch.randn(3, 5, K, generator=g).bfloat16().float()  # bf16-exact: the kernel's input
-    w = q.float() * scale.bfloat16().float().repeat_interleave(group, 1)
-    ref = x @ w.t() + bias
-    if out_features % 16 == 0 and group >= 32:
-        assert isinstance(lin, Int4Linear)
-        torch.testing.assert_close(lin(x), ref, atol=0.05, rtol=0.01)  # bf16 output rounding
+    x = torch.randn(3, 5, K, generator=g).bfloat16().float()  # bf16-exact: torch's kernel's input
+    with contextlib.nullcontext() if kernels == "c" else cpu_kernels.disabled(), torch.inference_mode():
+        lin = build_quantized_linear([piece], bias, torch.float32, torch.device("cpu"))
+        y = lin(x)
+    takes = out_features % 16 == 0 and (group % 4 == 0 if kernels == "c" else group >= 32)
+    if takes and kernels == "c":  # fp32 scales and activations, fp32 accumulation
+        assert isinstance(lin, Int4Linear) and lin.c_kernel
+        ref = x @ (q.float() * scale.repeat_interleave(group, 1)).t() + bias
+        torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-5)
+    elif takes:
+        assert isinstance(lin, Int4Linear) and not lin.c_kernel
+        ref = x @ (q.float() * scale.bfloat16().float().repeat_interleave(group, 1)).t() + bias
+        torch.testing.assert_close(y, ref, atol=0.05, rtol=0.01)  # bf16 output rounding
     else:
         assert isinstance(lin, DequantizedLinear) and "dequantized to fp32" in lin.kernel
-        torch.testing.assert_close(lin(x), x @ piece.dequantize().t() + bias, atol=1e-4, rtol=0)
+        torch.testing.assert_close(y, x @ piece.dequantize().t() + bias, atol=1e-4, rtol=0)
+
+
+# ---- the engine's int8 lm_head --------------------------------------------------------------------
+
+
+def test_an_int4_checkpoint_gets_an_int8_lm_head_that_keeps_its_top_tokens(base, tmp_path_factory):
+    folder = export(base, tmp_path_factory, "int4_awq")
+    stored = load_transformer(folder, MAX_LEN, torch.bfloat16, lm_head="checkpoint")
+    model = load_transformer(folder, MAX_LEN, torch.bfloat16, lm_head="auto")
+    assert type(stored.lm_head) is Linear and "lm_head" not in stored.describe()["kernels"]
+    assert isinstance(model.lm_head, Int8Head) and "int8" in model.describe()["kernels"]["lm_head"]
+    with torch.inference_mode():
+        want, got = engine_logits(stored, ids(4, 16)), engine_logits(model, ids(4, 16))
+    assert got.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.95
+
+
+def test_int8_head_fallback_computes_what_the_kernel_does():
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    head = Int8Head(w)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with torch.inference_mode():
+        fast = head(x)
+        with cpu_kernels.disabled():
+            slow = head(x)
+    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-5)  # same weights, another summation order
+    exact = x.float() @ w.float().t()
+    assert (fast - exact).abs().max() < 0.02 * exact.abs().max()  # int8's rounding, per 64 inputs
+
+
+def test_lm_head_choice_for_a_dense_model_and_a_bad_choice(base):
+    assert type(load_transformer(base, MAX_LEN, torch.bfloat16, lm_head="auto").lm_head) is Linear
+    assert isinstance(load_transformer(base, MAX_LEN, torch.bfloat16, lm_head="int8").lm_head, Int8Head)
+    with pytest.raises(ConfigError, match="lm_head 'int4' is not a choice"):
+        EngineConfig(lm_head="int4")
 
 
 # ---- speculation ----------------------------------------------------------------------------------
@@ -250,6 +312,24 @@ def test_greedy_output_with_a_quantized_draft_identical_to_target_only(base, tmp
     assert desc["target"]["weights"] == "dense" and desc["draft"]["weights"] == qformat
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_int4_target_gives_the_same_greedy_tokens_alone_batched_and_speculated(base, tmp_path_factory, dtype):
+    # The C int4 kernel and the int8 head see a verify's k+1 rows per request and a decode's one row:
+    # a row's bits must not depend on that, nor on the batch around it.
+    target = export(base, tmp_path_factory, "int4_awq")
+    config = EngineConfig(max_batch_size=4, max_seq_len=MAX_LEN, dtype=dtype, num_draft_tokens=3,
+                          gate=GatePolicy(min_tokens=0))
+    prompts = [ids(1, n, seed=20 + n)[0].tolist() for n in (5, 12, 20, 9)]
+    params = SamplingParams(max_tokens=30)
+    plain = LLMEngine.load(target, config)
+    assert "int8" in plain.describe()["target"]["kernels"]["lm_head"]
+    want = [r.output_ids for r in plain.generate(prompts, params)]
+    assert [plain.generate([p], params)[0].output_ids for p in prompts] == want
+    speculated = LLMEngine.load(target, config, draft=base)  # the unquantized model drafts for its INT4 self
+    assert [r.output_ids for r in speculated.generate(prompts, params)] == want
+    assert speculated.stats.drafted_tokens > 0 and speculated.stats.acceptance_rate > 0.3
+
+
 def test_generate_json_config_describes_the_quantized_engine(base, tmp_path_factory):
     from pipeline.generate import GenerateOptions, generate, stats_line
 
@@ -258,7 +338,8 @@ def test_generate_json_config_describes_the_quantized_engine(base, tmp_path_fact
                                       max_seq_len=MAX_LEN))
     described = result.to_json_dict()["config"]["engine"]
     assert described["target"]["weights"] == "int4_awq"
-    assert "_weight_int4pack_mm_for_cpu" in described["target"]["kernels"]["int4"]
+    assert "quant_linear" in described["target"]["kernels"]["int4"]
+    assert "int8" in described["target"]["kernels"]["lm_head"]  # generate runs EngineConfig's lm_head="auto"
     json.dumps(described)
     assert "int4_awq weights" in stats_line(result)
 

@@ -13,6 +13,8 @@ from pipeline.models.shape import ModelShape, read_config
 
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "mistral"}
 
+LM_HEAD_CHOICES = ("auto", "checkpoint", "int8")
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -102,6 +104,10 @@ class EngineConfig:
     device: str = "cpu"
     num_draft_tokens: int = 4  # k: tokens the proposer drafts per step
     gate: GatePolicy = field(default_factory=GatePolicy)
+    # The output projection: "checkpoint" runs it as stored; "int8" quantizes it at load (one fp32 scale per 64
+    # inputs, like llama.cpp's Q8_0 head) onto the C kernel; "auto" does that for an INT4 checkpoint only, whose
+    # ModelOpt export leaves the (tied) head in bf16: half the bytes a decode step reads (see quant.Int8Head).
+    lm_head: str = "auto"
 
     def __post_init__(self):
         parse_dtype(self.dtype)
@@ -111,6 +117,8 @@ class EngineConfig:
             raise ConfigError("max_seq_len must be >= 2")
         if self.num_draft_tokens < 1:
             raise ConfigError("num_draft_tokens (k) must be >= 1; use --draft none to turn speculation off")
+        if self.lm_head not in LM_HEAD_CHOICES:
+            raise ConfigError(f"lm_head {self.lm_head!r} is not a choice; use one of {', '.join(LM_HEAD_CHOICES)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

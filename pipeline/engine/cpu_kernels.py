@@ -12,7 +12,12 @@ says which). The shared object is cached under the pipeline home, keyed by the s
 the CPU's feature flags (it is built with -march=native). OpenMP comes from the libgomp torch
 already loaded (same soname), so the kernels and torch share one thread pool.
 
-PIPELINE_KERNELS=off runs the torch ops; fp32, CUDA and autograd always do.
+The same library holds the weight-quantized linear (quant_linear): int4 checkpoint weights and the
+engine's int8 lm_head, in bf16 or fp32, held in blocks of 16 output features so that one vector lane
+computes one output and a block's weights are decoded once for up to 4 rows.
+
+PIPELINE_KERNELS=off runs the torch ops; CUDA and autograd always do, and fp32 does for all but
+quant_linear.
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ _SIGNATURES = {  # name -> (return type, argument types)
     "rms_norm_bf16": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
     "silu_mul_bf16": (None, [_P, _I, _I, _P, ctypes.c_int]),
     "rope_attend_bf16": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P]),
+    "quant_linear": (ctypes.c_int, [_P, ctypes.c_int, _I, _I, _P, _P, ctypes.c_int, _P, _I, _I, _P, ctypes.c_int,
+                                    ctypes.c_int]),
 }
+QUANT_BLOCK = 16  # output features per weight block (QN in cpu_kernels.c)
+QUANT_GROUP_MULTIPLE = 4  # a scale group covers a multiple of 4 inputs (the kernel's four accumulator chains)
 
 
 def _cpu_flags() -> str:
@@ -54,8 +63,8 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     lib = pipeline_home() / "kernels" / f"cpu_kernels-{key}.so"
     if lib.exists():
@@ -63,7 +72,7 @@ def _build(compiler: str) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        done = subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
         os.replace(out, lib)  # whole or absent: a concurrent builder renames the same bytes
@@ -78,7 +87,7 @@ class CpuKernels:
             fn = getattr(self.lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self._norm, self._silu = self.lib.rms_norm_bf16, self.lib.silu_mul_bf16
-        self._attend = self.lib.rope_attend_bf16
+        self._attend, self._quant = self.lib.rope_attend_bf16, self.lib.quant_linear
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +133,57 @@ class CpuKernels:
                              f"{cache_k.shape[2]} positions): slots {slots.tolist()}")
         return out
 
+    def quant_linear(self, x: torch.Tensor, blocks: torch.Tensor, bits: int, scales: torch.Tensor,
+                     pre_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] (bf16 or fp32) times a weight-quantized [N, K] matrix held as `blocks` and `scales`
+        (see block_weights) -> [..., N] in out_dtype (x's by default). pre_scale [K] fp32 multiplies x first."""
+        K = x.shape[-1]
+        x = x.reshape(-1, K).contiguous()
+        nblocks, ngroups, lanes = scales.shape
+        out = x.new_empty(x.shape[0], nblocks * lanes, dtype=out_dtype or x.dtype)
+        if out.dtype not in (torch.bfloat16, torch.float32) or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("quant_linear reads and writes bf16 or fp32")
+        if self._quant(x.data_ptr(), x.dtype == torch.float32, x.shape[0], K,
+                       None if pre_scale is None else pre_scale.data_ptr(), blocks.data_ptr(), bits,
+                       scales.data_ptr(), K // ngroups, out.shape[1], out.data_ptr(), out.dtype == torch.float32,
+                       torch.get_num_threads()):
+            raise ValueError(f"quant_linear: K={K}, {ngroups} groups, N={out.shape[1]} is not a layout it takes")
+        return out
+
+
+def block_weights(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q int8 [N, K] (int4 values in [-8, 7] or int8) -> the blocked layout quant_linear reads:
+    int4 uint8 [N/16, K/2, 16] (two inputs per byte, the even one in the low nibble), int8 [N/16, K, 16]."""
+    N, K = q.shape
+    b = q.reshape(N // QUANT_BLOCK, QUANT_BLOCK, K).transpose(1, 2)  # [N/16, K, 16]
+    if bits == 8:
+        return b.contiguous()
+    u = (b.to(torch.int16) + 8).to(torch.uint8)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+
+
+def unblock_weights(blocks: torch.Tensor, bits: int) -> torch.Tensor:
+    """block_weights' inverse: int8 [N, K]."""
+    if bits == 4:
+        lo, hi = (blocks & 15).to(torch.int8) - 8, (blocks >> 4).to(torch.int8) - 8
+        blocks = torch.stack((lo, hi), dim=2).reshape(blocks.shape[0], -1, blocks.shape[2])
+    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])
+
+
+def block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """[N, K/G] -> fp32 [N/16, K/G, 16]."""
+    N, groups = scale.shape
+    return scale.float().reshape(N // QUANT_BLOCK, QUANT_BLOCK, groups).transpose(1, 2).contiguous()
+
+
+def quant_layout_reason(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why quant_linear can't hold this weight, or None."""
+    if out_features % QUANT_BLOCK:
+        return f"out_features {out_features} is not a multiple of {QUANT_BLOCK}"
+    if group_size % QUANT_GROUP_MULTIPLE or in_features % group_size:
+        return f"group size {group_size} (the C kernel takes multiples of {QUANT_GROUP_MULTIPLE} that divide in_features)"
+    return None
+
 
 _loaded: CpuKernels | None = None
 _why_not: str | None = None  # why the kernels aren't in use, once tried
@@ -149,9 +209,22 @@ def load() -> CpuKernels | None:
     return _loaded
 
 
+def usable() -> bool:
+    """Whether the kernels are switched on and built (a module deciding its weight layout at load asks)."""
+    return _enabled and load() is not None
+
+
 def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The kernels when they apply to a forward on x: bf16, on a CPU, no autograd, not switched off."""
     if not _enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    return load()
+
+
+def for_quantized(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels when quant_linear applies to x: bf16 or fp32, on a CPU, no autograd, not switched off."""
+    if not _enabled or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu" \
+            or torch.is_grad_enabled():
         return None
     return load()
 

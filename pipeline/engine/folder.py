@@ -57,7 +57,8 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
     policy = GatePolicy() if gate is None else GatePolicy.with_ceiling(gate)
     return EngineConfig(max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                         dtype=dtype or manifest["dtype"], device=device or "cpu",
-                        num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=policy)
+                        num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=policy,
+                        lm_head=manifest.get("lm_head", "auto"))
 
 
 def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None,

@@ -65,7 +65,7 @@ class LLMEngine:
         if spec.kind == "eagle3" and spec.path is None:
             raise ConfigError("the engine needs the EAGLE-3 head's folder: --draft eagle3:DIR")
         dtype, device = config.torch_dtype, config.device
-        model = load_transformer(target, config.max_seq_len, dtype, device, keep_plain=False)
+        model = load_transformer(target, config.max_seq_len, dtype, device, keep_plain=False, lm_head=config.lm_head)
         proposer: Proposer | None = None
         if spec.kind == "ngram":
             proposer = NgramProposer()
@@ -75,7 +75,8 @@ class LLMEngine:
             head = load_eagle3_head(spec.path, model.cfg, config.max_seq_len, dtype, device)
             proposer = Eagle3Proposer(head, model, config.max_batch_size, config.max_seq_len)
         elif spec.kind == "model":
-            draft_model = load_transformer(spec.path, config.max_seq_len, dtype, device, keep_plain=False)
+            draft_model = load_transformer(spec.path, config.max_seq_len, dtype, device, keep_plain=False,
+                                           lm_head=config.lm_head)
             if draft_model.cfg.vocab_size != model.cfg.vocab_size:
                 raise DraftMismatchError(
                     f"draft vocabulary ({draft_model.cfg.vocab_size}) differs from the target's "

@@ -15,12 +15,17 @@ quant_utils.py: pack_int4_in_uint8, to_quantized_weight; unified_export_hf.py):
 - INT8 SmoothQuant (W8A8_SQ_PER_CHANNEL): `weight` int8, `weight_scale` [out]; `pre_quant_scale`
   [in] on every linear (the smoothing), `input_scale` per tensor.
 
-On a CPU, INT4 runs on torch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`): with bf16
-activations it streams a 1536x576 layer about 2x faster than dense bf16; with fp32 activations it
-is ~10x slower, so activations are cast to bf16 around it whatever the engine dtype. That kernel
-takes uint4 (q + 8) packed by `_convert_weight_to_int4pack_for_cpu(w [N, K] int32, tiles)` and
-scales_and_zeros [K/group, N, 2] in bf16, and computes (q_u4 - 8) * scale + zero; the symmetric
-int4 of ModelOpt is then q_u4 = q + 8 with zero = 0.
+On a CPU, INT4 runs on the engine's C kernel (cpu_kernels.quant_linear): weights re-laid in blocks of
+16 output features, fp32 scales, activations in the engine's dtype, fp32 accumulation. A block is
+decoded once for up to 4 rows, so a verify's k+1 rows cost about 1.5x a decode's one where torch's
+int4 kernel costs 3x. Without a C compiler, INT4 runs on torch's kernel
+(`aten._weight_int4pack_mm_for_cpu`) with bf16 activations (with fp32 ones it is ~10x slower). That
+kernel takes uint4 (q + 8) packed by `_convert_weight_to_int4pack_for_cpu(w [N, K] int32, tiles)` and
+scales_and_zeros [K/group, N, 2] in bf16, and computes (q_u4 - 8) * scale + zero; the symmetric int4
+of ModelOpt is then q_u4 = q + 8 with zero = 0.
+
+An INT4 checkpoint's lm_head, which ModelOpt leaves in bf16, becomes int8 at load (Int8Head;
+EngineConfig.lm_head says when).
 
 FP8 and INT8 have no GEMM on this CPU (and `_weight_int8pack_mm` is slower than dense bf16), so
 their weights are dequantized once at load to the engine dtype and run on the dense (oneDNN) path.
@@ -202,28 +207,49 @@ class DequantizedLinear(Linear):
 
 
 class Int4Linear(nn.Module):
-    """Symmetric group-wise int4 weights on torch's CPU int4 kernel; activations run in bf16."""
-
-    kernel = "aten._weight_int4pack_mm_for_cpu (bf16 activations)"
+    """Symmetric group-wise int4 weights. On a CPU with the C kernels (cpu_kernels.quant_linear), in the
+    activation's dtype with AWQ's pre_quant_scale applied in fp32; without them, on torch's int4 kernel
+    with bf16 activations, its packed copy made on first use."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, act: ActivationQuant,
-                 kind: str):
-        """q: int8 [N, K] in [-8, 7]; scale: [N, K/group]."""
+                 kind: str, pre_quant_scale: torch.Tensor | None = None):
+        """q: int8 [N, K] in [-8, 7]; scale: [N, K/group]; pre_quant_scale: [K] as the checkpoint stores it (the
+        C kernel multiplies by it in fp32; act holds it in the engine's dtype for the torch path)."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = self.in_features // scale.shape[1]
         self.kind, self.act = kind, act
-        # The kernel reads unsigned nibbles and computes (u - 8) * scale + zero: u = q + 8, zero = 0.
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            (q.to(torch.int32) + 8).contiguous(), 2))  # [N, K/2] uint8
-        sz = torch.stack((scale.t(), torch.zeros_like(scale.t())), dim=-1)
-        self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16).contiguous())  # [K/group, N, 2]
         self.register_buffer("bias", bias)
+        self.c_kernel = (cpu_kernels.usable()
+                         and cpu_kernels.quant_layout_reason(*q.shape, self.group_size) is None)
+        self._torch_pack: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.c_kernel:
+            self.register_buffer("blocks", cpu_kernels.block_weights(q, 4))
+            self.register_buffer("scales", cpu_kernels.block_scales(scale))
+            self.register_buffer("pre_scale", None if pre_quant_scale is None else
+                                 pre_quant_scale.float().contiguous())
+        else:
+            self._torch_pack = self._pack_for_torch(q, scale)
+
+    @property
+    def kernel(self) -> str:
+        if self.c_kernel and cpu_kernels.usable():
+            return "cpu_kernels.quant_linear (fused C, fp32 accumulation)"
+        return "aten._weight_int4pack_mm_for_cpu (bf16 activations)"
+
+    @staticmethod
+    def _pack_for_torch(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The kernel reads unsigned nibbles and computes (u - 8) * scale + zero: u = q + 8, zero = 0.
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 2)
+        sz = torch.stack((scale.t(), torch.zeros_like(scale.t())), dim=-1)
+        return packed, sz.to(torch.bfloat16).contiguous()  # [N, K/2] uint8, [K/group, N, 2]
 
     @staticmethod
     def unsupported_reason(out_features: int, in_features: int, group_size: int, device: torch.device) -> str | None:
         if device.type != "cpu" or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             return "the int4 kernel used here is CPU-only"
+        if cpu_kernels.usable() and cpu_kernels.quant_layout_reason(out_features, in_features, group_size) is None:
+            return None
         if group_size not in INT4_GROUP_SIZES or in_features % group_size:
             return f"group size {group_size} (the CPU int4 kernel takes {INT4_GROUP_SIZES})"
         if out_features % INT4_N_MULTIPLE:
@@ -231,18 +257,81 @@ class Int4Linear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.act.identity:  # skipping the call saves ~5% of an int4 decode step
-            x = self.act(x)
+        kernels = cpu_kernels.for_quantized(x) if self.c_kernel else None
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                                        self.packed, self.group_size, self.scales_and_zeros)
-        y = y.to(x.dtype)
+        if kernels is not None:
+            y = kernels.quant_linear(x, self.blocks, 4, self.scales, self.pre_scale)
+        else:
+            if not self.act.identity:  # skipping the call saves ~5% of an int4 decode step
+                x = self.act(x)
+            if self._torch_pack is None:  # the kernels switched off (tests compare the two)
+                q = cpu_kernels.unblock_weights(self.blocks, 4)
+                scale = self.scales.transpose(1, 2).reshape(self.out_features, -1)
+                self._torch_pack = self._pack_for_torch(q, scale)
+            packed, scales_and_zeros = self._torch_pack
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16),
+                                                            packed, self.group_size, scales_and_zeros)
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
 
+    def weight_bytes(self) -> int:
+        if self.c_kernel:
+            return self.blocks.nbytes + self.scales.nbytes
+        return sum(t.nbytes for t in self._torch_pack)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+class Int8Head(nn.Module):
+    """The output projection as int8 with one fp32 scale per HEAD_GROUP inputs (symmetric, round to nearest),
+    quantized by the engine at load from the checkpoint's head, on cpu_kernels.quant_linear. Logits come out
+    in fp32 straight from the kernel's accumulators.
+
+    Why: ModelOpt's INT4 export keeps the tied embedding/head in bf16, 57 of the 108 MB a SmolLM2 decode step
+    reads; int8 halves that (llama.cpp's Q4_1 GGUF holds its head as Q8_0, per 32). The error is an int8
+    rounding per weight (at most scale/2, under 0.4% of its group's largest), far under INT4's."""
+
+    group = 64
+
+    def __init__(self, weight: torch.Tensor):
+        """weight: [vocab, hidden], quantized 4096 rows at a time so no fp32 copy of the whole head is made."""
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        G = self.group if self.in_features % self.group == 0 else self.in_features
+        blocks = torch.empty(self.out_features // 16, self.in_features, 16, dtype=torch.int8)
+        scales = torch.empty(self.out_features // 16, self.in_features // G, 16)
+        for r in range(0, self.out_features, 4096):
+            w = weight[r:r + 4096].float().reshape(-1, self.in_features // G, G)
+            scale = w.abs().amax(-1) / 127
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: q = 0 either way
+            q = (w / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8).reshape(-1, self.in_features)
+            blocks[r // 16:(r + len(q)) // 16] = cpu_kernels.block_weights(q, 8)
+            scales[r // 16:(r + len(q)) // 16] = cpu_kernels.block_scales(scale)
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("scales", scales)
+        self.kernel = f"int8, one fp32 scale per {G} inputs, quantized at load; cpu_kernels.quant_linear"
+
+    @staticmethod
+    def unsupported_reason(out_features: int, in_features: int) -> str | None:
+        G = Int8Head.group if in_features % Int8Head.group == 0 else in_features
+        return cpu_kernels.quant_layout_reason(out_features, in_features, G)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels.for_quantized(x)
+        if kernels is not None:
+            y = kernels.quant_linear(x, self.blocks, 8, self.scales, out_dtype=torch.float32)
+            return y.view(*x.shape[:-1], self.out_features)
+        # The kernels switched off (tests): the same weights dequantized, in fp32.
+        q = cpu_kernels.unblock_weights(self.blocks, 8).float()
+        scale = self.scales.transpose(1, 2).reshape(self.out_features, -1)
+        w = q * scale.repeat_interleave(self.in_features // scale.shape[1], dim=1)
+        return torch.nn.functional.linear(x.float(), w)
+
+    def weight_bytes(self) -> int:
+        return self.blocks.nbytes + self.scales.nbytes
 
 
 # ---- building the engine's fused linears ---------------------------------------------------------
@@ -288,7 +377,7 @@ def build_quantized_linear(pieces: list[QuantizedWeight], bias: torch.Tensor | N
         if reason is None:
             qs, scales = zip(*(p.int4() for p in pieces))
             b = None if bias is None else bias.to(device=device, dtype=dtype)
-            return Int4Linear(torch.cat(qs), torch.cat(scales), b, act, kind)
+            return Int4Linear(torch.cat(qs), torch.cat(scales), b, act, kind, common_pqs)
     else:
         reason = DEQUANT_REASON.get(kind, "fused pieces have different pre_quant_scales")
     weights = [p.dequantize() if same_pqs else p.dequantize() * (s / common_pqs) for p, s in zip(pieces, pqs)]
@@ -323,7 +412,7 @@ def layer_weight_bytes(model: nn.Module) -> int:
     total = 0
     for m in model.layers.modules():
         if isinstance(m, Int4Linear):
-            total += m.packed.nbytes + m.scales_and_zeros.nbytes
+            total += m.weight_bytes()
         elif isinstance(m, Linear):
             total += m.weight.nbytes
     return total
@@ -347,6 +436,8 @@ def describe_model(model: nn.Module) -> dict:
                                     f"{len(dense)}{rest})" if packed else "F.linear")
     for m in mods:
         desc["kernels"].setdefault(m.kind, m.kernel)
+    if isinstance(model.lm_head, Int8Head):
+        desc["kernels"]["lm_head"] = model.lm_head.kernel
     w = model.embed.weight
     if w.dtype == torch.bfloat16 and w.device.type == "cpu":
         desc["kernels"]["norm, rope, attention, silu"] = cpu_kernels.status()

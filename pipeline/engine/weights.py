@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.linear import Linear
 from pipeline.engine.model import Transformer
-from pipeline.engine.quant import QuantizedWeight, build_quantized_linear, read_quant_config
+from pipeline.engine.quant import Int4Linear, Int8Head, QuantizedWeight, build_quantized_linear, read_quant_config
 from pipeline.errors import ModelFormatError
 
 
@@ -204,9 +205,11 @@ def install_quantized_linears(model: Transformer, hf: CheckpointTensors, dtype: 
 
 
 def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu", keep_plain: bool = True) -> Transformer:
+                     device: str | torch.device = "cpu", keep_plain: bool = True,
+                     lm_head: str = "checkpoint") -> Transformer:
     """keep_plain=False: linears that get a packed (oneDNN) copy drop their plain weight, so the weights are
-    held once; such a model can't be re-packed, cast or moved (the engine never does)."""
+    held once; such a model can't be re-packed, cast or moved (the engine never does). lm_head: see
+    EngineConfig.lm_head."""
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     hf = CheckpointTensors(folder)
@@ -223,6 +226,8 @@ def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = 
             _pack(module, keep_plain)  # now, while this weight alone is in flight
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # the embedding keeps its plain copy for the lookup
+    if _int8_head(lm_head, model, quantized, device):
+        model.lm_head = Int8Head(model.lm_head.weight.detach())
     for module in model.modules():  # the tied head, and quantized linears that fell back to dense
         if isinstance(module, Linear) and module.packed is None and not module.weight.is_meta:
             _pack(module, keep_plain)
@@ -233,6 +238,16 @@ def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = 
     if missing:
         raise ModelFormatError(f"checkpoint in {folder} is missing {missing[0]}")
     return model.eval()
+
+
+def _int8_head(choice: str, model: Transformer, quantized: frozenset[str], device: str | torch.device) -> bool:
+    if choice == "checkpoint" or torch.device(device).type != "cpu" or not cpu_kernels.usable():
+        return False
+    if Int8Head.unsupported_reason(model.cfg.vocab_size, model.cfg.hidden_size):
+        return False
+    if choice == "int8":
+        return True
+    return any(isinstance(m, Int4Linear) for m in model.modules())  # auto: an INT4 checkpoint
 
 
 def _pack(module: Linear, keep_plain: bool) -> None:
