@@ -100,7 +100,8 @@ def run_engine(args, batch: int, speculate: bool, folder: str) -> dict:
 
 
 def _weight_bytes(model) -> int:
-    """The weights as the engine holds them: a packed copy where a linear has one, else the plain tensor."""
+    """The weights as the engine holds them: a packed copy where a linear has one, else the plain tensor, and the
+    quantized modules' buffers."""
     from pipeline.engine.linear import Linear
 
     total, seen = 0, set()
@@ -110,8 +111,10 @@ def _weight_bytes(model) -> int:
             if module.bias is not None:
                 total += module.bias.nbytes
             continue
-        for p in module.parameters(recurse=False):
-            if not p.is_meta and id(p) not in seen:
+        # Buffers too: int4 blocks and scales, the int8 head. Not the rope tables (non-persistent: not weights).
+        buffers = [b for name, b in module.named_buffers(recurse=False) if name not in module._non_persistent_buffers_set]
+        for p in [*module.parameters(recurse=False), *buffers]:
+            if p is not None and not p.is_meta and id(p) not in seen:
                 seen.add(id(p))
                 total += p.nbytes
     return total

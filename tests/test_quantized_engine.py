@@ -415,3 +415,32 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
     x = torch.randn(2, K, generator=g)
     want = torch.cat([(x * pieces[0].pre_quant_scale) @ pieces[0].dequantize().t(), x @ pieces[1].dequantize().t()], -1)
     torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_int4_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_path_factory):
+    model = load_transformer(export(base, tmp_path_factory, "int4_awq"), MAX_LEN, torch.bfloat16)
+    if not cpu_kernels.usable():
+        pytest.skip(f"no C kernels: {cpu_kernels.status()}")
+    assert model.int4_stack() is not None
+
+    def run(one_call: bool):
+        model._int4_stack = None if one_call else False  # False: the per-module loop
+        cache = model.new_cache(3, MAX_LEN)
+        with torch.inference_mode():
+            out = [model(ids(3, 20), ForwardBatch.build([0, 1, 2], [0] * 3, [20, 9, 20], cache), cache)]
+            for i in range(3):  # verify-shaped steps of ragged lengths
+                fb = ForwardBatch.build([0, 1, 2], [20 + 4 * i] * 3, [4, 2, 1], cache)
+                out.append(model(ids(3, 4, seed=i + 1), fb, cache))
+        return out, cache
+
+    (want, want_cache), (got, got_cache) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    cache = model.new_cache(2, MAX_LEN)
+    with pytest.raises(IndexError, match="outside the KV cache"), torch.inference_mode():
+        model(ids(1, 3), ForwardBatch.build([5], [0], [3], cache), cache)  # slot 5 of 2
+    assert not cache.k.any()  # nothing written
+
+
+def test_a_model_with_a_dense_layer_keeps_the_module_loop(base):
+    assert load_transformer(base, MAX_LEN, torch.bfloat16).int4_stack() is None

@@ -46,6 +46,8 @@ _SIGNATURES = {  # name -> (return type, argument types)
     "rms_norm_bf16": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
     "silu_mul_bf16": (None, [_P, _I, _I, _P, ctypes.c_int]),
     "rope_attend_bf16": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P]),
+    "int4_layers_bf16": (ctypes.c_int, [_P, _P, ctypes.c_int, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P,
+                                        _P, _P, _I, _I, _P, _P, _F, ctypes.c_int]),
     "quant_linear": (ctypes.c_int, [_P, ctypes.c_int, _I, _I, _P, _P, ctypes.c_int, _P, _I, _I, _P, ctypes.c_int,
                                     ctypes.c_int]),
 }
@@ -88,6 +90,7 @@ class CpuKernels:
             fn.restype, fn.argtypes = restype, argtypes
         self._norm, self._silu = self.lib.rms_norm_bf16, self.lib.silu_mul_bf16
         self._attend, self._quant = self.lib.rope_attend_bf16, self.lib.quant_linear
+        self._int4_layers = self.lib.int4_layers_bf16
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +152,28 @@ class CpuKernels:
                        torch.get_num_threads()):
             raise ValueError(f"quant_linear: K={K}, {ngroups} groups, N={out.shape[1]} is not a layout it takes")
         return out
+
+    def int4_layers(self, x: torch.Tensor, table: torch.Tensor, group: int, cfg, cos: torch.Tensor,
+                    sin: torch.Tensor, cache, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer of an all-int4 bf16 model (see Transformer.int4_stack and int4_layers_bf16 in the
+        C source): x [B, T, hidden], the embeddings -> (the residual after the last attention, the last MLP
+        output), which the caller adds. Writes every layer's K and V to the cache, and overwrites x."""
+        B, T, hidden = x.shape
+        x = x.contiguous()
+        delta = torch.empty_like(x)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        k, v = cache.k, cache.v  # [layers, S, KV, P, D]
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("int4_layers needs a contiguous KV cache")
+        slots, write_pos = fb.slots.contiguous(), fb.write_pos.contiguous()
+        if self._int4_layers(x.data_ptr(), delta.data_ptr(), 0, B, T, cfg.num_layers, hidden, cfg.num_heads,
+                             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(),
+                             cfg.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
+                             k.shape[1], k.shape[3], slots.data_ptr(), write_pos.data_ptr(), cfg.head_dim**-0.5,
+                             torch.get_num_threads()):
+            raise IndexError(f"a slot or cache position is outside the KV cache ({k.shape[1]} slots, "
+                             f"{k.shape[3]} positions): slots {slots.tolist()}")
+        return x, delta
 
 
 def block_weights(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ op count, is most of a CPU decode step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
-from pipeline.engine.quant import QuantConfig, describe_model
+from pipeline.engine.quant import Int4Linear, QuantConfig, describe_model
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -198,6 +199,17 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(normed)
 
 
+@dataclass(frozen=True)
+class Int4Stack:
+    """What cpu_kernels.int4_layers needs of the weights: per layer, the addresses of the norms' weights and each
+    projection's blocks, scales and pre_quant_scale (0 for none); and the tensors behind them, held so the
+    addresses stay valid."""
+
+    table: torch.Tensor  # int64 [layers, 14]
+    group_size: int
+    held: list[torch.Tensor]
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int):
         super().__init__()
@@ -212,6 +224,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_tables(cfg, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D]
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._int4_stack: Int4Stack | bool | None = None  # see int4_stack
 
     @staticmethod
     def rope_tables(cfg: ModelConfig, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,6 +241,32 @@ class Transformer(nn.Module):
     def describe(self) -> dict:
         """What runs: dtype, weight format, and per weight format the kernel that runs it (JSON-ready)."""
         return describe_model(self)
+
+    def int4_stack(self) -> Int4Stack | None:
+        """When every layer's four projections are bias-free int4 on the C kernel, with one group size and bf16
+        norms: the per-layer weight addresses cpu_kernels.int4_layers reads; else None. Worked out on the first forward, after loading: the engine never
+        changes a loaded model's weights."""
+        if self._int4_stack is None:
+            self._int4_stack = self._plan_int4_stack() or False
+        return self._int4_stack or None
+
+    def _plan_int4_stack(self) -> Int4Stack | None:
+        rows, held = [], []
+        groups = set()
+        for layer in self.layers:
+            lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
+            norms = (layer.input_norm.weight, layer.post_norm.weight)
+            if not all(isinstance(m, Int4Linear) and m.c_kernel and m.bias is None for m in lins):
+                return None
+            if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in norms):
+                return None
+            groups |= {m.group_size for m in lins}
+            tensors = [*norms, *(t for m in lins for t in (m.blocks, m.scales, m.pre_scale))]
+            rows.append([0 if t is None else t.data_ptr() for t in tensors])
+            held += [t for t in tensors if t is not None]
+        if len(groups) != 1:
+            return None
+        return Int4Stack(torch.tensor(rows, dtype=torch.int64), groups.pop(), held)
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         p = self.embed.weight
@@ -248,7 +287,11 @@ class Transformer(nn.Module):
         cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]  # [B, T, 1, D]
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
         captured, delta = [], None
-        for i, layer in enumerate(self.layers):
+        kernels = cpu_kernels.for_tensor(x) if not capture_layers and cache.k.dtype == dtype else None
+        stack = self.int4_stack() if kernels is not None else None
+        if stack is not None:  # every layer in one C call: the same kernels and bits as the loop below
+            x, delta = kernels.int4_layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb)
+        for i, layer in enumerate(self.layers if stack is None else ()):
             if i in capture_layers:
                 if delta is not None:  # the layer's input, added here (the same bits as the fused add)
                     x, delta = x + delta, None
