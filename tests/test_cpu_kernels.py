@@ -237,3 +237,44 @@ def test_quant_linear_refuses_a_layout_it_cannot_hold():
                              cpu_kernels.block_scales(torch.rand(16, 5)))
     assert cpu_kernels.quant_layout_reason(100, 96, 32) is not None  # 100 outputs: not whole blocks of 16
     assert cpu_kernels.quant_layout_reason(96, 96, 6) is not None  # a group of 6: not a multiple of 4
+
+
+# ---- bf16 linears on AMX --------------------------------------------------------------------------
+
+needs_amx = pytest.mark.skipif(KERNELS is None or not KERNELS.amx, reason="no AMX tiles on this CPU (or not granted)")
+
+
+@needs_amx
+def test_amx_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch():
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(80, 192, generator=g) * 0.1).to(BF)
+    pairs = cpu_kernels.pair_blocks(w)
+    assert torch.equal(cpu_kernels.unpair_blocks(pairs), w)
+    x = torch.randn(37, 192, generator=g).to(BF)  # 16 + 16 + 5 rows: two full tiles and a short one
+    with torch.inference_mode():
+        y = KERNELS.bf16_linear(x, pairs, out_dtype=torch.float32)
+        alone = torch.cat([KERNELS.bf16_linear(x[i:i + 1], pairs, out_dtype=torch.float32) for i in range(37)])
+        rounded = KERNELS.bf16_linear(x, pairs)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
+    assert torch.equal(alone, y)
+    assert rounded.dtype == BF and torch.equal(rounded, y.to(BF))  # rounded once, from the fp32 sums
+
+
+@needs_amx
+def test_a_bf16_linear_takes_amx_and_falls_back_to_torch_when_the_kernels_are_off():
+    from pipeline.engine.linear import Linear
+    lin = Linear(64, 48, bias=True).to(BF)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.1), lin.bias.normal_(0, 0.1)
+    lin.pack()
+    assert lin.layout == "amx" and "packed=amx" in repr(lin)
+    x = torch.randn(3, 64).to(BF)
+    with torch.inference_mode():
+        fast = lin(x)
+        lin.release_plain()  # the engine holds the weight once: the fallback reads the pairs
+        with cpu_kernels.disabled():
+            slow = lin(x)
+    torch.testing.assert_close(fast, slow, atol=0.02, rtol=0.01)  # two summation orders, the bias added in bf16
+    odd = Linear(64, 40, bias=False).to(BF)  # 40 outputs: not whole blocks of 16
+    odd.pack()
+    assert odd.layout != "amx"

@@ -417,14 +417,16 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
     torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
 
 
-def test_the_int4_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_path_factory):
-    model = load_transformer(export(base, tmp_path_factory, "int4_awq"), MAX_LEN, torch.bfloat16)
-    if not cpu_kernels.usable():
-        pytest.skip(f"no C kernels: {cpu_kernels.status()}")
-    assert model.int4_stack() is not None
+@pytest.mark.parametrize("weights", ["int4_awq", "bf16"])
+def test_the_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_path_factory, weights):
+    folder = export(base, tmp_path_factory, "int4_awq") if weights == "int4_awq" else base
+    model = load_transformer(folder, MAX_LEN, torch.bfloat16)
+    if not cpu_kernels.usable() or (weights == "bf16" and not cpu_kernels.load().amx):
+        pytest.skip(f"no C kernels for {weights} here: {cpu_kernels.status()}")
+    assert model.layer_stack() is not None
 
     def run(one_call: bool):
-        model._int4_stack = None if one_call else False  # False: the per-module loop
+        model._layer_stack = None if one_call else False  # False: the per-module loop
         cache = model.new_cache(3, MAX_LEN)
         with torch.inference_mode():
             out = [model(ids(3, 20), ForwardBatch.build([0, 1, 2], [0] * 3, [20, 9, 20], cache), cache)]
@@ -442,5 +444,7 @@ def test_the_int4_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tm
     assert not cache.k.any()  # nothing written
 
 
-def test_a_model_with_a_dense_layer_keeps_the_module_loop(base):
-    assert load_transformer(base, MAX_LEN, torch.bfloat16).int4_stack() is None
+def test_a_model_with_a_onednn_layer_keeps_the_module_loop(base):
+    model = load_transformer(base, MAX_LEN, torch.bfloat16)
+    model.layers[1].mlp.down.pack("onednn")  # a projection the C stack can't run
+    assert model.layer_stack() is None

@@ -386,52 +386,145 @@ int quant_linear(const void *x, int x_f32, int64_t M, int64_t K, const float *pr
     return 0;
 }
 
-// ---- a whole INT4 decoder stack in one call ----------------------------------------------------------
+// ---- bf16 linears on AMX ----------------------------------------------------------------------------
 //
-// The layer loop of a bf16 model whose projections are all int4 (Int4Linear on quant_linear), without
-// biases: the same kernels, in the same order and with the same roundings, as the modules call one by
-// one (model.py's DecoderLayer with the fused residual adds), so the bits are the same. It saves the
-// Python between them: ~10 calls, their module hops and tensor allocations per layer, about 3 ms of a
-// 14 ms SmolLM2 INT4 decode step.
+// y = x @ w.T for bf16 x and w with fp32 accumulation, on weights held as bf16 [N/QN, K/2, QN, 2]: pair p of
+// lane j is (w[n, 2p], w[n, 2p+1]), n = block*QN + j: the layout of AMX's B tile, so 16 pairs of a block are
+// one contiguous 1 KB tile. Each row is computed on its own by the tile unit (up to 16 rows per op), so a
+// row's bits don't depend on the rows beside it (tests check 1 row against 37).
+//
+// Why not oneDNN, which also runs AMX: its call costs 10-30 us from Python, and the engine split its calls
+// into 4-32 rows to keep a row's bits batch-independent. This streams SmolLM2's layers at 21-24 GB/s for
+// 1-16 rows (oneDNN 15-18) and keeps up at 64 (2 threads, weights past the L3).
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+// AMX: one tile op multiplies up to 16 rows by 32 inputs of a block of 16 outputs, about as fast at 1 row as at
+// 16, so the weights stream at the memory's pace for a decode and a prefill alike. Tiles: 0-3 accumulate four
+// blocks of outputs, 4 holds x, 5 one block of weights (16 pairs x 16 lanes, 1 KB, contiguous in the layout).
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void amx_configure(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = rows, cfg.colsb[t] = 64;  // fp32 [rows, 16]
+    cfg.rows[4] = rows, cfg.colsb[4] = 64;                              // bf16 [rows, 32]
+    cfg.rows[5] = 16, cfg.colsb[5] = 64;                                // bf16 pairs [16, 16, 2]
+    _tile_loadconfig(&cfg);
+}
+
+int amx_usable(void) {
+    static int state = -1;  // the kernel must ask Linux for the tile state once per process
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, void *y, int y_f32,
+                    int threads) {
+    if (!amx_usable() || K % 32 || N % QN || M < 0) return -1;
+    const int64_t blocks = N / QN;
+    int nt = M * N * K >= PAR_WORK ? threads : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        float out[4][16][QN];
+        int configured = 0;
+#pragma omp for schedule(static)
+        for (int64_t cb = 0; cb < blocks; cb += 4) {
+            const int64_t nbn = blocks - cb < 4 ? blocks - cb : 4;
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                const int rows = M - m0 < 16 ? M - m0 : 16;
+                if (rows != configured) amx_configure(configured = rows);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                    _tile_loadd(4, x + m0 * K + k0, K * 2);
+                    const bf16 *wk = w + (cb * (K / 2) + k0 / 2) * QN * 2;
+                    _tile_loadd(5, wk, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (nbn > 1) { _tile_loadd(5, wk + K * QN, 64); _tile_dpbf16ps(1, 4, 5); }
+                    if (nbn > 2) { _tile_loadd(5, wk + 2 * K * QN, 64); _tile_dpbf16ps(2, 4, 5); }
+                    if (nbn > 3) { _tile_loadd(5, wk + 3 * K * QN, 64); _tile_dpbf16ps(3, 4, 5); }
+                }
+                _tile_stored(0, out[0], 64);
+                _tile_stored(1, out[1], 64);
+                _tile_stored(2, out[2], 64);
+                _tile_stored(3, out[3], 64);
+                for (int64_t i = 0; i < nbn; i++)
+                    for (int r = 0; r < rows; r++) {
+                        int64_t at = (m0 + r) * N + (cb + i) * QN;
+                        if (y_f32)
+                            memcpy((float *)y + at, out[i][r], sizeof(float) * QN);
+                        else
+                            for (int j = 0; j < QN; j++) ((bf16 *)y)[at + j] = f2bf(out[i][r][j]);
+                    }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    return 0;
+}
+#else
+int amx_usable(void) { return 0; }
+int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, void *y, int y_f32, int threads) {
+    return -1;
+}
+#endif
+
+// ---- a whole decoder stack in one call ----------------------------------------------------------------
+//
+// The layer loop of a bf16 model whose projections all run here (int4 on quant_linear, bf16 on AMX), without
+// biases: the same kernels, in the same order and with the same roundings, as the modules call one by one
+// (model.py's DecoderLayer with the fused residual adds), so the bits are the same. It saves the Python
+// between them: ~10 calls, their module hops and tensor allocations per layer, which took 8 of a SmolLM2
+// INT4 decode step's 18 ms.
 //
 // x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
-// delta: in, the pending MLP output to add first (has_delta), and on return the last layer's MLP output.
-// ptrs: per layer, LAYER_PTRS addresses in the order of the enum below (a NULL pre_quant_scale for none).
-// Returns 0, or -1 when a slot or position lies outside the cache (nothing is written then).
-enum { P_IN_NORM, P_POST_NORM, P_QKV_W, P_QKV_S, P_QKV_PRE, P_O_W, P_O_S, P_O_PRE, P_GU_W, P_GU_S, P_GU_PRE,
-       P_DOWN_W, P_DOWN_S, P_DOWN_PRE, LAYER_PTRS };
+// delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
+// weights, then per projection (qkv, o, gate_up, down) its kind (4: int4, 16: bf16) and the addresses of
+// its weights, scales and pre_quant_scale (0 for none). Returns 0, or -1 when a slot or position lies
+// outside the cache (nothing is written then).
+enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, LAYER_ENTRIES = L_DOWN + 4 };
 
-int int4_layers_bf16(bf16 *x, bf16 *delta, int has_delta, int64_t B, int64_t T, int64_t layers, int64_t hidden,
-                     int64_t H, int64_t KV, int64_t D, int64_t inter, int64_t G, const int64_t *ptrs, float eps,
-                     const bf16 *cos, const bf16 *sin, bf16 *cache_k, bf16 *cache_v, int64_t S, int64_t P,
-                     const int64_t *slots, const int64_t *write_pos, float scale, int threads) {
+static int stack_linear(const bf16 *x, int64_t rows, int64_t K, const int64_t *lin, int64_t G, int64_t N, bf16 *y,
+                        int threads) {
+    if (lin[0] == 16) return bf16_linear(x, rows, K, (const bf16 *)(intptr_t)lin[1], N, y, 0, threads);
+    return quant_linear(x, 0, rows, K, (const float *)(intptr_t)lin[3], (const uint8_t *)(intptr_t)lin[1],
+                        (int)lin[0], (const float *)(intptr_t)lin[2], G, N, y, 0, threads);
+}
+
+int layers_bf16(bf16 *x, bf16 *delta, int64_t B, int64_t T, int64_t layers, int64_t hidden, int64_t H, int64_t KV,
+                int64_t D, int64_t inter, int64_t G, const int64_t *table, float eps, const bf16 *cos,
+                const bf16 *sin, bf16 *cache_k, bf16 *cache_v, int64_t S, int64_t P, const int64_t *slots,
+                const int64_t *write_pos, float scale, int threads) {
     const int64_t rows = B * T, nqkv = (H + 2 * KV) * D, layer_cache = S * KV * P * D;
     bf16 *normed = malloc(sizeof(bf16) * rows * hidden), *qkv = malloc(sizeof(bf16) * rows * nqkv);
     bf16 *attn = malloc(sizeof(bf16) * rows * H * D), *o = malloc(sizeof(bf16) * rows * hidden);
     bf16 *gate_up = malloc(sizeof(bf16) * rows * 2 * inter), *act = malloc(sizeof(bf16) * rows * inter);
     int rc = 0;
     for (int64_t l = 0; l < layers && rc == 0; l++) {
-        const int64_t *p = ptrs + l * LAYER_PTRS;
-#define PTR(T, i) ((T)(intptr_t)p[i])
+        const int64_t *t = table + l * LAYER_ENTRIES;
         // The residual add runs in place: norm_row reads a row whole before it writes the sum.
-        rms_norm_bf16(x, has_delta || l ? delta : NULL, PTR(const bf16 *, P_IN_NORM), eps, rows, hidden,
-                      has_delta || l ? x : NULL, normed, threads);
-        rc |= quant_linear(normed, 0, rows, hidden, PTR(const float *, P_QKV_PRE), PTR(const uint8_t *, P_QKV_W), 4,
-                           PTR(const float *, P_QKV_S), G, nqkv, qkv, 0, threads);
+        rms_norm_bf16(x, l ? delta : NULL, (const bf16 *)(intptr_t)t[L_IN_NORM], eps, rows, hidden, l ? x : NULL,
+                      normed, threads);
+        rc |= stack_linear(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads);
         if (rope_attend_bf16(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache,
                              S, P, slots, write_pos, scale, threads, attn)) {
             rc = -1;
             break;
         }
-        rc |= quant_linear(attn, 0, rows, H * D, PTR(const float *, P_O_PRE), PTR(const uint8_t *, P_O_W), 4,
-                           PTR(const float *, P_O_S), G, hidden, o, 0, threads);
-        rms_norm_bf16(x, o, PTR(const bf16 *, P_POST_NORM), eps, rows, hidden, x, normed, threads);
-        rc |= quant_linear(normed, 0, rows, hidden, PTR(const float *, P_GU_PRE), PTR(const uint8_t *, P_GU_W), 4,
-                           PTR(const float *, P_GU_S), G, 2 * inter, gate_up, 0, threads);
+        rc |= stack_linear(attn, rows, H * D, t + L_O, G, hidden, o, threads);
+        rms_norm_bf16(x, o, (const bf16 *)(intptr_t)t[L_POST_NORM], eps, rows, hidden, x, normed, threads);
+        rc |= stack_linear(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads);
         silu_mul_bf16(gate_up, rows, inter, act, threads);
-        rc |= quant_linear(act, 0, rows, inter, PTR(const float *, P_DOWN_PRE), PTR(const uint8_t *, P_DOWN_W), 4,
-                           PTR(const float *, P_DOWN_S), G, hidden, delta, 0, threads);
-#undef PTR
+        rc |= stack_linear(act, rows, inter, t + L_DOWN, G, hidden, delta, threads);
     }
     free(normed);
     free(qkv);

@@ -12,9 +12,10 @@ says which). The shared object is cached under the pipeline home, keyed by the s
 the CPU's feature flags (it is built with -march=native). OpenMP comes from the libgomp torch
 already loaded (same soname), so the kernels and torch share one thread pool.
 
-The same library holds the weight-quantized linear (quant_linear): int4 checkpoint weights and the
-engine's int8 lm_head, in bf16 or fp32, held in blocks of 16 output features so that one vector lane
-computes one output and a block's weights are decoded once for up to 4 rows.
+The same library holds the linears: quant_linear for int4 checkpoint weights and the engine's int8
+lm_head (blocks of 16 output features, one vector lane per output, a block decoded once for up to 4
+rows), and bf16_linear for bf16 weights on AMX tiles. When every projection of a model runs on them,
+layers_bf16 runs the whole decoder stack in one call (see Transformer.layer_stack).
 
 PIPELINE_KERNELS=off runs the torch ops; CUDA and autograd always do, and fp32 does for all but
 quant_linear.
@@ -46,8 +47,10 @@ _SIGNATURES = {  # name -> (return type, argument types)
     "rms_norm_bf16": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
     "silu_mul_bf16": (None, [_P, _I, _I, _P, ctypes.c_int]),
     "rope_attend_bf16": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P]),
-    "int4_layers_bf16": (ctypes.c_int, [_P, _P, ctypes.c_int, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P,
-                                        _P, _P, _I, _I, _P, _P, _F, ctypes.c_int]),
+    "layers_bf16": (ctypes.c_int, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P, _P, _P, _I, _I, _P,
+                                   _P, _F, ctypes.c_int]),
+    "bf16_linear": (ctypes.c_int, [_P, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]),
+    "amx_usable": (ctypes.c_int, []),
     "quant_linear": (ctypes.c_int, [_P, ctypes.c_int, _I, _I, _P, _P, ctypes.c_int, _P, _I, _I, _P, ctypes.c_int,
                                     ctypes.c_int]),
 }
@@ -90,7 +93,8 @@ class CpuKernels:
             fn.restype, fn.argtypes = restype, argtypes
         self._norm, self._silu = self.lib.rms_norm_bf16, self.lib.silu_mul_bf16
         self._attend, self._quant = self.lib.rope_attend_bf16, self.lib.quant_linear
-        self._int4_layers = self.lib.int4_layers_bf16
+        self._layers, self._bf16_linear = self.lib.layers_bf16, self.lib.bf16_linear
+        self.amx = bool(self.lib.amx_usable())  # AMX tiles built in, and Linux granted them
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -153,27 +157,56 @@ class CpuKernels:
             raise ValueError(f"quant_linear: K={K}, {ngroups} groups, N={out.shape[1]} is not a layout it takes")
         return out
 
-    def int4_layers(self, x: torch.Tensor, table: torch.Tensor, group: int, cfg, cos: torch.Tensor,
-                    sin: torch.Tensor, cache, fb) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer of an all-int4 bf16 model (see Transformer.int4_stack and int4_layers_bf16 in the
-        C source): x [B, T, hidden], the embeddings -> (the residual after the last attention, the last MLP
-        output), which the caller adds. Writes every layer's K and V to the cache, and overwrites x."""
+    def bf16_linear(self, x: torch.Tensor, pairs: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] bf16 times a bf16 [N, K] weight held as `pairs` (see pair_blocks), on AMX -> [..., N]."""
+        K = x.shape[-1]
+        x = x.reshape(-1, K).contiguous()
+        out = x.new_empty(x.shape[0], pairs.shape[0] * QUANT_BLOCK, dtype=out_dtype or x.dtype)
+        if x.dtype != torch.bfloat16 or out.dtype not in (torch.bfloat16, torch.float32) or self._bf16_linear(
+                x.data_ptr(), x.shape[0], K, pairs.data_ptr(), out.shape[1], out.data_ptr(),
+                out.dtype == torch.float32, torch.get_num_threads()):
+            raise ValueError(f"bf16_linear: {x.dtype} x of K={K}, N={out.shape[1]} is not what it takes (AMX: "
+                             f"{self.amx})")
+        return out
+
+    def layers(self, x: torch.Tensor, table: torch.Tensor, group: int, cfg, cos: torch.Tensor, sin: torch.Tensor,
+               cache, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer in one call (see Transformer.layer_stack and layers_bf16 in the C source): x
+        [B, T, hidden], the embeddings -> (the residual after the last attention, the last MLP output), which
+        the caller adds. Writes every layer's K and V to the cache, and overwrites x."""
         B, T, hidden = x.shape
         x = x.contiguous()
         delta = torch.empty_like(x)
         cos, sin = cos.contiguous(), sin.contiguous()
         k, v = cache.k, cache.v  # [layers, S, KV, P, D]
         if not (k.is_contiguous() and v.is_contiguous()):
-            raise ValueError("int4_layers needs a contiguous KV cache")
+            raise ValueError("the layer stack needs a contiguous KV cache")
         slots, write_pos = fb.slots.contiguous(), fb.write_pos.contiguous()
-        if self._int4_layers(x.data_ptr(), delta.data_ptr(), 0, B, T, cfg.num_layers, hidden, cfg.num_heads,
-                             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(),
-                             cfg.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
-                             k.shape[1], k.shape[3], slots.data_ptr(), write_pos.data_ptr(), cfg.head_dim**-0.5,
-                             torch.get_num_threads()):
+        if self._layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
+                        sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], slots.data_ptr(),
+                        write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads()):
             raise IndexError(f"a slot or cache position is outside the KV cache ({k.shape[1]} slots, "
                              f"{k.shape[3]} positions): slots {slots.tolist()}")
         return x, delta
+
+
+def pair_blocks(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight -> [N/16, K/2, 16, 2], bf16_linear's layout: pair p of lane j is (w[n, 2p], w[n, 2p+1])."""
+    N, K = w.shape
+    return w.reshape(N // QUANT_BLOCK, QUANT_BLOCK, K // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpair_blocks(pairs: torch.Tensor) -> torch.Tensor:
+    """pair_blocks' inverse: [N, K]."""
+    return pairs.transpose(1, 2).reshape(pairs.shape[0] * QUANT_BLOCK, -1)
+
+
+def amx_layout_reason(out_features: int, in_features: int) -> str | None:
+    """Why bf16_linear can't hold this weight, or None."""
+    if out_features % QUANT_BLOCK or in_features % 32:
+        return f"[{out_features}, {in_features}]: AMX takes whole blocks of 16 outputs and of 32 inputs"
+    return None
 
 
 def block_weights(q: torch.Tensor, bits: int) -> torch.Tensor:

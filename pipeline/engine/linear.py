@@ -5,6 +5,8 @@ stream from memory. On a CPU, PyTorch's default fp32 path (MKL sgemm on an [out,
 at well under half the memory bandwidth for M = 1..16 rows, while oneDNN on a weight reordered once
 into its own blocked layout streams much closer to it, for fp32 and bf16 alike. So on a CPU each
 linear's weight is packed once at load time (`pack_linears`), and the forward calls oneDNN directly.
+A bf16 weight on a CPU with AMX goes to the engine's own AMX kernel instead (cpu_kernels.bf16_linear:
+cheaper to call, faster at 1-32 rows, and batch-independent without padding or splitting).
 
 Elsewhere (CUDA, or a torch built without oneDNN) nothing changes: `F.linear` on the plain weight.
 The plain `weight` parameter is kept (the checkpoint layout, state_dict, `.to()`); packing is a
@@ -19,6 +21,8 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.engine import cpu_kernels
 
 # "auto": pack for oneDNN on CPU when available, for weights of at least PACK_MIN_BYTES;
 # "onednn": pack every weight (tests); "torch": plain F.linear everywhere.
@@ -53,13 +57,20 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN-layout copy of weight, or None
+        self.packed: torch.Tensor | None = None  # the weight in `layout`, or None
+        self.layout: str | None = None  # "amx" (cpu_kernels.bf16_linear) or "onednn"
         self._pad: tuple[int, torch.Tensor | None] = (0, None)  # (thread, buffer): see _pad_buffer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         p = self.packed
+        if self.layout == "amx":  # any number of rows in one call: AMX gives each row its bits alone
+            kernels = cpu_kernels.for_tensor(x)
+            if kernels is None:  # the kernels switched off (tests compare): the same weights, through torch
+                return F.linear(x, cpu_kernels.unpair_blocks(p), self.bias)
+            y = kernels.bf16_linear(x, p).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if p is not None and x.dtype == p.dtype:
             kernel, (fewest, most) = self._onednn, ONEDNN_ROWS
         else:
@@ -112,8 +123,13 @@ class Linear(nn.Module):
         if w.is_meta and self.packed is not None:
             raise ValueError("this linear's plain weight was released (load_transformer(keep_plain=False)); "
                              "load the model again to pack it another way")
-        self.packed = None
-        if backend == "torch" or w.device.type != "cpu" or w.is_meta or not _onednn_available():
+        self.packed, self.layout = None, None
+        if backend == "torch" or w.device.type != "cpu" or w.is_meta:
+            return
+        if backend == "auto" and w.dtype == torch.bfloat16 and self._amx_available():
+            self.packed, self.layout = cpu_kernels.pair_blocks(w.detach()), "amx"
+            return
+        if not _onednn_available():
             return
         if w.dtype not in (torch.float32, torch.bfloat16):
             return
@@ -125,10 +141,17 @@ class Linear(nn.Module):
             # No batch-size hint: oneDNN then picks a blocked layout that is good for M = 1..16
             # rows alike (a hint of 1 is ~1.5x slower at M = 4-16 in fp32 and no faster at M = 1).
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self.layout = "onednn"
+
+    def _amx_available(self) -> bool:
+        # Whatever the size: a ctypes call costs less than F.linear's, so tiny models (tests) take it too.
+        kernels = cpu_kernels.load() if cpu_kernels.usable() else None
+        return (kernels is not None and kernels.amx
+                and cpu_kernels.amx_layout_reason(self.out_features, self.in_features) is None)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed={self.packed is not None}")
+                f"bias={self.bias is not None}, packed={self.layout}")
 
 
 def pack_linears(model: nn.Module, backend: str | None = None) -> nn.Module:

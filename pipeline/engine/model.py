@@ -200,14 +200,23 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass(frozen=True)
-class Int4Stack:
-    """What cpu_kernels.int4_layers needs of the weights: per layer, the addresses of the norms' weights and each
-    projection's blocks, scales and pre_quant_scale (0 for none); and the tensors behind them, held so the
+class LayerStack:
+    """What cpu_kernels.layers needs of the weights: per layer, the addresses of the norms' weights and of each
+    projection's kind and tensors (see layers_bf16 in cpu_kernels.c); and the tensors behind them, held so the
     addresses stay valid."""
 
-    table: torch.Tensor  # int64 [layers, 14]
-    group_size: int
+    table: torch.Tensor  # int64 [layers, 18]
+    group_size: int  # the int4 projections' (0 when there are none)
     held: list[torch.Tensor]
+
+
+def _stack_entry(lin: nn.Module) -> list[torch.Tensor | int] | None:
+    """[kind, weights, scales, pre_quant_scale] of a projection the C stack runs, or None."""
+    if isinstance(lin, Int4Linear) and lin.c_kernel and lin.bias is None:
+        return [4, lin.blocks, lin.scales, lin.pre_scale]
+    if type(lin) is Linear and lin.layout == "amx" and lin.bias is None:
+        return [16, lin.packed, None, None]
+    return None
 
 
 class Transformer(nn.Module):
@@ -224,7 +233,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_tables(cfg, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D]
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._int4_stack: Int4Stack | bool | None = None  # see int4_stack
+        self._layer_stack: LayerStack | bool | None = None  # see layer_stack
 
     @staticmethod
     def rope_tables(cfg: ModelConfig, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,31 +251,30 @@ class Transformer(nn.Module):
         """What runs: dtype, weight format, and per weight format the kernel that runs it (JSON-ready)."""
         return describe_model(self)
 
-    def int4_stack(self) -> Int4Stack | None:
-        """When every layer's four projections are bias-free int4 on the C kernel, with one group size and bf16
-        norms: the per-layer weight addresses cpu_kernels.int4_layers reads; else None. Worked out on the first forward, after loading: the engine never
-        changes a loaded model's weights."""
-        if self._int4_stack is None:
-            self._int4_stack = self._plan_int4_stack() or False
-        return self._int4_stack or None
+    def layer_stack(self) -> LayerStack | None:
+        """When every layer's four projections run on the C kernels (int4 or AMX bf16, no biases), with one int4
+        group size and bf16 norms: what cpu_kernels.layers reads; else None. Worked out on the first forward,
+        after loading: the engine never changes a loaded model's weights."""
+        if self._layer_stack is None:
+            self._layer_stack = self._plan_layer_stack() or False
+        return self._layer_stack or None
 
-    def _plan_int4_stack(self) -> Int4Stack | None:
-        rows, held = [], []
-        groups = set()
+    def _plan_layer_stack(self) -> LayerStack | None:
+        rows, held, groups = [], [], set()
         for layer in self.layers:
             lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
-            norms = (layer.input_norm.weight, layer.post_norm.weight)
-            if not all(isinstance(m, Int4Linear) and m.c_kernel and m.bias is None for m in lins):
+            entries = [_stack_entry(m) for m in lins]
+            norms = [layer.input_norm.weight, layer.post_norm.weight]
+            if any(e is None for e in entries) or any(w.dtype != torch.bfloat16 or w.device.type != "cpu"
+                                                      for w in norms):
                 return None
-            if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in norms):
-                return None
-            groups |= {m.group_size for m in lins}
-            tensors = [*norms, *(t for m in lins for t in (m.blocks, m.scales, m.pre_scale))]
-            rows.append([0 if t is None else t.data_ptr() for t in tensors])
-            held += [t for t in tensors if t is not None]
-        if len(groups) != 1:
+            groups |= {m.group_size for m in lins if isinstance(m, Int4Linear)}
+            items = [*norms, *(item for e in entries for item in e)]
+            rows.append([t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items])
+            held += [t for t in items if isinstance(t, torch.Tensor)]
+        if len(groups) > 1:
             return None
-        return Int4Stack(torch.tensor(rows, dtype=torch.int64), groups.pop(), held)
+        return LayerStack(torch.tensor(rows, dtype=torch.int64), groups.pop() if groups else 0, held)
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         p = self.embed.weight
@@ -288,9 +296,9 @@ class Transformer(nn.Module):
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
         captured, delta = [], None
         kernels = cpu_kernels.for_tensor(x) if not capture_layers and cache.k.dtype == dtype else None
-        stack = self.int4_stack() if kernels is not None else None
+        stack = self.layer_stack() if kernels is not None else None
         if stack is not None:  # every layer in one C call: the same kernels and bits as the loop below
-            x, delta = kernels.int4_layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb)
+            x, delta = kernels.layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb)
         for i, layer in enumerate(self.layers if stack is None else ()):
             if i in capture_layers:
                 if delta is not None:  # the layer's input, added here (the same bits as the fused add)

@@ -218,15 +218,16 @@ def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = 
         model = Transformer(cfg, max_seq_len)
     model.quant_config = quant
     quantized = install_quantized_linears(model, hf, dtype, device) if quant else frozenset()
+    int8_head = _int8_head(lm_head, model, quantized, device)
     for name, build in engine_tensors(hf, cfg, quantized):
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, nn.Parameter(build(dtype).to(device=device), requires_grad=False))
-        if isinstance(module, Linear) and attr == "weight":
+        if isinstance(module, Linear) and attr == "weight" and not (int8_head and module is model.lm_head):
             _pack(module, keep_plain)  # now, while this weight alone is in flight
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight  # the embedding keeps its plain copy for the lookup
-    if _int8_head(lm_head, model, quantized, device):
+    if int8_head:
         model.lm_head = Int8Head(model.lm_head.weight.detach())
     for module in model.modules():  # the tied head, and quantized linears that fell back to dense
         if isinstance(module, Linear) and module.packed is None and not module.weight.is_meta:
