@@ -83,7 +83,7 @@ def run_engine(args, batch: int, speculate: bool, folder: str) -> dict:
     ids = prompt_ids(load_tokenizer(folder))
     max_seq_len = max(map(len, ids)) + args.max_tokens + N_LOOKUP + 8
     config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="bf16", num_draft_tokens=N_LOOKUP)
-    model = load_transformer(folder, max_seq_len, torch.bfloat16, keep_plain=False)
+    model = load_transformer(folder, max_seq_len, torch.bfloat16, keep_plain=False, lm_head=config.lm_head)
     engine = LLMEngine(model, config, NgramProposer() if speculate else None, eos_token_ids=())
     params = SamplingParams(max_tokens=args.max_tokens)
     engine.generate([ids[0]], SamplingParams(max_tokens=8))  # warm-up

@@ -423,7 +423,7 @@ def test_the_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_pat
     model = load_transformer(folder, MAX_LEN, torch.bfloat16)
     if not cpu_kernels.usable() or (weights == "bf16" and not cpu_kernels.load().amx):
         pytest.skip(f"no C kernels for {weights} here: {cpu_kernels.status()}")
-    assert model.layer_stack() is not None
+    assert model.layer_stack() is not None and "one C call" in model.describe()["kernels"]["decoder layers"]
 
     def run(one_call: bool):
         model._layer_stack = None if one_call else False  # False: the per-module loop

@@ -430,14 +430,17 @@ def describe_model(model: nn.Module) -> dict:
     mods = quantized_modules(model)
     dense = [m for m in model.modules() if type(m) is Linear]
     if dense:
-        packed = sum(m.packed is not None for m in dense)
-        rest = "; F.linear for the rest" if packed < len(dense) else ""
-        desc["kernels"]["dense"] = (f"mkldnn._linear_pointwise on oneDNN-packed weights ({packed} of "
-                                    f"{len(dense)}{rest})" if packed else "F.linear")
+        names = {"amx": "cpu_kernels.bf16_linear on AMX tiles", "onednn": "mkldnn._linear_pointwise on oneDNN-packed "
+                 "weights", None: "F.linear"}
+        counts = {layout: sum(m.layout == layout for m in dense) for layout in names}
+        desc["kernels"]["dense"] = "; ".join(f"{names[layout]} ({n} of {len(dense)})" if n < len(dense) else names[layout]
+                                             for layout, n in counts.items() if n)
     for m in mods:
         desc["kernels"].setdefault(m.kind, m.kernel)
     if isinstance(model.lm_head, Int8Head):
         desc["kernels"]["lm_head"] = model.lm_head.kernel
+    if model.layer_stack() is not None:
+        desc["kernels"]["decoder layers"] = "all in one C call a forward (cpu_kernels.layers_bf16), for bf16 inputs"
     w = model.embed.weight
     if w.dtype == torch.bfloat16 and w.device.type == "cpu":
         desc["kernels"]["norm, rope, attention, silu"] = cpu_kernels.status()
