@@ -181,7 +181,7 @@ def child(args) -> None:
     elif system == "transformers":
         out = run_transformers(args, batch, speculate, args.folder)
     else:
-        if system == "engine-torchops":  # the same engine with the fused C kernels off: their gain, in one run
+        if system == "engine-torchops":  # C kernels off (torch ops, oneDNN): their gain
             os.environ["PIPELINE_KERNELS"] = "off"
         out = run_engine(args, batch, speculate, args.int4 if system == "engine-int4" else args.folder)
     out["peak_rss_mb"] = peak_rss_mb()
@@ -196,7 +196,7 @@ ROWS = {  # name -> (child row kind, label)
     "llamacpp+lookup": ("llamacpp+lookup", "llama.cpp Q4_1, prompt lookup"),
     "engine": ("engine", "engine bf16, plain"),
     "engine+lookup": ("engine+lookup", "engine bf16, n-gram (gated)"),
-    "engine-torchops": ("engine-torchops", "engine bf16, plain, torch ops for the small ops"),
+    "engine-torchops": ("engine-torchops", "engine bf16, plain, no C kernels (PIPELINE_KERNELS=off)"),
     "engine-int4": ("engine-int4", "engine INT4-AWQ, plain"),
     "engine-int4+lookup": ("engine-int4+lookup", "engine INT4-AWQ, n-gram (gated)"),
     "transformers": ("transformers", "transformers bf16, plain"),

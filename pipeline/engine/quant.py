@@ -286,7 +286,7 @@ class Int4Linear(nn.Module):
 
 
 class Int8Head(nn.Module):
-    """The output projection as int8 with one fp32 scale per HEAD_GROUP inputs (symmetric, round to nearest),
+    """The output projection as int8 with one fp32 scale per `group` inputs (symmetric, round to nearest),
     quantized by the engine at load from the checkpoint's head, on cpu_kernels.quant_linear. Logits come out
     in fp32 straight from the kernel's accumulators.
 
