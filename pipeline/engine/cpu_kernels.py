@@ -182,6 +182,8 @@ class CpuKernels:
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("the layer stack needs a contiguous KV cache")
         slots, write_pos = fb.slots.contiguous(), fb.write_pos.contiguous()
+        if slots.dtype != torch.int64 or write_pos.dtype != torch.int64:
+            raise ValueError("the layer stack reads slots and write_pos as int64")
         if self._layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
                         sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], slots.data_ptr(),

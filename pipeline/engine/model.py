@@ -245,6 +245,7 @@ class Transformer(nn.Module):
     def pack_weights(self, backend: str | None = None) -> "Transformer":
         """Lay the linear weights out for the device they are on (oneDNN-packed on a CPU). Call again
         after moving or casting the model; load_transformer does it once."""
+        self._layer_stack = None  # planned again on the next forward, from the new layouts
         return pack_linears(self, backend)
 
     def describe(self) -> dict:
