@@ -442,6 +442,13 @@ def test_the_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_pat
     with pytest.raises(IndexError, match="outside the KV cache"), torch.inference_mode():
         model(ids(1, 3), ForwardBatch.build([5], [0], [3], cache), cache)  # slot 5 of 2
     assert not cache.k.any()  # nothing written
+    if weights == "int4_awq":  # a group size the int4 kernel refuses: a plan bug, said as such, not as a bad slot
+        stack, x = model.layer_stack(), model.embed(ids(1, 3))
+        cos = model.rope_cos[:3].to(x.dtype)[None, :, None, :]
+        with pytest.raises(ValueError, match="can't hold"), torch.inference_mode():
+            cpu_kernels.load().layers(x, stack.table, 6, model.cfg, cos, cos, cache,
+                                      ForwardBatch.build([0], [0], [3], cache))
+        assert not cache.k.any()
 
 
 def test_a_model_with_a_onednn_layer_keeps_the_module_loop(base):

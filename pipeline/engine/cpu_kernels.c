@@ -266,6 +266,14 @@ int rope_attend_bf16(const bf16 *qkv, int64_t B, int64_t T, int64_t H, int64_t K
 // rows runs it, nor on whether the AVX-512 or the portable code does (tests compare the two).
 #define QN 16
 #define QM 4
+
+// One row's QN outputs from fp32 sums to y at `at`: fp32 as they are, or bf16 rounded once.
+static inline void store_outputs(void *y, int y_f32, int64_t at, const float *v) {
+    if (y_f32)
+        memcpy((float *)y + at, v, sizeof(float) * QN);
+    else
+        for (int j = 0; j < QN; j++) ((bf16 *)y)[at + j] = f2bf(v[j]);
+}
 #ifndef Q_PREFETCH
 #define Q_PREFETCH 2048
 #endif
@@ -373,13 +381,7 @@ int quant_linear(const void *x, int x_f32, int64_t M, int64_t K, const float *pr
         for (int64_t m0 = 0; m0 < M; m0 += QM) {
             int64_t R = M - m0 < QM ? M - m0 : QM;
             q_tile_any(bits, R, w + nb * block_bytes, scale + nb * (K / G) * QN, xf + m0 * K, K, G, out);
-            for (int64_t r = 0; r < R; r++) {
-                int64_t at = (m0 + r) * N + nb * QN;
-                if (y_f32)
-                    memcpy((float *)y + at, out[r], sizeof(float) * QN);
-                else
-                    for (int j = 0; j < QN; j++) ((bf16 *)y)[at + j] = f2bf(out[r][j]);
-            }
+            for (int64_t r = 0; r < R; r++) store_outputs(y, y_f32, (m0 + r) * N + nb * QN, out[r]);
         }
     }
     free(xf);
@@ -458,13 +460,7 @@ int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, v
                 _tile_stored(2, out[2], 64);
                 _tile_stored(3, out[3], 64);
                 for (int64_t i = 0; i < nbn; i++)
-                    for (int r = 0; r < rows; r++) {
-                        int64_t at = (m0 + r) * N + (cb + i) * QN;
-                        if (y_f32)
-                            memcpy((float *)y + at, out[i][r], sizeof(float) * QN);
-                        else
-                            for (int j = 0; j < QN; j++) ((bf16 *)y)[at + j] = f2bf(out[i][r][j]);
-                    }
+                    for (int r = 0; r < rows; r++) store_outputs(y, y_f32, (m0 + r) * N + (cb + i) * QN, out[i][r]);
             }
         }
         if (configured) _tile_release();
@@ -489,15 +485,18 @@ int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, v
 // x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
 // delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
 // weights, then per projection (qkv, o, gate_up, down) its kind (4: int4, 16: bf16) and the addresses of
-// its weights, scales and pre_quant_scale (0 for none). Returns 0, or -1 when a slot or position lies
-// outside the cache (nothing is written then).
+// its weights, scales and pre_quant_scale (0 for none). Returns 0; -1 when a slot or position lies outside
+// the cache (nothing is written then); -2 when a projection's kernel refuses its shape (the plan checks
+// them, so a bug).
 enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, LAYER_ENTRIES = L_DOWN + 4 };
 
 static int stack_linear(const bf16 *x, int64_t rows, int64_t K, const int64_t *lin, int64_t G, int64_t N, bf16 *y,
                         int threads) {
-    if (lin[0] == 16) return bf16_linear(x, rows, K, (const bf16 *)(intptr_t)lin[1], N, y, 0, threads);
-    return quant_linear(x, 0, rows, K, (const float *)(intptr_t)lin[3], (const uint8_t *)(intptr_t)lin[1],
-                        (int)lin[0], (const float *)(intptr_t)lin[2], G, N, y, 0, threads);
+    const void *w = (const void *)(intptr_t)lin[1];
+    int rc = lin[0] == 16 ? bf16_linear(x, rows, K, w, N, y, 0, threads)
+                          : quant_linear(x, 0, rows, K, (const float *)(intptr_t)lin[3], w, (int)lin[0],
+                                         (const float *)(intptr_t)lin[2], G, N, y, 0, threads);
+    return rc ? -2 : 0;
 }
 
 int layers_bf16(bf16 *x, bf16 *delta, int64_t B, int64_t T, int64_t layers, int64_t hidden, int64_t H, int64_t KV,
@@ -509,22 +508,22 @@ int layers_bf16(bf16 *x, bf16 *delta, int64_t B, int64_t T, int64_t layers, int6
     bf16 *attn = malloc(sizeof(bf16) * rows * H * D), *o = malloc(sizeof(bf16) * rows * hidden);
     bf16 *gate_up = malloc(sizeof(bf16) * rows * 2 * inter), *act = malloc(sizeof(bf16) * rows * inter);
     int rc = 0;
-    for (int64_t l = 0; l < layers && rc == 0; l++) {
+    for (int64_t l = 0; l < layers; l++) {
         const int64_t *t = table + l * LAYER_ENTRIES;
         // The residual add runs in place: norm_row reads a row whole before it writes the sum.
         rms_norm_bf16(x, l ? delta : NULL, (const bf16 *)(intptr_t)t[L_IN_NORM], eps, rows, hidden, l ? x : NULL,
                       normed, threads);
-        rc |= stack_linear(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads);
+        if ((rc = stack_linear(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads))) break;
         if (rope_attend_bf16(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache,
                              S, P, slots, write_pos, scale, threads, attn)) {
             rc = -1;
             break;
         }
-        rc |= stack_linear(attn, rows, H * D, t + L_O, G, hidden, o, threads);
+        if ((rc = stack_linear(attn, rows, H * D, t + L_O, G, hidden, o, threads))) break;
         rms_norm_bf16(x, o, (const bf16 *)(intptr_t)t[L_POST_NORM], eps, rows, hidden, x, normed, threads);
-        rc |= stack_linear(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads);
+        if ((rc = stack_linear(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads))) break;
         silu_mul_bf16(gate_up, rows, inter, act, threads);
-        rc |= stack_linear(act, rows, inter, t + L_DOWN, G, hidden, delta, threads);
+        if ((rc = stack_linear(act, rows, inter, t + L_DOWN, G, hidden, delta, threads))) break;
     }
     free(normed);
     free(qkv);

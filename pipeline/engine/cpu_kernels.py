@@ -55,6 +55,7 @@ _SIGNATURES = {  # name -> (return type, argument types)
                                     ctypes.c_int]),
 }
 QUANT_BLOCK = 16  # output features per weight block (QN in cpu_kernels.c)
+QUANT_DTYPES = (torch.bfloat16, torch.float32)  # what quant_linear reads and writes
 QUANT_GROUP_MULTIPLE = 4  # a scale group covers a multiple of 4 inputs (the kernel's four accumulator chains)
 
 
@@ -148,7 +149,7 @@ class CpuKernels:
         x = x.reshape(-1, K).contiguous()
         nblocks, ngroups, lanes = scales.shape
         out = x.new_empty(x.shape[0], nblocks * lanes, dtype=out_dtype or x.dtype)
-        if out.dtype not in (torch.bfloat16, torch.float32) or x.dtype not in (torch.bfloat16, torch.float32):
+        if out.dtype not in QUANT_DTYPES or x.dtype not in QUANT_DTYPES:
             raise ValueError("quant_linear reads and writes bf16 or fp32")
         if self._quant(x.data_ptr(), x.dtype == torch.float32, x.shape[0], K,
                        None if pre_scale is None else pre_scale.data_ptr(), blocks.data_ptr(), bits,
@@ -184,10 +185,13 @@ class CpuKernels:
         slots, write_pos = fb.slots.contiguous(), fb.write_pos.contiguous()
         if slots.dtype != torch.int64 or write_pos.dtype != torch.int64:
             raise ValueError("the layer stack reads slots and write_pos as int64")
-        if self._layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
-                        cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
-                        sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], slots.data_ptr(),
-                        write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads()):
+        rc = self._layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
+                          cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
+                          sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], slots.data_ptr(),
+                          write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads())
+        if rc == -2:
+            raise ValueError("the layer stack was planned with a projection its kernels can't hold")
+        if rc:
             raise IndexError(f"a slot or cache position is outside the KV cache ({k.shape[1]} slots, "
                              f"{k.shape[3]} positions): slots {slots.tolist()}")
         return x, delta
@@ -236,6 +240,11 @@ def block_scales(scale: torch.Tensor) -> torch.Tensor:
     return scale.float().reshape(N // QUANT_BLOCK, QUANT_BLOCK, groups).transpose(1, 2).contiguous()
 
 
+def unblock_scales(scales: torch.Tensor) -> torch.Tensor:
+    """block_scales' inverse: fp32 [N, K/G]."""
+    return scales.transpose(1, 2).reshape(scales.shape[0] * QUANT_BLOCK, -1)
+
+
 def quant_layout_reason(out_features: int, in_features: int, group_size: int) -> str | None:
     """Why quant_linear can't hold this weight, or None."""
     if out_features % QUANT_BLOCK:
@@ -274,17 +283,10 @@ def usable() -> bool:
     return _enabled and load() is not None
 
 
-def for_tensor(x: torch.Tensor) -> CpuKernels | None:
-    """The kernels when they apply to a forward on x: bf16, on a CPU, no autograd, not switched off."""
-    if not _enabled or x.dtype is not torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled():
-        return None
-    return load()
-
-
-def for_quantized(x: torch.Tensor) -> CpuKernels | None:
-    """The kernels when quant_linear applies to x: bf16 or fp32, on a CPU, no autograd, not switched off."""
-    if not _enabled or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu" \
-            or torch.is_grad_enabled():
+def for_tensor(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> CpuKernels | None:
+    """The kernels when they apply to a forward on x: a dtype they take (bf16 for the small ops; bf16 or fp32
+    for quant_linear, QUANT_DTYPES), on a CPU, no autograd, not switched off."""
+    if not _enabled or x.dtype not in dtypes or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return load()
 

@@ -145,8 +145,7 @@ class Linear(nn.Module):
 
     def _amx_available(self) -> bool:
         # Whatever the size: a ctypes call costs less than F.linear's, so tiny models (tests) take it too.
-        kernels = cpu_kernels.load() if cpu_kernels.usable() else None
-        return (kernels is not None and kernels.amx
+        return (cpu_kernels.usable() and cpu_kernels.load().amx
                 and cpu_kernels.amx_layout_reason(self.out_features, self.in_features) is None)
 
     def extra_repr(self) -> str:

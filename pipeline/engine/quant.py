@@ -257,7 +257,7 @@ class Int4Linear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_quantized(x) if self.c_kernel else None
+        kernels = cpu_kernels.for_tensor(x, cpu_kernels.QUANT_DTYPES) if self.c_kernel else None
         lead = x.shape[:-1]
         if kernels is not None:
             y = kernels.quant_linear(x, self.blocks, 4, self.scales, self.pre_scale)
@@ -266,7 +266,7 @@ class Int4Linear(nn.Module):
                 x = self.act(x)
             if self._torch_pack is None:  # the kernels switched off (tests compare the two)
                 q = cpu_kernels.unblock_weights(self.blocks, 4)
-                scale = self.scales.transpose(1, 2).reshape(self.out_features, -1)
+                scale = cpu_kernels.unblock_scales(self.scales)
                 self._torch_pack = self._pack_for_torch(q, scale)
             packed, scales_and_zeros = self._torch_pack
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16),
@@ -300,7 +300,7 @@ class Int8Head(nn.Module):
         """weight: [vocab, hidden], quantized 4096 rows at a time so no fp32 copy of the whole head is made."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        G = self.group if self.in_features % self.group == 0 else self.in_features
+        G = self.group_for(self.in_features)
         blocks = torch.empty(self.out_features // 16, self.in_features, 16, dtype=torch.int8)
         scales = torch.empty(self.out_features // 16, self.in_features // G, 16)
         for r in range(0, self.out_features, 4096):
@@ -314,19 +314,23 @@ class Int8Head(nn.Module):
         self.register_buffer("scales", scales)
         self.kernel = f"int8, one fp32 scale per {G} inputs, quantized at load; cpu_kernels.quant_linear"
 
-    @staticmethod
-    def unsupported_reason(out_features: int, in_features: int) -> str | None:
-        G = Int8Head.group if in_features % Int8Head.group == 0 else in_features
-        return cpu_kernels.quant_layout_reason(out_features, in_features, G)
+    @classmethod
+    def group_for(cls, in_features: int) -> int:
+        """Inputs per scale: `group`, or the whole row where `group` doesn't divide it."""
+        return cls.group if in_features % cls.group == 0 else in_features
+
+    @classmethod
+    def unsupported_reason(cls, out_features: int, in_features: int) -> str | None:
+        return cpu_kernels.quant_layout_reason(out_features, in_features, cls.group_for(in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_quantized(x)
+        kernels = cpu_kernels.for_tensor(x, cpu_kernels.QUANT_DTYPES)
         if kernels is not None:
             y = kernels.quant_linear(x, self.blocks, 8, self.scales, out_dtype=torch.float32)
             return y.view(*x.shape[:-1], self.out_features)
         # The kernels switched off (tests): the same weights dequantized, in fp32.
         q = cpu_kernels.unblock_weights(self.blocks, 8).float()
-        scale = self.scales.transpose(1, 2).reshape(self.out_features, -1)
+        scale = cpu_kernels.unblock_scales(self.scales)
         w = q * scale.repeat_interleave(self.in_features // scale.shape[1], dim=1)
         return torch.nn.functional.linear(x.float(), w)
 
