@@ -138,7 +138,7 @@ def test_an_unknown_setting_is_refused_not_read_as_on(tmp_path):
             "with torch.inference_mode(): RMSNorm(8, 1e-5).to(torch.bfloat16)(torch.ones(2, 8, dtype=torch.bfloat16))")
     env = {**os.environ, "PIPELINE_KERNELS": "of", "PIPELINE_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "PIPELINE_KERNELS='of' is not a setting: use auto" in done.stderr
+    assert done.returncode != 0 and "PIPELINE_KERNELS='of' is not a setting: use one of auto, off," in done.stderr
 
 
 def test_without_a_compiler_the_torch_ops_run_and_say_why(tmp_path):
@@ -154,10 +154,11 @@ def test_without_a_compiler_the_torch_ops_run_and_say_why(tmp_path):
 
 def test_describe_says_which_small_ops_run():
     model = Transformer(cfg(), 64).to(BF)
-    assert model.describe()["kernels"]["norm, rope, attention, silu"].startswith("fused C (cpu_kernels-")
+    assert model.describe()["kernels"]["norm, rope, attention, silu"].startswith(
+        f"fused C, {cpu_kernels.path_name(KERNELS)} build (cpu_kernels-")
     with cpu_kernels.disabled():
         assert model.describe()["kernels"]["norm, rope, attention, silu"] == "off (PIPELINE_KERNELS=off)"
-    assert "norm, rope, attention, silu" not in Transformer(cfg(), 64).describe()["kernels"]  # fp32: torch ops
+    assert "norm, rope, attention, silu" not in Transformer(cfg(), 64).half().describe()["kernels"]  # fp16: torch ops
 
 
 def test_a_slot_outside_the_cache_raises_and_writes_nothing():
@@ -214,22 +215,6 @@ def test_quant_linear_gives_a_row_the_same_bits_alone_and_in_any_batch():
             assert torch.equal(KERNELS.quant_linear(x[:rows], blocks, 4, scales), alone[:rows]), rows
 
 
-@pytest.mark.skipif("avx512f" not in cpu_kernels._cpu_flags(), reason="no AVX-512 here: one code path only")
-def test_quant_linear_avx512_and_portable_code_agree_bit_for_bit():
-    # The portable build lacks -march=native, so it compiles the plain-C tile, not the intrinsics.
-    compiler = os.environ.get("CC") or "cc"
-    portable = cpu_kernels.CpuKernels(cpu_kernels._build(compiler, [f for f in cpu_kernels.FLAGS
-                                                                      if f != "-march=native"]))
-    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(4)).to(BF)
-    for bits in (4, 8):
-        q, scale, _ = quantized(bits, 32, 128, 64, seed=bits)
-        blocks, scales = cpu_kernels.block_weights(q, bits), cpu_kernels.block_scales(scale)
-        with torch.inference_mode():
-            fast = KERNELS.quant_linear(x, blocks, bits, scales, out_dtype=torch.float32)
-            plain = portable.quant_linear(x, blocks, bits, scales, out_dtype=torch.float32)
-        assert torch.equal(fast, plain), bits
-
-
 def test_quant_linear_refuses_a_layout_it_cannot_hold():
     q, scale, _ = quantized(4, 16, 96, 32)
     with pytest.raises(ValueError, match="not a layout"):  # 96 inputs in 5 scale groups: not whole groups
@@ -278,3 +263,120 @@ def test_a_bf16_linear_takes_amx_and_falls_back_to_torch_when_the_kernels_are_of
     odd = Linear(64, 40, bias=False).to(BF)  # 40 outputs: not whole blocks of 16
     odd.pack()
     assert odd.layout != "amx"
+
+
+# ---- dense linears (dense_linear: bf16 and fp32 on any CPU) ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("n,k", [(80, 192), (77, 191), (5, 33)], ids=["blocks", "ragged", "tiny"])
+def test_dense_linear_matches_float64_and_gives_a_row_the_same_bits_in_any_batch(dtype, n, k):
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    blocks = cpu_kernels.dense_blocks(w)
+    assert torch.equal(cpu_kernels.undense_blocks(blocks, n, k), w)
+    x = torch.randn(37, k, generator=g).to(dtype)  # tiles of 4 rows and a short one
+    with torch.inference_mode():
+        y = KERNELS.dense_linear(x, blocks, n, out_dtype=torch.float32)
+        alone = torch.cat([KERNELS.dense_linear(x[i:i + 1], blocks, n, out_dtype=torch.float32) for i in range(37)])
+        rounded = KERNELS.dense_linear(x, blocks, n)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=1e-5, rtol=1e-5)  # fp32 sums
+    assert torch.equal(alone, y)
+    for rows in (2, 3, 5, 8, 9, 16, 17):  # every mix of tile shapes
+        with torch.inference_mode():
+            assert torch.equal(KERNELS.dense_linear(x[:rows], blocks, n, out_dtype=torch.float32), y[:rows]), rows
+    assert rounded.dtype == dtype and torch.equal(rounded, y.to(dtype))  # rounded once, from the fp32 sums
+
+
+def test_dense_linear_sums_in_order_and_a_wrong_order_is_caught():
+    """The bits are those of one fp32 accumulator per output, k in order, multiply then add (no FMA): the
+    contract every path computes, written out here in torch. A pairwise order (a negative control) differs."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(32, 40, generator=g), torch.randn(3, 40, generator=g)
+    acc = torch.zeros(3, 32)
+    for k in range(40):
+        acc = acc + x[:, k:k + 1] * w[:, k]  # each product rounded to fp32, then the add
+    with torch.inference_mode():
+        y = KERNELS.dense_linear(x, cpu_kernels.dense_blocks(w), 32)
+    assert torch.equal(y, acc)
+    pairwise = (x[:, 0::2, None] * w.t()[0::2]).sum(1) + (x[:, 1::2, None] * w.t()[1::2]).sum(1)
+    assert not torch.equal(y, pairwise)
+
+
+def test_dense_linear_refuses_what_it_cannot_hold():
+    w = cpu_kernels.dense_blocks(torch.randn(32, 64).to(BF))
+    with pytest.raises(ValueError, match="not what it takes"):  # fp32 x on bf16 weights
+        KERNELS.dense_linear(torch.randn(1, 64), w, 32)
+    with pytest.raises(ValueError, match="not what it takes"):  # blocks for another shape
+        KERNELS.dense_linear(torch.randn(1, 62).to(BF), w, 32)
+
+
+# ---- every build gives the same bits ---------------------------------------------------------------------
+
+
+def runnable_caps() -> list[str]:
+    """The capped builds this CPU can run (cpu_kernels.ISA_MARCH), the native one included."""
+    return [isa for isa in ("portable", "avx2", "avx512", "auto") if cpu_kernels.isa_refusal(isa) is None]
+
+
+def test_every_build_this_cpu_runs_computes_the_same_bits():
+    """A user's CPU runs the AVX-512, the AVX2 or the portable code: each must give every op the bits the others
+    give, so a test passing here passes there. (AMX's bf16 linear sums its own way; it is not among them.)"""
+    compiler = os.environ.get("CC") or "cc"
+    builds = {isa: cpu_kernels.CpuKernels(cpu_kernels._build(compiler, cpu_kernels.isa_flags(isa)))
+              for isa in runnable_caps()}
+    assert builds["portable"].isa == "portable"
+    if len({b.isa for b in builds.values()}) < 2:
+        pytest.skip("this CPU runs one code path only")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 128, generator=g)
+    c = cfg()
+    attn, cos, sin, _ = attention_setup(c, 9)
+    qkv = (torch.randn(2, 5, c.num_heads + 2 * c.num_kv_heads, c.head_dim, generator=g)).to(BF)
+    cos5, sin5 = (t[:5].to(BF)[None, :, None].expand(2, 5, 1, c.head_dim) for t in (cos, sin))
+    results = {}
+    for isa, k in builds.items():
+        out = []
+        with torch.inference_mode():
+            for dtype in (torch.float32, BF):
+                w = (torch.randn(48, 128, generator=torch.Generator().manual_seed(5)) * 0.1).to(dtype)
+                out.append(k.dense_linear(x.to(dtype), cpu_kernels.dense_blocks(w), 48, out_dtype=torch.float32))
+            for bits in (4, 8):
+                q, scale, _ = quantized(bits, 32, 128, 64, seed=bits)
+                blocks, scales = cpu_kernels.block_weights(q, bits), cpu_kernels.block_scales(scale)
+                out.append(k.quant_linear(x.to(BF), blocks, bits, scales, out_dtype=torch.float32))
+            xb = (x * 3).to(BF).reshape(6, 128)
+            out += [*k.rms_norm(xb, torch.ones(128, dtype=BF) * 0.7, 1e-5, xb.flip(0)), k.silu_mul(xb)]
+            cache = KVCache(1, 3, 63, c.num_kv_heads, c.head_dim, BF)
+            out.append(k.rope_attend(qkv, cos5, sin5, cache.k[0], cache.v[0], torch.tensor([2, 0]),
+                                     torch.arange(5).repeat(2, 1), c.num_heads, c.num_kv_heads))
+            out += [cache.k, cache.v]
+        results[isa] = out
+    for isa, out in results.items():
+        for i, (a, b) in enumerate(zip(out, results["portable"])):
+            assert torch.equal(a, b), f"{isa} and portable differ in result {i}"
+
+
+def test_a_cap_this_cpu_cannot_run_is_refused_in_one_line():
+    assert cpu_kernels.isa_refusal("avx512", "flags : fpu avx2 fma") is not None  # (or: not an x86-64 CPU)
+    msg = cpu_kernels.isa_refusal("avx2", "flags : fpu sse2")
+    assert msg and "avx2" in msg and "\n" not in msg
+    assert cpu_kernels.isa_refusal("portable", "flags : fpu") is None
+
+
+def test_linears_take_the_engines_own_kernels_and_say_why():
+    from pipeline.engine.linear import Linear
+    for dtype in (torch.float32, BF):
+        lin = Linear(64, 40, bias=True).to(dtype)  # 40 outputs: not whole blocks of 16, so not AMX
+        with torch.no_grad():
+            lin.weight.normal_(0, 0.1), lin.bias.normal_(0, 0.1)
+        lin.pack()
+        assert lin.layout == "dense" and "by construction" in lin.why
+        assert KERNELS.isa in lin.kernel_name()
+        x = torch.randn(3, 64).to(dtype)
+        with torch.inference_mode():
+            fast = lin(x)
+            lin.release_plain()  # the engine holds the weight once: the fallback reads the blocks
+            with cpu_kernels.disabled():
+                slow = lin(x)
+        torch.testing.assert_close(fast, slow, atol=0.02 if dtype == BF else 1e-5, rtol=0.01)

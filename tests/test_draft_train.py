@@ -121,8 +121,22 @@ def test_acceptance_report_derives_mean_length_per_k_from_one_run():
     assert "| 3 | 0.75 0.50 0.50 | 2.75 |" in acceptance_table({"by_k": {3: acc}})
 
 
+@pytest.fixture
+def no_time_to_train(monkeypatch):
+    """The budget's phases as a too-small budget plans them on any machine: the data is made, then training's
+    phase is already over. Driving the phases, not the wall, keeps the tests below from depending on how fast
+    this machine is (under load, a 0.1-minute budget ran out in the data phase instead, and said so)."""
+    import math
+
+    from pipeline.draft.budget import PhasePlan
+
+    monkeypatch.setattr(PhasePlan, "answers_end", property(lambda self: math.inf))
+    monkeypatch.setattr(PhasePlan, "data_end", property(lambda self: math.inf))
+    monkeypatch.setattr(PhasePlan, "train_end", property(lambda self: self.start))
+
+
 def test_a_budget_too_small_to_train_the_minimum_steps_fails_in_one_line_and_exports_nothing(
-        tmp_path, target, prompts_file):
+        tmp_path, target, prompts_file, no_time_to_train):
     out = tmp_path / "head"
     res = CliRunner().invoke(main, [*train_args(target, prompts_file, out, 0.1), "--json"])
     assert_one_line_error(res, "--budget-minutes", "steps")
@@ -173,7 +187,7 @@ def test_the_summary_prints_when_metrics_are_missing(tmp_path, monkeypatch):
     assert "| 6 | not measured" in acceptance_table({"by_k": {6: None}})  # cut before its first verify step
 
 
-def test_the_build_stage_fails_the_same_way_naming_its_own_budget_flag(tmp_path, target):
+def test_the_build_stage_fails_the_same_way_naming_its_own_budget_flag(tmp_path, target, no_time_to_train):
     engines = tmp_path / "engines"
     res = CliRunner().invoke(main, ["build", "--target", str(target), "--backend", "torch", "--draft", "eagle3",
                                     "--draft-budget-minutes", "0.1", "--max-batch-size", "2", "--max-seq-len", "256",

@@ -191,9 +191,12 @@ def test_packing_is_cpu_only_and_rebuildable(variant):
     if torch.backends.mkldnn.is_available():
         assert all(m.packed is not None for m in linears)
     model.pack_weights("torch")
-    assert all(m.packed is None for m in linears)
-    model.pack_weights()  # auto: these weights are tiny (they stay in cache), so F.linear
-    assert all(m.packed is None for m in linears)
+    assert all(m.packed is None and m.layout in ("torch", "rowwise") for m in linears)
+    model.pack_weights()  # auto: the engine's own kernels where they are built; else these tiny weights on F.linear
+    if cpu_kernels.usable():
+        assert all(m.layout == "dense" and m.packed is not None for m in linears)
+    else:
+        assert all(m.packed is None for m in linears)
     if torch.backends.mkldnn.is_available():
         model.to(torch.bfloat16).pack_weights("onednn")  # re-pack after a cast
         assert all(m.packed is not None and m.packed.dtype == torch.bfloat16 for m in linears)
@@ -242,6 +245,41 @@ def test_a_linear_rows_result_does_not_depend_on_how_many_rows_share_the_call(dt
         for rows in (2, 5, 16, 33, 40, 80):
             assert torch.equal(lin(x[:rows]), alone[:rows]), f"{rows} rows in one call"
         assert torch.equal(lin(x.view(8, 10, in_f)).view(80, out_f), alone)  # [B, T, in] as the model calls it
+
+
+def test_the_load_time_check_catches_a_kernel_whose_rows_depend_on_the_call():
+    """row_invariance is what keeps a vendor GEMM out of decoding where it isn't row-invariant on this CPU. A
+    kernel planted to round differently past 5 rows (as oneDNN's bf16 path did past 32 on some CPUs) fails it;
+    one that computes each row alike passes."""
+    from pipeline.engine import row_invariance
+
+    w = torch.randn(24, 40)
+
+    def invariant(x):
+        return torch.stack([(row * w).sum(-1) for row in x])
+
+    def by_count(x):  # another summation order once the call is big enough
+        y = invariant(x)
+        return y if x.shape[0] <= 5 else (x[:, None, :20] * w[:, :20]).sum(-1) + (x[:, None, 20:] * w[:, 20:]).sum(-1)
+
+    assert row_invariance.rows_invariant(invariant, ("planted", "invariant"), 40, torch.float32, 4, 8)
+    assert not row_invariance.rows_invariant(by_count, ("planted", "by-count"), 40, torch.float32, 4, 8)
+
+
+@DTYPES
+def test_a_vendor_kernel_that_fails_the_check_runs_one_row_a_call(dtype, monkeypatch):
+    from pipeline.engine import row_invariance
+
+    monkeypatch.setattr(row_invariance, "rows_invariant", lambda *a, **k: False)
+    torch.manual_seed(0)
+    lin = Linear(96, 40, bias=True).to(dtype)
+    lin.pack("torch")
+    assert lin.layout == "rowwise" and "changed with the row count" in lin.why
+    x = torch.randn(10, 96).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([lin(x[i:i + 1]) for i in range(10)])
+        assert torch.equal(lin(x), alone) and torch.equal(lin(x.view(2, 5, 96)).view(10, 40), alone)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
 
 
 def test_short_calls_from_two_threads_never_share_a_padding_buffer():

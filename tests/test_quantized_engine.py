@@ -143,10 +143,13 @@ def test_quantized_logits_match_a_dequantized_reference(quantized):
 def assert_matches_fake_quant(out: torch.Tensor, ref: torch.Tensor):
     """With activations fake-quantized, a one-ulp difference between two implementations upstream
     can flip one fp8/int8 rounding (a 6% step in one element), so a rare flip is allowed for: most
-    logits agree to fp32 precision, none by much. Leaving the activations unquantized misses this
-    by 0.6-1.4 at the max and ~0.1 on average."""
+    positions' logits agree to fp32 precision, none by much. Leaving the activations unquantized misses this
+    by 0.6-1.4 at the max and ~0.1 on average. How many positions see a flip depends on how far the two
+    implementations' summation orders are apart: the reference's MKL against the engine's own linears (one
+    fp32 accumulator per output, in order) flipped one in six positions in fp8, against none through oneDNN."""
     diff = (out - ref).abs()
-    assert diff.mean() <= 2e-3 and diff.max() <= 0.2, (diff.mean().item(), diff.max().item())
+    exact = (diff.amax(-1) <= 1e-4).float().mean().item()
+    assert exact >= 0.75 and diff.max() <= 0.2, (exact, diff.max().item())
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
 
 
@@ -421,7 +424,7 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
 def test_the_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_path_factory, weights):
     folder = export(base, tmp_path_factory, "int4_awq") if weights == "int4_awq" else base
     model = load_transformer(folder, MAX_LEN, torch.bfloat16)
-    if not cpu_kernels.usable() or (weights == "bf16" and not cpu_kernels.load().amx):
+    if not cpu_kernels.usable():
         pytest.skip(f"no C kernels for {weights} here: {cpu_kernels.status()}")
     assert model.layer_stack() is not None and "one C call" in model.describe()["kernels"]["decoder layers"]
 

@@ -1,6 +1,7 @@
-// Fused bf16 kernels for the CPU forward's small ops: RMSNorm (with the residual add before it),
-// rope + KV-cache write + attention, and SiLU-and-multiply. Built and loaded by cpu_kernels.py;
-// the why is there. Plain C on raw pointers: no torch headers, so it compiles in about a second.
+// The engine's CPU kernels: its linears (int4/int8 weights, bf16 on AMX, bf16 and fp32 on any CPU) and, in
+// cpu_kernels_layer.h, the per-layer ops for bf16 and fp32 (RMSNorm with the residual add before it, rope + KV
+// write + attention, SiLU-and-multiply, and the whole decoder stack in one call). Built and loaded by
+// cpu_kernels.py; the why is there. Plain C on raw pointers: no torch headers, so it compiles in a few seconds.
 //
 // Every row (and in attention every query token and head) is computed on its own, in a fixed
 // order: its bits don't depend on the batch around it, on how many tokens its forward feeds
@@ -8,9 +9,26 @@
 // equals plain output through these kernels by construction.
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Which vector code this build runs (cpu_kernels.py builds it for the CPU, or capped: PIPELINE_KERNELS).
+// cpu_kernels.py builds with -ffp-contract=off: a multiply and an add are never fused behind the source's
+// back, so every path (AVX-512, AVX2, portable) rounds each operation the same way and gives the same bits.
+// Where a fused multiply-add is wanted, the source says fmaf, and every path computes that alike too.
+#if defined(__AVX512F__)
+#define KERNEL_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KERNEL_ISA "avx2"
+#else
+#define KERNEL_ISA "portable"
+#endif
+#define AI inline __attribute__((always_inline))
 
 typedef uint16_t bf16;
 
@@ -57,196 +75,6 @@ static inline float exp_poly(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return y * scale;
-}
-
-// out = w * bf16(x * rsqrt(mean(x^2) + eps)), the rounding transformers' LlamaRMSNorm does in bf16.
-// With delta: sum = bf16(x + delta) first (the residual add), written to `sum`, and normalised.
-static void norm_row(const bf16 *x, const bf16 *delta, const bf16 *w, float eps, int64_t dim,
-                     bf16 *sum, bf16 *out, float *tmp) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; i++) {
-        float v = bf2f(x[i]);
-        if (delta) v = round_bf(v + bf2f(delta[i]));
-        tmp[i] = v;
-        ss += v * v;
-    }
-    float rstd = 1.0f / sqrtf(ss / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++) {
-        if (delta) sum[i] = f2bf(tmp[i]);
-        out[i] = f2bf(bf2f(w[i]) * round_bf(tmp[i] * rstd));
-    }
-}
-
-void rms_norm_bf16(const bf16 *x, const bf16 *delta, const bf16 *w, float eps, int64_t rows, int64_t dim,
-                   bf16 *sum, bf16 *out, int threads) {
-    int nt = rows * dim >= PAR_WORK ? threads : 1;
-#pragma omp parallel num_threads(nt)
-    {
-        float *tmp = malloc(sizeof(float) * dim);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            norm_row(x + r * dim, delta ? delta + r * dim : NULL, w, eps, dim, sum ? sum + r * dim : NULL,
-                     out + r * dim, tmp);
-        free(tmp);
-    }
-}
-
-// Split into loops through an fp32 buffer: written as one loop, gcc 12 vectorized none of it.
-static void silu_row(const bf16 *g, const bf16 *u, int64_t n, bf16 *o, float *tmp) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) tmp[i] = bf2f(g[i]);
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) tmp[i] = 1.0f + exp_poly(-tmp[i]);
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) o[i] = f2bf(round_bf(bf2f(g[i]) / tmp[i]) * bf2f(u[i]));
-}
-
-// gate_up: [rows, 2*inter] (gate then up, as the fused projection lays them out) -> out [rows, inter]:
-// bf16(bf16(silu(gate)) * up), as F.silu(gate) * up rounds in bf16.
-void silu_mul_bf16(const bf16 *gate_up, int64_t rows, int64_t inter, bf16 *out, int threads) {
-    int nt = rows * inter >= PAR_WORK ? threads : 1;
-#pragma omp parallel num_threads(nt)
-    {
-        float *tmp = malloc(sizeof(float) * inter);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
-        free(tmp);
-    }
-}
-
-// Rotate-half rope on one head, with the rounding of apply_rope in bf16: bf16(bf16(x*cos) +
-// bf16(roll(x, D/2)*sin)), where sin's first half carries rotate_half's sign.
-static inline void rope_head(const bf16 *x, const bf16 *cos, const bf16 *sin, int64_t D, float *out) {
-    int64_t h = D / 2;
-#pragma omp simd
-    for (int64_t d = 0; d < h; d++)
-        out[d] = round_bf(round_bf(bf2f(x[d]) * bf2f(cos[d])) + round_bf(bf2f(x[d + h]) * bf2f(sin[d])));
-#pragma omp simd
-    for (int64_t d = h; d < D; d++)
-        out[d] = round_bf(round_bf(bf2f(x[d]) * bf2f(cos[d])) + round_bf(bf2f(x[d - h]) * bf2f(sin[d])));
-}
-
-// qkv: [B, T, H + 2*KV, D], the fused projection's output. cos/sin: [B, T, D]. cache_k/cache_v: one
-// layer's [S, KV, P, D]. write_pos: [B, T] cache position of each token, P - 1 (the trash row) for pads.
-// out: [B, T, H, D].
-//
-// First every token's rotated K and its V go to the cache; then query (b, t) attends keys
-// 0..write_pos[b, t] of its slot, which is causal order within the forward too. A pad's output is
-// zeros (nothing reads it). Scores and softmax in fp32; the weighted sum in fp32, rounded once.
-// Returns 0, or -1 (writing nothing) when a slot or position lies outside the cache: torch's indexing
-// would raise there, and a write past the cache would corrupt memory silently.
-int rope_attend_bf16(const bf16 *qkv, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D,
-                     const bf16 *cos, const bf16 *sin, bf16 *cache_k, bf16 *cache_v, int64_t S, int64_t P,
-                     const int64_t *slots, const int64_t *write_pos, float scale, int threads, bf16 *out) {
-    const int64_t W = H + 2 * KV, G = H / KV, trash = P - 1;
-    for (int64_t b = 0; b < B; b++)
-        if (slots[b] < 0 || slots[b] >= S) return -1;
-    for (int64_t i = 0; i < B * T; i++)
-        if (write_pos[i] < 0 || write_pos[i] >= P) return -1;
-    float krot[D];
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t t = 0; t < T; t++) {
-            const bf16 *row = qkv + (b * T + t) * W * D;
-            const bf16 *c = cos + (b * T + t) * D, *s = sin + (b * T + t) * D;
-            int64_t wp = write_pos[b * T + t];
-            for (int64_t j = 0; j < KV; j++) {
-                int64_t at = ((slots[b] * KV + j) * P + wp) * D;
-                rope_head(row + (H + j) * D, c, s, D, krot);
-                for (int64_t d = 0; d < D; d++) cache_k[at + d] = f2bf(krot[d]);
-                memcpy(cache_v + at, row + (H + KV + j) * D, sizeof(bf16) * D);
-            }
-        }
-    }
-    int64_t max_keys = 0, work = 0;
-    for (int64_t i = 0; i < B * T; i++) {
-        int64_t n = write_pos[i] == trash ? 0 : write_pos[i] + 1;
-        if (n > max_keys) max_keys = n;
-        work += n;
-    }
-    // Work items: (row, KV head, block of QB query tokens), so a prefill converts each key and value
-    // to fp32 once per block of queries rather than once per query.
-    const int64_t nqb = (T + QB - 1) / QB, stride = (max_keys + KB - 1) / KB * KB;
-    int nt = work * H * D >= PAR_WORK ? threads : 1;
-#pragma omp parallel num_threads(nt)
-    {
-        float *q = malloc(sizeof(float) * QB * G * D);  // the block's rotated queries
-        float *acc = malloc(sizeof(float) * QB * G * D);
-        float *kt = malloc(sizeof(float) * D * KB);  // a block of keys in fp32, transposed
-        float *vf = malloc(sizeof(float) * D);
-        float *p = malloc(sizeof(float) * QB * G * (stride ? stride : 1));  // scores, then probabilities
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * KV * nqb; item++) {
-            int64_t b = item / (KV * nqb), j = item / nqb % KV, t0 = item % nqb * QB;
-            int64_t nq = T - t0 < QB ? T - t0 : QB, n[QB], nmax = 0;
-            for (int64_t tq = 0; tq < nq; tq++) {
-                int64_t bt = b * T + t0 + tq, wp = write_pos[bt];
-                n[tq] = wp == trash ? 0 : wp + 1;
-                if (n[tq] > nmax) nmax = n[tq];
-                for (int64_t g = 0; g < G && n[tq]; g++)
-                    rope_head(qkv + (bt * W + j * G + g) * D, cos + bt * D, sin + bt * D, D, q + (tq * G + g) * D);
-            }
-            const bf16 *keys = cache_k + (slots[b] * KV + j) * P * D;
-            const bf16 *vals = cache_v + (slots[b] * KV + j) * P * D;
-            // Scores: KB keys at a time, one lane per key, summed over d in order. A score's bits depend
-            // only on its query, its key and the key's lane (k mod KB): never on the batch or the block.
-            for (int64_t k0 = 0; k0 < nmax; k0 += KB) {
-                int64_t kn = nmax - k0 < KB ? nmax - k0 : KB;
-                for (int64_t kk = 0; kk < KB; kk++)
-                    for (int64_t d = 0; d < D; d++) kt[d * KB + kk] = kk < kn ? bf2f(keys[(k0 + kk) * D + d]) : 0.0f;
-                for (int64_t tq = 0; tq < nq; tq++) {
-                    if (k0 >= n[tq]) continue;
-                    for (int64_t g = 0; g < G; g++) {
-                        const float *qg = q + (tq * G + g) * D;
-                        float s[KB] = {0};
-                        for (int64_t d = 0; d < D; d++) {
-                            const float qd = qg[d], *restrict kd = kt + d * KB;
-#pragma omp simd
-                            for (int64_t kk = 0; kk < KB; kk++) s[kk] += qd * kd[kk];
-                        }
-                        float *pg = p + (tq * G + g) * stride + k0;
-                        for (int64_t kk = 0; kk < KB; kk++) pg[kk] = s[kk] * scale;
-                    }
-                }
-            }
-            for (int64_t tq = 0; tq < nq; tq++) {
-                for (int64_t g = 0; g < G && n[tq]; g++) {
-                    float *pg = p + (tq * G + g) * stride, m = -INFINITY, total = 0.0f;
-                    for (int64_t k = 0; k < n[tq]; k++) m = pg[k] > m ? pg[k] : m;
-#pragma omp simd
-                    for (int64_t k = 0; k < n[tq]; k++) pg[k] = exp_poly(pg[k] - m);
-                    for (int64_t k = 0; k < n[tq]; k++) total += pg[k];  // in order: the same sum every time
-                    float inv = 1.0f / total;
-#pragma omp simd
-                    for (int64_t k = 0; k < n[tq]; k++) pg[k] *= inv;
-                }
-            }
-            for (int64_t x = 0; x < nq * G * D; x++) acc[x] = 0.0f;
-            for (int64_t k = 0; k < nmax; k++) {
-                for (int64_t d = 0; d < D; d++) vf[d] = bf2f(vals[k * D + d]);
-                for (int64_t tq = 0; tq < nq; tq++) {
-                    if (k >= n[tq]) continue;
-                    for (int64_t g = 0; g < G; g++) {
-                        float pk = p[(tq * G + g) * stride + k], *ag = acc + (tq * G + g) * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) ag[d] += pk * vf[d];
-                    }
-                }
-            }
-            for (int64_t tq = 0; tq < nq; tq++) {
-                bf16 *o = out + ((b * T + t0 + tq) * H + j * G) * D;
-                for (int64_t x = 0; x < G * D; x++) o[x] = n[tq] ? f2bf(acc[tq * G * D + x]) : 0;
-            }
-        }
-        free(q);
-        free(acc);
-        free(kt);
-        free(vf);
-        free(p);
-    }
-    return 0;
 }
 
 // ---- weight-quantized linears ----------------------------------------------------------------------
@@ -312,8 +140,7 @@ static inline __attribute__((always_inline)) void q_tile(const int bits, const i
         for (int j = 0; j < QN; j++) out[r][j] = tot[r][j];
 }
 
-#ifdef __AVX512F__
-#include <immintrin.h>
+#if defined(__AVX512F__)
 // q_tile in AVX-512 intrinsics: gcc spills the portable version's arrays to the stack and runs it ~7x
 // slower than torch's int4 kernel. The same operations per lane in the same order: the same bits.
 static inline __attribute__((always_inline)) void q_tile_avx512(const int bits, const int R, const uint8_t *wb,
@@ -350,6 +177,48 @@ static inline __attribute__((always_inline)) void q_tile_avx512(const int bits, 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], tot[r]);
 }
 #define q_tile q_tile_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+// q_tile in AVX2 + FMA: each half of a block (8 outputs) runs the whole reduction on its own, so a row's four
+// chains fit in registers. The same operations per lane in the same order as the portable tile: the same bits.
+static inline __attribute__((always_inline)) void q_tile_avx2(const int bits, const int R, const uint8_t *wb,
+                                                              const float *sb, const float *x, int64_t K,
+                                                              int64_t G, float out[QM][QN]) {
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int h = 0; h < 2; h++) {
+        __m256 tot[QM], acc[QM][4];
+        for (int r = 0; r < R; r++) tot[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < K / G; g++) {
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
+                __m256 w[4];
+                _mm_prefetch((const char *)(wb + k * bits / 8 * QN + Q_PREFETCH), _MM_HINT_T0);
+                if (bits == 4) {  // u - 8 for each nibble: exact, as the AVX-512 table and the portable code give
+                    __m256i d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wb + k / 2 * QN + h * 8)));
+                    __m256i d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wb + k / 2 * QN + QN + h * 8)));
+                    const __m256i lo = _mm256_set1_epi32(15);
+                    w[0] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(d0, lo)), eight);
+                    w[1] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(d0, 4)), eight);
+                    w[2] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(d1, lo)), eight);
+                    w[3] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(d1, 4)), eight);
+                } else {
+                    for (int c = 0; c < 4; c++)
+                        w[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                            _mm_loadl_epi64((const __m128i *)(wb + (k + c) * QN + h * 8))));
+                }
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < 4; c++)
+                        acc[r][c] = _mm256_fmadd_ps(w[c], _mm256_set1_ps(x[r * K + k + c]), acc[r][c]);
+            }
+            const __m256 s = _mm256_loadu_ps(sb + g * QN + h * 8);
+            for (int r = 0; r < R; r++)
+                tot[r] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                                       _mm256_add_ps(acc[r][2], acc[r][3])), s, tot[r]);
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out[r] + h * 8, tot[r]);
+    }
+}
+#define q_tile q_tile_avx2
 #endif
 
 static void q_tile_any(int bits, int64_t R, const uint8_t *wb, const float *sb, const float *x, int64_t K,
@@ -387,6 +256,231 @@ int quant_linear(const void *x, int x_f32, int64_t M, int64_t K, const float *pr
     free(xf);
     return 0;
 }
+
+// ---- dense linears (bf16 or fp32 weights) on any CPU -----------------------------------------------------
+//
+// y[m, n] = sum over k of w[n, k] * x[m, k], with x and w both bf16 or both fp32, in fp32: one accumulator per
+// output, k in order from 0, each step a multiply rounded to fp32 and then an add rounded to fp32. IEEE-754
+// defines both, so every CPU computes them alike; a fused multiply-add would not be (a CPU without FMA computes
+// one in software, slowly). Nothing in the order depends on M, on the rows beside a row, on the thread count or
+// on the code path: the AVX-512, AVX2 and portable tiles give every output the same bits (tests build all three
+// and compare). Why not oneDNN or MKL: they change their kernel, and with it the order, by the row count, so a
+// row's logits moved between a decode (1 row) and a verify (k+1) on CPUs without AMX (issue 27).
+//
+// Layouts (cpu_kernels.dense_blocks), N padded with zero weights to whole blocks of QN outputs:
+//   bf16: uint32 [N/QN, Kp/2, QN], Kp = K rounded up to even: lane j of pair p holds w[n, 2p] in its low half and
+//         w[n, 2p+1] in its high one (n = block*QN + j): AMX's B-tile layout, so one layout serves both kernels.
+//         A bf16's fp32 value is its bits shifted up 16, so the low one is v << 16 and the high one
+//         v & 0xFFFF0000, one op each. A padded input is x = 0 times w = 0.
+//   fp32: float [N/QN, K, QN]
+// A tile is R rows (up to DM) by NB blocks, its accumulators in registers; every output's chain is its own, so
+// which tile shape covers an output never changes its bits.
+#define DM 4
+#define DNB_MAX 8
+
+#if defined(__AVX512F__)
+#define DNB1 8
+#define DNB2 8
+#define DNB3 4
+#define DNB4 4
+static AI void d_tile_bf16(const int R, const int NB, const uint32_t *w, int64_t bstride, const float *x, int64_t Kp,
+                           float out[DM][DNB_MAX][QN]) {
+    __m512 acc[DM][DNB_MAX];
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < Kp / 2; p++) {
+        for (int b = 0; b < NB; b++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(w + b * bstride + p * QN));
+            const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+            for (int r = 0; r < R; r++) {
+                acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_mul_ps(w0, _mm512_set1_ps(x[r * Kp + 2 * p])));
+                acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_mul_ps(w1, _mm512_set1_ps(x[r * Kp + 2 * p + 1])));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[r][b], acc[r][b]);
+}
+
+static AI void d_tile_f32(const int R, const int NB, const float *w, int64_t bstride, const float *x, int64_t K,
+                          float out[DM][DNB_MAX][QN]) {
+    __m512 acc[DM][DNB_MAX];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++)
+        for (int b = 0; b < NB; b++) {
+            const __m512 wv = _mm512_loadu_ps(w + b * bstride + k * QN);
+            for (int r = 0; r < R; r++)
+                acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_mul_ps(wv, _mm512_set1_ps(x[r * K + k])));
+        }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[r][b], acc[r][b]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// Two 8-lane halves per block of QN outputs; 16 registers, so fewer blocks a tile.
+#define DNB1 4
+#define DNB2 2
+#define DNB3 2
+#define DNB4 1
+static AI void d_tile_bf16(const int R, const int NB, const uint32_t *w, int64_t bstride, const float *x, int64_t Kp,
+                           float out[DM][DNB_MAX][QN]) {
+    __m256 acc[DM][DNB_MAX][2];
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < Kp / 2; p++) {
+        for (int b = 0; b < NB; b++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + b * bstride + p * QN + h * 8));
+                const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+                for (int r = 0; r < R; r++) {
+                    acc[r][b][h] = _mm256_add_ps(acc[r][b][h], _mm256_mul_ps(w0, _mm256_set1_ps(x[r * Kp + 2 * p])));
+                    acc[r][b][h] = _mm256_add_ps(acc[r][b][h], _mm256_mul_ps(w1, _mm256_set1_ps(x[r * Kp + 2 * p + 1])));
+                }
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out[r][b] + h * 8, acc[r][b][h]);
+}
+
+static AI void d_tile_f32(const int R, const int NB, const float *w, int64_t bstride, const float *x, int64_t K,
+                          float out[DM][DNB_MAX][QN]) {
+    __m256 acc[DM][DNB_MAX][2];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++)
+        for (int b = 0; b < NB; b++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 wv = _mm256_loadu_ps(w + b * bstride + k * QN + h * 8);
+                for (int r = 0; r < R; r++)
+                    acc[r][b][h] = _mm256_add_ps(acc[r][b][h], _mm256_mul_ps(wv, _mm256_set1_ps(x[r * K + k])));
+            }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(out[r][b] + h * 8, acc[r][b][h]);
+}
+#else
+// Plain C: the compiler vectorizes the lanes where it can (SSE2, NEON). The same operations per output.
+#define DNB1 2
+#define DNB2 2
+#define DNB3 1
+#define DNB4 1
+static AI void d_tile_bf16(const int R, const int NB, const uint32_t *w, int64_t bstride, const float *x, int64_t Kp,
+                           float out[DM][DNB_MAX][QN]) {
+    float acc[DM][DNB_MAX][QN] = {{{0}}};
+    for (int64_t p = 0; p < Kp / 2; p++)
+        for (int b = 0; b < NB; b++) {
+            float w0[QN], w1[QN];
+            for (int j = 0; j < QN; j++) {
+                const uint32_t v = w[b * bstride + p * QN + j], lo = v << 16, hi = v & 0xFFFF0000u;
+                memcpy(&w0[j], &lo, sizeof(float));
+                memcpy(&w1[j], &hi, sizeof(float));
+            }
+            for (int r = 0; r < R; r++) {
+                const float x0 = x[r * Kp + 2 * p], x1 = x[r * Kp + 2 * p + 1];
+                for (int j = 0; j < QN; j++) acc[r][b][j] = acc[r][b][j] + w0[j] * x0;
+                for (int j = 0; j < QN; j++) acc[r][b][j] = acc[r][b][j] + w1[j] * x1;
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) memcpy(out[r][b], acc[r][b], sizeof(float) * QN);
+}
+
+static AI void d_tile_f32(const int R, const int NB, const float *w, int64_t bstride, const float *x, int64_t K,
+                          float out[DM][DNB_MAX][QN]) {
+    float acc[DM][DNB_MAX][QN] = {{{0}}};
+    for (int64_t k = 0; k < K; k++)
+        for (int b = 0; b < NB; b++)
+            for (int r = 0; r < R; r++) {
+                const float xk = x[r * K + k], *wk = w + b * bstride + k * QN;
+                for (int j = 0; j < QN; j++) acc[r][b][j] = acc[r][b][j] + wk[j] * xk;
+            }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) memcpy(out[r][b], acc[r][b], sizeof(float) * QN);
+}
+#endif
+
+// One tile of R rows by NB blocks, from one specialized copy per shape (constants keep the accumulators in
+// registers): NB is the path's widest for R rows (DNB<R>) or 1, for what is left of a thread's blocks.
+static void d_tile_any(int f32, int R, int NB, const void *w, int64_t bstride, const float *x, int64_t Kp,
+                       float out[DM][DNB_MAX][QN]) {
+#define D_CASE(RR, NN)                                                                      \
+    if (R == RR && NB == NN) {                                                              \
+        if (f32)                                                                            \
+            d_tile_f32(RR, NN, (const float *)w, bstride, x, Kp, out);                      \
+        else                                                                                \
+            d_tile_bf16(RR, NN, (const uint32_t *)w, bstride, x, Kp, out);                  \
+        return;                                                                             \
+    }
+    D_CASE(1, DNB1) D_CASE(2, DNB2) D_CASE(3, DNB3) D_CASE(4, DNB4)
+#if DNB1 != 1
+    D_CASE(1, 1)
+#endif
+#if DNB2 != 1
+    D_CASE(2, 1)
+#endif
+#if DNB3 != 1
+    D_CASE(3, 1)
+#endif
+#if DNB4 != 1
+    D_CASE(4, 1)
+#endif
+#undef D_CASE
+}
+
+static const int d_nb[DM + 1] = {0, DNB1, DNB2, DNB3, DNB4};
+
+// x: [M, K] and w (see above) both bf16 (f32 = 0) or both fp32; y: [M, N], bf16 (rounded once) or fp32. A
+// thread takes a contiguous range of blocks, in panels of DNB_MAX blocks (their weights stay in L2 while every
+// group of DM rows passes over them). Returns 0, or -1 for shapes it can't take.
+int dense_linear(const void *x, int f32, int64_t M, int64_t K, const void *w, int64_t N, void *y, int y_f32,
+                 int threads) {
+    if (M < 0 || K <= 0 || N <= 0) return -1;
+    const int64_t Kp = f32 ? K : (K + 1) / 2 * 2, blocks = (N + QN - 1) / QN;
+    const int64_t bstride = f32 ? K * QN : Kp / 2 * QN;  // per block, in elements of w's type
+    float *xf = malloc(sizeof(float) * (M * Kp > 0 ? M * Kp : 1));
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++)
+            xf[m * Kp + k] = f32 ? ((const float *)x)[m * K + k] : bf2f(((const bf16 *)x)[m * K + k]);
+        for (int64_t k = K; k < Kp; k++) xf[m * Kp + k] = 0.0f;
+    }
+    const size_t wsize = f32 ? sizeof(float) : sizeof(uint32_t);
+    int nt = M * N * K >= PAR_WORK ? threads : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t b0 = blocks * t / n, b1 = blocks * (t + 1) / n;
+        float out[DM][DNB_MAX][QN];
+        for (int64_t panel = b0; panel < b1; panel += DNB_MAX) {
+            const int64_t pend = b1 - panel < DNB_MAX ? b1 : panel + DNB_MAX;
+            for (int64_t m0 = 0; m0 < M; m0 += DM) {
+                const int R = M - m0 < DM ? (int)(M - m0) : DM;
+                for (int64_t b = panel; b < pend;) {
+                    const int NB = pend - b >= d_nb[R] ? d_nb[R] : 1;
+                    d_tile_any(f32, R, NB, (const char *)w + b * bstride * wsize, bstride, xf + m0 * Kp, Kp, out);
+                    for (int i = 0; i < NB; i++, b++) {
+                        const int64_t lanes = N - b * QN < QN ? N - b * QN : QN;
+                        for (int r = 0; r < R; r++) {
+                            const int64_t at = (m0 + r) * N + b * QN;
+                            if (y_f32)
+                                memcpy((float *)y + at, out[r][i], sizeof(float) * lanes);
+                            else
+                                for (int64_t j = 0; j < lanes; j++) ((bf16 *)y)[at + j] = f2bf(out[r][i][j]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+const char *kernel_isa(void) { return KERNEL_ISA; }
 
 // ---- bf16 linears on AMX ----------------------------------------------------------------------------
 //
@@ -474,62 +568,29 @@ int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, v
 }
 #endif
 
-// ---- a whole decoder stack in one call ----------------------------------------------------------------
-//
-// The layer loop of a bf16 model whose projections all run here (int4 on quant_linear, bf16 on AMX), without
-// biases: the same kernels, in the same order and with the same roundings, as the modules call one by one
-// (model.py's DecoderLayer with the fused residual adds), so the bits are the same. It saves the Python
-// between them: ~10 calls, their module hops and tensor allocations per layer, which took 8 of a SmolLM2
-// INT4 decode step's 18 ms.
-//
-// x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
-// delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
-// weights, then per projection (qkv, o, gate_up, down) its kind (4: int4, 16: bf16) and the addresses of
-// its weights, scales and pre_quant_scale (0 for none). Returns 0; -1 when a slot or position lies outside
-// the cache (nothing is written then); -2 when a projection's kernel refuses its shape (the plan checks
-// them, so a bug).
+// ---- the per-layer ops, for bf16 and for fp32 storage ---------------------------------------------------
+
+enum { STACK_DENSE = 2, STACK_INT4 = 4, STACK_AMX = 16 };  // a projection's kind (cpu_kernels.STACK_KINDS)
 enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, LAYER_ENTRIES = L_DOWN + 4 };
 
-static int stack_linear(const bf16 *x, int64_t rows, int64_t K, const int64_t *lin, int64_t G, int64_t N, bf16 *y,
-                        int threads) {
-    const void *w = (const void *)(intptr_t)lin[1];
-    int rc = lin[0] == 16 ? bf16_linear(x, rows, K, w, N, y, 0, threads)
-                          : quant_linear(x, 0, rows, K, (const float *)(intptr_t)lin[3], w, (int)lin[0],
-                                         (const float *)(intptr_t)lin[2], G, N, y, 0, threads);
-    return rc ? -2 : 0;
-}
+#define ELT bf16
+#define FN(name) name##_bf16
+#define LD(v) bf2f(v)
+#define ST(f) f2bf(f)
+#define RND(f) round_bf(f)
+#define IS_F32 0
+#include "cpu_kernels_layer.h"
+#undef ELT
+#undef FN
+#undef LD
+#undef ST
+#undef RND
+#undef IS_F32
 
-int layers_bf16(bf16 *x, bf16 *delta, int64_t B, int64_t T, int64_t layers, int64_t hidden, int64_t H, int64_t KV,
-                int64_t D, int64_t inter, int64_t G, const int64_t *table, float eps, const bf16 *cos,
-                const bf16 *sin, bf16 *cache_k, bf16 *cache_v, int64_t S, int64_t P, const int64_t *slots,
-                const int64_t *write_pos, float scale, int threads) {
-    const int64_t rows = B * T, nqkv = (H + 2 * KV) * D, layer_cache = S * KV * P * D;
-    bf16 *normed = malloc(sizeof(bf16) * rows * hidden), *qkv = malloc(sizeof(bf16) * rows * nqkv);
-    bf16 *attn = malloc(sizeof(bf16) * rows * H * D), *o = malloc(sizeof(bf16) * rows * hidden);
-    bf16 *gate_up = malloc(sizeof(bf16) * rows * 2 * inter), *act = malloc(sizeof(bf16) * rows * inter);
-    int rc = 0;
-    for (int64_t l = 0; l < layers; l++) {
-        const int64_t *t = table + l * LAYER_ENTRIES;
-        // The residual add runs in place: norm_row reads a row whole before it writes the sum.
-        rms_norm_bf16(x, l ? delta : NULL, (const bf16 *)(intptr_t)t[L_IN_NORM], eps, rows, hidden, l ? x : NULL,
-                      normed, threads);
-        if ((rc = stack_linear(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads))) break;
-        if (rope_attend_bf16(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache,
-                             S, P, slots, write_pos, scale, threads, attn)) {
-            rc = -1;
-            break;
-        }
-        if ((rc = stack_linear(attn, rows, H * D, t + L_O, G, hidden, o, threads))) break;
-        rms_norm_bf16(x, o, (const bf16 *)(intptr_t)t[L_POST_NORM], eps, rows, hidden, x, normed, threads);
-        if ((rc = stack_linear(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads))) break;
-        silu_mul_bf16(gate_up, rows, inter, act, threads);
-        if ((rc = stack_linear(act, rows, inter, t + L_DOWN, G, hidden, delta, threads))) break;
-    }
-    free(normed);
-    free(qkv);
-    free(attn);
-    free(o);
-    free(gate_up);
-    free(act);
-    return rc;
-}
+#define ELT float
+#define FN(name) name##_f32
+#define LD(v) (v)
+#define ST(f) (f)
+#define RND(f) (f)
+#define IS_F32 1
+#include "cpu_kernels_layer.h"

@@ -14,11 +14,17 @@ already loaded (same soname), so the kernels and torch share one thread pool.
 
 The same library holds the linears: quant_linear for int4 checkpoint weights and the engine's int8
 lm_head (blocks of 16 output features, one vector lane per output, a block decoded once for up to 4
-rows), and bf16_linear for bf16 weights on AMX tiles. When every projection of a model runs on them,
-layers_bf16 runs the whole decoder stack in one call (see Transformer.layer_stack).
+rows), bf16_linear for bf16 weights on AMX tiles, and dense_linear for bf16 and fp32 weights on any CPU.
+Each gives a row the same bits whatever rows share the call, by construction: that is what keeps greedy
+speculation lossless (a verify feeds k+1 rows where a decode feeds 1), and vendor GEMMs don't promise it.
+When every projection of a model runs on them, layers_bf16 runs the whole decoder stack in one call (see
+Transformer.layer_stack).
 
-PIPELINE_KERNELS=off runs the torch ops; CUDA and autograd always do, and fp32 does for all but
-quant_linear.
+PIPELINE_KERNELS picks the build: auto (the default: -march=native, AMX where the CPU has it), or a cap
+that builds them as a CPU with less would run them: amx, avx512 (x86-64-v4: AVX-512F/BW/DQ/VL, no AMX,
+no bf16 instructions), avx2 (x86-64-v3: AVX2 + FMA), portable (plain C for the architecture's baseline);
+off runs the torch ops. Every path gives the same bits as the portable one, but AMX's bf16 linear, whose
+tile unit sums its own way. CUDA and autograd always run the torch ops.
 """
 
 from __future__ import annotations
@@ -39,24 +45,39 @@ from pipeline.errors import ConfigError
 from pipeline.home import pipeline_home
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
-_ENV = "PIPELINE_KERNELS"  # auto (default) | off
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_layer.h"))  # the .c includes the header: both key the build
+# -ffp-contract=off: gcc fuses a * b + c into one FMA where the target has it (its default), which rounds once
+# where the portable build rounds twice; the C source says fmaf where it wants a fused one.
+FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
+_ENV = "PIPELINE_KERNELS"
+# The build per setting, and the CPU flags (/proc/cpuinfo) a capped build needs: the x86-64-v3 and v4 levels.
+ISA_MARCH = {"auto": "-march=native", "amx": "-march=native", "avx512": "-march=x86-64-v4",
+             "avx2": "-march=x86-64-v3", "portable": None}
+ISA_NEEDS = {"amx": ("amx_tile", "amx_bf16"), "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+             "avx2": ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")}
+SETTINGS = ("auto", "off", *(isa for isa in ISA_MARCH if isa != "auto"))
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_LAYER_OPS = {  # the per-layer ops (cpu_kernels_layer.h), one copy per storage type: name_bf16 and name_f32
+    "rms_norm": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
+    "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
+    "rope_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P]),
+    "layers": (ctypes.c_int, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P, _P, _P, _I, _I, _P, _P, _F,
+                              ctypes.c_int]),
+}
 _SIGNATURES = {  # name -> (return type, argument types)
-    "rms_norm_bf16": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
-    "silu_mul_bf16": (None, [_P, _I, _I, _P, ctypes.c_int]),
-    "rope_attend_bf16": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P]),
-    "layers_bf16": (ctypes.c_int, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P, _P, _P, _I, _I, _P,
-                                   _P, _F, ctypes.c_int]),
+    **{f"{name}_{suffix}": sig for name, sig in _LAYER_OPS.items() for suffix in ("bf16", "f32")},
     "bf16_linear": (ctypes.c_int, [_P, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]),
+    "dense_linear": (ctypes.c_int, [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, ctypes.c_int]),
+    "kernel_isa": (ctypes.c_char_p, []),
     "amx_usable": (ctypes.c_int, []),
     "quant_linear": (ctypes.c_int, [_P, ctypes.c_int, _I, _I, _P, _P, ctypes.c_int, _P, _I, _I, _P, ctypes.c_int,
                                     ctypes.c_int]),
 }
 QUANT_BLOCK = 16  # output features per weight block (QN in cpu_kernels.c)
-QUANT_DTYPES = (torch.bfloat16, torch.float32)  # what quant_linear reads and writes
+DTYPES = (torch.bfloat16, torch.float32)  # what every kernel reads and writes (a dense weight too)
 QUANT_GROUP_MULTIPLE = 4  # a scale group covers a multiple of 4 inputs (the kernel's four accumulator chains)
+STACK_KINDS = {"dense": 2, "int4": 4, "amx": 16}  # a projection's kind in the layer stack (STACK_* in the C)
 
 
 def _cpu_flags() -> str:
@@ -69,8 +90,29 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_flags().encode()
+def isa_flags(setting: str) -> list[str]:
+    """The compiler flags for a PIPELINE_KERNELS setting: FLAGS plus its -march (none for portable)."""
+    march = ISA_MARCH[setting]
+    return FLAGS + ([march] if march else [])
+
+
+def isa_refusal(setting: str, cpu_flags: str | None = None) -> str | None:
+    """Why this CPU can't run kernels built for `setting`, or None: a capped build runs instructions the CPU
+    must have, or the process dies of an illegal instruction."""
+    if setting in ("auto", "portable", "off"):
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{_ENV}={setting} is an x86-64 build and this CPU is {platform.machine()}: use auto or portable"
+    have = set((cpu_flags if cpu_flags is not None else _cpu_flags()).split())
+    missing = [f for f in ISA_NEEDS[setting] if f not in have]
+    if missing:
+        return f"{_ENV}={setting} needs {', '.join(missing)}, which this CPU lacks: use a lower cap or auto"
+    return None
+
+
+def _build(compiler: str, flags: list[str] | None = None) -> Path:
+    flags = isa_flags("auto") if flags is None else flags
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(flags).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     lib = pipeline_home() / "kernels" / f"cpu_kernels-{key}.so"
     if lib.exists():
@@ -92,25 +134,35 @@ class CpuKernels:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-        self._norm, self._silu = self.lib.rms_norm_bf16, self.lib.silu_mul_bf16
-        self._attend, self._quant = self.lib.rope_attend_bf16, self.lib.quant_linear
-        self._layers, self._bf16_linear = self.lib.layers_bf16, self.lib.bf16_linear
+        self._ops = {dtype: {name: getattr(self.lib, f"{name}_{suffix}") for name in _LAYER_OPS}
+                     for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32"))}
+        self._quant, self._bf16_linear, self._dense = self.lib.quant_linear, self.lib.bf16_linear, self.lib.dense_linear
         self.amx = bool(self.lib.amx_usable())  # AMX tiles built in, and Linux granted them
+        self.isa = self.lib.kernel_isa().decode()  # the vector code built in: avx512, avx2 or portable
+
+    def _op(self, name: str, *tensors: torch.Tensor):
+        """The per-layer op `name` for the tensors' storage type (bf16 or fp32; all alike)."""
+        dtype = tensors[0].dtype
+        ops = self._ops.get(dtype)
+        if ops is None or any(t.dtype != dtype for t in tensors):
+            raise ValueError(f"{name} takes bf16 or fp32 tensors of one dtype, not {[t.dtype for t in tensors]}")
+        return ops[name]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm(x) in bf16; with delta, (x + delta, RMSNorm(x + delta)), the residual add fused."""
+        """RMSNorm(x) (bf16 or fp32); with delta, (x + delta, RMSNorm(x + delta)), the residual add fused."""
         x = x.contiguous()
         dim = x.shape[-1]
         out = torch.empty_like(x)
         if delta is None:
-            self._norm(x.data_ptr(), None, weight.data_ptr(), eps, x.numel() // dim, dim, None, out.data_ptr(),
-                       torch.get_num_threads())
+            self._op("rms_norm", x, weight)(x.data_ptr(), None, weight.data_ptr(), eps, x.numel() // dim, dim, None,
+                                            out.data_ptr(), torch.get_num_threads())
             return out
         delta = delta.contiguous()
         total = torch.empty_like(x)
-        self._norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps, x.numel() // dim, dim, total.data_ptr(),
-                   out.data_ptr(), torch.get_num_threads())
+        self._op("rms_norm", x, weight, delta)(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps,
+                                               x.numel() // dim, dim, total.data_ptr(), out.data_ptr(),
+                                               torch.get_num_threads())
         return total, out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -118,7 +170,8 @@ class CpuKernels:
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        self._silu(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr(), torch.get_num_threads())
+        self._op("silu_mul", gate_up)(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr(),
+                                      torch.get_num_threads())
         return out
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
@@ -134,9 +187,10 @@ class CpuKernels:
             raise ValueError("rope_attend reads slots and write_pos as int64")
         out = qkv.new_empty(B, T, n_heads, D)
         slots, write_pos = slots.contiguous(), write_pos.contiguous()
-        if self._attend(qkv.data_ptr(), B, T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
-                        cache_v.data_ptr(), cache_k.shape[0], cache_k.shape[2], slots.data_ptr(), write_pos.data_ptr(),
-                        D**-0.5, torch.get_num_threads(), out.data_ptr()):
+        attend = self._op("rope_attend", qkv, cos, sin, cache_k, cache_v)
+        if attend(qkv.data_ptr(), B, T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
+                  cache_v.data_ptr(), cache_k.shape[0], cache_k.shape[2], slots.data_ptr(), write_pos.data_ptr(),
+                  D**-0.5, torch.get_num_threads(), out.data_ptr()):
             raise IndexError(f"a slot or cache position is outside the KV cache ({cache_k.shape[0]} slots, "
                              f"{cache_k.shape[2]} positions): slots {slots.tolist()}")
         return out
@@ -149,7 +203,7 @@ class CpuKernels:
         x = x.reshape(-1, K).contiguous()
         nblocks, ngroups, lanes = scales.shape
         out = x.new_empty(x.shape[0], nblocks * lanes, dtype=out_dtype or x.dtype)
-        if out.dtype not in QUANT_DTYPES or x.dtype not in QUANT_DTYPES:
+        if out.dtype not in DTYPES or x.dtype not in DTYPES:
             raise ValueError("quant_linear reads and writes bf16 or fp32")
         if self._quant(x.data_ptr(), x.dtype == torch.float32, x.shape[0], K,
                        None if pre_scale is None else pre_scale.data_ptr(), blocks.data_ptr(), bits,
@@ -170,6 +224,22 @@ class CpuKernels:
                              f"{self.amx})")
         return out
 
+    def dense_linear(self, x: torch.Tensor, blocks: torch.Tensor, out_features: int,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] times a [N, K] weight of x's dtype (bf16 or fp32) held as `blocks` (see dense_blocks), in
+        fp32 sums of fixed order -> [..., N] in out_dtype (x's by default)."""
+        K = x.shape[-1]
+        x = x.reshape(-1, K).contiguous()
+        out = x.new_empty(x.shape[0], out_features, dtype=out_dtype or x.dtype)
+        f32 = x.dtype == torch.float32
+        if (x.dtype not in DTYPES or blocks.dtype != (torch.float32 if f32 else torch.int32)
+                or out.dtype not in DTYPES or blocks.numel() != dense_blocks_numel(out_features, K, f32)
+                or self._dense(x.data_ptr(), f32, x.shape[0], K, blocks.data_ptr(), out_features, out.data_ptr(),
+                               out.dtype == torch.float32, torch.get_num_threads())):
+            raise ValueError(f"dense_linear: {x.dtype} x of K={K} and {blocks.dtype} blocks {tuple(blocks.shape)} "
+                             f"for N={out_features} is not what it takes")
+        return out
+
     def layers(self, x: torch.Tensor, table: torch.Tensor, group: int, cfg, cos: torch.Tensor, sin: torch.Tensor,
                cache, fb) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer in one call (see Transformer.layer_stack and layers_bf16 in the C source): x
@@ -185,10 +255,11 @@ class CpuKernels:
         slots, write_pos = fb.slots.contiguous(), fb.write_pos.contiguous()
         if slots.dtype != torch.int64 or write_pos.dtype != torch.int64:
             raise ValueError("the layer stack reads slots and write_pos as int64")
-        rc = self._layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
-                          cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
-                          sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], slots.data_ptr(),
-                          write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads())
+        layers = self._op("layers", x, cos, sin, k, v)
+        rc = layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
+                    cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
+                    sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], slots.data_ptr(),
+                    write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads())
         if rc == -2:
             raise ValueError("the layer stack was planned with a projection its kernels can't hold")
         if rc:
@@ -206,6 +277,32 @@ def pair_blocks(w: torch.Tensor) -> torch.Tensor:
 def unpair_blocks(pairs: torch.Tensor) -> torch.Tensor:
     """pair_blocks' inverse: [N, K]."""
     return pairs.transpose(1, 2).reshape(pairs.shape[0] * QUANT_BLOCK, -1)
+
+
+def dense_blocks(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 or fp32 [N, K] weight -> dense_linear's layout, N padded with zero rows to whole blocks of 16:
+    fp32 [N/16, K, 16]; bf16 the pairs of pair_blocks (K padded to even) as int32 [N/16, K/2, 16], each int32
+    holding w[n, 2p] in its low half and w[n, 2p + 1] in its high one."""
+    N, K = w.shape
+    f32 = w.dtype == torch.float32
+    w = torch.nn.functional.pad(w, (0, 0 if f32 else K % 2, 0, -N % QUANT_BLOCK))
+    if f32:
+        return w.reshape(-1, QUANT_BLOCK, K).transpose(1, 2).contiguous()
+    return pair_blocks(w).view(torch.int32).reshape(w.shape[0] // QUANT_BLOCK, -1, QUANT_BLOCK)
+
+
+def undense_blocks(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """dense_blocks' inverse: [N, K] in bf16 (int32 blocks) or fp32."""
+    if blocks.dtype == torch.float32:
+        return blocks.transpose(1, 2).reshape(-1, in_features)[:out_features]
+    pairs = blocks.view(torch.bfloat16).reshape(blocks.shape[0], blocks.shape[1], QUANT_BLOCK, 2)
+    return unpair_blocks(pairs)[:out_features, :in_features]
+
+
+def dense_blocks_numel(out_features: int, in_features: int, f32: bool) -> int:
+    """How many elements dense_blocks holds for an [N, K] weight (int32 pairs for bf16)."""
+    blocks = -(-out_features // QUANT_BLOCK) * QUANT_BLOCK
+    return blocks * (in_features if f32 else -(-in_features // 2))
 
 
 def amx_layout_reason(out_features: int, in_features: int) -> str | None:
@@ -260,21 +357,33 @@ _setting = os.environ.get(_ENV, "auto")
 _enabled = _setting != "off"
 
 
+def setting() -> str:
+    """PIPELINE_KERNELS as this process read it (validated)."""
+    if _setting not in SETTINGS:
+        raise ConfigError(f"{_ENV}={_setting!r} is not a setting: use one of {', '.join(SETTINGS)} (auto is the "
+                          "default)")
+    return _setting
+
+
 def load() -> CpuKernels | None:
     """The compiled kernels, built on first call; None where they can't be (see status())."""
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    if _setting not in ("auto", "off"):
-        raise ConfigError(f"{_ENV}={_setting!r} is not a setting: use auto (the default) or off")
+    refusal = isa_refusal(setting())
+    if refusal:
+        raise ConfigError(refusal)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         _why_not = "no C compiler (cc or gcc) on PATH"
         return None
     try:
-        _loaded = CpuKernels(_build(compiler))
+        _loaded = CpuKernels(_build(compiler, isa_flags("auto" if _setting == "off" else _setting)))
     except (OSError, AttributeError) as e:
         _why_not = f"building them failed: {e}"
+        return None
+    if _setting == "amx" and not _loaded.amx:
+        raise ConfigError(f"{_ENV}=amx: the kernels were built with AMX but Linux refused the tile state; use auto")
     return _loaded
 
 
@@ -283,10 +392,10 @@ def usable() -> bool:
     return _enabled and load() is not None
 
 
-def for_tensor(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> CpuKernels | None:
-    """The kernels when they apply to a forward on x: a dtype they take (bf16 for the small ops; bf16 or fp32
-    for quant_linear, QUANT_DTYPES), on a CPU, no autograd, not switched off."""
-    if not _enabled or x.dtype not in dtypes or x.device.type != "cpu" or torch.is_grad_enabled():
+def for_tensor(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels when they apply to a forward on x: a dtype they take (DTYPES), on a CPU, no autograd, not
+    switched off."""
+    if not _enabled or x.dtype not in DTYPES or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return load()
 
@@ -296,7 +405,12 @@ def status() -> str:
     if not _enabled:
         return f"off ({_ENV}=off)"
     kernels = load()
-    return f"fused C ({kernels.path.name})" if kernels else f"torch ops: {_why_not}"
+    return f"fused C, {path_name(kernels)} build ({kernels.path.name})" if kernels else f"torch ops: {_why_not}"
+
+
+def path_name(kernels: CpuKernels) -> str:
+    """The code path a build runs: amx (its bf16 linears; the rest avx512), avx512, avx2 or portable."""
+    return "amx" if kernels.amx else kernels.isa
 
 
 @contextlib.contextmanager

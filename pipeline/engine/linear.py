@@ -1,16 +1,22 @@
-"""Linear layers whose weights can be re-laid-out for the device that runs them.
+"""Linear layers whose weights are re-laid-out for the device that runs them, so that a row's result never
+depends on the rows beside it.
 
-At small batch a decode step is a string of matrix-vector products, bound by how fast the weights
-stream from memory. On a CPU, PyTorch's default fp32 path (MKL sgemm on an [out, in] weight) streams
-at well under half the memory bandwidth for M = 1..16 rows, while oneDNN on a weight reordered once
-into its own blocked layout streams much closer to it, for fp32 and bf16 alike. So on a CPU each
-linear's weight is packed once at load time (`pack_linears`), and the forward calls oneDNN directly.
-A bf16 weight on a CPU with AMX goes to the engine's own AMX kernel instead (cpu_kernels.bf16_linear:
-cheaper to call, faster at 1-32 rows, and batch-independent without padding or splitting).
+That property is what keeps greedy output the same alone, in a batch and under speculation (whose verify
+feeds k+1 rows per request where a decode feeds 1). On a CPU each linear's weight is re-laid once at load
+(`pack_linears`) for the engine's own C kernels (cpu_kernels.c), which compute every output in a fixed order:
+- bf16 on a CPU with AMX: cpu_kernels.bf16_linear, the tile unit computing each row on its own;
+- bf16 and fp32 elsewhere: cpu_kernels.dense_linear (AVX-512, AVX2 or portable C; the same bits on each).
+A decode step at small batch streams the weights, and both stream them at about the memory's pace.
 
-Elsewhere (CUDA, or a torch built without oneDNN) nothing changes: `F.linear` on the plain weight.
-The plain `weight` parameter is kept (the checkpoint layout, state_dict, `.to()`); packing is a
-derived copy, rebuilt by calling `pack_linears` again after moving or casting the model.
+Without the kernels (no C compiler, PIPELINE_KERNELS=off), a vendor kernel runs: oneDNN on a weight it
+reordered once (for weights of PACK_MIN_BYTES and up), or F.linear. Those change their code path with the row
+count, so their calls are padded and split to a range of row counts (ONEDNN_ROWS, TORCH_ROWS), and
+row_invariance checks at load that the range gives each row its bits on this CPU; where it doesn't, the layer
+calls the kernel one row at a time (layout "rowwise").
+
+Elsewhere (CUDA) nothing changes: `F.linear` on the plain weight. The plain `weight` parameter is kept (the
+checkpoint layout, state_dict, `.to()`); packing is a derived copy, rebuilt by calling `pack_linears` again
+after moving or casting the model.
 """
 
 from __future__ import annotations
@@ -22,26 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.engine import cpu_kernels
+from pipeline.engine import cpu_kernels, row_invariance
 
-# "auto": pack for oneDNN on CPU when available, for weights of at least PACK_MIN_BYTES;
-# "onednn": pack every weight (tests); "torch": plain F.linear everywhere.
+# PIPELINE_LINEAR: "auto" (the default): the engine's C kernels on a CPU where they are built, else a checked
+# vendor kernel; "onednn": oneDNN for every weight (tests), checked; "torch": F.linear, checked.
 _BACKEND_ENV = "PIPELINE_LINEAR"
 # A oneDNN call costs ~10-30 us more than F.linear. That only pays back when the weight streams
 # from DRAM; a weight that stays in L2 (tiny drafts, test models) is faster through F.linear.
 PACK_MIN_BYTES = 256 << 10
-# Rows per CPU call, (fewest, most), per kernel. A row's result must not depend on how many other
-# rows share the call: that keeps greedy output the same alone, in a batch, and under speculation
-# (whose verify feeds k+1 rows per request). Both kernels pick their code path by the row count:
-# oneDNN gives every row its solo bits for 4..32 rows and other bits past 32; torch's fp32 matmul
-# (MKL) runs a matrix-vector kernel for 1 row and changes kernel again at 16 (measured for every
-# SmolLM2 shape, bf16 and fp32, up to 300 rows). So a call is padded up to the fewest with zero rows and
-# split at the most. Padding 1-2 rows to 4 also streams oneDNN's weight faster (measured on the real
-# model, 2 threads: fp32 16 vs 20/24 ms for all linears, bf16 10 vs 12/13 ms). The split costs
-# prefill about 2x in the linears for long prompts (a 1024-token prompt: 0.2 -> 0.4 s); decode steps
-# of up to 32 rows are unchanged.
+# Rows per vendor call, (fewest, most), per kernel: a call is padded up to the fewest with other rows and split
+# at the most, because both kernels pick their code path by the row count. oneDNN gave every row its solo bits
+# for 4..32 rows on AMX and AVX-512-BF16 CPUs, and MKL's fp32 for 4..8 on some (measured for every SmolLM2 shape);
+# row_invariance checks the range on the running CPU. Padding 1-2 rows to 4 also streams oneDNN's weight faster.
 ONEDNN_ROWS = (4, 32)
 TORCH_ROWS = (4, 8)
+OWN_LAYOUTS = ("amx", "dense")  # the engine's C kernels: row-invariant by construction
+VENDOR_LAYOUTS = ("onednn", "torch", "rowwise")
 
 
 def _onednn_available() -> bool:
@@ -58,25 +60,31 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in `layout`, or None
-        self.layout: str | None = None  # "amx" (cpu_kernels.bf16_linear) or "onednn"
+        self.layout: str | None = None  # OWN_LAYOUTS, VENDOR_LAYOUTS, or None: F.linear (CUDA, meta)
+        self.why: str | None = None  # why this layout: for describe()
         self._pad: tuple[int, torch.Tensor | None] = (0, None)  # (thread, buffer): see _pad_buffer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or self.layout is None:
             return F.linear(x, self.weight, self.bias)
         p = self.packed
-        if self.layout == "amx":  # any number of rows in one call: AMX gives each row its bits alone
+        if self.layout in OWN_LAYOUTS:  # any number of rows in one call: each row's bits are its own
             kernels = cpu_kernels.for_tensor(x)
-            if kernels is None:  # the kernels switched off (tests compare): the same weights, through torch
-                return F.linear(x, cpu_kernels.unpair_blocks(p), self.bias)
-            y = kernels.bf16_linear(x, p).view(*x.shape[:-1], self.out_features)
+            if kernels is None or x.dtype != self.dtype:  # switched off (tests compare) or autograd: through torch
+                return F.linear(x, self.plain_weight().to(x.dtype), self.bias)
+            if self.layout == "amx":
+                y = kernels.bf16_linear(x, p)
+            else:
+                y = kernels.dense_linear(x, p, self.out_features)
+            y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        if p is not None and x.dtype == p.dtype:
-            kernel, (fewest, most) = self._onednn, ONEDNN_ROWS
-        else:
-            kernel, (fewest, most) = self._torch, TORCH_ROWS
+        kernel = self._onednn if p is not None and x.dtype == p.dtype else self._torch
         rows = x.numel() // self.in_features
         flat = x.reshape(rows, self.in_features)
+        if self.layout == "rowwise":  # every call alike: one row
+            y = torch.cat([kernel(flat[i:i + 1]) for i in range(rows)]) if rows != 1 else kernel(flat)
+            return y.view(*x.shape[:-1], self.out_features)
+        fewest, most = ONEDNN_ROWS if kernel == self._onednn else TORCH_ROWS
         if fewest <= rows <= most:  # one call as it stands: most decode steps (the loop below costs ~10 us)
             return kernel(flat).view(*x.shape[:-1], self.out_features)
         if rows < fewest:  # a batch-1 decode step: into a padded buffer, one copy instead of zeros + cat
@@ -92,6 +100,20 @@ class Linear(nn.Module):
             out.append(kernel(chunk)[:n])
         y = out[0] if len(out) == 1 else torch.cat(out)
         return y.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def plain_weight(self) -> torch.Tensor:
+        """The [out, in] weight, from the packed copy where the plain one was released."""
+        if not self.weight.is_meta:
+            return self.weight
+        if self.layout == "amx":
+            return cpu_kernels.unpair_blocks(self.packed)
+        if self.layout == "dense":
+            return cpu_kernels.undense_blocks(self.packed, self.out_features, self.in_features)
+        raise ValueError("this linear's plain weight was released")
 
     def _pad_buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A [rows, in_features] input buffer for short calls, owned by the calling thread: another thread
@@ -119,34 +141,59 @@ class Linear(nn.Module):
 
     def pack(self, backend: str | None = None) -> None:
         backend = backend or os.environ.get(_BACKEND_ENV, "auto")
+        if backend not in ("auto", "onednn", "torch"):
+            raise ValueError(f"unknown linear backend {backend!r}; use auto, onednn or torch")
         w = self.weight
         if w.is_meta and self.packed is not None:
             raise ValueError("this linear's plain weight was released (load_transformer(keep_plain=False)); "
                              "load the model again to pack it another way")
-        self.packed, self.layout = None, None
-        if backend == "torch" or w.device.type != "cpu" or w.is_meta:
+        self.packed, self.layout, self.why = None, None, None
+        if w.device.type != "cpu" or w.is_meta:
             return
-        if backend == "auto" and w.dtype == torch.bfloat16 and self._amx_available():
-            self.packed, self.layout = cpu_kernels.pair_blocks(w.detach()), "amx"
-            return
-        if not _onednn_available():
-            return
-        if w.dtype not in (torch.float32, torch.bfloat16):
-            return
-        if backend == "auto" and w.numel() * w.element_size() < PACK_MIN_BYTES:
-            return
-        if backend not in ("auto", "onednn"):
-            raise ValueError(f"unknown linear backend {backend!r}; use auto, onednn or torch")
         with torch.no_grad():
-            # No batch-size hint: oneDNN then picks a blocked layout that is good for M = 1..16
-            # rows alike (a hint of 1 is ~1.5x slower at M = 4-16 in fp32 and no faster at M = 1).
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-            self.layout = "onednn"
+            if backend == "auto" and cpu_kernels.usable() and w.dtype in cpu_kernels.DTYPES:
+                if w.dtype == torch.bfloat16 and self._amx_available():
+                    # Whatever the size: a ctypes call costs less than F.linear's, so tiny models take it too.
+                    self.packed, self.layout = cpu_kernels.pair_blocks(w.detach()), "amx"
+                    self.why = "AMX tiles compute each row on their own"
+                else:
+                    self.packed, self.layout = cpu_kernels.dense_blocks(w.detach()), "dense"
+                    self.why = "fixed-order fp32 sums per output: row-invariant by construction"
+                return
+            why_vendor = (f"PIPELINE_LINEAR={backend}" if backend != "auto" else
+                          f"no C kernels for {str(w.dtype).removeprefix('torch.')}" if cpu_kernels.usable() else
+                          f"no C kernels ({cpu_kernels.status()})")
+            if (_onednn_available() and w.dtype in (torch.float32, torch.bfloat16)
+                    and (backend == "onednn" or backend == "auto" and w.numel() * w.element_size() >= PACK_MIN_BYTES)):
+                # No batch-size hint: oneDNN then picks a blocked layout that is good for M = 1..16
+                # rows alike (a hint of 1 is ~1.5x slower at M = 4-16 in fp32 and no faster at M = 1).
+                self.packed, self.layout = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
+                kernel, (fewest, most), name = self._onednn, ONEDNN_ROWS, "oneDNN"
+            else:
+                self.layout = "torch"
+                kernel, (fewest, most), name = self._torch, TORCH_ROWS, "F.linear"
+            key = (self.layout, self.out_features, self.bias is not None)
+            if row_invariance.rows_invariant(kernel, key, self.in_features, w.dtype, fewest, most):
+                self.why = (f"{why_vendor}; {name} gave each row the same bits in {fewest}-{most}-row calls on "
+                            "this CPU (checked at load)")
+            else:
+                self.layout = "rowwise"
+                self.why = (f"{why_vendor}; {name}'s results changed with the row count on this CPU (checked "
+                            "at load), so it runs one row a call")
 
     def _amx_available(self) -> bool:
-        # Whatever the size: a ctypes call costs less than F.linear's, so tiny models (tests) take it too.
-        return (cpu_kernels.usable() and cpu_kernels.load().amx
+        return (cpu_kernels.load().amx
                 and cpu_kernels.amx_layout_reason(self.out_features, self.in_features) is None)
+
+    def kernel_name(self) -> str:
+        """What runs this layer's CPU forward, for describe()."""
+        kernels = cpu_kernels.load() if self.layout in OWN_LAYOUTS else None
+        names = {"amx": "cpu_kernels.bf16_linear on AMX tiles",
+                 "dense": f"cpu_kernels.dense_linear ({kernels.isa if kernels else '?'} build)",
+                 "onednn": "mkldnn._linear_pointwise on oneDNN-packed weights", "torch": "F.linear",
+                 "rowwise": "oneDNN one row a call" if self.packed is not None else "F.linear one row a call",
+                 None: "F.linear"}
+        return names[self.layout]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -2,12 +2,12 @@
 and Qwen2-style qkv bias, with GQA and tied embeddings, reading and writing a preallocated KV cache.
 
 Projections are fused (qkv, gate_up) so a decode step launches fewer ops: at batch 1 on a CPU the
-per-op overhead is a large share of a step. For the same reason, in bf16 on a CPU the small ops
-between the linears run as three C kernels per layer where they could be built (RMSNorm with the
-residual add, rope + cache write + attention, SiLU-and-multiply: pipeline/engine/cpu_kernels.py);
-elsewhere rope is applied to q and k in one go, and RMSNorm uses torch's fused kernel where that is
-exact. Linear weights are packed for oneDNN on a CPU (see pipeline/engine/linear.py): that, not the
-op count, is most of a CPU decode step.
+per-op overhead is a large share of a step. For the same reason, and so that a row's bits never depend on
+the batch (the lossless contract), in bf16 and fp32 on a CPU the small ops between the linears run as three
+C kernels per layer where they could be built (RMSNorm with the residual add, rope + cache write +
+attention, SiLU-and-multiply: pipeline/engine/cpu_kernels.py), and the linears on the engine's own C
+kernels (pipeline/engine/linear.py); when all of them do, the whole layer stack is one C call. Elsewhere
+rope is applied to q and k in one go, and RMSNorm uses torch's fused kernel where that is exact.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
-from pipeline.engine.linear import Linear, pack_linears
+from pipeline.engine.linear import OWN_LAYOUTS, Linear, pack_linears
 from pipeline.engine.quant import Int4Linear, QuantConfig, describe_model
 
 
@@ -52,11 +52,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as transformers does (bf16 variance loses too much), then round to the
         # model dtype *before* scaling by the weight, again as transformers does.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         kernels = cpu_kernels.for_tensor(x) if self.weight.dtype == x.dtype else None
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +202,7 @@ class DecoderLayer(nn.Module):
 @dataclass(frozen=True)
 class LayerStack:
     """What cpu_kernels.layers needs of the weights: per layer, the addresses of the norms' weights and of each
-    projection's kind and tensors (see layers_bf16 in cpu_kernels.c); and the tensors behind them, held so the
+    projection's kind and tensors (see layers in cpu_kernels_layer.h); and the tensors behind them, held so the
     addresses stay valid."""
 
     table: torch.Tensor  # int64 [layers, 18]
@@ -210,12 +210,12 @@ class LayerStack:
     held: list[torch.Tensor]
 
 
-def _stack_entry(lin: nn.Module) -> list[torch.Tensor | int] | None:
-    """[kind, weights, scales, pre_quant_scale] of a projection the C stack runs, or None."""
+def _stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int] | None:
+    """[kind, weights, scales, pre_quant_scale] of a projection the C stack runs in a `dtype` model, or None."""
     if isinstance(lin, Int4Linear) and lin.c_kernel and lin.bias is None:
-        return [4, lin.blocks, lin.scales, lin.pre_scale]
-    if type(lin) is Linear and lin.layout == "amx" and lin.bias is None:
-        return [16, lin.packed, None, None]
+        return [cpu_kernels.STACK_KINDS["int4"], lin.blocks, lin.scales, lin.pre_scale]
+    if type(lin) is Linear and lin.layout in OWN_LAYOUTS and lin.dtype == dtype and lin.bias is None:
+        return [cpu_kernels.STACK_KINDS[lin.layout], lin.packed, None, None]
     return None
 
 
@@ -253,21 +253,22 @@ class Transformer(nn.Module):
         return describe_model(self)
 
     def layer_stack(self) -> LayerStack | None:
-        """When every layer's four projections run on the C kernels (int4 or AMX bf16, no biases), with one int4
-        group size and bf16 norms: what cpu_kernels.layers reads; else None. Worked out on the first forward,
-        after loading: the engine never changes a loaded model's weights."""
+        """When every layer's four projections run on the C kernels (int4, or the model's dtype on AMX or
+        dense_linear; no biases), with one int4 group size and norms in the model's dtype: what cpu_kernels.layers
+        reads; else None. Worked out on the first forward, after loading: the engine never changes a loaded
+        model's weights."""
         if self._layer_stack is None:
             self._layer_stack = self._plan_layer_stack() or False
         return self._layer_stack or None
 
     def _plan_layer_stack(self) -> LayerStack | None:
         rows, held, groups = [], [], set()
+        dtype = self.embed.weight.dtype
         for layer in self.layers:
             lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
-            entries = [_stack_entry(m) for m in lins]
+            entries = [_stack_entry(m, dtype) for m in lins]
             norms = [layer.input_norm.weight, layer.post_norm.weight]
-            if any(e is None for e in entries) or any(w.dtype != torch.bfloat16 or w.device.type != "cpu"
-                                                      for w in norms):
+            if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
                 return None
             groups |= {m.group_size for m in lins if isinstance(m, Int4Linear)}
             items = [*norms, *(item for e in entries for item in e)]

@@ -257,7 +257,7 @@ class Int4Linear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_tensor(x, cpu_kernels.QUANT_DTYPES) if self.c_kernel else None
+        kernels = cpu_kernels.for_tensor(x) if self.c_kernel else None
         lead = x.shape[:-1]
         if kernels is not None:
             y = kernels.quant_linear(x, self.blocks, 4, self.scales, self.pre_scale)
@@ -324,7 +324,7 @@ class Int8Head(nn.Module):
         return cpu_kernels.quant_layout_reason(out_features, in_features, cls.group_for(in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_tensor(x, cpu_kernels.QUANT_DTYPES)
+        kernels = cpu_kernels.for_tensor(x)
         if kernels is not None:
             y = kernels.quant_linear(x, self.blocks, 8, self.scales, out_dtype=torch.float32)
             return y.view(*x.shape[:-1], self.out_features)
@@ -433,20 +433,21 @@ def describe_model(model: nn.Module) -> dict:
             desc["group_size"] = qc.group_size
     mods = quantized_modules(model)
     dense = [m for m in model.modules() if type(m) is Linear]
-    if dense:
-        names = {"amx": "cpu_kernels.bf16_linear on AMX tiles", "onednn": "mkldnn._linear_pointwise on oneDNN-packed "
-                 "weights", None: "F.linear"}
-        counts = {layout: sum(m.layout == layout for m in dense) for layout in names}
-        desc["kernels"]["dense"] = "; ".join(f"{names[layout]} ({n} of {len(dense)})" if n < len(dense) else names[layout]
-                                             for layout, n in counts.items() if n)
+    if dense:  # each kernel the dense linears run on, and why it was chosen (Linear.pack)
+        counts: dict[str, int] = {}
+        for m in dense:
+            name = m.kernel_name() + (f": {m.why}" if m.why else "")
+            counts[name] = counts.get(name, 0) + 1
+        desc["kernels"]["dense"] = "; ".join(f"{name} ({n} of {len(dense)})" if n < len(dense) else name
+                                             for name, n in counts.items())
     for m in mods:
         desc["kernels"].setdefault(m.kind, m.kernel)
     if isinstance(model.lm_head, Int8Head):
         desc["kernels"]["lm_head"] = model.lm_head.kernel
     if model.layer_stack() is not None:
-        desc["kernels"]["decoder layers"] = "all in one C call a forward (cpu_kernels.layers_bf16), for bf16 inputs"
+        desc["kernels"]["decoder layers"] = "all in one C call a forward (cpu_kernels.layers)"
     w = model.embed.weight
-    if w.dtype == torch.bfloat16 and w.device.type == "cpu":
+    if w.dtype in cpu_kernels.DTYPES and w.device.type == "cpu":
         desc["kernels"]["norm, rope, attention, silu"] = cpu_kernels.status()
     acts = {activation_description(m.act) for m in mods if m.act.act_format}
     if acts:

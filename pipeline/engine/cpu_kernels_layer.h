@@ -1,0 +1,259 @@
+// The per-layer ops of the CPU forward, on one storage type ELT: included by cpu_kernels.c twice, for bf16
+// (FN(name) = name_bf16, LD/ST convert, RND rounds to bf16 as torch's bf16 ops do) and for fp32 (FN(name) =
+// name_f32, LD/ST/RND the identity). The math is the same; the bf16 copy rounds where a bf16 model's torch ops
+// round, so its results match theirs; the fp32 copy rounds only where fp32 arithmetic does.
+//
+// Every row (and in attention every query token and head) is computed on its own, in a fixed order: its bits
+// don't depend on the batch around it, on how many tokens its forward feeds (a verify's k+1 or a decode's 1),
+// or on the other rows' lengths.
+
+// out = w * RND(x * rsqrt(mean(x^2) + eps)), the rounding transformers' LlamaRMSNorm does in bf16.
+// With delta: sum = RND(x + delta) first (the residual add), written to `sum`, and normalised.
+static void FN(norm_row)(const ELT *x, const ELT *delta, const ELT *w, float eps, int64_t dim, ELT *sum,
+                         ELT *out, float *tmp) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; i++) {
+        float v = LD(x[i]);
+        if (delta) v = RND(v + LD(delta[i]));
+        tmp[i] = v;
+        ss += v * v;
+    }
+    float rstd = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) {
+        if (delta) sum[i] = ST(tmp[i]);
+        out[i] = ST(LD(w[i]) * RND(tmp[i] * rstd));
+    }
+}
+
+void FN(rms_norm)(const ELT *x, const ELT *delta, const ELT *w, float eps, int64_t rows, int64_t dim, ELT *sum,
+                  ELT *out, int threads) {
+    int nt = rows * dim >= PAR_WORK ? threads : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        float *tmp = malloc(sizeof(float) * dim);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            FN(norm_row)(x + r * dim, delta ? delta + r * dim : NULL, w, eps, dim, sum ? sum + r * dim : NULL,
+                         out + r * dim, tmp);
+        free(tmp);
+    }
+}
+
+// Split into loops through an fp32 buffer: written as one loop, gcc 12 vectorized none of it.
+static void FN(silu_row)(const ELT *g, const ELT *u, int64_t n, ELT *o, float *tmp) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) tmp[i] = LD(g[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) tmp[i] = 1.0f + exp_poly(-tmp[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = ST(RND(LD(g[i]) / tmp[i]) * LD(u[i]));
+}
+
+// gate_up: [rows, 2*inter] (gate then up, as the fused projection lays them out) -> out [rows, inter]:
+// RND(RND(silu(gate)) * up), as F.silu(gate) * up rounds in bf16.
+void FN(silu_mul)(const ELT *gate_up, int64_t rows, int64_t inter, ELT *out, int threads) {
+    int nt = rows * inter >= PAR_WORK ? threads : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        float *tmp = malloc(sizeof(float) * inter);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            FN(silu_row)(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
+        free(tmp);
+    }
+}
+
+// Rotate-half rope on one head, with the rounding of apply_rope in bf16: RND(RND(x*cos) +
+// RND(roll(x, D/2)*sin)), where sin's first half carries rotate_half's sign.
+static inline void FN(rope_head)(const ELT *x, const ELT *cos, const ELT *sin, int64_t D, float *out) {
+    int64_t h = D / 2;
+#pragma omp simd
+    for (int64_t d = 0; d < h; d++)
+        out[d] = RND(RND(LD(x[d]) * LD(cos[d])) + RND(LD(x[d + h]) * LD(sin[d])));
+#pragma omp simd
+    for (int64_t d = h; d < D; d++)
+        out[d] = RND(RND(LD(x[d]) * LD(cos[d])) + RND(LD(x[d - h]) * LD(sin[d])));
+}
+
+// qkv: [B, T, H + 2*KV, D], the fused projection's output. cos/sin: [B, T, D]. cache_k/cache_v: one
+// layer's [S, KV, P, D]. write_pos: [B, T] cache position of each token, P - 1 (the trash row) for pads.
+// out: [B, T, H, D].
+//
+// First every token's rotated K and its V go to the cache; then query (b, t) attends keys
+// 0..write_pos[b, t] of its slot, which is causal order within the forward too. A pad's output is
+// zeros (nothing reads it). Scores and softmax in fp32; the weighted sum in fp32, rounded once.
+// Returns 0, or -1 (writing nothing) when a slot or position lies outside the cache: torch's indexing
+// would raise there, and a write past the cache would corrupt memory silently.
+int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, const ELT *cos,
+                    const ELT *sin, ELT *cache_k, ELT *cache_v, int64_t S, int64_t P, const int64_t *slots,
+                    const int64_t *write_pos, float scale, int threads, ELT *out) {
+    const int64_t W = H + 2 * KV, G = H / KV, trash = P - 1;
+    for (int64_t b = 0; b < B; b++)
+        if (slots[b] < 0 || slots[b] >= S) return -1;
+    for (int64_t i = 0; i < B * T; i++)
+        if (write_pos[i] < 0 || write_pos[i] >= P) return -1;
+    float krot[D];
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < T; t++) {
+            const ELT *row = qkv + (b * T + t) * W * D;
+            const ELT *c = cos + (b * T + t) * D, *s = sin + (b * T + t) * D;
+            int64_t wp = write_pos[b * T + t];
+            for (int64_t j = 0; j < KV; j++) {
+                int64_t at = ((slots[b] * KV + j) * P + wp) * D;
+                FN(rope_head)(row + (H + j) * D, c, s, D, krot);
+                for (int64_t d = 0; d < D; d++) cache_k[at + d] = ST(krot[d]);
+                memcpy(cache_v + at, row + (H + KV + j) * D, sizeof(ELT) * D);
+            }
+        }
+    }
+    int64_t max_keys = 0, work = 0;
+    for (int64_t i = 0; i < B * T; i++) {
+        int64_t n = write_pos[i] == trash ? 0 : write_pos[i] + 1;
+        if (n > max_keys) max_keys = n;
+        work += n;
+    }
+    // Work items: (row, KV head, block of QB query tokens), so a prefill converts each key and value
+    // to fp32 once per block of queries rather than once per query.
+    const int64_t nqb = (T + QB - 1) / QB, stride = (max_keys + KB - 1) / KB * KB;
+    int nt = work * H * D >= PAR_WORK ? threads : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        float *q = malloc(sizeof(float) * QB * G * D);  // the block's rotated queries
+        float *acc = malloc(sizeof(float) * QB * G * D);
+        float *kt = malloc(sizeof(float) * D * KB);  // a block of keys in fp32, transposed
+        float *vf = malloc(sizeof(float) * D);
+        float *p = malloc(sizeof(float) * QB * G * (stride ? stride : 1));  // scores, then probabilities
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * KV * nqb; item++) {
+            int64_t b = item / (KV * nqb), j = item / nqb % KV, t0 = item % nqb * QB;
+            int64_t nq = T - t0 < QB ? T - t0 : QB, n[QB], nmax = 0;
+            for (int64_t tq = 0; tq < nq; tq++) {
+                int64_t bt = b * T + t0 + tq, wp = write_pos[bt];
+                n[tq] = wp == trash ? 0 : wp + 1;
+                if (n[tq] > nmax) nmax = n[tq];
+                for (int64_t g = 0; g < G && n[tq]; g++)
+                    FN(rope_head)(qkv + (bt * W + j * G + g) * D, cos + bt * D, sin + bt * D, D, q + (tq * G + g) * D);
+            }
+            const ELT *keys = cache_k + (slots[b] * KV + j) * P * D;
+            const ELT *vals = cache_v + (slots[b] * KV + j) * P * D;
+            // Scores: KB keys at a time, one lane per key, summed over d in order. A score's bits depend
+            // only on its query, its key and the key's lane (k mod KB): never on the batch or the block.
+            for (int64_t k0 = 0; k0 < nmax; k0 += KB) {
+                int64_t kn = nmax - k0 < KB ? nmax - k0 : KB;
+                for (int64_t kk = 0; kk < KB; kk++)
+                    for (int64_t d = 0; d < D; d++) kt[d * KB + kk] = kk < kn ? LD(keys[(k0 + kk) * D + d]) : 0.0f;
+                for (int64_t tq = 0; tq < nq; tq++) {
+                    if (k0 >= n[tq]) continue;
+                    for (int64_t g = 0; g < G; g++) {
+                        const float *qg = q + (tq * G + g) * D;
+                        float s[KB] = {0};
+                        for (int64_t d = 0; d < D; d++) {
+                            const float qd = qg[d], *restrict kd = kt + d * KB;
+#pragma omp simd
+                            for (int64_t kk = 0; kk < KB; kk++) s[kk] += qd * kd[kk];
+                        }
+                        float *pg = p + (tq * G + g) * stride + k0;
+                        for (int64_t kk = 0; kk < KB; kk++) pg[kk] = s[kk] * scale;
+                    }
+                }
+            }
+            for (int64_t tq = 0; tq < nq; tq++) {
+                for (int64_t g = 0; g < G && n[tq]; g++) {
+                    float *pg = p + (tq * G + g) * stride, m = -INFINITY, total = 0.0f;
+                    for (int64_t k = 0; k < n[tq]; k++) m = pg[k] > m ? pg[k] : m;
+#pragma omp simd
+                    for (int64_t k = 0; k < n[tq]; k++) pg[k] = exp_poly(pg[k] - m);
+                    for (int64_t k = 0; k < n[tq]; k++) total += pg[k];  // in order: the same sum every time
+                    float inv = 1.0f / total;
+#pragma omp simd
+                    for (int64_t k = 0; k < n[tq]; k++) pg[k] *= inv;
+                }
+            }
+            for (int64_t x = 0; x < nq * G * D; x++) acc[x] = 0.0f;
+            for (int64_t k = 0; k < nmax; k++) {
+                for (int64_t d = 0; d < D; d++) vf[d] = LD(vals[k * D + d]);
+                for (int64_t tq = 0; tq < nq; tq++) {
+                    if (k >= n[tq]) continue;
+                    for (int64_t g = 0; g < G; g++) {
+                        float pk = p[(tq * G + g) * stride + k], *ag = acc + (tq * G + g) * D;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; d++) ag[d] += pk * vf[d];
+                    }
+                }
+            }
+            for (int64_t tq = 0; tq < nq; tq++) {
+                ELT *o = out + ((b * T + t0 + tq) * H + j * G) * D;
+                for (int64_t x = 0; x < G * D; x++) o[x] = n[tq] ? ST(acc[tq * G * D + x]) : 0;
+            }
+        }
+        free(q);
+        free(acc);
+        free(kt);
+        free(vf);
+        free(p);
+    }
+    return 0;
+}
+
+// ---- a whole decoder stack in one call ----------------------------------------------------------------
+//
+// The layer loop of a model whose projections all run here (int4 on quant_linear, bf16 on AMX or on
+// dense_linear, fp32 on dense_linear), without biases: the same kernels, in the same order and with the same roundings, as the
+// modules call one by one (model.py's DecoderLayer with the fused residual adds), so the bits are the same. It
+// saves the Python between them: ~10 calls, their module hops and tensor allocations per layer, which took 8
+// of a SmolLM2 INT4 decode step's 18 ms.
+//
+// x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
+// delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
+// weights, then per projection (qkv, o, gate_up, down) its kind (STACK_*) and the addresses of its weights,
+// scales and pre_quant_scale (0 for none). Returns 0; -1 when a slot or position lies outside
+// the cache (nothing is written then); -2 when a projection's kernel refuses its shape (the plan checks
+// them, so a bug).
+
+static int FN(stack_linear)(const ELT *x, int64_t rows, int64_t K, const int64_t *lin, int64_t G, int64_t N,
+                            ELT *y, int threads) {
+    const void *w = (const void *)(intptr_t)lin[1];
+    int rc = lin[0] == STACK_AMX     ? (IS_F32 ? -1 : bf16_linear((const bf16 *)x, rows, K, w, N, y, 0, threads))
+             : lin[0] == STACK_DENSE ? dense_linear(x, IS_F32, rows, K, w, N, y, IS_F32, threads)
+                                     : quant_linear(x, IS_F32, rows, K, (const float *)(intptr_t)lin[3], w,
+                                                    (int)lin[0], (const float *)(intptr_t)lin[2], G, N, y, IS_F32,
+                                                    threads);
+    return rc ? -2 : 0;
+}
+
+int FN(layers)(ELT *x, ELT *delta, int64_t B, int64_t T, int64_t layers, int64_t hidden, int64_t H, int64_t KV,
+               int64_t D, int64_t inter, int64_t G, const int64_t *table, float eps, const ELT *cos, const ELT *sin,
+               ELT *cache_k, ELT *cache_v, int64_t S, int64_t P, const int64_t *slots, const int64_t *write_pos,
+               float scale, int threads) {
+    const int64_t rows = B * T, nqkv = (H + 2 * KV) * D, layer_cache = S * KV * P * D;
+    ELT *normed = malloc(sizeof(ELT) * rows * hidden), *qkv = malloc(sizeof(ELT) * rows * nqkv);
+    ELT *attn = malloc(sizeof(ELT) * rows * H * D), *o = malloc(sizeof(ELT) * rows * hidden);
+    ELT *gate_up = malloc(sizeof(ELT) * rows * 2 * inter), *act = malloc(sizeof(ELT) * rows * inter);
+    int rc = 0;
+    for (int64_t l = 0; l < layers; l++) {
+        const int64_t *t = table + l * LAYER_ENTRIES;
+        // The residual add runs in place: norm_row reads a row whole before it writes the sum.
+        FN(rms_norm)(x, l ? delta : NULL, (const ELT *)(intptr_t)t[L_IN_NORM], eps, rows, hidden, l ? x : NULL,
+                     normed, threads);
+        if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads))) break;
+        if (FN(rope_attend)(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache, S,
+                            P, slots, write_pos, scale, threads, attn)) {
+            rc = -1;
+            break;
+        }
+        if ((rc = FN(stack_linear)(attn, rows, H * D, t + L_O, G, hidden, o, threads))) break;
+        FN(rms_norm)(x, o, (const ELT *)(intptr_t)t[L_POST_NORM], eps, rows, hidden, x, normed, threads);
+        if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads))) break;
+        FN(silu_mul)(gate_up, rows, inter, act, threads);
+        if ((rc = FN(stack_linear)(act, rows, inter, t + L_DOWN, G, hidden, delta, threads))) break;
+    }
+    free(normed);
+    free(qkv);
+    free(attn);
+    free(o);
+    free(gate_up);
+    free(act);
+    return rc;
+}
