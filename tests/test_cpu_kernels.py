@@ -18,7 +18,8 @@ from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer
 
 KERNELS = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"no fused kernels: {cpu_kernels.status()}")
+pytestmark = [pytest.mark.skipif(not cpu_kernels.usable(), reason=f"no fused kernels: {cpu_kernels.status()}"),
+              pytest.mark.identity]
 BF = torch.bfloat16
 
 
@@ -47,6 +48,21 @@ def test_norm_and_residual_add_match_the_torch_ops():
     assert torch.equal(total, ref_total)  # the add rounds once, as torch's does
     # The sum of squares runs in another order than torch's: at most a one-ulp difference, rarely.
     assert ulps(fused, ref) <= 1 and (fused == ref).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_the_fused_residual_add_gives_the_norm_a_separate_add_gives(dtype):
+    """The engine adds a layer's residual inside the norm, except where it must see the sum first (EAGLE-3's
+    captured layers): both must give the same bits. A vectorized reduction had summed the squares in another
+    order in the two, and SmolLM2's greedy output moved under EAGLE-3."""
+    g = torch.Generator().manual_seed(2)
+    for dim in (576, 960, 100, 17):
+        w = (torch.randn(dim, generator=g) * 0.5 + 1).to(dtype)
+        x, delta = (torch.randn(64, dim, generator=g) * 3).to(dtype), torch.randn(64, dim, generator=g).to(dtype)
+        with torch.inference_mode():
+            total, fused = KERNELS.rms_norm(x, w, 1e-5, delta)
+            separate = KERNELS.rms_norm(x + delta, w, 1e-5)
+        assert torch.equal(total, x + delta) and torch.equal(fused, separate), dim
 
 
 def test_silu_mul_matches_the_torch_ops():
@@ -146,7 +162,7 @@ def test_without_a_compiler_the_torch_ops_run_and_say_why(tmp_path):
             "n = RMSNorm(8, 1e-5).to(torch.bfloat16)\n"
             "with torch.inference_mode(): n(torch.ones(2, 8, dtype=torch.bfloat16))\n"
             "print(cpu_kernels.status())")
-    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PIPELINE_HOME": str(tmp_path)}
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PIPELINE_HOME": str(tmp_path), "PIPELINE_KERNELS": "auto"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("torch ops: building them failed"), done.stdout

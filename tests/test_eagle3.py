@@ -10,71 +10,16 @@ import pytest
 import torch
 
 from pipeline.engine.config import EngineConfig, GatePolicy, ModelConfig
-from pipeline.engine.eagle3 import Eagle3Proposer, default_aux_layer_ids, load_eagle3_head
+from pipeline.engine.eagle3 import Eagle3Proposer, load_eagle3_head
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import DraftMismatchError, ModelFormatError
-from tiny_models import flip_gate, greedy_reference, make_tiny_llama, staggered_past_the_gate
+from tiny_models import (DRAFT_VOCAB, flip_gate, greedy_reference, make_tiny_eagle3_head, make_tiny_llama,
+                         staggered_past_the_gate)
 
 MAX_TOKENS = 24
-DRAFT_VOCAB = 100
-
-
-def make_tiny_eagle3_head(path: Path, target: Path, seed: int = 0, layout: str = "modelopt",
-                          draft_vocab: int = DRAFT_VOCAB, std: float = 0.1) -> Path:
-    """A seeded random EAGLE-3 head for `target`, written in one of the three checkpoint layouts."""
-    from safetensors.torch import save_file
-
-    tcfg = ModelConfig.from_folder(target)
-    H, heads, kv, hd, inter = tcfg.hidden_size, 4, 2, tcfg.hidden_size // 4, 2 * tcfg.hidden_size
-    aux = default_aux_layer_ids(tcfg.num_layers)
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) * std
-
-    def norm():
-        return 1 + rand(H) * 3
-
-    kept = torch.randperm(tcfg.vocab_size, generator=g)[:draft_vocab].sort().values  # target ids in the draft vocab
-    p = "midlayer." if layout == "eagle" else "layers.0."
-    t = {
-        "fc.weight": rand(H, len(aux) * H), p + "hidden_norm.weight": norm(), p + "input_layernorm.weight": norm(),
-        p + "self_attn.q_proj.weight": rand(heads * hd, 2 * H), p + "self_attn.k_proj.weight": rand(kv * hd, 2 * H),
-        p + "self_attn.v_proj.weight": rand(kv * hd, 2 * H), p + "self_attn.o_proj.weight": rand(H, heads * hd),
-        p + "post_attention_layernorm.weight": norm(), p + "mlp.gate_proj.weight": rand(inter, H),
-        p + "mlp.up_proj.weight": rand(inter, H), p + "mlp.down_proj.weight": rand(H, inter),
-        "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, H) * 10,
-        "d2t": kept - torch.arange(draft_vocab),
-    }
-    layer = {"model_type": "llama", "hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv,
-             "head_dim": hd, "intermediate_size": inter, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
-             "rope_theta": 10000.0, "vocab_size": tcfg.vocab_size, "max_position_embeddings": 1024}
-    if layout == "modelopt":  # what export_speculative_decoding writes (run on a tiny model, ModelOpt 0.47)
-        cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
-               "rope_scaling": {"rope_type": "default", "rope_theta": 10000},
-               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True,
-                                "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True}}
-    elif layout == "eagle":  # yuhuili/EAGLE3-*: aux layers implied by the target's depth
-        t["t2d"] = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
-        t["t2d"][kept] = True
-        cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
-    else:  # vLLM speculators
-        t["t2d"] = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
-        t["t2d"][kept] = True
-        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
-               "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": False,
-               "target_hidden_size": H}
-    path.mkdir(parents=True, exist_ok=True)
-    if layout == "eagle":  # the published heads ship a pytorch_model.bin, with the target's embeddings
-        t["embed_tokens.weight"] = rand(tcfg.vocab_size, H)
-        torch.save(t, path / "pytorch_model.bin")
-    else:
-        save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +86,7 @@ def check_incremental_drafts(engine: LLMEngine, rec: Recorder, every: int = 3) -
     return checked
 
 
+@pytest.mark.identity
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_output_identical_to_target_only_with_an_eagle3_head(target, head, reference, batch, k):
@@ -153,6 +99,7 @@ def test_greedy_output_identical_to_target_only_with_an_eagle3_head(target, head
     assert engine.describe()["draft"]["kind"] == "eagle3"
 
 
+@pytest.mark.identity
 def test_drafts_equal_a_fresh_head_after_joins_leaves_and_gate_flips(target, head, reference):
     # The head's incremental cache (catch-up after the gate was off, rollback past rejected drafts,
     # rows joining and leaving) must give exactly the drafts a fresh head computes from the whole prefix.

@@ -299,6 +299,7 @@ def test_lm_head_choice_for_a_dense_model_and_a_bad_choice(base):
 # ---- speculation ----------------------------------------------------------------------------------
 
 
+@pytest.mark.identity
 @pytest.mark.parametrize("qformat", ["int4_awq", "fp8"])
 def test_greedy_output_with_a_quantized_draft_identical_to_target_only(base, tmp_path_factory, qformat):
     draft = export(base, tmp_path_factory, qformat)
@@ -315,6 +316,7 @@ def test_greedy_output_with_a_quantized_draft_identical_to_target_only(base, tmp
     assert desc["target"]["weights"] == "dense" and desc["draft"]["weights"] == qformat
 
 
+@pytest.mark.identity
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_an_int4_target_gives_the_same_greedy_tokens_alone_batched_and_speculated(base, tmp_path_factory, dtype):
     # The C int4 kernel and the int8 head see a verify's k+1 rows per request and a decode's one row:
@@ -325,7 +327,8 @@ def test_an_int4_target_gives_the_same_greedy_tokens_alone_batched_and_speculate
     prompts = [ids(1, n, seed=20 + n)[0].tolist() for n in (5, 12, 20, 9)]
     params = SamplingParams(max_tokens=30)
     plain = LLMEngine.load(target, config)
-    assert "int8" in plain.describe()["target"]["kernels"]["lm_head"]
+    if cpu_kernels.usable():  # else (PIPELINE_KERNELS=off, under test_isa_caps) torch's int4 kernel, checked
+        assert "int8" in plain.describe()["target"]["kernels"]["lm_head"]
     want = [r.output_ids for r in plain.generate(prompts, params)]
     assert [plain.generate([p], params)[0].output_ids for p in prompts] == want
     speculated = LLMEngine.load(target, config, draft=base)  # the unquantized model drafts for its INT4 self
@@ -420,6 +423,7 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
     torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.identity
 @pytest.mark.parametrize("weights", ["int4_awq", "bf16"])
 def test_the_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_path_factory, weights):
     folder = export(base, tmp_path_factory, "int4_awq") if weights == "int4_awq" else base

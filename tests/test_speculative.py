@@ -494,6 +494,7 @@ def test_engine_check_rejects_a_wrong_rule(tiny_vocab_models, exact_joint, monke
     assert results["x2"][0] < FAIL_P
 
 
+@pytest.mark.identity
 def test_engine_greedy_speculation_equals_target_greedy(tiny_vocab_models):
     """Greedy with a (poor) draft model or n-gram drafts emits exactly the target-only greedy chain."""
     from pipeline.engine.config import EngineConfig, GatePolicy

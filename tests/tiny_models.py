@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pipeline.models.tiny import BYTE_VOCAB, CHAT_TEMPLATE, SPECIALS, byte_tokenizer, make_tiny_llama  # noqa: F401
+
+DRAFT_VOCAB = 100  # make_tiny_eagle3_head's default draft vocabulary
 
 
 def greedy_reference(engine, default_max_tokens: int):
@@ -41,3 +45,64 @@ def flip_gate():
     from pipeline.engine.gate_policy import GatePolicy
 
     return GatePolicy(max_batch_size=2, hysteresis=1, min_tokens=0)
+
+
+def make_tiny_eagle3_head(path: Path, target: Path, seed: int = 0, layout: str = "modelopt",
+                          draft_vocab: int = DRAFT_VOCAB, std: float = 0.1) -> Path:
+    """A seeded random EAGLE-3 head for `target`, written in one of the three checkpoint layouts."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.eagle3 import default_aux_layer_ids
+
+    tcfg = ModelConfig.from_folder(target)
+    H, heads, kv, hd, inter = tcfg.hidden_size, 4, 2, tcfg.hidden_size // 4, 2 * tcfg.hidden_size
+    aux = default_aux_layer_ids(tcfg.num_layers)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm():
+        return 1 + rand(H) * 3
+
+    kept = torch.randperm(tcfg.vocab_size, generator=g)[:draft_vocab].sort().values  # target ids in the draft vocab
+    p = "midlayer." if layout == "eagle" else "layers.0."
+    t = {
+        "fc.weight": rand(H, len(aux) * H), p + "hidden_norm.weight": norm(), p + "input_layernorm.weight": norm(),
+        p + "self_attn.q_proj.weight": rand(heads * hd, 2 * H), p + "self_attn.k_proj.weight": rand(kv * hd, 2 * H),
+        p + "self_attn.v_proj.weight": rand(kv * hd, 2 * H), p + "self_attn.o_proj.weight": rand(H, heads * hd),
+        p + "post_attention_layernorm.weight": norm(), p + "mlp.gate_proj.weight": rand(inter, H),
+        p + "mlp.up_proj.weight": rand(inter, H), p + "mlp.down_proj.weight": rand(H, inter),
+        "norm.weight": norm(), "lm_head.weight": rand(draft_vocab, H) * 10,
+        "d2t": kept - torch.arange(draft_vocab),
+    }
+    layer = {"model_type": "llama", "hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv,
+             "head_dim": hd, "intermediate_size": inter, "num_hidden_layers": 1, "rms_norm_eps": 1e-5,
+             "rope_theta": 10000.0, "vocab_size": tcfg.vocab_size, "max_position_embeddings": 1024}
+    if layout == "modelopt":  # what export_speculative_decoding writes (run on a tiny model, ModelOpt 0.47)
+        cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+               "rope_scaling": {"rope_type": "default", "rope_theta": 10000},
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True,
+                                "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True}}
+    elif layout == "eagle":  # yuhuili/EAGLE3-*: aux layers implied by the target's depth
+        t["t2d"] = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        t["t2d"][kept] = True
+        cfg = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
+    else:  # vLLM speculators
+        t["t2d"] = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+        t["t2d"][kept] = True
+        cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+               "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": False,
+               "target_hidden_size": H}
+    path.mkdir(parents=True, exist_ok=True)
+    if layout == "eagle":  # the published heads ship a pytorch_model.bin, with the target's embeddings
+        t["embed_tokens.weight"] = rand(tcfg.vocab_size, H)
+        torch.save(t, path / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

@@ -54,6 +54,7 @@ static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 // more than a decode step's norm or SiLU takes on one core.
 #define PAR_WORK 65536
 
+#define NORM_LANES 16  // RMSNorm's sum of squares: one chain per lane (cpu_kernels_layer.h)
 #define QB 16  // query tokens per attention work item
 #define KB 16  // keys per block of the score loop (one vector lane each)
 

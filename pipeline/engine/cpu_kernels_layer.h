@@ -9,16 +9,20 @@
 
 // out = w * RND(x * rsqrt(mean(x^2) + eps)), the rounding transformers' LlamaRMSNorm does in bf16.
 // With delta: sum = RND(x + delta) first (the residual add), written to `sum`, and normalised.
+//
+// The sum of squares runs in NORM_LANES fixed chains (element i in chain i mod NORM_LANES), then the chains in
+// order: a vectorized reduction (omp simd reduction) sums in whatever order the compiler picks for this loop on
+// this ISA, and gcc picked another for the with-delta and the without-delta copies of it, so a row's norm
+// moved between the fused residual add and a separate one (EAGLE-3's captured layers take the latter).
 static void FN(norm_row)(const ELT *x, const ELT *delta, const ELT *w, float eps, int64_t dim, ELT *sum,
                          ELT *out, float *tmp) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; i++) {
-        float v = LD(x[i]);
-        if (delta) v = RND(v + LD(delta[i]));
-        tmp[i] = v;
-        ss += v * v;
-    }
+    for (int64_t i = 0; i < dim; i++) tmp[i] = delta ? RND(LD(x[i]) + LD(delta[i])) : LD(x[i]);
+    float lanes[NORM_LANES] = {0}, ss = 0.0f;
+    int64_t i = 0;
+    for (; i + NORM_LANES <= dim; i += NORM_LANES)
+        for (int j = 0; j < NORM_LANES; j++) lanes[j] += tmp[i + j] * tmp[i + j];
+    for (int j = 0; i < dim; i++, j++) lanes[j] += tmp[i] * tmp[i];
+    for (int j = 0; j < NORM_LANES; j++) ss += lanes[j];
     float rstd = 1.0f / sqrtf(ss / (float)dim + eps);
 #pragma omp simd
     for (int64_t i = 0; i < dim; i++) {

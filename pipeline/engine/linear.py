@@ -22,7 +22,6 @@ after moving or casting the model.
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +50,17 @@ def _onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _onednn_reorder(w: torch.Tensor) -> torch.Tensor | None:
+    """w in oneDNN's own blocked layout, or None where oneDNN can't run this dtype here: its bf16 path needs
+    AVX-512BW/VL/DQ or AVX-NE-CONVERT, and refuses on an AVX2 CPU (or under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    try:
+        # No batch-size hint: oneDNN then picks a blocked layout that is good for M = 1..16
+        # rows alike (a hint of 1 is ~1.5x slower at M = 4-16 in fp32 and no faster at M = 1).
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+    except RuntimeError:
+        return None
+
+
 class Linear(nn.Module):
     """nn.Linear's parameters and semantics, plus an optional device-specific packed weight."""
 
@@ -62,7 +72,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the weight in `layout`, or None
         self.layout: str | None = None  # OWN_LAYOUTS, VENDOR_LAYOUTS, or None: F.linear (CUDA, meta)
         self.why: str | None = None  # why this layout: for describe()
-        self._pad: tuple[int, torch.Tensor | None] = (0, None)  # (thread, buffer): see _pad_buffer
+        self._vendor: row_invariance.CheckedKernel | None = None  # a VENDOR_LAYOUTS kernel, checked at pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or self.layout is None:
@@ -78,28 +88,10 @@ class Linear(nn.Module):
                 y = kernels.dense_linear(x, p, self.out_features)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        kernel = self._onednn if p is not None and x.dtype == p.dtype else self._torch
-        rows = x.numel() // self.in_features
-        flat = x.reshape(rows, self.in_features)
-        if self.layout == "rowwise":  # every call alike: one row
-            y = torch.cat([kernel(flat[i:i + 1]) for i in range(rows)]) if rows != 1 else kernel(flat)
-            return y.view(*x.shape[:-1], self.out_features)
-        fewest, most = ONEDNN_ROWS if kernel == self._onednn else TORCH_ROWS
-        if fewest <= rows <= most:  # one call as it stands: most decode steps (the loop below costs ~10 us)
-            return kernel(flat).view(*x.shape[:-1], self.out_features)
-        if rows < fewest:  # a batch-1 decode step: into a padded buffer, one copy instead of zeros + cat
-            pad = self._pad_buffer(fewest, flat)
-            pad[:rows].copy_(flat)
-            return kernel(pad)[:rows].view(*x.shape[:-1], self.out_features)
-        out = []
-        for i in range(0, rows, most):
-            chunk = flat[i:i + most]
-            n = chunk.shape[0]
-            if n < fewest:
-                chunk = torch.cat([chunk, chunk.new_zeros(fewest - n, self.in_features)])
-            out.append(kernel(chunk)[:n])
-        y = out[0] if len(out) == 1 else torch.cat(out)
-        return y.view(*x.shape[:-1], self.out_features)
+        if self._vendor is None or x.dtype != self.dtype:
+            return F.linear(x, self.weight, self.bias)
+        y = self._vendor(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,23 +106,6 @@ class Linear(nn.Module):
         if self.layout == "dense":
             return cpu_kernels.undense_blocks(self.packed, self.out_features, self.in_features)
         raise ValueError("this linear's plain weight was released")
-
-    def _pad_buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """A [rows, in_features] input buffer for short calls, owned by the calling thread: another thread
-        finds the owner differs and makes its own, so two threads' forwards never share one. Its rows past a
-        call's own hold an earlier call's values: harmless, as a row's result never depends on another row
-        (see ONEDNN_ROWS)."""
-        owner, buf = self._pad
-        if owner != threading.get_ident() or buf is None or buf.shape[0] < rows or buf.dtype != like.dtype:
-            buf = like.new_zeros(rows, self.in_features)
-            self._pad = (threading.get_ident(), buf)
-        return buf
-
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-    def _torch(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
     def release_plain(self) -> None:
         """Hold the weight once: keep the packed copy and make the plain one shape-only (meta). Needs a
@@ -147,7 +122,7 @@ class Linear(nn.Module):
         if w.is_meta and self.packed is not None:
             raise ValueError("this linear's plain weight was released (load_transformer(keep_plain=False)); "
                              "load the model again to pack it another way")
-        self.packed, self.layout, self.why = None, None, None
+        self.packed, self.layout, self.why, self._vendor = None, None, None, None
         if w.device.type != "cpu" or w.is_meta:
             return
         with torch.no_grad():
@@ -165,16 +140,19 @@ class Linear(nn.Module):
                           f"no C kernels ({cpu_kernels.status()})")
             if (_onednn_available() and w.dtype in (torch.float32, torch.bfloat16)
                     and (backend == "onednn" or backend == "auto" and w.numel() * w.element_size() >= PACK_MIN_BYTES)):
-                # No batch-size hint: oneDNN then picks a blocked layout that is good for M = 1..16
-                # rows alike (a hint of 1 is ~1.5x slower at M = 4-16 in fp32 and no faster at M = 1).
-                self.packed, self.layout = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None), "onednn"
-                kernel, (fewest, most), name = self._onednn, ONEDNN_ROWS, "oneDNN"
+                self.packed = _onednn_reorder(w.detach())
+            # The check calls the kernel without the bias (not loaded yet, and an add after it can't mix rows).
+            if self.packed is not None:
+                packed, name, rows = self.packed, "oneDNN", ONEDNN_ROWS
+                fn = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
             else:
-                self.layout = "torch"
-                kernel, (fewest, most), name = self._torch, TORCH_ROWS, "F.linear"
-            key = (self.layout, self.out_features, self.bias is not None)
-            if row_invariance.rows_invariant(kernel, key, self.in_features, w.dtype, fewest, most):
-                self.why = (f"{why_vendor}; {name} gave each row the same bits in {fewest}-{most}-row calls on "
+                weight, name, rows = w.detach(), "F.linear", TORCH_ROWS
+                fn = lambda x: F.linear(x, weight)  # noqa: E731
+            key = ("onednn" if self.packed is not None else "torch", self.out_features)
+            self._vendor = row_invariance.CheckedKernel(fn, key, self.in_features, w.dtype, rows)
+            if self._vendor.invariant:
+                self.layout = key[0]
+                self.why = (f"{why_vendor}; {name} gave each row the same bits in {rows[0]}-{rows[1]}-row calls on "
                             "this CPU (checked at load)")
             else:
                 self.layout = "rowwise"

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.engine import cpu_kernels
+from pipeline.engine import cpu_kernels, row_invariance
 from pipeline.engine.linear import Linear
 from pipeline.errors import ModelFormatError
 
@@ -53,6 +53,7 @@ SUPPORTED_ALGOS = {"W4A16_AWQ": "int4_awq", "W4A8_AWQ": "w4a8_awq", "FP8": "fp8"
 SUPPORTED_KV_ALGOS = {None, "FP8"}
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs out_features % 16 == 0
+TORCH_INT4_ROWS = (1, 32)  # rows per call of torch's int4 kernel, where row_invariance finds that safe
 FP8_MAX = 448.0
 
 
@@ -222,27 +223,37 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", bias)
         self.c_kernel = (cpu_kernels.usable()
                          and cpu_kernels.quant_layout_reason(*q.shape, self.group_size) is None)
-        self._torch_pack: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._torch_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # torch's int4 layout, where it runs
+        self._torch_kernel: row_invariance.CheckedKernel | None = None
         if self.c_kernel:
             self.register_buffer("blocks", cpu_kernels.block_weights(q, 4))
             self.register_buffer("scales", cpu_kernels.block_scales(scale))
             self.register_buffer("pre_scale", None if pre_quant_scale is None else
                                  pre_quant_scale.float().contiguous())
         else:
-            self._torch_pack = self._pack_for_torch(q, scale)
+            self._torch_kernel = self._checked_torch_kernel(q, scale)
 
     @property
     def kernel(self) -> str:
         if self.c_kernel and cpu_kernels.usable():
-            return "cpu_kernels.quant_linear (fused C, fp32 accumulation)"
-        return "aten._weight_int4pack_mm_for_cpu (bf16 activations)"
+            return "cpu_kernels.quant_linear (fused C, fp32 accumulation: row-invariant by construction)"
+        how = ("its rows' bits held in 1-32-row calls on this CPU (checked at load)" if self._torch_kernel.invariant
+               else "one row a call: its results changed with the row count on this CPU (checked at load)")
+        return f"aten._weight_int4pack_mm_for_cpu (bf16 activations), {how}"
 
-    @staticmethod
-    def _pack_for_torch(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _checked_torch_kernel(self, q: torch.Tensor, scale: torch.Tensor) -> row_invariance.CheckedKernel:
+        """torch's int4 kernel on this weight, called as row_invariance found safe on this CPU."""
         # The kernel reads unsigned nibbles and computes (u - 8) * scale + zero: u = q + 8, zero = 0.
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 2)
-        sz = torch.stack((scale.t(), torch.zeros_like(scale.t())), dim=-1)
-        return packed, sz.to(torch.bfloat16).contiguous()  # [N, K/2] uint8, [K/group, N, 2]
+        sz = torch.stack((scale.t(), torch.zeros_like(scale.t())), dim=-1).to(torch.bfloat16).contiguous()
+        self._torch_pack = (packed, sz)  # [N, K/2] uint8, [K/group, N, 2]
+        group = self.group_size
+
+        def fn(x: torch.Tensor) -> torch.Tensor:  # x [rows, K] bf16 -> [rows, N] bf16
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+
+        key = ("int4", self.out_features, group)
+        return row_invariance.CheckedKernel(fn, key, self.in_features, torch.bfloat16, TORCH_INT4_ROWS)
 
     @staticmethod
     def unsupported_reason(out_features: int, in_features: int, group_size: int, device: torch.device) -> str | None:
@@ -264,14 +275,11 @@ class Int4Linear(nn.Module):
         else:
             if not self.act.identity:  # skipping the call saves ~5% of an int4 decode step
                 x = self.act(x)
-            if self._torch_pack is None:  # the kernels switched off (tests compare the two)
+            if self._torch_kernel is None:  # the kernels switched off (tests compare the two)
                 q = cpu_kernels.unblock_weights(self.blocks, 4)
                 scale = cpu_kernels.unblock_scales(self.scales)
-                self._torch_pack = self._pack_for_torch(q, scale)
-            packed, scales_and_zeros = self._torch_pack
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                                            packed, self.group_size, scales_and_zeros)
-            y = y.to(x.dtype)
+                self._torch_kernel = self._checked_torch_kernel(q, scale)
+            y = self._torch_kernel(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)

@@ -15,6 +15,7 @@ contract hold; this keeps the fallback honest.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -43,3 +44,46 @@ def _check(call, in_features: int, dtype: torch.dtype, fewest: int, most: int, t
             if not torch.equal(call(x[:n]), alone[:n]):
                 return False
     return True
+
+
+class CheckedKernel:
+    """A vendor kernel (fn: x [rows, in] -> [rows, out]) called so that a row's bits never depend on the rows
+    beside it: in calls of `rows` = (fewest, most) rows, padded and split, where rows_invariant passed on this
+    CPU; else one row a call, where every call is alike."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], key: tuple, in_features: int,
+                 dtype: torch.dtype, rows: tuple[int, int]):
+        self.fn, self.in_features = fn, in_features
+        self.fewest, self.most = rows
+        self.invariant = rows_invariant(fn, key, in_features, dtype, *rows)
+        self._pad: tuple[int, torch.Tensor | None] = (0, None)  # (thread, buffer): see _pad_buffer
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        rows, fn = flat.shape[0], self.fn
+        if not self.invariant:
+            return torch.cat([fn(flat[i:i + 1]) for i in range(rows)]) if rows > 1 else fn(flat)
+        if self.fewest <= rows <= self.most:  # one call as it stands: most decode steps
+            return fn(flat)
+        if rows < self.fewest:  # a batch-1 decode step: into a padded buffer, one copy instead of zeros + cat
+            pad = self._pad_buffer(flat)
+            pad[:rows].copy_(flat)
+            return fn(pad)[:rows]
+        out = []
+        for i in range(0, rows, self.most):
+            chunk = flat[i:i + self.most]
+            n = chunk.shape[0]
+            if n < self.fewest:
+                chunk = torch.cat([chunk, chunk.new_zeros(self.fewest - n, self.in_features)])
+            out.append(fn(chunk)[:n])
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _pad_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A [fewest, in_features] input buffer for short calls, owned by the calling thread: another thread
+        finds the owner differs and makes its own, so two threads' forwards never share one. Its rows past a
+        call's own hold an earlier call's values: harmless, as the check found a row's result independent of
+        the other rows."""
+        owner, buf = self._pad
+        if owner != threading.get_ident() or buf is None or buf.dtype != like.dtype:
+            buf = like.new_zeros(self.fewest, self.in_features)
+            self._pad = (threading.get_ident(), buf)
+        return buf
