@@ -31,7 +31,7 @@ class GenerateOptions:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    dtype: str = "bf16"
+    dtype: str = "auto"  # auto: the fastest lossless one on this CPU (cpu_kernels.fast_lossless_dtype) | bf16 | fp32
     raw: bool = False  # skip the chat template
     max_seq_len: int = 2048
     max_batch_size: int = 1  # raised to the number of prompts: all of them decode as one batch
@@ -60,6 +60,7 @@ class RunInfo:
     draft: str  # "none", "ngram" or the draft's name
     draft_path: str | None
     dtype: str
+    dtype_reason: str  # why this dtype: asked for, the engine folder's, or --dtype auto's pick and its reason
     num_draft_tokens: int
     max_batch_size: int
     max_seq_len: int
@@ -99,8 +100,10 @@ def generate(options: GenerateOptions) -> GenerateResult:
     prompts = list(options.prompts)
     if not prompts:
         raise RequestError("no prompt given; pass PROMPT or --prompts-file FILE")
-    config = _checked_config(options, len(prompts))  # cheap checks first: a bad setting fails before any load
-    target, draft, draft_name, config = _models(options, config, len(prompts))
+    config, dtype_reason = _checked_config(options, len(prompts))  # cheap checks first: fails before any load
+    target, draft, draft_name, built = _models(options, config, len(prompts))
+    if built is not config:
+        config, dtype_reason = built, "the engine folder's (engine.json)"
     tokenizer, chat, prompt_ids, params = _requests(options, prompts, target.path, config)
 
     t0 = time.perf_counter()
@@ -120,7 +123,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
     ]
     info = RunInfo(
         model=target.name, model_path=str(target.path), draft=draft_name,
-        draft_path=str(draft.path) if draft.path else None, dtype=config.dtype,
+        draft_path=str(draft.path) if draft.path else None, dtype=config.dtype, dtype_reason=dtype_reason,
         num_draft_tokens=config.num_draft_tokens, max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len, gate_batch_size=config.gate.max_batch_size,
         min_spec_tokens=config.gate.min_tokens, chat_template=chat, load_time_s=round(load_time, 3),
@@ -130,20 +133,26 @@ def generate(options: GenerateOptions) -> GenerateResult:
 
 
 def _checked_config(options: GenerateOptions, n_prompts: int):
-    """The engine's config from the options, and the sampling settings checked, before anything loads."""
+    """(the engine's config from the options, why its dtype), and the sampling settings checked, before anything
+    loads."""
     from pipeline.engine.config import EngineConfig, GatePolicy
     from pipeline.engine.sampling import SamplingParams
 
+    dtype, dtype_reason = options.dtype, "asked for (--dtype)"
+    if dtype == "auto":
+        from pipeline.engine.cpu_kernels import fast_lossless_dtype
+
+        dtype, dtype_reason = fast_lossless_dtype()
     config = EngineConfig(
         max_batch_size=max(n_prompts, options.max_batch_size),
         max_seq_len=options.max_seq_len,
-        dtype=options.dtype,
+        dtype=dtype,
         num_draft_tokens=options.num_draft_tokens,
         gate=GatePolicy.with_ceiling(options.gate_batch_size, options.gate_hysteresis, options.min_spec_tokens),
     )
     SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
                    top_k=options.top_k, seed=options.seed)
-    return config
+    return config, dtype_reason
 
 
 def _models(options: GenerateOptions, config, n_prompts: int):
@@ -194,6 +203,11 @@ def _requests(options: GenerateOptions, prompts: list[str], target_path: Path, c
     params = SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
                             top_k=options.top_k, seed=options.seed, stop_token_ids=stops)
     return tokenizer, chat, prompt_ids, params
+
+
+def dtype_line(result: GenerateResult) -> str:
+    """One line: the compute dtype and why."""
+    return f"dtype {result.info.dtype}: {result.info.dtype_reason}"
 
 
 def stats_line(result: GenerateResult) -> str:

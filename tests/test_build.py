@@ -200,6 +200,21 @@ def test_a_missing_target_folder_is_a_one_line_error(tmp_path):
     assert_one_line_error(result, "nope", "existing model folder")
 
 
+def test_the_portable_engine_is_built_in_the_machines_fast_lossless_dtype_and_says_why(tiny_target, tmp_path):
+    """The compile stage takes the dtype the environment found (cpu_kernels.fast_lossless_dtype): fp32 where
+    bf16 would run slower, with the reason in the plan and the build's summary."""
+    from pipeline.build.render import render_plan
+
+    env = Environment(**{**cpu_env(tiny_target).__dict__, "engine_dtype": ("fp32", "no bf16 instructions here")})
+    plan = plan_build(tiny_options(tiny_target, tmp_path), env)
+    compile_stage = next(st for st in plan.stages if st.name == "compile")
+    assert compile_stage.options.dtype == "fp32" and "--dtype fp32" in shlex.join(compile_stage.command)
+    assert "dtype     fp32  (no bf16 instructions here)" in render_plan(plan)
+    result = run_build(tiny_options(tiny_target, tmp_path), env, quiet=True)
+    assert result.dtype_line == "fp32: no bf16 instructions here"
+    assert load_engine(result.engine).config.dtype == "fp32"
+
+
 @pytest.mark.parametrize("flag", ["--target", "--draft"])
 def test_an_unknown_model_is_an_error_listing_the_presets_even_for_a_dry_run(tmp_path, flag):
     result = CliRunner().invoke(main, ["build", flag, "no-such-model", "--engines-dir", str(tmp_path / "e"),

@@ -396,3 +396,14 @@ def test_linears_take_the_engines_own_kernels_and_say_why():
             with cpu_kernels.disabled():
                 slow = lin(x)
         torch.testing.assert_close(fast, slow, atol=0.02 if dtype == BF else 1e-5, rtol=0.01)
+
+
+def test_the_fast_lossless_dtype_is_bf16_on_the_kernels_and_fp32_where_bf16_would_be_emulated(monkeypatch):
+    dtype, why = cpu_kernels.fast_lossless_dtype()
+    assert dtype == "bf16" and cpu_kernels.path_name(KERNELS) in why
+    with cpu_kernels.disabled():  # no kernels: the CPU's bf16 instructions decide
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu avx2 avx512f avx512bw")  # Ice Lake
+        dtype, why = cpu_kernels.fast_lossless_dtype()
+        assert dtype == "fp32" and "no bf16 instructions" in why and "\n" not in why
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu avx2 avx512f avx512_bf16")  # Zen 4
+        assert cpu_kernels.fast_lossless_dtype()[0] == "bf16"

@@ -138,3 +138,14 @@ def test_empty_and_unreadable_files(tmp_path):
         read_prompts_file(tmp_path / "bin.txt")
     with pytest.raises(RequestError, match="can't read prompts file"):
         read_prompts_file(tmp_path / "missing.txt")
+
+
+def test_auto_dtype_is_the_fastest_lossless_one_here_and_says_why(tiny_target, monkeypatch):
+    from pipeline.engine import cpu_kernels
+    from pipeline.generate import dtype_line
+
+    monkeypatch.setattr(cpu_kernels, "fast_lossless_dtype", lambda: ("fp32", "a CPU without bf16 instructions"))
+    result = generate(opts(tiny_target))
+    assert result.info.dtype == "fp32" and dtype_line(result) == "dtype fp32: a CPU without bf16 instructions"
+    asked = generate(opts(tiny_target, dtype="bf16"))
+    assert asked.info.dtype == "bf16" and "asked for" in dtype_line(asked)

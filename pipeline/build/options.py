@@ -62,6 +62,8 @@ class Environment:
     host_memory_bytes: int = 0
     weights: dict[str, Weights] = field(default_factory=dict)  # model ref -> where its files are
     trained_head: Path | None = None  # an EAGLE-3 head for the target in $PIPELINE_HOME/heads (draft train)
+    # The portable engine's compute dtype on this CPU, and why (cpu_kernels.fast_lossless_dtype).
+    engine_dtype: tuple[str, str] = ("bf16", "the default")
 
     def weights_of(self, ref: str) -> Weights:
         return self.weights.get(ref) or Weights(ref, None, f"make {ref} available locally")
@@ -83,7 +85,16 @@ def detect_environment(options: BuildOptions) -> Environment:
     if head is not None:
         weights[str(head)] = Weights(str(head), head)
     return Environment(gpu=detect_gpu(), trtllm=trtllm_available(), host_memory_bytes=_host_memory(),
-                       weights=weights, trained_head=head)
+                       weights=weights, trained_head=head, engine_dtype=_engine_dtype(options))
+
+
+def _engine_dtype(options: BuildOptions) -> tuple[str, str]:
+    """The portable engine's dtype here; the C kernels are built (a second or two, once) only where it may run."""
+    if options.backend == "trtllm":
+        return Environment.engine_dtype
+    from pipeline.engine.cpu_kernels import fast_lossless_dtype
+
+    return fast_lossless_dtype()
 
 
 def trained_head(target: str) -> Path | None:

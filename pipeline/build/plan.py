@@ -192,7 +192,7 @@ def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path,
         backend=s.backend, target=target_ckpt, output=engine, draft=draft_arg, num_draft_tokens=s.num_draft_tokens,
         max_batch_size=s.max_batch_size, max_input_len=s.max_input_len, max_seq_len=s.max_seq_len,
         gate_batch_size=gate, kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else "auto",
-        tp_size=s.tp_size if trt and s.export == "hf" else None, dtype="auto" if trt else "bf16",
+        tp_size=s.tp_size if trt and s.export == "hf" else None, dtype="auto" if trt else s.engine_dtype,
         gpu=s.gpu if trt else None, force=True)
     cmd = ["pipeline", "compile", "-b", s.backend, "-t", str(target_ckpt), "-d", draft_arg,
            "-k", str(s.num_draft_tokens), "--max-batch-size", str(s.max_batch_size)]

@@ -28,6 +28,8 @@ def render_plan(plan: BuildPlan) -> str:
               line("gate", f"speculate at batch <= {s.gate_batch_size}", "gate_batch_size")]
     if s.backend == "trtllm":
         lines += [line("gpu", f"{s.gpu}", "gpu"), line("tp", str(s.tp_size), "tp_size")]
+    else:
+        lines.append(line("dtype", s.engine_dtype, "engine_dtype"))
     lines.append("")
     for i, stage in enumerate(plan.stages, 1):
         note = f"  [{stage.note}]" if stage.note else ""
@@ -91,6 +93,8 @@ def render_summary(result: BuildResult) -> str:
                                 r[3].rjust(widths[3]), r[4])).rstrip())
     if any(st.status == "reused" for st in result.stages):
         lines.append("(a reused stage's time is what it took when built)")
+    if result.dtype_line:
+        lines.append(f"dtype     {result.dtype_line}")
     lines += [f"note      {note}" for note in result.notes]
     lines += [f"manifest  {_short(result.manifest)}", f"engine    {_short(result.engine)}",
               f"next      {result.next_command}"]

@@ -57,6 +57,7 @@ class BuildResult:
     stages: list[StageResult] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # cached sources found damaged and made again
+    dtype_line: str = ""  # the portable engine's dtype and why (empty on TensorRT-LLM)
     prepare_s: float = 0.0  # resolving (maybe converting) and hashing the models
     total_s: float = 0.0
 
@@ -113,7 +114,9 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
 
     result = BuildResult(plan.name, plan.settings.backend, plan.settings.draft_label, str(plan.build_dir),
                          str(plan.manifest_file), str(plan.engine_dir), str(plan.repo), skipped=list(plan.skipped),
-                         notes=notes, prepare_s=prepare_s)
+                         notes=notes, prepare_s=prepare_s,
+                         dtype_line=(f"{plan.settings.engine_dtype}: {plan.settings.reasons['engine_dtype']}"
+                                     if plan.settings.backend == "torch" else ""))
     keys: dict[str, str] = {}
     for stage in plan.stages:
         key = mf.input_key(stage.config_key, [keys[d] for d in stage.deps],

@@ -54,6 +54,7 @@ class Settings:
     tp_size: int
     gpu: str | None  # GPU kind planned for (trtllm)
     export: str  # hf | trtllm
+    engine_dtype: str = "bf16"  # the portable engine's compute dtype (Environment.engine_dtype)
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -90,12 +91,14 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
         max_batch_size=o.max_batch_size if o.max_batch_size is not None else batch,
         max_input_len=o.max_input_len, max_seq_len=max_seq, tp_size=o.tp_size or 1,
         gpu=gpu.key if gpu is not None else None,
-        export="trtllm" if backend == "trtllm" and draft.kind == MODEL else "hf", reasons=reasons)
+        export="trtllm" if backend == "trtllm" and draft.kind == MODEL else "hf", engine_dtype=env.engine_dtype[0],
+        reasons=reasons)
     if o.gate_batch_size is None:
         reasons["gate_batch_size"] = (f"{settings.gate_batch_size}: " + (
             "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 (0.87x)"
             if backend == "torch" else "the gate's default (TensorRT-LLM's max_concurrency): above it decoding is compute-bound"))
     if backend == "torch":
+        reasons["engine_dtype"] = env.engine_dtype[1]
         if (o.tp_size or 1) > 1:
             raise ConfigError("the portable engine runs on one device; drop --tp-size (or build with --backend trtllm)")
         return settings, None

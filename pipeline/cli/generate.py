@@ -37,7 +37,8 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 @click.option("top_p", "--top-p", type=float, default=1.0, show_default=True)
 @click.option("top_k", "--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="bf16", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="auto: the fastest lossless dtype on this CPU (bf16 on the engine's C kernels), said in one line.")
 @click.option("--raw", is_flag=True, help="Feed prompts as they are, without the chat template.")
 @click.option("max_seq_len", "--max-seq-len", type=int, default=2048, show_default=True,
               help="Prompt + new tokens per request.")
@@ -113,7 +114,7 @@ def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_toke
 
 def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
                          dtype, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, json_):
-    from pipeline.generate import generate as run_generate, stats_line
+    from pipeline.generate import dtype_line, generate as run_generate, stats_line
 
     result = run_generate(GenerateOptions(
         prompts=tuple(prompts), model=model, draft=draft, num_draft_tokens=num_draft_tokens,
@@ -132,6 +133,7 @@ def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens,
         click.echo(out.text)
         if many and i < len(result.outputs):
             click.echo()
+    click.echo(dtype_line(result), err=True)
     click.echo(stats_line(result), err=True)
 
 
