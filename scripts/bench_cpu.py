@@ -244,6 +244,10 @@ ROWS = {  # name -> (child row kind, label); a name's "@isa" or "-torchops" sets
 }
 
 
+# Rows run at batch 1 only: transformers' generate runs one sequence; the rest are about one step's cost.
+BATCH_1_ONLY = ("transformers", "baseline", "engine@", "engine-fp32")
+
+
 def kernels_setting(name: str) -> str | None:
     """The PIPELINE_KERNELS a row runs under (None: the caller's)."""
     if name == "engine-torchops":  # C kernels off (torch ops, checked vendor GEMMs): their gain
@@ -329,7 +333,7 @@ def main() -> None:
         bandwidths.append(copy_bandwidth_gbs())
         for batch in args.batch_sizes:
             for name in names:
-                if name in skipped or (batch != 1 and name.startswith(("transformers", "baseline"))):
+                if name in skipped or (batch != 1 and name.startswith(BATCH_1_ONLY)):
                     continue
                 samples.setdefault((name, batch), []).append(run_row(name, batch, args))
                 print(f"  round {r + 1}/{args.rounds}: {name} at batch {batch} done", file=sys.stderr, flush=True)

@@ -73,6 +73,11 @@ def engine_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens, ForwardBatch.build(list(range(B)), [0] * B, [T] * B, cache), cache)
 
 
+# Tests of the engine's C kernels themselves: they skip where the kernels aren't built (no compiler, or
+# PIPELINE_KERNELS=off, as test_isa_caps runs the identity tests), where torch's kernels run instead.
+needs_kernels = pytest.mark.skipif(not cpu_kernels.usable(), reason=f"no C kernels here: {cpu_kernels.status()}")
+
+
 # ---- the reference: this file's own reading of the export format ----------------------------------
 
 
@@ -186,6 +191,7 @@ def test_fp8_engine_matches_modelopts_own_calibrated_model(base, tmp_path):
 # ---- kernels and memory ---------------------------------------------------------------------------
 
 
+@needs_kernels
 def test_int4_awq_runs_on_the_c_kernel_at_a_quarter_of_the_memory(base, tmp_path_factory):
     folder = export(base, tmp_path_factory, "int4_awq")
     dense = load_transformer(base, MAX_LEN, torch.bfloat16)
@@ -234,6 +240,8 @@ def test_describe_says_which_formats_are_dequantized(base, tmp_path_factory, qfo
 @pytest.mark.parametrize("kernels", ["c", "torch"])
 @pytest.mark.parametrize("out_features, group", [(96, 128), (96, 64), (100, 64), (96, 16), (96, 6)])
 def test_int4_linear_matches_dequantized_matmul_or_falls_back(out_features, group, kernels):
+    if kernels == "c" and not cpu_kernels.usable():
+        pytest.skip(f"no C kernels here: {cpu_kernels.status()}")
     g = torch.Generator().manual_seed(0)
     K = 192 if group == 6 else 256
     q = torch.randint(-8, 8, (out_features, K), generator=g, dtype=torch.int8)
@@ -263,6 +271,7 @@ def test_int4_linear_matches_dequantized_matmul_or_falls_back(out_features, grou
 # ---- the engine's int8 lm_head --------------------------------------------------------------------
 
 
+@needs_kernels
 def test_an_int4_checkpoint_gets_an_int8_lm_head_that_keeps_its_top_tokens(base, tmp_path_factory):
     folder = export(base, tmp_path_factory, "int4_awq")
     stored = load_transformer(folder, MAX_LEN, torch.bfloat16, lm_head="checkpoint")
@@ -289,6 +298,7 @@ def test_int8_head_fallback_computes_what_the_kernel_does():
     assert (fast - exact).abs().max() < 0.02 * exact.abs().max()  # int8's rounding, per 64 inputs
 
 
+@needs_kernels
 def test_lm_head_choice_for_a_dense_model_and_a_bad_choice(base):
     assert type(load_transformer(base, MAX_LEN, torch.bfloat16, lm_head="auto").lm_head) is Linear
     assert isinstance(load_transformer(base, MAX_LEN, torch.bfloat16, lm_head="int8").lm_head, Int8Head)
@@ -336,6 +346,7 @@ def test_an_int4_target_gives_the_same_greedy_tokens_alone_batched_and_speculate
     assert speculated.stats.drafted_tokens > 0 and speculated.stats.acceptance_rate > 0.3
 
 
+@needs_kernels
 def test_generate_json_config_describes_the_quantized_engine(base, tmp_path_factory):
     from pipeline.generate import GenerateOptions, generate, stats_line
 

@@ -7,12 +7,12 @@ needs the network. Every HELDOUT_EVERY-th prompt is held out for measuring accep
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from pipeline.draft import budget
 from pipeline.errors import ConfigError
 from pipeline.records import read_records
 
@@ -41,7 +41,7 @@ def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, b
                      on_batch=None, deadline: float | None = None) -> list[list[int]]:
     """The target's own greedy answers, through this project's engine: prompt + answer ids per prompt.
 
-    With a deadline (time.monotonic()), decoding stops at the first step past it, and the batch in flight
+    With a deadline (budget.now()), decoding stops at the first step past it, and the batch in flight
     is returned cut short: a cut answer is still the target's own greedy text, and on a loaded machine one
     batch can outlast the whole share of the budget that answers get.
     """
@@ -53,7 +53,7 @@ def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, b
         reqs = [engine.add_request(p, SamplingParams(max_tokens=max_new_tokens)) for p in chunk]
         cut = False
         while not all(r.finished for r in reqs) and not cut:
-            cut = deadline is not None and time.monotonic() > deadline
+            cut = deadline is not None and budget.now() > deadline
             if cut:
                 for r in reqs:
                     engine.cancel(r)
@@ -72,14 +72,14 @@ def target_features(model, seqs: list[list[int]], aux_layers: tuple[int, ...], d
                     on_seq=None, deadline: float | None = None) -> list[dict[str, torch.Tensor]]:
     """Per sequence: the outputs of the aux layers, concatenated ([T, 3H]), and the final pre-norm hidden
     state ([T, H]), from one target forward each, stored in `dtype` (bf16 halves the cache). With a
-    deadline (time.monotonic()), only the sequences started before it: a prefix of `seqs`."""
+    deadline (budget.now()), only the sequences started before it: a prefix of `seqs`."""
     from pipeline.engine.kv_cache import ForwardBatch
 
     capture = tuple(i + 1 for i in aux_layers) + (model.cfg.num_layers,)
     cache = model.new_cache(1, max(len(s) for s in seqs) + 1)
     out = []
     for s in seqs:
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and budget.now() > deadline:
             break
         fb = ForwardBatch.build([0], [0], [len(s)], cache)
         last = torch.tensor([[len(s) - 1]])

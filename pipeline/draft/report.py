@@ -7,8 +7,9 @@ target forward at the states it visits: 1 + sum_{j<=K} P(drafts 1..j all accepte
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+
+from pipeline.draft import budget
 
 
 def acceptance_from_stats(stats) -> dict:
@@ -28,7 +29,7 @@ def measure_acceptance(target: Path, head_dir: Path, prompt_ids: list[list[int]]
                        batch_size: int = 8, deadline: float | None = None) -> dict:
     """Run the engine with the head at each K over the prompts (greedy); JSON-ready per K.
 
-    With a deadline (time.monotonic()), decoding stops at the first step past it and a K reports what was
+    With a deadline (budget.now()), decoding stops at the first step past it and a K reports what was
     verified by then (`finished_prompts` of `prompts`), or None if nothing was.
     """
     from pipeline.draft_spec import DraftSpec
@@ -40,13 +41,13 @@ def measure_acceptance(target: Path, head_dir: Path, prompt_ids: list[list[int]]
     out = {"prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "by_k": {}}
     for k in ks:
         out["by_k"][k] = None
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and budget.now() > deadline:
             continue
         config = EngineConfig(max_batch_size=batch_size, max_seq_len=max_len, dtype=dtype, num_draft_tokens=k,
                               gate=GatePolicy(max_batch_size=batch_size, hysteresis=0, min_tokens=0))
         engine = LLMEngine.load(target, config, draft=DraftSpec("eagle3", str(head_dir)), eos_token_ids=eos_token_ids)
         reqs = [engine.add_request(p, SamplingParams(max_tokens=max_new_tokens)) for p in prompt_ids]
-        while engine.has_unfinished() and (deadline is None or time.monotonic() <= deadline):
+        while engine.has_unfinished() and (deadline is None or budget.now() <= deadline):
             engine.step()
         done = sum(r.finished for r in reqs)
         if engine.stats.verified_rows or done == len(reqs):

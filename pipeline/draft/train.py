@@ -28,13 +28,13 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.draft import budget
 from pipeline.errors import ConfigError, MissingDependencyError, PipelineError
 
 if TYPE_CHECKING:
@@ -287,29 +287,29 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
     from pipeline.draft.budget import PhasePlan
     from pipeline.staging import check_output
 
-    t_start = time.monotonic()
+    t_start = budget.now()
     deadline = t_start + opts.budget_minutes * 60
     opts.validate()
     check_output(opts.output, opts.force, DraftTrainError, "-o")
     _import_modelopt()  # 7-10 s on 2 cores: inside the budget, and a missing one fails before any work
     setup = _setup(opts)
-    plan = PhasePlan(start=time.monotonic(), deadline=deadline)
+    plan = PhasePlan(start=budget.now(), deadline=deadline)
     phase_s = {"setup": round(plan.start - t_start, 1)}
 
     # 1-2. answers and hidden states, cached in the work folder; a rerun continues where this one stopped.
     seqs, feats = _collect_data(setup.target, setup.tokenizer, setup.stops, setup.train_prompts, setup.aux_layers,
                                 setup.work, opts, plan)
-    phase_s["data"] = round(time.monotonic() - plan.start, 1)
+    phase_s["data"] = round(budget.now() - plan.start, 1)
     if not seqs:
         raise DraftTrainError(f"no training data within {opts.budget_minutes:g} min ({_timings(phase_s)}): "
                               f"raise {opts.budget_flag}; a rerun keeps the data made so far")
 
     # 3. train with ModelOpt.
-    t_train = time.monotonic()
+    t_train = budget.now()
     arch = head_architecture(setup.target_cfg, setup.draft_vocab_size)
     model = _head_model(setup, arch, seqs)
     progress = _train_head(model, seqs, feats, setup.work / "checkpoint.pt", opts, plan.train_end)
-    phase_s["train"] = round(time.monotonic() - t_train, 1)
+    phase_s["train"] = round(budget.now() - t_train, 1)
     needed = min(MIN_TRAIN_STEPS, opts.max_epochs * _per_epoch(seqs, opts))
     if progress.step < needed:
         pace = f" at {progress.step_s:.1f} s/step" if progress.step_s else ""
@@ -380,30 +380,30 @@ def _train_head(model, seqs: list[list[int]], feats: list[dict], ckpt_file: Path
         sched.step()
 
     model.train()
-    last_ck = time.monotonic()
+    last_ck = budget.now()
     with _bar(opts.max_epochs * per_epoch, "train eagle3 head", opts.progress) as bar:
         bar.update(progress.epoch * per_epoch + progress.in_epoch)
         while progress.epoch < opts.max_epochs:
             batches = _batches(len(seqs), opts.batch_size, progress.epoch, opts.seed)
             for b in batches[progress.in_epoch:]:
-                if time.monotonic() + (progress.step_s or 0.0) > train_end:
+                if budget.now() + (progress.step_s or 0.0) > train_end:
                     progress.stopped_by = "budget"
                     break
                 _train_step(model, params, opt, sched, [(seqs[i], feats[i]) for i in b], progress)
-                left = max(0.0, train_end - time.monotonic())
+                left = max(0.0, train_end - budget.now())
                 # The bar's total (and so its ETA) is what the budget allows, not max_epochs' steps.
                 done = progress.epoch * per_epoch + progress.in_epoch
                 bar.total = min(opts.max_epochs * per_epoch, done + int(left / progress.step_s))
                 bar.set_postfix(loss=f"{progress.loss:.3f}", acc=progress.accs[0] if progress.accs else None,
                                 budget_left=f"{left:.0f}s")
                 bar.update(1)
-                if time.monotonic() - last_ck > CHECKPOINT_EVERY_S:
+                if budget.now() - last_ck > CHECKPOINT_EVERY_S:
                     progress.save(ckpt_file, model, opt, len(seqs))
-                    last_ck = time.monotonic()
+                    last_ck = budget.now()
             else:
                 progress.epoch, progress.in_epoch = progress.epoch + 1, 0
                 progress.save(ckpt_file, model, opt, len(seqs))
-                last_ck = time.monotonic()
+                last_ck = budget.now()
                 continue
             break
     progress.save(ckpt_file, model, opt, len(seqs))
@@ -411,7 +411,7 @@ def _train_head(model, seqs: list[list[int]], feats: list[dict], ckpt_file: Path
 
 
 def _train_step(model, params, opt, sched, batch: list[tuple[list[int], dict]], progress: _Progress) -> None:
-    t0 = time.monotonic()
+    t0 = budget.now()
     # ModelOpt caches its training-time-test masks per step index only, assuming one sequence length for the
     # whole run; our batches vary, so rebuild them per batch.
     model._cached_attn_blk_masks = {}
@@ -421,7 +421,7 @@ def _train_step(model, params, opt, sched, batch: list[tuple[list[int], dict]], 
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    dt = time.monotonic() - t0
+    dt = budget.now() - t0
     progress.step_s = dt if progress.step_s is None else 0.8 * progress.step_s + 0.2 * dt
     progress.train_s += dt
     progress.step += 1
@@ -437,7 +437,7 @@ def _export_and_measure(model, arch: dict, setup: _Setup, seqs: list[list[int]],
     from pipeline.models.tokenizer import encode_prompt
     from pipeline.staging import staged_output
 
-    t_eval = time.monotonic()
+    t_eval = budget.now()
     model.eval()
     held_ids = [encode_prompt(setup.tokenizer, p, raw=False) for p in setup.heldout_prompts]
     with staged_output(opts.output, opts.force, DraftTrainError, "-o") as stage:
@@ -445,7 +445,7 @@ def _export_and_measure(model, arch: dict, setup: _Setup, seqs: list[list[int]],
         _fix_export_config(stage, arch)
         acceptance = measure_acceptance(setup.target, stage, held_ids, ks=(6,), max_new_tokens=opts.eval_tokens,
                                         eos_token_ids=setup.stops, deadline=deadline)
-        phase_s["eval"] = round(time.monotonic() - t_eval, 1)
+        phase_s["eval"] = round(budget.now() - t_eval, 1)
         result = TrainResult(
             output=str(opts.output), target=str(setup.target), method=opts.method, work_dir=str(setup.work),
             train_prompts=len(setup.train_prompts), heldout_prompts=len(setup.heldout_prompts),
@@ -456,7 +456,7 @@ def _export_and_measure(model, arch: dict, setup: _Setup, seqs: list[list[int]],
             text_samples=opts.text_samples,
             epochs=round(progress.epoch + progress.in_epoch / _per_epoch(seqs, opts), 2), steps=progress.step,
             resumed_from_step=progress.resumed_from, train_seconds=round(progress.train_s, 1),
-            total_seconds=round(time.monotonic() - t_start, 1), budget_minutes=opts.budget_minutes,
+            total_seconds=round(budget.now() - t_start, 1), budget_minutes=opts.budget_minutes,
             stopped_by=progress.stopped_by, final_loss=progress.loss, train_acc=progress.accs,
             phase_seconds=phase_s, acceptance=acceptance)
         (stage / "train_report.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
@@ -473,7 +473,7 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
     from pipeline.models.tokenizer import encode_prompt
 
     def before(t: float) -> bool:
-        return time.monotonic() < t
+        return budget.now() < t
 
     ans_file, feat_file = work / "answers.pt", work / "features.pt"
     seqs: list[list[int]] = torch.load(ans_file) if ans_file.is_file() else []

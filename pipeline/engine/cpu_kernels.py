@@ -1,24 +1,24 @@
-"""Fused C kernels for the bf16 CPU forward's small ops, built on first use with the machine's C compiler.
+"""The engine's own C kernels for the CPU forward (bf16 and fp32), built on first use with the machine's C compiler.
 
 A batch-1 bf16 decode step of SmolLM2 spent 24 of 38 ms of op time in its 121 linears (oneDNN, at
 about the memory's read bandwidth) and most of the rest in ~1300 small ops: casts, norms, rope,
 cache writes, softmax, each costing 10-50 us of dispatch for a few KB of work. Three kernels replace
 them per layer: RMSNorm with the residual add before it, rope + KV write + attention, and
-SiLU-and-multiply (cpu_kernels.c).
+SiLU-and-multiply (cpu_kernels_layer.h, one source for bf16 and fp32 storage).
 
 They are plain C on raw pointers, called through ctypes: no torch headers, so building them takes
-about a second with `cc`, and a machine without a compiler runs the torch ops as before (describe()
-says which). The shared object is cached under the pipeline home, keyed by the source, the flags and
-the CPU's feature flags (it is built with -march=native). OpenMP comes from the libgomp torch
-already loaded (same soname), so the kernels and torch share one thread pool.
+a few seconds with `cc`, and a machine without a compiler runs the torch ops as before (describe()
+says which). The shared object is cached under the pipeline home, keyed by the sources, the flags and
+the CPU's feature flags. OpenMP comes from the libgomp torch already loaded (same soname), so the
+kernels and torch share one thread pool.
 
 The same library holds the linears: quant_linear for int4 checkpoint weights and the engine's int8
 lm_head (blocks of 16 output features, one vector lane per output, a block decoded once for up to 4
 rows), bf16_linear for bf16 weights on AMX tiles, and dense_linear for bf16 and fp32 weights on any CPU.
 Each gives a row the same bits whatever rows share the call, by construction: that is what keeps greedy
 speculation lossless (a verify feeds k+1 rows where a decode feeds 1), and vendor GEMMs don't promise it.
-When every projection of a model runs on them, layers_bf16 runs the whole decoder stack in one call (see
-Transformer.layer_stack).
+When every projection of a model runs on them, layers_bf16 (or layers_f32) runs the whole decoder stack in one
+call (see Transformer.layer_stack).
 
 PIPELINE_KERNELS picks the build: auto (the default: -march=native, AMX where the CPU has it), or a cap
 that builds them as a CPU with less would run them: amx, avx512 (x86-64-v4: AVX-512F/BW/DQ/VL, no AMX,
