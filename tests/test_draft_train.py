@@ -150,23 +150,23 @@ def test_a_busy_machine_still_ends_within_the_budget_and_trains_the_minimum_step
     from pipeline.draft.train import MIN_TRAIN_STEPS
 
     # A loaded box, on the budget's own clock, which only this test moves: every forward of the target (its
-    # answers, its hidden states, the acceptance run) takes 0.4 s, and every training step 0.3 s. The old
+    # answers, its hidden states, the acceptance run) takes 0.4 s, and every training step 0.1 s. The old
     # trainer then spent the budget on data, trained 0 steps, and ran on to measure acceptance unbounded: 49 s
     # for this 18-s budget. Driving the clock rather than sleeping keeps the outcome the same on any machine.
     clock = [1000.0]
     monkeypatch.setattr(budget, "now", lambda: clock[0])
-    forward, step = Transformer.forward, train._train_step
+    forward, collate = Transformer.forward, train._collate
 
     def slow_forward(self, *args, **kwargs):
         clock[0] += 0.4
         return forward(self, *args, **kwargs)
 
-    def slow_step(*args, **kwargs):
-        clock[0] += 0.3
-        return step(*args, **kwargs)
+    def slow_step_batch(*args, **kwargs):  # once per training step, inside the time the step measures
+        clock[0] += 0.1
+        return collate(*args, **kwargs)
 
     monkeypatch.setattr(Transformer, "forward", slow_forward)
-    monkeypatch.setattr(train, "_train_step", slow_step)
+    monkeypatch.setattr(train, "_collate", slow_step_batch)
     budget_minutes = 0.3
     t0 = clock[0]
     res = CliRunner().invoke(main, [*train_args(target, prompts_file, tmp_path / "head", budget_minutes), "--json"])

@@ -393,7 +393,8 @@ def _train_head(model, seqs: list[list[int]], feats: list[dict], ckpt_file: Path
                 left = max(0.0, train_end - budget.now())
                 # The bar's total (and so its ETA) is what the budget allows, not max_epochs' steps.
                 done = progress.epoch * per_epoch + progress.in_epoch
-                bar.total = min(opts.max_epochs * per_epoch, done + int(left / progress.step_s))
+                fits = int(left / progress.step_s) if progress.step_s > 0 else opts.max_epochs * per_epoch
+                bar.total = min(opts.max_epochs * per_epoch, done + fits)
                 bar.set_postfix(loss=f"{progress.loss:.3f}", acc=progress.accs[0] if progress.accs else None,
                                 budget_left=f"{left:.0f}s")
                 bar.update(1)
