@@ -261,6 +261,17 @@ def test_amx_linear_matches_fp32_and_gives_a_row_the_same_bits_in_any_batch():
     assert rounded.dtype == BF and torch.equal(rounded, y.to(BF))  # rounded once, from the fp32 sums
 
 
+def kernel_and_fallback(lin, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed Linear's output on its kernel, and on torch once its plain weight is released (the engine holds
+    the weight once) and the kernels are switched off: the fallback reads the packed layout back."""
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(8)).to(dtype)
+    with torch.inference_mode():
+        fast = lin(x)
+        lin.release_plain()
+        with cpu_kernels.disabled():
+            return fast, lin(x)
+
+
 @needs_amx
 def test_a_bf16_linear_takes_amx_and_falls_back_to_torch_when_the_kernels_are_off():
     from pipeline.engine.linear import Linear
@@ -269,12 +280,7 @@ def test_a_bf16_linear_takes_amx_and_falls_back_to_torch_when_the_kernels_are_of
         lin.weight.normal_(0, 0.1), lin.bias.normal_(0, 0.1)
     lin.pack()
     assert lin.layout == "amx" and "packed=amx" in repr(lin)
-    x = torch.randn(3, 64).to(BF)
-    with torch.inference_mode():
-        fast = lin(x)
-        lin.release_plain()  # the engine holds the weight once: the fallback reads the pairs
-        with cpu_kernels.disabled():
-            slow = lin(x)
+    fast, slow = kernel_and_fallback(lin, BF)
     torch.testing.assert_close(fast, slow, atol=0.02, rtol=0.01)  # two summation orders, the bias added in bf16
     odd = Linear(64, 40, bias=False).to(BF)  # 40 outputs: not whole blocks of 16
     odd.pack()
@@ -389,12 +395,7 @@ def test_linears_take_the_engines_own_kernels_and_say_why():
         lin.pack()
         assert lin.layout == "dense" and "by construction" in lin.why
         assert KERNELS.isa in lin.kernel_name()
-        x = torch.randn(3, 64).to(dtype)
-        with torch.inference_mode():
-            fast = lin(x)
-            lin.release_plain()  # the engine holds the weight once: the fallback reads the blocks
-            with cpu_kernels.disabled():
-                slow = lin(x)
+        fast, slow = kernel_and_fallback(lin, dtype)
         torch.testing.assert_close(fast, slow, atol=0.02 if dtype == BF else 1e-5, rtol=0.01)
 
 
