@@ -402,6 +402,7 @@ def test_linears_take_the_engines_own_kernels_and_say_why():
 def test_the_fast_lossless_dtype_is_bf16_on_the_kernels_and_fp32_where_bf16_would_be_emulated(monkeypatch):
     dtype, why = cpu_kernels.fast_lossless_dtype()
     assert dtype == "bf16" and cpu_kernels.path_name(KERNELS) in why
+    assert cpu_kernels.fast_lossless_dtype(build=False)[0] == "bf16"  # a compiler here: the build's probe agrees
     with cpu_kernels.disabled():  # no kernels: the CPU's bf16 instructions decide
         monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu avx2 avx512f avx512bw")  # Ice Lake
         dtype, why = cpu_kernels.fast_lossless_dtype()

@@ -89,12 +89,12 @@ def detect_environment(options: BuildOptions) -> Environment:
 
 
 def _engine_dtype(options: BuildOptions) -> tuple[str, str]:
-    """The portable engine's dtype here; the C kernels are built (a second or two, once) only where it may run."""
+    """The portable engine's dtype here (without building its kernels: this probe creates nothing)."""
     if options.backend == "trtllm":
         return Environment.engine_dtype
     from pipeline.engine.cpu_kernels import fast_lossless_dtype
 
-    return fast_lossless_dtype()
+    return fast_lossless_dtype(build=False)
 
 
 def trained_head(target: str) -> Path | None:

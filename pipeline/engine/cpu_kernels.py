@@ -373,7 +373,7 @@ def load() -> CpuKernels | None:
     refusal = isa_refusal(setting())
     if refusal:
         raise ConfigError(refusal)
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         _why_not = "no C compiler (cc or gcc) on PATH"
         return None
@@ -385,6 +385,10 @@ def load() -> CpuKernels | None:
     if _setting == "amx" and not _loaded.amx:
         raise ConfigError(f"{_ENV}=amx: the kernels were built with AMX but Linux refused the tile state; use auto")
     return _loaded
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def usable() -> bool:
@@ -418,15 +422,19 @@ def path_name(kernels: CpuKernels) -> str:
 _BF16_HARDWARE = ("avx512_bf16", "amx_bf16", "bf16")
 
 
-def fast_lossless_dtype() -> tuple[str, str]:
+def fast_lossless_dtype(build: bool = True) -> tuple[str, str]:
     """(dtype, why): the CPU compute dtype the engine runs fastest here, every choice lossless (each linear is
     row-invariant, by construction or by the load-time check). bf16 streams half fp32's bytes, so it is faster
     wherever its matmuls run at the memory's pace: on the engine's kernels (every path), or on oneDNN where the
     CPU has bf16 instructions. Without either, oneDNN emulates bf16 slower than it runs fp32 (an Ice Lake Xeon:
-    17 against 26 tok/s on SmolLM2), so fp32 is the faster."""
-    if usable():
+    17 against 26 tok/s on SmolLM2), so fp32 is the faster. build=False answers without building the kernels
+    (a probe that must create nothing): a compiler on PATH stands for them."""
+    if build and usable():
         return "bf16", f"the engine's C kernels ({path_name(load())} build) run bf16 at the memory's pace"
-    why = status().removeprefix("torch ops: ")
+    if not build and _enabled and _compiler():
+        return "bf16", (f"the engine's C kernels (built with {Path(_compiler()).name} on first use) run bf16 at "
+                        "the memory's pace")
+    why = status().removeprefix("torch ops: ") if build else "off" if not _enabled else "no C compiler on PATH"
     if set(_cpu_flags().split()) & set(_BF16_HARDWARE):
         return "bf16", f"no C kernels ({why}); this CPU's bf16 instructions run oneDNN's bf16"
     return "fp32", (f"no C kernels ({why}) and no bf16 instructions on this CPU: oneDNN would emulate bf16, slower "

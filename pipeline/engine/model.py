@@ -105,29 +105,39 @@ class Attention(nn.Module):
         # Advanced indices on dims 0 and 2 put [B, T] first: the value is [B, T, KV, D].
         ck[fb.slots[:, None], :, fb.write_pos] = k
         cv[fb.slots[:, None], :, fb.write_pos] = v
-        L = fb.kv_len
-        grouped = q.dtype == torch.bfloat16 and q.device.type == "cpu"
-        # grouped_attention reads whole blocks of SCORE_ALIGN keys (the ones past L masked): each new length
-        # made the bf16 matmuls new shapes, and oneDNN builds a kernel per shape, so decode paid that at every
-        # step and layer. The cache always holds them: entries past a row's length are zeros or stale K/V.
-        W = min(-(-L // SCORE_ALIGN) * SCORE_ALIGN, ck.shape[2]) if grouped else L
-        if fb.slot_range is not None:
-            a, b = fb.slot_range
-            keys, values = ck[a:b, :, :W], cv[a:b, :, :W]  # views, no copy
-        else:
-            keys, values = ck[:, :, :W].index_select(0, fb.slots), cv[:, :, :W].index_select(0, fb.slots)
         q = q.transpose(1, 2)  # [B, H, T, D]
-        if grouped:
-            # torch's CPU flash-attention kernel in bf16 costs ~100 us per batch row (1.6 ms per layer at
-            # B=16 against 0.2 ms for grouped_attention's matmuls) and rounds differently with the batch
-            # shape; grouped_attention gives each row the same bits whatever the batch (see there). In
-            # fp32 the flash kernel is fast, and SmolLM2's greedy output on the soak's 16 prompts is the
-            # same through it alone, batched and speculated (measured, not a test).
-            out = self.grouped_attention(q, keys, values, fb.attn_mask, L)
+        if q.device.type == "cpu":
+            out = self.token_by_token_attention(q, ck, cv, fb)
         else:
+            L = fb.kv_len
+            if fb.slot_range is not None:
+                a, b = fb.slot_range
+                keys, values = ck[a:b, :, :L], cv[a:b, :, :L]  # views, no copy
+            else:
+                keys, values = ck[:, :, :L].index_select(0, fb.slots), cv[:, :, :L].index_select(0, fb.slots)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fb.attn_mask,
                                                  enable_gqa=self.n_kv != self.n_heads)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+    def token_by_token_attention(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
+                                 fb: ForwardBatch) -> torch.Tensor:
+        """q: [B, H, T, D]; ck/cv: one layer's cache [S, KV, P, D] -> [B, H, T, D]. The torch ops' attention on a
+        CPU (no C kernels): each query token alone, against its own keys only, so every op's shapes follow from
+        the token's position and nothing else: not the batch, not a verify's width, not the longest row. torch's
+        kernels pick their code path by shape, and a batched attention had moved SmolLM2's greedy output under
+        speculation (3 of 16 soak prompts on an AMD EPYC). One call per token: slow, and lossless."""
+        out = q.new_zeros(q.shape)
+        trash, P = ck.shape[2] - 1, ck.shape[2]
+        for b, (slot, write_pos) in enumerate(zip(fb.slots.tolist(), fb.write_pos.tolist())):
+            for t, wp in enumerate(write_pos):
+                if wp == trash:  # a pad: nothing reads its output
+                    continue
+                # Whole blocks of SCORE_ALIGN keys, the ones past the token's own masked: a new length is a new
+                # matmul shape, which oneDNN builds a kernel for (1.0 against 0.2 ms a call).
+                W = min(-(-(wp + 1) // SCORE_ALIGN) * SCORE_ALIGN, P)
+                keys, values = ck[slot:slot + 1, :, :W], cv[slot:slot + 1, :, :W]
+                out[b, :, t] = self.grouped_attention(q[b:b + 1, :, t:t + 1], keys, values, None, wp + 1)[0, :, 0]
+        return out
 
     def grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                           mask: torch.Tensor | None, kv_len: int | None = None) -> torch.Tensor:

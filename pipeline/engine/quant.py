@@ -237,7 +237,9 @@ class Int4Linear(nn.Module):
     def kernel(self) -> str:
         if self.c_kernel and cpu_kernels.usable():
             return "cpu_kernels.quant_linear (fused C, fp32 accumulation: row-invariant by construction)"
-        how = ("its rows' bits held in 1-32-row calls on this CPU (checked at load)" if self._torch_kernel.invariant
+        checked = self._torch_kernel
+        how = ("checked on its first call" if checked is None  # the kernels switched off after loading (tests)
+               else "its rows' bits held in 1-32-row calls on this CPU (checked at load)" if checked.invariant
                else "one row a call: its results changed with the row count on this CPU (checked at load)")
         return f"aten._weight_int4pack_mm_for_cpu (bf16 activations), {how}"
 
