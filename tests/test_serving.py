@@ -261,6 +261,7 @@ def test_internal_models_called_directly_refuse_bad_inputs_in_one_line(server, e
                 tensor("drafted_tokens", np.array([[0]], np.int32), "INT32"),
                 tensor("verify_steps", np.array([[0]], np.int32), "INT32"),
                 tensor("skipped_steps", np.array([[b"{}"]], np.object_), "BYTES"),
+                tensor("acceptance_histogram", np.array([[b"{}"]], np.object_), "BYTES"),
                 tensor("final", np.array([[True]]), "BOOL"),
                 tensor("stream_id", np.array([[0]], np.uint64), "UINT64")]
 

@@ -288,6 +288,7 @@ class LLMEngine:
                     r.num_drafted += len(d)
                     r.num_accepted += m
                     r.num_verify_steps += 1
+                    r.accepted_per_step[str(m)] = r.accepted_per_step.get(str(m), 0) + 1
                     r.acceptance.update(len(d), m)
                     self.stats.record_verification(len(d), m)
                     self.proposer.on_verified(r, prev_len, len(d), m)

@@ -57,6 +57,8 @@ class Request:
     num_verify_steps: int = 0  # target steps that verified at least one drafted token
     # Decode steps in which it drafted nothing, by reason (see engine/draft_plan.py).
     skip_reasons: dict[str, int] = field(default_factory=dict)
+    # Verification steps by how many drafts they accepted ("0", "1", ...): vLLM's per-request histogram.
+    accepted_per_step: dict[str, int] = field(default_factory=dict)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     proposer_failed: bool = False  # the proposer raised for it: it decodes on without drafts
     generator: torch.Generator | None = None

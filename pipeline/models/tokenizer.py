@@ -37,12 +37,48 @@ def uses_chat_template(tokenizer, raw: bool) -> bool:
     return not raw and bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
-    """Prompt token ids: wrapped as one user turn by the chat template, unless `raw` or there is none.
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    """A conversation as the model's chat template writes it, ready for the model's answer: a generation
+    prompt after a user turn, or the last assistant turn left open when the conversation ends with one
+    (assistant prefill, as vLLM's continue_final_message)."""
+    prefill = bool(messages) and messages[-1].get("role") == "assistant"
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                         continue_final_message=prefill)
+
+
+def template_opening(tokenizer) -> str:
+    """What every conversation the chat template renders starts with (SmolLM2: "<|im_start|>system\\n"), or ""
+    when the template has no fixed opening holding a special token, so plain text can't be taken for it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    try:
+        a = render_chat(tokenizer, [{"role": "user", "content": "a"}])
+        b = render_chat(tokenizer, [{"role": "system", "content": "b"}, {"role": "user", "content": "c"}])
+    except Exception:  # noqa: BLE001  a template that refuses a system turn: no opening to detect
+        return ""
+    opening = a[:next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))]
+    special = [t for t in tokenizer.all_special_tokens if t] + [
+        t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return opening if any(t in opening for t in special) else ""
+
+
+def is_rendered(tokenizer, prompt: str, opening: str | None = None) -> bool:
+    """True when the prompt is already a rendered conversation: an OpenAI frontend (ours, or Triton's own,
+    which renders with the tokenizer's template and sends the result as text_input: triton-inference-server/
+    server python/openai/openai_frontend/engine/triton_engine.py TritonLLMEngine.chat) templated it."""
+    opening = template_opening(tokenizer) if opening is None else opening
+    return bool(opening) and prompt.startswith(opening)
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool, opening: str | None = None) -> list[int]:
+    """Prompt token ids: wrapped as one user turn by the chat template, unless `raw`, there is none, or the
+    prompt is already a rendered conversation (is_rendered; `opening` caches template_opening).
 
     The template writes its own BOS when the model wants one, so the rendered text is encoded
     without special tokens; raw text gets whatever the tokenizer adds by default.
     """
+    if is_rendered(tokenizer, prompt, opening):
+        return list(tokenizer(prompt, add_special_tokens=False).input_ids)
     if not uses_chat_template(tokenizer, raw):
         return list(tokenizer(prompt).input_ids)
     text = tokenizer.apply_chat_template(
@@ -51,18 +87,21 @@ def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def prompt_text(tokenizer, prompt: str, raw: bool) -> str:
+def prompt_text(tokenizer, prompt: str, raw: bool, opening: str | None = None) -> str:
     """The prompt as text for an engine that tokenizes it itself with special tokens (TensorRT-LLM's LLM API
     does: tokenizer.encode(prompt, add_special_tokens=True)), so that it sees the ids `encode_prompt` gives.
 
     The chat template writes the BOS itself; a tokenizer that adds one too would double it, so the
     rendered text drops its leading BOS when the tokenizer adds that BOS anyway.
     """
-    if not uses_chat_template(tokenizer, raw):
+    if is_rendered(tokenizer, prompt, opening):
+        text = prompt
+    elif not uses_chat_template(tokenizer, raw):
         return prompt
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
+    else:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
     bos = tokenizer.bos_token
     adds_bos = bos is not None and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]
     return text[len(bos):] if adds_bos and text.startswith(bos) else text

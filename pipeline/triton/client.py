@@ -48,6 +48,7 @@ class RequestOptions:
     speculation: str = "auto"  # auto: the server's gate decides; on / off override it
     num_draft_tokens: int | None = None
     stream: bool = True
+    apply_chat_template: bool | None = None  # None: the repository's setting; rendered conversations never are
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -86,6 +87,8 @@ class Chunk:
     tokens: int  # new tokens in this response (the ensemble's num_output_tokens)
     draft_steps: int = 0  # decode steps in this response that drafted (num_draft_steps)
     skipped: dict[str, int] = field(default_factory=dict)  # those that didn't, by reason (skipped_steps)
+    # j -> verification steps in this response that accepted exactly j drafts (acceptance_histogram)
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,19 @@ def _draft_steps(result) -> int:
     return int(raw.reshape(-1)[0]) if raw is not None else 0
 
 
+def chunk_of(result, t_s: float) -> Chunk:
+    """One ensemble response (a tritonclient InferResult that carries outputs) as a Chunk."""
+    def scalar(name: str) -> int:
+        return int(result.as_numpy(name).reshape(-1)[0])
+
+    histogram = result.as_numpy("acceptance_histogram")  # absent from a server whose ensemble predates it
+    return Chunk(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"),
+                 scalar("num_accepted_tokens"), scalar("num_drafted_tokens"), t_s, scalar("num_output_tokens"),
+                 _draft_steps(result), _skipped(result),
+                 {int(j): n for j, n in read_counts(histogram.reshape(-1)[0]).items()}
+                 if histogram is not None and histogram.size else {})
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
@@ -216,6 +232,8 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
         tensors.append(tensor("seed", np.array([[options.seed]], np.uint64), "UINT64"))
     if options.num_draft_tokens is not None:
         tensors.append(tensor("num_draft_tokens", np.array([[options.num_draft_tokens]], np.int32), "INT32"))
+    if options.apply_chat_template is not None:
+        tensors.append(tensor("apply_chat_template", np.array([[options.apply_chat_template]], np.bool_), "BOOL"))
     return tensors
 
 
@@ -325,12 +343,7 @@ class Connection:
                 if response.id != request_id:
                     continue  # a late final response of an earlier request on this stream
                 if response.outputs:
-                    yield Chunk(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"),
-                                int(result.as_numpy("num_accepted_tokens").reshape(-1)[0]),
-                                int(result.as_numpy("num_drafted_tokens").reshape(-1)[0]),
-                                time.perf_counter() - t0,
-                                int(result.as_numpy("num_output_tokens").reshape(-1)[0]),
-                                _draft_steps(result), _skipped(result))
+                    yield chunk_of(result, time.perf_counter() - t0)
                 if response.parameters["triton_final_response"].bool_param:
                     done = True
                     return

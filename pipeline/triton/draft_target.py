@@ -171,12 +171,15 @@ class Emitter:
         self.sent = 0
         self.counts = [0, 0, 0]  # accepted, drafted, verify_steps not yet sent
         self.skipped: dict[str, int] = {}  # steps without drafts not yet sent, by reason
+        self.histogram: dict[str, int] = {}  # verification steps not yet sent, by drafts accepted
 
     def add(self, tokens: list[int], accepted: int = 0, drafted: int = 0, steps: int = 0,
             skipped: str | None = None, skipped_steps: int = 1) -> None:
         """skipped: the reason this step (or these `skipped_steps` steps) drafted nothing."""
         self.tokens += tokens
         self.counts = [self.counts[0] + accepted, self.counts[1] + drafted, self.counts[2] + steps]
+        if steps:  # one verification step (the loop verifies one draft run per call)
+            self.histogram[str(accepted)] = self.histogram.get(str(accepted), 0) + steps
         if skipped is not None and skipped_steps > 0:
             self.skipped[skipped] = self.skipped.get(skipped, 0) + skipped_steps
         if self.request.stream:
@@ -196,8 +199,9 @@ class Emitter:
                    "drafted_tokens": np.array([[self.counts[1]]], np.int32),
                    "verify_steps": np.array([[self.counts[2]]], np.int32),
                    "skipped_steps": np.array([[json.dumps(self.skipped).encode()]], np.object_),
+                   "acceptance_histogram": np.array([[json.dumps(self.histogram).encode()]], np.object_),
                    "final": np.array([[final]], np.bool_)})
-        self.sent, self.counts, self.skipped = end, [0, 0, 0], {}
+        self.sent, self.counts, self.skipped, self.histogram = end, [0, 0, 0], {}, {}
 
     def _prefix_start(self) -> int:
         start, text = self.sent, 0

@@ -3,7 +3,7 @@
 The ensemble's request is a superset of TensorRT-LLM's Triton ensemble, name for name and dtype for dtype
 (pipeline.triton.upstream.ENSEMBLE_INPUTS, from tensorrtllm_backend's ensemble/config.pbtxt), so
 tritonclient scripts and genai-perf written for TensorRT-LLM send what they always send. We add
-`speculation` and `num_draft_tokens`. Inputs upstream has and this pipeline can't honour (beam search,
+`speculation`, `num_draft_tokens` and `apply_chat_template`. Inputs upstream has and this pipeline can't honour (beam search,
 LoRA, log probs, ...) are accepted at their neutral values and refused otherwise, in one line
 (UNSUPPORTED_INPUTS): never ignored. Out come `text_output` and `num_output_tokens` as upstream names
 them, plus per-response acceptance counts; UPSTREAM_OUTPUTS_NOT_PRODUCED says which upstream outputs
@@ -22,6 +22,10 @@ from pipeline.triton.tensors import TensorSpec, names, required  # noqa: F401  (
 OUR_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("speculation", "BYTES", (1,), optional=True),  # "auto" (the gate decides) | "on" | "off"
     TensorSpec("num_draft_tokens", "INT32", (1,), optional=True),  # k for this request; the repo default if absent
+    # Wrap text_input as a user turn in the chat template (true) or take it as it is (false); absent: the
+    # repository's setting. Text that is already a rendered conversation is never templated again
+    # (pipeline.models.tokenizer.is_rendered), so Triton's own OpenAI frontend can sit in front unchanged.
+    TensorSpec("apply_chat_template", "BOOL", (1,), optional=True),
 )
 ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = tuple(
     TensorSpec(t.name, t.dtype, t.dims, optional=t.optional) for t in upstream.ENSEMBLE_INPUTS) + OUR_INPUTS
@@ -97,6 +101,9 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     # (docs/gate.md): why a request did or didn't speculate, per request.
     TensorSpec("num_draft_steps", "INT32", (1,)),
     TensorSpec("skipped_steps", "BYTES", (1,)),
+    # A JSON object: drafts accepted -> verification steps in this response that accepted that many
+    # ({"0": 2, "3": 1}); vLLM's per-request acceptance histogram, as the OpenAI frontend reports it.
+    TensorSpec("acceptance_histogram", "BYTES", (1,)),
 )
 
 # A request after preprocessing: tokenized, validated, every default filled in. Preprocessing emits
@@ -131,6 +138,7 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("verify_steps", "INT32", (1,)),
     # Steps in this response that didn't draft: a JSON object, reason -> count (engine/draft_plan.py).
     TensorSpec("skipped_steps", "BYTES", (1,)),
+    TensorSpec("acceptance_histogram", "BYTES", (1,)),  # verify steps by drafts accepted (ENSEMBLE_OUTPUTS')
     # The request's last response: postprocessing stops holding back a trailing U+FFFD (no more
     # bytes can complete it). Engines that don't send it leave the gate to say False.
     TensorSpec("final", "BOOL", (1,)),

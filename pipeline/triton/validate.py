@@ -90,6 +90,7 @@ class ClientRequest:
     stream: bool
     end_id: int | None  # None: not sent
     stop_words: tuple[str, ...]
+    apply_chat_template: bool | None = None  # None: not sent (the repository's setting)
 
 
 def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_tokens: int,
@@ -120,9 +121,11 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
     end_id = scalar("end_id", None)
     words = get("stop_words")
     stop_words = tuple(text_of(w, "stop_words", max_input_bytes) for w in ([] if words is None else words.reshape(-1)))
+    template = scalar("apply_chat_template", None)
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
-                         None if end_id is None else int(end_id), stop_words)
+                         None if end_id is None else int(end_id), stop_words,
+                         None if template is None else bool(template))
 
 
 def _required(get: Get, name: str) -> np.ndarray:

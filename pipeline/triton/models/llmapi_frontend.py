@@ -27,7 +27,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.errors import PipelineError, RequestError
-from pipeline.models.tokenizer import load_tokenizer, prompt_text
+from pipeline.models.tokenizer import load_tokenizer, prompt_text, template_opening
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.draft_target import drain
 from pipeline.triton.validate import check_length, read_request
@@ -40,6 +40,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.tokenizer = load_tokenizer(params["tokenizer_dir"])
         self.raw = params["apply_chat_template"] != "true"
+        self.opening = template_opening(self.tokenizer)  # an already rendered conversation isn't templated again
         self.max_seq_len = int(params["max_seq_len"])
         self.num_draft_tokens = int(params["num_draft_tokens"])
         self.max_input_bytes = int(params["max_input_bytes"])
@@ -105,7 +106,8 @@ class TritonPythonModel:
         if r.end_id is not None:
             raise RequestError("end_id isn't supported on the LLM-API route (TensorRT-LLM's llmapi model stops at "
                                "the tokenizer's end of text); leave it out, or send stop_words")
-        prompt = prompt_text(self.tokenizer, r.text, self.raw)
+        raw = self.raw if r.apply_chat_template is None else not r.apply_chat_template
+        prompt = prompt_text(self.tokenizer, r.text, raw, self.opening)
         check_length(len(self.tokenizer(prompt).input_ids), r.max_tokens, self.max_seq_len)
 
         def t(name, value, dtype):
@@ -164,7 +166,8 @@ class TritonPythonModel:
             pb_utils.Tensor("num_output_tokens", count(max(0, tokens - sent_tokens))),
             # TensorRT-LLM's own gate decides inside its executor; it reports no per-step reasons.
             pb_utils.Tensor("num_draft_steps", count(0)),
-            pb_utils.Tensor("skipped_steps", np.array([[b"{}"]], np.object_))]))
+            pb_utils.Tensor("skipped_steps", np.array([[b"{}"]], np.object_)),
+            pb_utils.Tensor("acceptance_histogram", np.array([[b"{}"]], np.object_))]))
         return text, tokens
 
     # ---- the sender thread ------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ class TritonPythonModel:
         return [pb_utils.Tensor("text_output", np.array([[b""]], np.object_)),
                 pb_utils.Tensor("num_accepted_tokens", zero), pb_utils.Tensor("num_drafted_tokens", zero),
                 pb_utils.Tensor("num_output_tokens", zero), pb_utils.Tensor("num_draft_steps", zero),
-                pb_utils.Tensor("skipped_steps", np.array([[b"{}"]], np.object_))]
+                pb_utils.Tensor("skipped_steps", np.array([[b"{}"]], np.object_)),
+                pb_utils.Tensor("acceptance_histogram", np.array([[b"{}"]], np.object_))]
 
     def _visible(self, ids, final: bool = False) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -73,4 +74,5 @@ class TritonPythonModel:
             pb_utils.Tensor("num_output_tokens", np.array([[len(ids) - start]], np.int32)),
             pb_utils.Tensor("num_draft_steps", get("verify_steps").astype(np.int32).reshape(1, 1)),
             pb_utils.Tensor("skipped_steps", get("skipped_steps").astype(np.object_).reshape(1, 1)),
+            pb_utils.Tensor("acceptance_histogram", get("acceptance_histogram").astype(np.object_).reshape(1, 1)),
         ])

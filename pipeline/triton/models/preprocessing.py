@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.config import ModelConfig
 from pipeline.errors import RequestError
-from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, uses_chat_template
+from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, template_opening, uses_chat_template
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.validate import check_length, read_request
 
@@ -27,6 +27,9 @@ class TritonPythonModel:
         tokenizer_dir = _param(config, "tokenizer_dir")
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.raw = _param(config, "apply_chat_template") != "true"
+        # A text_input that starts as the template's rendering does is a conversation an OpenAI frontend
+        # already rendered: encoded as it is, never templated twice (tokenizer.is_rendered).
+        self.opening = template_opening(self.tokenizer)
         self.max_seq_len = int(_param(config, "max_seq_len"))
         self.num_draft_tokens = int(_param(config, "num_draft_tokens"))
         self.max_input_bytes = int(_param(config, "max_input_bytes"))
@@ -51,7 +54,8 @@ class TritonPythonModel:
 
         r = read_request(get, max_seq_len=self.max_seq_len, max_input_bytes=self.max_input_bytes,
                          num_draft_tokens=self.num_draft_tokens, vocab_size=len(self.tokenizer))
-        ids = encode_prompt(self.tokenizer, r.text, self.raw)
+        raw = self.raw if r.apply_chat_template is None else not r.apply_chat_template
+        ids = encode_prompt(self.tokenizer, r.text, raw, self.opening)
         check_length(len(ids), r.max_tokens, self.max_seq_len)
         end_id = r.end_id if r.end_id is not None else (self.stops[0] if self.stops else -1)
         stop_ids = list(self.stops[1:])

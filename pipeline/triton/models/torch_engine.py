@@ -107,13 +107,19 @@ class Stream:
     accepted: int = 0
     verify_steps: int = 0
     skipped: dict = field(default_factory=dict)  # req.skip_reasons at the last response
+    histogram: dict = field(default_factory=dict)  # req.accepted_per_step at the last response
     stream_id: str = ""  # the gate's id for this stream: its cancel mark is "engine-<id>"
     last_sent: float = 0.0  # time.monotonic() of the last response; 0 before the first
     probed_at: float = field(default_factory=time.monotonic)  # when it was queued, then its last keepalive
 
 
+def _since(counts: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """The counts added since `before` (a request's skipped steps, or its steps by drafts accepted)."""
+    return {key: n - before.get(key, 0) for key, n in counts.items() if n > before.get(key, 0)}
+
+
 def _generation_response(ids: list[int], prefix_length: int, accepted: int, drafted: int, verify_steps: int,
-                         final: bool, skipped: dict | None = None):
+                         final: bool, skipped: dict | None = None, histogram: dict | None = None):
     """One response in the engine's output tensors (pipeline.triton.interface GENERATION_TENSORS, less stream_id)."""
     def scalar(value, dtype=np.int32):
         return np.array([[value]], dtype)
@@ -125,6 +131,7 @@ def _generation_response(ids: list[int], prefix_length: int, accepted: int, draf
         pb_utils.Tensor("drafted_tokens", scalar(drafted)),
         pb_utils.Tensor("verify_steps", scalar(verify_steps)),
         pb_utils.Tensor("skipped_steps", scalar(json.dumps(skipped or {}).encode(), np.object_)),
+        pb_utils.Tensor("acceptance_histogram", scalar(json.dumps(histogram or {}).encode(), np.object_)),
         pb_utils.Tensor("final", scalar(final, np.bool_)),
     ])
 
@@ -276,12 +283,12 @@ class TritonPythonModel:
             # for a missing input and fails the request, so the answer ends with a bare final flag instead.
             state.sender.send(flags=FINAL)
         elif not state.stream or end > state.sent or final:
-            skipped = {reason: n - state.skipped.get(reason, 0) for reason, n in req.skip_reasons.items()
-                       if n > state.skipped.get(reason, 0)}
+            skipped = _since(req.skip_reasons, state.skipped)
             response = _generation_response(req.output_ids[start:end], state.sent - start if state.stream else 0,
                                             req.num_accepted - state.accepted, req.num_drafted - state.drafted,
-                                            req.num_verify_steps - state.verify_steps, final, skipped)
-            state.skipped = dict(req.skip_reasons)
+                                            req.num_verify_steps - state.verify_steps, final, skipped,
+                                            _since(req.accepted_per_step, state.histogram))
+            state.skipped, state.histogram = dict(req.skip_reasons), dict(req.accepted_per_step)
             state.sender.send(response, flags=FINAL if final else 0)
             state.last_sent = time.monotonic()
         state.sent, state.new = end, []
