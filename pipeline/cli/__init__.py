@@ -47,6 +47,19 @@ def main():
     quantize (ModelOpt) -> plan / compile (TensorRT-LLM or the portable engine) -> serve (Triton);
     `generate` runs the portable engine in process.
     """
+    quiet_progress_bars()
+
+
+def quiet_progress_bars() -> None:
+    """No third-party progress bars (transformers' "Loading weights", safetensors' shards) when stderr isn't a
+    terminal: in a pipe or a log file each redraw is a line of noise. Set before transformers is imported, which
+    reads them once; a value the user exported wins."""
+    import os
+    import sys
+
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 from pipeline.cli.generate import generate  # noqa: E402  (registers on `main`)

@@ -69,6 +69,12 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
     def say(line: str) -> None:
         click.echo(f"bench: {line}", err=True)
 
+    min_tokens = _gate_min_tokens(repo)
+    short = sorted({p.max_tokens for p in prompt_sets if p.max_tokens < min_tokens})
+    if short and "gated" in options.modes:
+        say(f"warning: {short[0]} new tokens per request is under the gate's min tokens ({min_tokens}), so gated "
+            f"requests never speculate and the gated rows measure plain decoding; pass --max-tokens {min_tokens} or "
+            "more, or serve a repository built with a lower --min-spec-tokens")
     target = (EngineTarget(engine, max(options.concurrency), options.calibrate, say) if engine is not None
               else ServedTarget(url))
     points = _sweep_with_progress(target, prompt_sets, options, say)
@@ -91,6 +97,20 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
         click.echo(f"plot: {written}")
         for line in applied:
             click.echo(f"applied: {line}")
+
+
+def _gate_min_tokens(repo: Path | None) -> int:
+    """The gate's min tokens: --repo's speculation_gate setting, else the default every build starts from."""
+    from pipeline.engine.gate_policy import GatePolicy
+
+    config = repo / "speculation_gate" / "config.pbtxt" if repo is not None else None
+    if config is not None and config.is_file():
+        from pipeline.triton.config import read_config
+
+        params = read_config(config).parameters
+        if "gate_min_tokens" in params:
+            return int(params["gate_min_tokens"].string_value)
+    return GatePolicy().min_tokens
 
 
 def _sweep_with_progress(target, prompt_sets, options, say):
