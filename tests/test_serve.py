@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -248,8 +249,14 @@ def test_cli_serves_until_sigterm_and_reaps_its_children(echo_repo, tmp_path):
             lines.append(line)
             if line.strip().startswith("log"):
                 break
+        while time.monotonic() < deadline and not any(line.strip().startswith("admin") for line in lines):
+            lines.append(cli.stdout.readline())
         output = "".join(lines)
         assert f"127.0.0.1:{grpc}" in output and f"http://127.0.0.1:{metrics}/metrics" in output, output
+        # The admin key is kept in a file only its owner reads, and printed nowhere (launch line included).
+        key_file = Path(re.search(r"with the key in (\S+);", output).group(1))
+        key = key_file.read_text().strip()
+        assert len(key) >= 16 and key not in output and key_file.stat().st_mode & 0o777 == 0o600
         server_pids = [int(p) for p in subprocess.run(["pgrep", "-f", f"tritonserver.*grpc-port={grpc}"], capture_output=True,
                                                       text=True).stdout.split()]
         assert server_pids

@@ -289,6 +289,8 @@ class TritonServer:
         self.command = ""  # the launch command, as a shell line, once started
         self.launch: Launch | None = None
         self.backends: Path | None = None
+        self.frontend = None  # the OpenAI frontend `serve` runs beside it (pipeline.openai_api.process)
+        self.admin_key_file: Path | None = None  # where a generated admin key is kept (never printed)
 
     @property
     def endpoints(self) -> Endpoints:
@@ -309,6 +311,13 @@ class TritonServer:
         self.backends = self._prepare_backends(binary)
         self.log_path = Path(self.options.log_file) if self.options.log_file else self.workspace / "tritonserver.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.options.admin_key != os.environ.get(ADMIN_KEY_ENV):
+            # A generated key is kept in a file only its owner reads, not printed: printed, it lands in every
+            # captured log. The workspace (mkdtemp: mode 700) goes when the server stops.
+            self.admin_key_file = self.workspace / "admin-key"
+            fd = os.open(self.admin_key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.options.admin_key + "\n")
         self._spawn("wb")
         return self
 
@@ -320,12 +329,12 @@ class TritonServer:
 
     def _spawn(self, log_mode: str) -> None:
         argv, extra_env = launch_argv(self.options, self.binary, self.backends, self.shm_prefix, self.launch)
-        self.command = shell_line(argv, extra_env)
+        self.command = shell_line(argv, extra_env).replace(self.options.admin_key, "<admin-key>")
         with open(self.log_path, log_mode) as log:
             self.process = subprocess.Popen(
                 argv, env={**server_env(self.binary), **extra_env},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_terminate_with_parent)
+                preexec_fn=terminate_with_parent)
 
     def _prepare_backends(self, binary: ServerBinary) -> Path | None:
         if not binary.bundled:
@@ -442,9 +451,11 @@ MPI_READY_TIMEOUT_S = 1800.0  # TensorRT-LLM engines of a 70B model take minutes
 
 def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callable[[TritonServer], None] | None = None,
           binary: ServerBinary | None = None, on_start: Callable[[TritonServer], None] | None = None,
-          say: Callable[[str], None] = print) -> None:
-    """Start, wait until every model is ready, call on_ready, then supervise until Ctrl-C or SIGTERM: a dead
-    server or python stub is restarted (pipeline.triton.supervise), each time said in one line. Always stops.
+          say: Callable[[str], None] = print, frontend: Callable[[TritonServer], object] | None = None) -> None:
+    """Start, wait until every model is ready, start the frontend `frontend(server)` makes (the OpenAI API:
+    pipeline.openai_api.process.FrontendProcess, which this layer doesn't import), call on_ready, then supervise
+    until Ctrl-C or SIGTERM: a dead server, python stub or frontend is restarted (pipeline.triton.supervise), each
+    time said in one line. Always stops both.
     on_start runs as soon as the process is started (a 70B model takes minutes to become ready)."""
     from pipeline.triton.supervise import supervise
 
@@ -456,12 +467,17 @@ def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callabl
             on_start(server)
         ready_timeout = timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S)
         server.wait_ready(ready_timeout)
+        if frontend is not None:
+            server.frontend = frontend(server)
+            server.frontend.start().wait_ready()
         if on_ready is not None:
             on_ready(server)
-        supervise(server, say, ready_timeout)
+        supervise(server, say, ready_timeout, frontend=server.frontend)
     except KeyboardInterrupt:
         pass
     finally:
+        if server.frontend is not None:
+            server.frontend.stop()
         server.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -494,7 +510,7 @@ def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def _terminate_with_parent() -> None:
+def terminate_with_parent() -> None:
     """In the child: SIGTERM it when we die, even by SIGKILL; the server is in its own session, so no Ctrl-C reaches it."""
     with contextlib.suppress(OSError, AttributeError):
         import ctypes

@@ -88,13 +88,21 @@ class RestartBudget:
 
 
 def supervise(server: TritonServer, say: Callable[[str], None], ready_timeout: float,
-              budget: RestartBudget | None = None, poll_s: float = POLL_S) -> None:
-    """Watch a ready server until interrupted; restart it when it or a stub dies. Raises ServeError when
-    the restarts run out or a restarted server doesn't come back."""
+              budget: RestartBudget | None = None, poll_s: float = POLL_S, frontend=None) -> None:
+    """Watch a ready server until interrupted; restart it when it or a stub dies, and the OpenAI frontend
+    (a pipeline.openai_api.process.FrontendProcess, or None) when it dies. Raises ServeError when the restarts
+    run out or a restarted server doesn't come back."""
     budget = budget or RestartBudget()
     stubs = python_stubs(server.process.pid)
     while True:
         time.sleep(poll_s)
+        if frontend is not None and (gone := frontend.died()):
+            if not budget.take(time.monotonic()):
+                raise ServeError(f"{gone}, after {budget.limit} restarts in {budget.window_s / 60:g} min; not "
+                                 f"restarting again: read its log ({frontend.log_path})")
+            say(f"{gone}; restarting it")
+            frontend.start().wait_ready()
+            say("the OpenAI frontend is back")
         died = what_died(server, stubs)
         if died is None:
             continue

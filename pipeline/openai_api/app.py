@@ -1,0 +1,294 @@
+"""The OpenAI-compatible application: FastAPI routes over the ensemble.
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events in OpenAI's chunk
+shape, or whole), GET /v1/models, /health (200 once the ensemble is ready) and /metrics (tritonserver's
+Prometheus text, passed through, so one scrape target has the gate's, the engine's and Triton's own).
+
+A chat request is rendered here with the model's own chat template (system, user and assistant turns; a
+final assistant turn is continued, not closed) and sent as text that the ensemble recognises as rendered
+(pipeline.models.tokenizer.is_rendered): it is never templated twice. A completion's prompt is sent with
+apply_chat_template false: OpenAI's completions take the prompt as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+import secrets
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from pipeline.openai_api.ensemble import Ensemble, EnsembleError
+from pipeline.openai_api.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessage, ChatRequest,
+                                          ChunkChoice, Completion, CompletionChoice, CompletionRequest, Delta,
+                                          API_KEY_ENV, ModelCard, ModelList, ProtocolError, ResponseMetrics, SamplingFields,
+                                          SpecDecoding, Usage, parse_chat, parse_completion)
+from pipeline.openai_api.stops import StopMatcher
+from pipeline.triton.client import Chunk, RequestOptions
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, as vLLM's where the model ships no generation_config
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    grpc_url: str  # tritonserver's gRPC endpoint, HOST:PORT
+    tokenizer_dir: Path
+    model_name: str  # what /v1/models lists and requests must name
+    max_seq_len: int  # prompt + answer; an answer without max_tokens may fill the rest
+    num_draft_tokens: int  # the repository's k: the histogram's last bucket
+    metrics_url: str | None = None  # tritonserver's /metrics, passed through
+    api_key: str | None = None  # None: no key asked
+
+
+@dataclass
+class Outcome:
+    """What one request produced, for usage, finish_reason and the speculation figures."""
+
+    prompt_tokens: int
+    max_tokens: int
+    completion_tokens: int = 0
+    stopped_by_string: bool = False
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        # The ensemble ends an answer at an end token or at max_tokens: fewer tokens than asked means it stopped.
+        if self.stopped_by_string or self.completion_tokens < self.max_tokens:
+            return "stop"
+        return "length"
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
+
+    def metrics(self, k: int) -> ResponseMetrics:
+        drafted = sum(c.drafted for c in self.chunks)
+        accepted = sum(c.accepted for c in self.chunks)
+        steps = sum(c.draft_steps for c in self.chunks)
+        skipped: dict[str, int] = {}
+        for c in self.chunks:
+            for reason, n in c.skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + n
+        if not steps:
+            return ResponseMetrics(speculative_decoding=None if not skipped else SpecDecoding(
+                num_spec_steps=0, num_draft_tokens=0, num_accepted_draft_tokens=0, acceptance_histogram=[0] * (k + 1),
+                mean_acceptance_length=1.0, draft_acceptance_rate=0.0, num_spec_tokens=k, skipped_steps=skipped))
+        histogram = [0] * (k + 1)
+        for c in self.chunks:
+            for j, n in c.acceptance_histogram.items():
+                if j >= len(histogram):  # a request's own num_draft_tokens above the repository's
+                    histogram += [0] * (j + 1 - len(histogram))
+                histogram[j] += n
+        return ResponseMetrics(speculative_decoding=SpecDecoding(
+            num_spec_steps=steps, num_draft_tokens=drafted, num_accepted_draft_tokens=accepted,
+            acceptance_histogram=histogram, mean_acceptance_length=round(1 + accepted / steps, 4),
+            draft_acceptance_rate=round(accepted / drafted, 4) if drafted else 0.0,
+            num_spec_tokens=len(histogram) - 1, skipped_steps=skipped))
+
+
+def create_app(settings: FrontendSettings):
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, render_chat, template_opening
+
+    tokenizer = load_tokenizer(settings.tokenizer_dir)
+    opening = template_opening(tokenizer)
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["ensemble"] = Ensemble(settings.grpc_url)
+        yield
+        await state["ensemble"].close()
+
+    app = FastAPI(title="specdec-pipeline OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ProtocolError)
+    async def refused(request, err: ProtocolError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def authorized(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
+            raise ProtocolError("Incorrect API key provided; send it as `Authorization: Bearer KEY` (the key "
+                                f"`pipeline serve` was given with --api-key or ${API_KEY_ENV})", status=401,
+                                code="invalid_api_key")
+
+    async def body_of(request: Request):
+        try:
+            return json.loads(await request.body())
+        except ValueError as err:
+            raise ProtocolError(f"the request body is not JSON ({err})") from None
+
+    def check_model(name: str) -> None:
+        if name != settings.model_name:
+            raise ProtocolError(f"The model `{name}` does not exist; this server serves `{settings.model_name}`",
+                                "model", status=404, code="model_not_found")
+
+    def options_for(req: SamplingFields, prompt_tokens: int, max_new: int, stream: bool,
+                    template: bool | None) -> RequestOptions:
+        room = settings.max_seq_len - prompt_tokens
+        if room < 1:
+            raise ProtocolError(f"the prompt is {prompt_tokens} tokens, the model's whole {settings.max_seq_len}-token "
+                                "context; shorten it", "messages" if isinstance(req, ChatRequest) else "prompt")
+        if max_new > room:
+            raise ProtocolError(f"the prompt is {prompt_tokens} tokens and max_tokens {max_new}; together they are "
+                                f"over the model's {settings.max_seq_len}-token context: lower max_tokens to "
+                                f"{max(room, 0)} or shorten the prompt", "max_tokens")
+        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+        seed = req.seed
+        if seed is None and temperature > 0:
+            seed = secrets.randbelow(2**63)  # unseeded sampled requests differ, as OpenAI's do
+        return RequestOptions(max_tokens=max_new, temperature=temperature, top_p=1.0 if req.top_p is None else
+                              req.top_p, top_k=max(req.top_k or 0, 0), seed=seed, speculation=req.speculation,
+                              num_draft_tokens=req.num_draft_tokens, stream=stream, apply_chat_template=template)
+
+    async def pieces(text: str, options: RequestOptions, outcome: Outcome,
+                     stops: StopMatcher) -> AsyncIterator[str]:
+        """The answer's text as it may be sent; fills `outcome`. Leaving early cancels the request."""
+        stream = state["ensemble"].stream(text, options)
+        try:
+            async for chunk in stream:
+                outcome.chunks.append(chunk)
+                outcome.completion_tokens += chunk.tokens
+                out = stops.feed(chunk.text)
+                if out:
+                    yield out
+                if stops.stopped:
+                    # The tokens past the stop string were made but aren't the answer: count the kept text's
+                    # tokens, plus the one the stop string began in, as vLLM counts up to the stopping token.
+                    outcome.stopped_by_string = True
+                    kept = len(tokenizer(stops.text[:stops.sent], add_special_tokens=False).input_ids) + 1
+                    outcome.completion_tokens = min(outcome.completion_tokens, kept)
+                    return
+            if out := stops.flush():
+                yield out
+        finally:
+            await stream.aclose()
+
+    def error_of(err: EnsembleError) -> ProtocolError:
+        if err.busy:
+            return ProtocolError(err.message, status=503, type="server_busy")
+        if err.refused:
+            return ProtocolError(err.message)
+        return ProtocolError(err.message, status=502, type="upstream_error")
+
+    async def respond(req: SamplingFields, text: str, prompt_tokens: int, template: bool | None, chat: bool):
+        max_new = req.new_tokens(settings.max_seq_len - prompt_tokens)
+        # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
+        options = options_for(req, prompt_tokens, max_new, True, template)
+        outcome = Outcome(prompt_tokens, max_new)
+        stops = StopMatcher(req.stop_strings())
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        created = int(time.time())
+        k = req.num_draft_tokens or settings.num_draft_tokens
+        if not req.stream:
+            try:
+                answer = "".join([p async for p in pieces(text, options, outcome, stops)])
+            except EnsembleError as err:
+                raise error_of(err) from None
+            if chat:
+                return ChatCompletion(id=rid, created=created, model=settings.model_name, choices=[ChatChoice(
+                    message=ChatMessage(content=answer), finish_reason=outcome.finish_reason)],
+                    usage=outcome.usage(), metrics=outcome.metrics(k))
+            return Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
+                text=answer, finish_reason=outcome.finish_reason)], usage=outcome.usage(), metrics=outcome.metrics(k))
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(content: str | None = None, finish: str | None = None, role: bool = False, choices: bool = True,
+                  usage: bool = False):
+            if chat:
+                body = ChatCompletionChunk(id=rid, created=created, model=settings.model_name, choices=[ChunkChoice(
+                    delta=Delta(role="assistant" if role else None, content=content), finish_reason=finish)]
+                    if choices else [], usage=outcome.usage() if usage else None,
+                    metrics=outcome.metrics(k) if usage else None)
+            else:
+                body = Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
+                    text=content or "", finish_reason=finish)] if choices else [],
+                    usage=outcome.usage() if usage else None, metrics=outcome.metrics(k) if usage else None)
+            return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
+
+        # The first piece is awaited before the response starts, so a refused request is still a plain 400.
+        answer = pieces(text, options, outcome, stops)
+        try:
+            first = await anext(answer, None)
+        except EnsembleError as err:
+            await answer.aclose()
+            raise error_of(err) from None
+
+        async def events():
+            try:
+                if chat:
+                    yield chunk("", role=True)
+                if first is not None:
+                    yield chunk(first)
+                try:
+                    async for piece in answer:
+                        yield chunk(piece)
+                except EnsembleError as err:  # mid-stream: OpenAI's error object as an event, then the end
+                    yield format_sse_event(data_str=json.dumps(error_of(err).body()))
+                    yield format_sse_event(data_str="[DONE]")
+                    return
+                yield chunk(finish=outcome.finish_reason)
+                if include_usage:  # OpenAI's last chunk: no choices, the usage (and here the speculation figures)
+                    yield chunk(choices=False, usage=True)
+                yield format_sse_event(data_str="[DONE]")
+            finally:
+                await answer.aclose()  # the client left: the ensemble request is cancelled
+
+        return EventSourceResponse(events())
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request):
+        req: ChatRequest = parse_chat(await body_of(request))
+        check_model(req.model)
+        try:
+            text = render_chat(tokenizer, req.conversation())
+        except Exception as err:  # noqa: BLE001  the template's own refusal (e.g. roles out of order)
+            raise ProtocolError(f"the model's chat template refused these messages: {err}", "messages") from None
+        ids = encode_prompt(tokenizer, text, raw=False, opening=opening)
+        return await respond(req, text, len(ids), None, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request):
+        req: CompletionRequest = parse_completion(await body_of(request))
+        check_model(req.model)
+        text = req.prompt_text()
+        ids = encode_prompt(tokenizer, text, raw=True, opening="")
+        return await respond(req, text, len(ids), False, chat=False)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return ModelList(data=[ModelCard(id=settings.model_name, created=int(state.setdefault("created",
+                                                                                             time.time())))])
+
+    @app.get("/health")
+    async def health():
+        ready = await state["ensemble"].ready()
+        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        if settings.metrics_url is None:
+            raise ProtocolError("no metrics endpoint was given to this frontend", status=404)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(settings.metrics_url, timeout=5) as response:
+                return response.read().decode()
+        try:
+            text = await asyncio.to_thread(scrape)
+        except OSError as err:
+            raise ProtocolError(f"tritonserver's metrics at {settings.metrics_url} did not answer ({err})",
+                                status=502, type="upstream_error") from None
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app

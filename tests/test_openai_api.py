@@ -1,0 +1,299 @@
+"""The OpenAI-compatible frontend: its request rules on their own, then the real thing driven by the official
+`openai` SDK against a real tritonserver serving a tiny seeded Llama with n-gram drafts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from pipeline.openai_api.protocol import ProtocolError, parse_chat, parse_completion
+from pipeline.openai_api.stops import StopMatcher
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+# ---- the request rules -----------------------------------------------------------------------------
+
+
+def test_openai_clients_neutral_defaults_pass():
+    request = parse_chat({**CHAT, "n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False,
+                          "stream_options": {"include_usage": True}, "user": "u1", "response_format": {"type": "text"},
+                          "stop": ["a", "b"], "speculation": "off", "num_draft_tokens": 2})
+    assert request.stop_strings() == ("a", "b") and request.speculation == "off"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 2), ("n", True), ("logprobs", True), ("frequency_penalty", 0.5), ("tools", [{"type": "function"}]),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}), ("presence_penalty", float("nan")),
+])
+def test_an_unsupported_field_is_a_400_naming_it(field, value):
+    with pytest.raises(ProtocolError) as err:
+        parse_chat({**CHAT, field: value})
+    assert err.value.status == 400 and err.value.param == field and field in err.value.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**CHAT, "frobnicate": 1}, "frobnicate"),
+    ({**CHAT, "temperature": 2.5}, "temperature"),
+    ({**CHAT, "top_p": 0}, "top_p"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "stop": ["ok", ""]}, "stop"),
+    ({**CHAT, "speculation": "maybe"}, "speculation"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+])
+def test_a_bad_chat_request_is_a_400_naming_the_field(body, param):
+    with pytest.raises(ProtocolError) as err:
+        parse_chat(body)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_a_completion_takes_one_prompt_and_refuses_echo():
+    assert parse_completion({"model": "m", "prompt": ["one"]}).prompt_text() == "one"
+    for body, param in (({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "x", "echo": True},
+                                                                            "echo")):
+        with pytest.raises(ProtocolError) as err:
+            parse_completion(body).prompt_text()
+        assert err.value.param == param
+
+
+def test_a_stop_string_split_across_chunks_ends_the_answer_before_it():
+    stops = StopMatcher(("glad to", "END"))
+    out = [stops.feed(piece) for piece in ("I am gl", "ad", " to help", "more")]
+    assert "".join(out) == "I am " and stops.stopped
+
+
+def test_text_that_only_looked_like_a_stop_string_is_released():
+    stops = StopMatcher(("glad to",))
+    out = [stops.feed("I am gl"), stops.feed("ee, happy"), stops.flush()]
+    assert out == ["I am ", "glee, happy", ""] and not stops.stopped
+
+
+def test_a_rendered_conversation_is_not_templated_again(tiny_target):
+    from pipeline.models.tokenizer import encode_prompt, is_rendered, load_tokenizer, render_chat
+
+    tokenizer = load_tokenizer(tiny_target)
+    rendered = render_chat(tokenizer, [{"role": "user", "content": "hello"}])
+    assert is_rendered(tokenizer, rendered) and not is_rendered(tokenizer, "hello")
+    # The ids the ensemble makes of the rendered text are the ones it makes of the plain prompt.
+    assert encode_prompt(tokenizer, rendered, raw=False) == encode_prompt(tokenizer, "hello", raw=False)
+    # An assistant turn last is continued (prefill), not closed.
+    prefill = render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}])
+    assert prefill.endswith("Sure, ")
+
+
+# ---- the served frontend -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target, tmp_path_factory):
+    """A tritonserver on the tiny n-gram engine, and the frontend in front of it, as `pipeline serve` starts it."""
+    from serving_checks import ngram_engine, served_engine
+
+    from pipeline.openai_api.process import FrontendOptions, FrontendProcess
+    from pipeline.triton.ports import free_ports
+
+    engine = ngram_engine(tiny_target, tmp_path_factory.mktemp("engines"), slots=8)
+    # Room for the 64-stream test: 8 slots and 64 waiting, so no request is refused as busy.
+    with served_engine(engine, tmp_path_factory.mktemp("served"), min_spec_tokens=20, max_queue_size=64) as server:
+        [port] = free_ports(1)
+        frontend = FrontendProcess(FrontendOptions(port=port, model_name="tiny"), server.options.repo,
+                                   f"127.0.0.1:{server.options.grpc_port}", server.endpoints.metrics,
+                                   tmp_path_factory.mktemp("frontend") / "openai.log")
+        frontend.start().wait_ready()
+        try:
+            yield server, frontend
+        finally:
+            frontend.stop()
+
+
+@pytest.fixture()
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{served[1].url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def grpc_text(server, prompt: str, max_tokens: int) -> str:
+    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+
+    return run_request(ClientOptions(url=f"127.0.0.1:{server.options.grpc_port}"), prompt,
+                       RequestOptions(max_tokens=max_tokens, speculation="off")).text
+
+
+def test_greedy_chat_is_the_grpc_routes_text_for_the_same_prompt(served, client):
+    prompt = "Write a function that reverses a list."
+    answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=40, temperature=0, extra_body={"speculation": "on"})
+    assert answer.choices[0].message.content == grpc_text(served[0], prompt, 40)
+    assert answer.choices[0].message.role == "assistant" and answer.object == "chat.completion"
+    assert answer.usage.completion_tokens <= 40
+    assert answer.choices[0].finish_reason == ("length" if answer.usage.completion_tokens == 40 else "stop")
+
+
+def test_a_stream_says_what_the_whole_answer_says_and_ends_with_usage(client):
+    messages = [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "Name a fruit."},
+                {"role": "assistant", "content": "Apple."}, {"role": "user", "content": "Another one?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.prompt_tokens > 20  # the system prompt and both turns are in it
+
+
+def test_a_stop_string_cuts_the_answer_where_it_starts(client):
+    prompt = "Count to twenty."
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+    stop = full[10:13]
+    assert len(full) > 20 and stop.strip(), full
+    for stream in (False, True):
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "never seen"], stream=True))
+            reason = None
+        else:
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
+                                               stop=stop)
+            text, reason = answer.choices[0].text, answer.choices[0].finish_reason
+            assert answer.usage.completion_tokens < 40
+        assert text == full[:full.index(stop)]
+        assert reason in (None, "stop")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"extra_body": {"frobnicate": True}}, "frobnicate"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+])
+def test_unsupported_fields_get_openais_400_and_the_server_serves_on(client, extra, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                       **extra)
+    assert err.value.body["param"] == param and param in err.value.body["message"]
+    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_unknown_model_is_a_404_naming_the_served_one(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert "tiny" in err.value.body["message"]
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_each_answer_carries_its_speculation_in_vllms_shape(client):
+    answer = client.completions.create(model="tiny", prompt="one two three one two three one two", max_tokens=60,
+                                       temperature=0, extra_body={"speculation": "on"})
+    spec = answer.model_extra["metrics"]["speculative_decoding"]
+    histogram = spec["acceptance_histogram"]
+    assert spec["num_spec_steps"] > 0 and sum(histogram) == spec["num_spec_steps"]
+    assert sum(j * n for j, n in enumerate(histogram)) == spec["num_accepted_draft_tokens"] <= spec["num_draft_tokens"]
+    assert len(histogram) == spec["num_spec_tokens"] + 1
+    off = client.completions.create(model="tiny", prompt="one two three", max_tokens=30, temperature=0,
+                                    extra_body={"speculation": "off"})
+    assert off.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] == 0
+
+
+def test_health_and_metrics_pass_through(served):
+    frontend = served[1]
+    with urllib.request.urlopen(f"{frontend.url}/health", timeout=5) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+    with urllib.request.urlopen(f"{frontend.url}/metrics", timeout=5) as response:
+        assert "pipeline_gate_in_flight" in response.read().decode()
+
+
+def test_64_streams_with_50_clients_leaving_mid_stream_leave_nothing_in_flight(served, client):
+    import re
+    import time
+
+    errors, finished = [], []
+
+    def one(i: int) -> None:
+        try:
+            stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"story {i}"}],
+                                                    max_tokens=120, temperature=0.8, seed=i, stream=True)
+            for n, chunk in enumerate(stream):
+                if i < 50 and n == 1:
+                    stream.close()  # the client walks away
+                    return
+            finished.append(i)
+        except Exception as err:  # noqa: BLE001  collected: any error fails the test below
+            errors.append(f"{i}: {err}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors and sorted(finished) == list(range(50, 64)), errors[:3]
+
+    def in_flight() -> float:
+        with urllib.request.urlopen(served[0].endpoints.metrics, timeout=5) as response:
+            return sum(float(v) for v in re.findall(r"^pipeline_gate_in_flight\{[^}]*\} (\S+)$",
+                                                     response.read().decode(), re.M))
+    deadline = time.monotonic() + 30
+    while in_flight() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert in_flight() == 0
+
+
+def test_an_api_key_is_asked_when_set(served, tmp_path):
+    import openai
+
+    from pipeline.openai_api.process import FrontendOptions, FrontendProcess
+    from pipeline.triton.ports import free_ports
+
+    server = served[0]
+    [port] = free_ports(1)
+    keyed = FrontendProcess(FrontendOptions(port=port, api_key="s3cret-key", model_name="tiny"), server.options.repo,
+                            f"127.0.0.1:{server.options.grpc_port}", None, tmp_path / "openai.log").start()
+    try:
+        keyed.wait_ready()
+        assert "s3cret-key" not in " ".join(keyed.argv)  # never on the command line, which `ps` shows
+        good = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="s3cret-key", max_retries=0)
+        assert good.models.list().data[0].id == "tiny"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        keyed.stop()
+
+
+def test_a_dead_frontend_is_noticed(served, tmp_path):
+    from pipeline.openai_api.process import FrontendOptions, FrontendProcess
+    from pipeline.triton.ports import free_ports
+
+    [port] = free_ports(1)
+    frontend = FrontendProcess(FrontendOptions(port=port), served[0].options.repo,
+                               f"127.0.0.1:{served[0].options.grpc_port}", None, tmp_path / "openai.log").start()
+    frontend.wait_ready()
+    assert frontend.died() is None
+    frontend.process.kill()
+    frontend.process.wait()
+    assert "exited" in frontend.died()
+    frontend.start().wait_ready()  # what supervise does
+    assert frontend.died() is None
+    frontend.stop()
+
+
+def test_the_ensemble_takes_a_prompt_as_it_is_when_asked(served):
+    """apply_chat_template false (what /v1/completions sends): the raw prompt's ids, not the templated ones."""
+    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+
+    url = ClientOptions(url=f"127.0.0.1:{served[0].options.grpc_port}")
+    templated = run_request(url, "hello", RequestOptions(max_tokens=20, speculation="off")).text
+    raw = run_request(url, "hello", RequestOptions(max_tokens=20, speculation="off", apply_chat_template=False)).text
+    assert templated != raw
+
+
