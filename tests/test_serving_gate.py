@@ -71,3 +71,16 @@ def test_bad_acceptance_never_turns_the_server_off():
     assert g.speculating and g.admit("auto", 100) == type(g.admit("auto", 100))(True, OPEN)
     g.record(drafted=30, accepted=3, verify_steps=10)
     assert g.acceptance_rate < 0.1
+
+
+def test_a_requests_clock_observes_its_first_token_then_the_gaps_spread_over_each_responses_tokens():
+    from pipeline.triton.latency import RequestClock
+
+    clock = RequestClock(arrival=10.0, streamed=True)
+    assert clock.response(0, 10.5) == (None, None)  # a keepalive while queued carries no token
+    assert clock.response(1, 11.0) == (1.0, None)
+    ttft, itl = clock.response(4, 11.2)  # a verify step that accepted three drafts
+    assert ttft is None and itl == pytest.approx(0.05)
+    assert clock.end(12.0) == 2.0
+    whole = RequestClock(arrival=0.0, streamed=False)  # its one response is its last, not its first token
+    assert whole.response(30, 1.0) == (None, None) and whole.end(1.0) == 1.0

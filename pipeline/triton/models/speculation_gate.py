@@ -22,7 +22,11 @@ Metrics (Prometheus, on Triton's metrics port), named after vLLM's and TensorRT-
   pipeline_spec_decode_skipped_steps_total{reason=...} (decode steps that drafted nothing, and why),
   pipeline_spec_decode_acceptance_rate, pipeline_spec_decode_mean_acceptance_length (rolling window),
   pipeline_gate_speculating (1/0), pipeline_gate_threshold, pipeline_gate_in_flight,
-  pipeline_gate_flips_total, pipeline_gate_rejected_total (refused as busy, before the engine).
+  pipeline_gate_flips_total, pipeline_gate_rejected_total (refused as busy, before the engine),
+  pipeline_prompt_tokens_total, pipeline_generation_tokens_total (tokens sent on to postprocessing),
+  pipeline_time_to_first_token_seconds, pipeline_inter_token_latency_seconds,
+  pipeline_e2e_request_latency_seconds (histograms; which requests each observes: pipeline.triton.latency).
+The engine exports its own (torch_engine: running and waiting requests, KV-cache usage).
 """
 
 import itertools
@@ -40,6 +44,7 @@ from pipeline.errors import PipelineError
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.draft_target import drain
+from pipeline.triton.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestClock
 from pipeline.triton.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -119,10 +124,27 @@ class Metrics:
                                ).Metric(labels=self.labels)
         self.skipped = family("pipeline_spec_decode_skipped_steps_total", F.COUNTER,
                               "Decode steps of speculating-capable requests that drafted nothing, by reason")
+        self.prompt_tokens = family("pipeline_prompt_tokens_total", F.COUNTER,
+                                    "Prompt tokens of requests the gate admitted").Metric(labels=self.labels)
+        self.generation_tokens = family("pipeline_generation_tokens_total", F.COUNTER,
+                                        "Generated tokens sent on to the client").Metric(labels=self.labels)
+
+        def histogram(name, description, buckets):
+            return family(name, F.HISTOGRAM, description).Metric(labels=self.labels, buckets=list(buckets))
+
+        self.ttft = histogram("pipeline_time_to_first_token_seconds",
+                              "Time to the first token of streamed requests", TTFT_BUCKETS)
+        self.itl = histogram("pipeline_inter_token_latency_seconds",
+                             "Time per output token after the first, of streamed requests (one observation "
+                             "a response)", ITL_BUCKETS)
+        self.e2e = histogram("pipeline_e2e_request_latency_seconds",
+                             "Time from the gate's receipt to the last token, of requests that ended without "
+                             "an error", E2E_BUCKETS)
         self._by_mode: dict = {}
         self._by_skip: dict = {}
         self._flips_sent = 0
         self._rejected_sent = 0
+        self.pending_tokens = [0, 0]  # prompt, generation: published with the rest, not one IPC a response
 
     def count_request(self, speculate: bool, reason: str):
         key = ("speculative" if speculate else "standard", reason)
@@ -136,7 +158,16 @@ class Metrics:
                 self._by_skip[reason] = self.skipped.Metric(labels={**self.labels, "reason": reason})
             self._by_skip[reason].increment(n)
 
+    def observe(self, ttft: float | None = None, itl: float | None = None, e2e: float | None = None):
+        for metric, value in ((self.ttft, ttft), (self.itl, itl), (self.e2e, e2e)):
+            if value is not None:
+                metric.observe(value)
+
     def publish(self, gate: ServingGate, drafted: int, accepted: int, steps: int):
+        for metric, n in zip((self.prompt_tokens, self.generation_tokens), self.pending_tokens):
+            if n:
+                metric.increment(n)
+        self.pending_tokens = [0, 0]
         if drafted:
             self.drafted.increment(drafted)
             self.accepted.increment(accepted)
@@ -182,6 +213,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            arrival = time.monotonic()
             try:
                 decision = self.gate.admit(str(_scalar(request, "speculation")),
                                            int(_scalar(request, "request_output_len")))
@@ -198,10 +230,16 @@ class TritonPythonModel:
             elif self.backend == "trtllm" and decision.speculate and not _greedy(request):
                 # The TensorRT-LLM loop speculates for greedy requests only (see draft_target).
                 decision = Decision(False, "sampled")
-            self.outbox.put(lambda d=decision: self.metrics and self.metrics.count_request(d.speculate, d.reason))
-            threading.Thread(target=self._run, args=(request, sender, decision, next(self._stream_ids)),
+            self.outbox.put(lambda d=decision, n=int(_scalar(request, "input_lengths")): self._count_request(d, n))
+            clock = RequestClock(arrival, streamed=bool(_scalar(request, "stream")))
+            threading.Thread(target=self._run, args=(request, sender, decision, next(self._stream_ids), clock),
                              daemon=True).start()
         return None
+
+    def _count_request(self, decision: Decision, prompt_tokens: int):  # on the sender thread
+        if self.metrics is not None:
+            self.metrics.count_request(decision.speculate, decision.reason)
+            self.metrics.pending_tokens[0] += prompt_tokens
 
     def finalize(self):
         self.outbox.put(None)
@@ -210,7 +248,7 @@ class TritonPythonModel:
 
     # ---- one request, on its worker thread -------------------------------------------------------
 
-    def _run(self, request, sender, decision, stream_id: int):
+    def _run(self, request, sender, decision, stream_id: int, clock: RequestClock):
         # The client's cancel reaches us through postprocessing (cancel_marks); is_cancelled covers a
         # client calling this model directly.
         def cancelled() -> bool:
@@ -218,7 +256,7 @@ class TritonPythonModel:
 
         def forward(outputs: dict):
             self._forward(sender, {"final": np.array([[False]]), **outputs,
-                                   "stream_id": np.array([[stream_id]], np.uint64)}, decision)
+                                   "stream_id": np.array([[stream_id]], np.uint64)}, decision, clock)
 
         try:
             if self.backend == "trtllm":
@@ -241,7 +279,8 @@ class TritonPythonModel:
         # An error goes out as the stream's final response: an error followed by a separate empty final left
         # the ensemble holding this model until Triton's 30 s exit timeout at unload.
         if error is None:
-            self._send(sender, None, FINAL)
+            e2e = clock.end(time.monotonic())
+            self._send(sender, None, FINAL, observe=lambda m: m.observe(e2e=e2e))
         else:
             triton_error = pb_utils.TritonError(error) if code is None else pb_utils.TritonError(error, code)
             self._send(sender, pb_utils.InferenceResponse(error=triton_error), FINAL)
@@ -273,28 +312,42 @@ class TritonPythonModel:
         finally:
             drain(responses)
 
-    def _forward(self, sender, outputs: dict, decision: Decision):
-        """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts and the
-        steps that drafted nothing."""
+    def _forward(self, sender, outputs: dict, decision: Decision, clock: RequestClock):
+        """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts, the
+        steps that drafted nothing, its tokens and its latency."""
         counts = [int(outputs[name].reshape(-1)[0]) if name in outputs else 0
                   for name in ("drafted_tokens", "accepted_tokens", "verify_steps")]
         self.gate.record(*counts)
         skipped = _skipped(outputs, decision)
         outputs["skipped_steps"] = np.array([[json.dumps(skipped).encode()]], np.object_)
+        new_tokens = outputs["output_ids"].size - int(outputs["prefix_length"].reshape(-1)[0])
+        ttft, itl = clock.response(new_tokens, time.monotonic())
+
+        def observe(metrics: Metrics):
+            metrics.pending_tokens[1] += max(new_tokens, 0)
+            metrics.observe(ttft=ttft, itl=itl)
         self._send(sender, pb_utils.InferenceResponse(
             output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(outputs[name])) for name in GENERATION_OUTPUTS
-                            if name in outputs]), 0, counts, skipped)
+                            if name in outputs]), 0, counts, skipped, observe)
 
-    def _send(self, sender, response, flags=0, counts=(0, 0, 0), skipped=None):
+    def _send(self, sender, response, flags=0, counts=(0, 0, 0), skipped=None, observe=None):
         def send():
             for i, v in enumerate(counts):
                 self._pending[i] += v
-            if skipped and self.metrics is not None:
-                self.metrics.count_skipped(skipped)
-            if response is None:
-                sender.send(flags=flags)
-            else:
-                sender.send(response, flags=flags)
+            try:
+                if response is None:
+                    sender.send(flags=flags)
+                else:
+                    sender.send(response, flags=flags)
+            finally:  # counted even where a cancelled client's sender refused the send
+                if self.metrics is not None:
+                    try:
+                        if skipped:
+                            self.metrics.count_skipped(skipped)
+                        if observe is not None:
+                            observe(self.metrics)
+                    except Exception as err:  # noqa: BLE001  metrics must never stop responses
+                        pb_utils.Logger.log_warn(f"speculation_gate: metrics not updated: {client_message(err)}")
         self.outbox.put(send)
 
     # ---- the sender thread -----------------------------------------------------------------------

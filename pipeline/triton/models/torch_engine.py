@@ -71,6 +71,11 @@ class EngineMetrics:
                                           "rejected: refused as busy)"))
         self.tokens = keep(F(name="pipeline_engine_generation_tokens_total", kind=F.COUNTER,
                             description="Tokens generated")).Metric(labels=self.labels)
+        # vLLM's kv_cache_usage_perc, as a ratio: each slot holds max_seq_len positions, so this is the
+        # positions running requests hold over all slots' (the target's cache; a draft model's is its twin).
+        self.kv_usage = keep(F(name="pipeline_engine_kv_cache_usage_ratio", kind=F.GAUGE,
+                               description="Fraction of the target's KV-cache positions held by running requests"
+                               )).Metric(labels=self.labels)
         self._by_reason: dict = {}
         self._tokens_sent = 0
         self._published = None
@@ -83,12 +88,14 @@ class EngineMetrics:
 
     def publish(self, engine):
         self.last = time.monotonic()
-        state = (len(engine.running), len(engine.waiting), engine.stats.generated_tokens)
+        held = sum(len(r.prompt_ids) + len(r.output_ids) for r in engine.running)
+        state = (len(engine.running), len(engine.waiting), engine.stats.generated_tokens, held)
         if state == self._published:  # idle: no IPC round trips
             return
         self._published = state
         self.running.set(state[0])
         self.waiting.set(state[1])
+        self.kv_usage.set(held / (engine.config.max_batch_size * engine.config.max_seq_len))
         generated = state[2]
         if generated > self._tokens_sent:
             self.tokens.increment(generated - self._tokens_sent)
