@@ -91,6 +91,28 @@ def check_wiring(docs) -> None:
     # The admin APIs stay restricted, with the key the kubelet expands from the Secret.
     env = {e["name"]: e for e in server(docs)["env"]}
     assert env["PIPELINE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "admin-key"
+    check_openai(pod_spec(docs), docs)
+
+
+def check_openai(pod: dict, docs: dict) -> None:
+    """The OpenAI frontend beside tritonserver: a command the frontend's own CLI takes, pointed at this pod's
+    gRPC and metrics ports, its key from the <name>-openai Secret, and a port on the Service."""
+    from pipeline.openai_api.__main__ import main as frontend
+    from pipeline.openai_api.protocol import API_KEY_ENV
+
+    tritonserver, openai = pod["containers"]
+    assert openai["name"] == "openai" and openai["command"][:3] == ["python3", "-m", "pipeline.openai_api"]
+    params = frontend.make_context("openai", list(openai["command"][3:])).params  # refuses an option it lacks
+    ports = {p["name"]: p["containerPort"] for p in tritonserver["ports"]}
+    assert params["grpc_url"] == f"127.0.0.1:{ports['grpc']}" and params["host"] == "0.0.0.0"
+    assert params["metrics_url"] == f"http://127.0.0.1:{ports['metrics']}/metrics"
+    assert str(params["repo"]) == "/models/triton_repo"
+    service = {p["name"]: p for p in docs["service.yaml"]["spec"]["ports"]}
+    assert service["openai"]["port"] == params["port"] == openai["ports"][0]["containerPort"]
+    assert openai["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai"}
+    env = {e["name"]: e for e in openai["env"]}
+    name = docs["service.yaml"]["metadata"]["name"]
+    assert env[API_KEY_ENV]["valueFrom"]["secretKeyRef"] == {"name": f"{name}-openai", "key": "api-key"}
 
 
 def test_70b_eagle3_on_two_h100s(tmp_path):
@@ -127,6 +149,32 @@ def test_70b_eagle3_on_two_h100s(tmp_path):
         ("trtllm", 2, "fp8", 32)
     dockerfile = (out / "Dockerfile").read_text()
     assert "FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3" in dockerfile and "--no-deps" in dockerfile
+    # --no-deps keeps the container's torch; the OpenAI frontend's web stack is added, as pyproject pins it.
+    import tomllib
+
+    from pipeline.deploy.kubernetes import WEB_STACK
+
+    pins = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert set(WEB_STACK) <= set(pins) and all(f"'{r}'" in dockerfile for r in WEB_STACK)
+
+
+def test_the_grafana_dashboard_ships_as_a_configmap_and_as_json(tmp_path):
+    from pipeline.deploy.dashboard import dashboard, metric_names
+
+    out, docs = deploy(tmp_path)
+    configmap = docs["grafana-dashboard.yaml"]
+    assert configmap["kind"] == "ConfigMap" and configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    [text] = configmap["data"].values()
+    assert json.loads(text) == json.loads((out / "grafana-dashboard.json").read_text()) == dashboard()
+    panels = dashboard()["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    assert len({(p["gridPos"]["x"], p["gridPos"]["y"]) for p in panels}) == len(panels)  # none drawn over another
+    assert all(t["expr"] for p in panels for t in p["targets"])
+    # What a serving dashboard plots (issue 28): latency histograms, tokens, KV cache and queue.
+    assert {"pipeline_time_to_first_token_seconds_bucket", "pipeline_inter_token_latency_seconds_bucket",
+            "pipeline_e2e_request_latency_seconds_bucket", "pipeline_prompt_tokens_total",
+            "pipeline_generation_tokens_total", "pipeline_engine_kv_cache_usage_ratio",
+            "pipeline_engine_requests_waiting"} <= metric_names()
 
 
 def test_the_schema_check_catches_a_misspelled_field(tmp_path):
@@ -183,6 +231,8 @@ def test_a_replica_bigger_than_a_node_is_a_leader_worker_set(tmp_path):
         assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
         assert pod["spec"]["serviceAccountName"] == "llama-mpi"
     server_container = leader["spec"]["containers"][0]
+    check_openai(leader["spec"], docs)
+    assert [c["name"] for c in worker["spec"]["containers"]] == ["worker"]
     env = {e["name"]: e for e in server_container["env"]}
     assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 

@@ -214,6 +214,91 @@ def test_health_and_metrics_pass_through(served):
         assert "pipeline_gate_in_flight" in response.read().decode()
 
 
+def total(samples: dict[str, float], name: str) -> float:
+    """A family's value summed over its label sets (serving_checks.metrics keys carry the labels)."""
+    return sum(v for k, v in samples.items() if k.split("{")[0] == name)
+
+
+def test_the_serving_metrics_count_what_the_answers_said(served, client):
+    """The latency histograms observe each streamed answer once (and its later responses), and the token
+    counters add up to the answers' own usage, exactly."""
+    import time
+
+    from serving_checks import metrics
+
+    names = {"ttft": "pipeline_time_to_first_token_seconds_count", "itl": "pipeline_inter_token_latency_seconds_count",
+             "e2e": "pipeline_e2e_request_latency_seconds_count", "prompt": "pipeline_prompt_tokens_total",
+             "generated": "pipeline_generation_tokens_total"}
+    before = metrics(served[0].endpoints.metrics)
+    usages = []
+    for i in range(3):
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=30, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        usages.append(chunks[-1].usage)
+    want = {"ttft": 3, "e2e": 3, "prompt": sum(u.prompt_tokens for u in usages),
+            "generated": sum(u.completion_tokens for u in usages)}
+
+    def added() -> dict[str, float]:  # the token counters are published every 0.1 s
+        now = metrics(served[0].endpoints.metrics)
+        return {key: total(now, name) - total(before, name) for key, name in names.items()}
+    deadline = time.monotonic() + 10
+    got = added()
+    while {k: got[k] for k in want} != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+        got = added()
+    assert {k: got[k] for k in want} == want
+    # The first token leaves alone, so each answer of more than one token sends at least one more response.
+    assert got["itl"] >= sum(u.completion_tokens > 1 for u in usages)
+    after = metrics(served[0].endpoints.metrics)
+    ttft_s, e2e_s = (total(after, n) - total(before, n) for n in ("pipeline_time_to_first_token_seconds_sum",
+                                                                  "pipeline_e2e_request_latency_seconds_sum"))
+    assert 0 < ttft_s < e2e_s
+
+
+def test_every_metric_the_dashboard_plots_is_one_the_server_exports(served):
+    import re
+
+    from pipeline.deploy.dashboard import metric_names
+
+    with urllib.request.urlopen(served[0].endpoints.metrics, timeout=5) as response:
+        exported = set(re.findall(r"^(\w+)[{ ]", response.read().decode(), re.M))
+    assert metric_names() - exported == set()
+
+
+def test_kv_cache_usage_rises_while_answers_run_and_falls_to_zero(served, client):
+    import time
+
+    from serving_checks import metrics
+
+    name = "pipeline_engine_kv_cache_usage_ratio"
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(total(metrics(served[0].endpoints.metrics), name))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        streams = [threading.Thread(target=lambda i=i: list(client.completions.create(
+            model="tiny", prompt=f"Once upon a time {i}", max_tokens=200, temperature=0, stream=True,
+            extra_body={"speculation": "off"}))) for i in range(4)]
+        for t in streams:
+            t.start()
+        for t in streams:
+            t.join(60)
+    finally:
+        done.set()
+        watcher.join()
+    assert 0 < max(seen) <= 1
+    deadline = time.monotonic() + 10
+    while total(metrics(served[0].endpoints.metrics), name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert total(metrics(served[0].endpoints.metrics), name) == 0
+
+
 def test_64_streams_with_50_clients_leaving_mid_stream_leave_nothing_in_flight(served, client):
     import re
     import time

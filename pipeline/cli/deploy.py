@@ -92,4 +92,5 @@ def kubernetes(name, namespace, replicas, image, base_image, storage_class, stor
         click.echo(f"note: {note}")
     click.echo(f"next: docker build -f {plan.output}/Dockerfile -t {plan.image} . && docker push {plan.image}")
     click.echo(f"      kubectl create secret generic {plan.name}-admin --from-literal=admin-key=$(openssl rand -hex 16)")
+    click.echo(f"      kubectl create secret generic {plan.name}-openai --from-literal=api-key=$(openssl rand -hex 16)")
     click.echo(f"      kubectl apply -k {plan.output}")

