@@ -382,3 +382,38 @@ def test_the_ensemble_takes_a_prompt_as_it_is_when_asked(served):
     assert templated != raw
 
 
+
+def test_tritons_own_openai_frontend_can_sit_in_front_of_the_ensemble(served, client):
+    """What Triton's OpenAI frontend sends (pipeline.triton.upstream.TRITON_OPENAI_INPUTS): a conversation it
+    rendered with the model's template, and its sampling fields at OpenAI's neutral values. The ensemble doesn't
+    template it twice: the answer is the one our own frontend gives for the same messages."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from serving_checks import responses, tensor
+
+    from pipeline.models.tokenizer import load_tokenizer
+    from pipeline.triton.config import PREPROCESSING, read_config
+    from pipeline.triton.upstream import TRITON_OPENAI_INPUTS
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+    params = read_config(served[0].options.repo / PREPROCESSING / "config.pbtxt").parameters
+    tokenizer = load_tokenizer(params["tokenizer_dir"].string_value)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # TritonLLMEngine.chat
+    # A one-token stop word (the ensemble refuses longer ones in a line; our frontend matches text instead).
+    stop = next(w for w in (" zebra", "zebra", " banana", "~") if len(tokenizer(w, add_special_tokens=False)
+                                                                           .input_ids) == 1)
+    sent = {"text_input": np.array([[rendered.encode()]], np.object_), "stream": np.array([[True]]),
+            "max_tokens": np.array([[30]], np.int32), "stop_words": np.array([[stop.encode()]], np.object_),
+            "top_p": np.array([[1.0]], np.float32), "frequency_penalty": np.array([[0.0]], np.float32),
+            "presence_penalty": np.array([[0.0]], np.float32), "seed": np.array([[7]], np.uint64),
+            "temperature": np.array([[0.0]], np.float32)}
+    assert [name for name, _ in TRITON_OPENAI_INPUTS] == list(sent)
+    dtypes = dict(TRITON_OPENAI_INPUTS)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{served[0].options.grpc_port}")
+    try:
+        chunks = responses(grpc, "", 0, raw_inputs=[tensor(n, v, dtypes[n]) for n, v in sent.items()])
+    finally:
+        grpc.close()
+    ours = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
+                                          stop=[stop])
+    assert "".join(text for text, _, _ in chunks) == ours.choices[0].message.content

@@ -48,7 +48,8 @@ def test_every_table_entry_names_an_upstream_file_and_symbol():
         assert ref.path in upstream.SOURCES and ref.symbol, name
     for name, fact in upstream.LAUNCH_FACTS.items():
         assert fact.ref.path in upstream.SOURCES and fact.ref.symbol and fact.what, name
-    for ref in (upstream.TENSORS_REF, upstream.ENSEMBLE_REF, upstream.LLMAPI_REF):
+    for ref in (upstream.TENSORS_REF, upstream.ENSEMBLE_REF, upstream.LLMAPI_REF, upstream.TRITON_OPENAI_REF,
+                upstream.TRITON_OPENAI_RENDER_REF):
         assert ref.path in upstream.SOURCES
     assert len(upstream.TEMPLATE_COMMIT) == 40 and upstream.TRTLLM_VERSION == "1.2.1"
     keys = [p.key for p in upstream.TEMPLATE_PARAMETERS]
@@ -296,3 +297,12 @@ def test_engines_built_by_another_tensorrt_llm_are_refused_naming_both_versions(
 
 def test_repo_spec_without_a_draft_keeps_one_model():
     assert TRTLLM_DRAFT not in repository_configs(replace(SPEC, draft_engine_dir=""))
+
+
+def test_what_tritons_openai_frontend_sends_is_what_our_ensemble_takes():
+    """Every tensor of upstream's request builder is an ensemble input of ours, with its dtype (the served check,
+    with the real text, is tests/test_openai_api.py)."""
+    from pipeline.triton.interface import ENSEMBLE_INPUTS
+
+    ours = {t.name: t.dtype for t in ENSEMBLE_INPUTS}
+    assert {name: ours.get(name) for name, _ in upstream.TRITON_OPENAI_INPUTS} == dict(upstream.TRITON_OPENAI_INPUTS)

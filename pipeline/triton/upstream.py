@@ -51,10 +51,14 @@ LLMAPI_LAUNCHER = "tensorrt_llm/llmapi/trtllm-llmapi-launch"  # read at 020c89e6
 LWS_SERVER = "kubernetes-sigs/lws:docs/examples/tensorrt-llm/build/server.py"
 LWS_RBAC = "kubernetes-sigs/lws:docs/examples/tensorrt-llm/rbac.yaml"
 KUBESSH = "triton-inference-server/tutorials:Deployment/Kubernetes/TensorRT-LLM_Multi-Node_Distributed_Models/containers/kubessh"
+# Triton's own OpenAI frontend (in NVIDIA's container, python/openai): how it calls a TensorRT-LLM-style ensemble
+# (read at 0019b9d6107db8228745b118005d198ab4db5682), and where it renders the chat template before that.
+TRITON_OPENAI_REQUEST = "triton-inference-server/server:python/openai/openai_frontend/engine/utils/triton.py"
+TRITON_OPENAI_ENGINE = "triton-inference-server/server:python/openai/openai_frontend/engine/triton_engine.py"
 SOURCES = frozenset({TEMPLATE, ENSEMBLE_TEMPLATE, MODEL_INSTANCE_STATE, MODEL_STATE, UTILS_H, FILL_TEMPLATE,
                      LAUNCH_SCRIPT, EXECUTOR_IMPL, DOCKERFILE, MULTI_INSTANCE_DOC, DRAFT_TARGET_README,
                      LLMAPI_TEMPLATE, LLMAPI_MODEL_PY, LLMAPI_HELPERS, LLMAPI_DOC, LLMAPI_LAUNCHER, LWS_SERVER,
-                     LWS_RBAC, KUBESSH})
+                     LWS_RBAC, KUBESSH, TRITON_OPENAI_REQUEST, TRITON_OPENAI_ENGINE})
 
 
 @dataclass(frozen=True)
@@ -395,3 +399,15 @@ LLMAPI_REF = Ref(LLMAPI_TEMPLATE, "input, output")
 # LLMAPI_MODEL_PY TritonPythonModel.auto_complete_config sets max_batch_size and decoupled from model.yaml's
 # triton_config; with launch_triton_server.py's --disable-auto-complete-config, config.pbtxt must carry them.
 LLMAPI_TRITON_CONFIG = {"max_batch_size": 0, "decoupled": True}
+
+
+# ---- Triton's OpenAI frontend in front of the ensemble ------------------------------------------------------------
+
+# The tensors _create_trtllm_inference_request sends (each only when the request sets it; frequency and presence
+# penalty at OpenAI's neutral 0 pass our UNSUPPORTED_INPUTS check). text_input is the conversation already
+# rendered by the model's chat template (TritonLLMEngine.chat), which preprocessing must not template again.
+TRITON_OPENAI_REF = Ref(TRITON_OPENAI_REQUEST, "_create_trtllm_inference_request")
+TRITON_OPENAI_RENDER_REF = Ref(TRITON_OPENAI_ENGINE, "TritonLLMEngine.chat")
+TRITON_OPENAI_INPUTS: tuple[tuple[str, str], ...] = (
+    ("text_input", "BYTES"), ("stream", "BOOL"), ("max_tokens", "INT32"), ("stop_words", "BYTES"), ("top_p", "FP32"),
+    ("frequency_penalty", "FP32"), ("presence_penalty", "FP32"), ("seed", "UINT64"), ("temperature", "FP32"))
