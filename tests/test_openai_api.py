@@ -229,7 +229,12 @@ def test_the_serving_metrics_count_what_the_answers_said(served, client):
     names = {"ttft": "pipeline_time_to_first_token_seconds_count", "itl": "pipeline_inter_token_latency_seconds_count",
              "e2e": "pipeline_e2e_request_latency_seconds_count", "prompt": "pipeline_prompt_tokens_total",
              "generated": "pipeline_generation_tokens_total"}
-    before = metrics(served[0].endpoints.metrics)
+    # The token counters are published every 0.1 s: wait until an earlier test's last answer is in them.
+    before, previous = metrics(served[0].endpoints.metrics), None
+    deadline = time.monotonic() + 10
+    while before != previous and time.monotonic() < deadline:
+        time.sleep(0.3)
+        previous, before = before, metrics(served[0].endpoints.metrics)
     usages = []
     for i in range(3):
         chunks = list(client.chat.completions.create(
