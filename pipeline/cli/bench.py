@@ -103,11 +103,10 @@ def _gate_min_tokens(repo: Path | None) -> int:
     """The gate's min tokens: --repo's speculation_gate setting, else the default every build starts from."""
     from pipeline.engine.gate_policy import GatePolicy
 
-    config = repo / "speculation_gate" / "config.pbtxt" if repo is not None else None
-    if config is not None and config.is_file():
-        from pipeline.triton.config import read_config
+    from pipeline.triton.config import CONFIG_FILE, GATE, read_config
 
-        params = read_config(config).parameters
+    if repo is not None and (repo / GATE / CONFIG_FILE).is_file():
+        params = read_config(repo / GATE).parameters
         if "gate_min_tokens" in params:
             return int(params["gate_min_tokens"].string_value)
     return GatePolicy().min_tokens

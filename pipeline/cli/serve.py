@@ -40,8 +40,8 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
     rank when a draft and a target engine share the server. It prints the command, waits until every
     model is ready, then prints the endpoints and where the key the admin APIs need is kept (logging, trace,
     model repository, shared memory, model config); the key itself is never printed. With --openai-port it
-    also serves the OpenAI API (chat and completions, streaming, /v1/models) in front of the ensemble. It restarts the server when it or a model's process dies,
-    saying so in one line. Stopping also reaps the python backend stubs and their shared memory.
+    also serves the OpenAI API (chat and completions, streaming, /v1/models) in front of the ensemble. It
+    restarts the server when it or a model's process dies, saying so in one line. Stopping also reaps the python backend stubs and their shared memory.
 
     \b
     Example:

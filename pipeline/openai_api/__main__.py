@@ -38,17 +38,14 @@ def settings_from_repo(repo: Path, grpc_url: str, model_name: str | None, metric
 def default_model_name(tokenizer_dir: Path) -> str:
     """The model's own name: a portable engine keeps its target in `<engine>/target`, and engine.json names the
     folder it was compiled from (SmolLM2's: smollm2-135m); other routes' tokenizer is the model's folder."""
-    import json
+    from pipeline.engine.folder import read_engine_manifest
+    from pipeline.errors import PipelineError
 
-    manifest = tokenizer_dir.parent / "engine.json"
-    if manifest.is_file():
-        try:
-            source = json.loads(manifest.read_text())["target"]["source"]
-            if source:
-                return Path(source).name
-        except (ValueError, KeyError, TypeError):
-            pass
-    return tokenizer_dir.name
+    try:
+        source = read_engine_manifest(tokenizer_dir.parent)["target"].get("source")
+    except (PipelineError, ValueError, KeyError):  # not a portable engine's target, or an unreadable engine.json
+        source = None
+    return Path(source).name if source else tokenizer_dir.name
 
 
 @click.command()

@@ -92,6 +92,10 @@ class ClientRequest:
     stop_words: tuple[str, ...]
     apply_chat_template: bool | None = None  # None: not sent (the repository's setting)
 
+    def raw(self, repository_raw: bool) -> bool:
+        """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
+        return repository_raw if self.apply_chat_template is None else not self.apply_chat_template
+
 
 def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_tokens: int,
                  vocab_size: int) -> ClientRequest:

@@ -106,8 +106,7 @@ class TritonPythonModel:
         if r.end_id is not None:
             raise RequestError("end_id isn't supported on the LLM-API route (TensorRT-LLM's llmapi model stops at "
                                "the tokenizer's end of text); leave it out, or send stop_words")
-        raw = self.raw if r.apply_chat_template is None else not r.apply_chat_template
-        prompt = prompt_text(self.tokenizer, r.text, raw, self.opening)
+        prompt = prompt_text(self.tokenizer, r.text, r.raw(self.raw), self.opening)
         check_length(len(self.tokenizer(prompt).input_ids), r.max_tokens, self.max_seq_len)
 
         def t(name, value, dtype):

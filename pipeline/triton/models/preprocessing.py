@@ -54,8 +54,7 @@ class TritonPythonModel:
 
         r = read_request(get, max_seq_len=self.max_seq_len, max_input_bytes=self.max_input_bytes,
                          num_draft_tokens=self.num_draft_tokens, vocab_size=len(self.tokenizer))
-        raw = self.raw if r.apply_chat_template is None else not r.apply_chat_template
-        ids = encode_prompt(self.tokenizer, r.text, raw, self.opening)
+        ids = encode_prompt(self.tokenizer, r.text, r.raw(self.raw), self.opening)
         check_length(len(ids), r.max_tokens, self.max_seq_len)
         end_id = r.end_id if r.end_id is not None else (self.stops[0] if self.stops else -1)
         stop_ids = list(self.stops[1:])
