@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
@@ -401,16 +402,29 @@ def exact_joint(tiny_vocab_models):
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     V = E2E_VOCAB
 
+    def penalised(logits: torch.Tensor, ctx: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """logits [N, V] after each context ctx [N, L] (prompt + output): the penalties as transformers'
+        RepetitionPenaltyLogitsProcessor and OpenAI's formula give them, written apart from the engine's."""
+        if not params.penalized:
+            return logits
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ctx, logits.float()).double()
+        out = ctx[:, len(E2E_PROMPT):]
+        counts = torch.stack([torch.bincount(row, minlength=V) for row in out]) if out.shape[1] else \
+            torch.zeros_like(logits)
+        return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+
     def joint(params: SamplingParams) -> dict:
         with torch.no_grad():
             prompt = torch.tensor([E2E_PROMPT])
-            p1 = probs_from_logits(model(prompt).logits[0, -1].double(), params)  # [V]
+            p1 = probs_from_logits(penalised(model(prompt).logits[:, -1].double(), prompt, params)[0], params)  # [V]
             x1 = torch.arange(V)[:, None]
             ctx1 = torch.cat([prompt.expand(V, -1), x1], 1)
-            p2 = probs_from_logits(model(ctx1).logits[:, -1].double(), params)  # [V, V]
+            p2 = probs_from_logits(penalised(model(ctx1).logits[:, -1].double(), ctx1, params), params)  # [V, V]
             pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))
             ctx2 = torch.cat([prompt.expand(V * V, -1), pairs], 1)
-            p3 = probs_from_logits(model(ctx2).logits[:, -1].double(), params).view(V, V, V)
+            p3 = probs_from_logits(penalised(model(ctx2).logits[:, -1].double(), ctx2, params), params).view(V, V, V)
         j = p1[:, None, None] * p2[:, :, None] * p3
         assert float(j.sum()) == pytest.approx(1.0, abs=1e-9)
         return {(a, b, c): float(j[a, b, c]) for a, b, c in itertools.product(range(V), repeat=3)}
@@ -427,8 +441,7 @@ def run_engine(target, draft, params: SamplingParams, n_requests: int, batch: in
     engine = LLMEngine.load(target, cfg, draft=draft)
     streams = []
     for start in range(0, n_requests, batch):
-        plist = [SamplingParams(max_tokens=E2E_MAX_TOKENS, temperature=params.temperature, top_k=params.top_k,
-                                top_p=params.top_p, seed=10_000 + start + i) for i in range(batch)]
+        plist = [replace(params, max_tokens=E2E_MAX_TOKENS, seed=10_000 + start + i) for i in range(batch)]
         reqs = engine.generate([E2E_PROMPT] * batch, plist, speculation="on")
         streams += [tuple(r.output_ids[:3]) for r in reqs]
     assert all(len(s) == 3 for s in streams)
@@ -448,6 +461,8 @@ def test_exact_joint_is_not_degenerate(exact_joint):
     ("model", SamplingParams(temperature=1.0)),
     ("ngram", SamplingParams(temperature=1.0)),
     ("model", SamplingParams(temperature=0.8, top_k=8, top_p=0.9)),
+    # every row of a verify penalised by the drafts before it, as plain decoding would have been
+    ("model", SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.9)),
 ])
 def test_engine_sampling_matches_exact_target_distribution(tiny_vocab_models, exact_joint, draft_kind, params):
     target, draft_folder = tiny_vocab_models

@@ -24,12 +24,15 @@ from pipeline.engine.cost_model import CostModel, default_cost_model
 from pipeline.engine.draft_plan import EMPTY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
 from pipeline.engine.kv_cache import ForwardBatch
+from pipeline.engine.logprobs import TokenLogprob, token_logprobs
 from pipeline.engine.model import Transformer
+from pipeline.engine.penalties import penalize
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
 from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
 from pipeline.engine.speculative import accept_greedy, accept_sampled
 from pipeline.engine.stats import EngineStats
+from pipeline.engine.stop_strings import Detokenize, StopStrings
 from pipeline.errors import ConfigError, DraftMismatchError, RequestError, one_line
 
 
@@ -53,6 +56,9 @@ class LLMEngine:
         self.running: list[Request] = []
         self._queue_lock = threading.Lock()  # guards `waiting`; add_request never waits for a step
         self._step_lock = threading.RLock()  # held for a whole step; cancel waits for the step to end
+        # Token ids -> the answer's text, as the client will see it: needed for stop strings (set by whoever
+        # holds the tokenizer: the Triton model, `pipeline generate`).
+        self.detokenize: Detokenize | None = None
 
     @classmethod
     def load(cls, target: str | Path, config: EngineConfig, draft: DraftSpec | str | Path | None = None,
@@ -111,6 +117,11 @@ class LLMEngine:
         req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
                       num_draft_tokens=num_draft_tokens)
         req.stop_ids = frozenset(params.stop_token_ids) | frozenset(self.eos_token_ids)
+        if params.stop:
+            if self.detokenize is None:
+                raise RequestError("stop strings need the engine's tokenizer (LLMEngine.detokenize); send stop "
+                                   "token ids instead")
+            req.stop_strings = StopStrings(params.stop, self.detokenize)
         with self._queue_lock:
             self.waiting.append(req)
         return req
@@ -188,8 +199,12 @@ class LLMEngine:
                 r.target_len = lengths[i]
                 if hidden is not None:
                     self.proposer.on_target_hidden(r, hidden[i, : lengths[i]])
-                tok = greedy[i] if r.params.greedy else sample(probs_from_logits(logits[i].cpu(), r.params), r.generator)
-                self._emit(r, [tok], finished)
+                row = logits[i:i + 1]
+                if r.params.penalized:
+                    row = penalize(row.cpu(), r.params, r.prompt_ids, r.output_ids)
+                    greedy[i] = int(row[0].argmax())
+                tok = greedy[i] if r.params.greedy else sample(probs_from_logits(row[0].cpu(), r.params), r.generator)
+                self._emit(r, [tok], finished, self._logprobs(r, row, [tok]))
             except Exception as err:  # noqa: BLE001  one request's failure ends that request only
                 self._fail(r, err, finished)
         self.stats.prefill_steps += 1
@@ -276,10 +291,13 @@ class LLMEngine:
         for i, r in enumerate(reqs):
             try:
                 d = drafts[i]
+                rows = logits[i, : len(d) + 1]  # [k+1, V]: row j scores the token after d_j
+                if r.params.penalized:  # each row penalised by the sequence plain decoding would have had there
+                    rows = penalize(rows.cpu(), r.params, r.prompt_ids, r.output_ids, d)
                 if r.params.greedy:
-                    m, nxt = accept_greedy(argmax[i][: len(d) + 1], d)
+                    m, nxt = accept_greedy(rows.argmax(-1).tolist() if r.params.penalized else argmax[i][: len(d) + 1], d)
                 else:
-                    m, nxt = accept_sampled(logits[i].cpu(), d, q_rows.get(i), r)
+                    m, nxt = accept_sampled(rows.cpu(), d, q_rows.get(i), r)
                 prev_len = r.num_tokens
                 # The pending token and the m accepted drafts now have valid K/V; rejected entries past
                 # this length are stale and get overwritten: that is the per-sequence rollback.
@@ -294,7 +312,7 @@ class LLMEngine:
                     self.proposer.on_verified(r, prev_len, len(d), m)
                 if hidden is not None:  # the states of the pending token and the accepted drafts
                     self.proposer.on_target_hidden(r, hidden[i, : m + 1])
-                self._emit(r, d[:m] + [nxt], finished)
+                self._emit(r, d[:m] + [nxt], finished, self._logprobs(r, rows[: m + 1], d[:m] + [nxt]))
             except Exception as err:  # noqa: BLE001  one request's failure ends that request only
                 self._fail(r, err, finished)
 
@@ -308,15 +326,27 @@ class LLMEngine:
         logits, captured = self.model(ids, fb, self.cache, logits_index=logits_index, capture_layers=capture)
         return logits, torch.cat(captured, dim=-1)
 
-    def _emit(self, req: Request, tokens: list[int], finished: list[Request]) -> None:
+    @staticmethod
+    def _logprobs(req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """rows: [len(tokens), V], the (penalised) logits each token was chosen from."""
+        return None if req.params.logprobs is None else token_logprobs(rows.cpu(), tokens, req.params)
+
+    def _emit(self, req: Request, tokens: list[int], finished: list[Request],
+              logprobs: list[TokenLogprob] | None = None) -> None:
         new: list[int] = []
         reason = None
-        for t in tokens:
+        for n, t in enumerate(tokens):
             if t in req.stop_ids:
                 reason = FinishReason.STOP
                 break
             req.output_ids.append(t)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[n])
             new.append(t)
+            if req.stop_strings is not None and (hit := req.stop_strings.check(req.output_ids)) is not None:
+                req.stop_text_len, req.stop_reason = hit
+                reason = FinishReason.STOP
+                break
             if req.remaining <= 0 or req.num_tokens >= self.config.max_seq_len:
                 reason = FinishReason.LENGTH
                 break

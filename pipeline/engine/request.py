@@ -63,6 +63,12 @@ class Request:
     proposer_failed: bool = False  # the proposer raised for it: it decodes on without drafts
     generator: torch.Generator | None = None
     error: str | None = None  # one line, set when finish_reason is ERROR
+    # Per output token, when params.logprobs is set: its log prob and the top-N (pipeline/engine/logprobs.py).
+    logprobs: list = field(default_factory=list)
+    stop_strings: object | None = None  # a StopStrings, set by the engine when params.stop is
+    # Set when a stop string ended the answer: characters of the output's text to keep, and the string.
+    stop_text_len: int | None = None
+    stop_reason: str | None = None
 
     def __post_init__(self):
         if not self.prompt_ids:

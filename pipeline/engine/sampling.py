@@ -1,7 +1,9 @@
 """Sampling parameters and the logits -> probabilities transform shared by target and draft.
 
 Speculation is lossless only if the draft's q and the target's p are processed the same way
-(temperature, then top-k, then top-p), so both go through `probs_from_logits`.
+(temperature, then top-k, then top-p), so both go through `probs_from_logits`. Penalties
+(pipeline/engine/penalties.py) come first and only on the target: they read the sequence, which a
+draft row's logits don't know, and the draft's q needn't match p for rejection sampling to be exact.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.engine.sampling_limits import check_sampling_values
+from pipeline.engine.sampling_limits import check_logprobs, check_penalty_values, check_sampling_values, check_stop_strings
 from pipeline.errors import RequestError
 
 
@@ -22,11 +24,25 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Text that ends the answer wherever it appears, across token boundaries; the answer's text is cut just
+    # before it (OpenAI's and vLLM's `stop`). Needs an engine with a detokenizer (LLMEngine.detokenize).
+    stop: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0  # CTRL's: logits of tokens seen in the prompt or output / p (x p if < 0)
+    presence_penalty: float = 0.0  # OpenAI's: - p for each token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: - p x its count in the output
+    logprobs: int | None = None  # None: none; N: the chosen token's log prob and the top N (0..20)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1 (got {self.max_tokens})")
         check_sampling_values(self.temperature, self.top_p, self.top_k)
+        check_penalty_values(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        check_logprobs(self.logprobs)
+        check_stop_strings(self.stop)
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

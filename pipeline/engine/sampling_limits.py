@@ -32,3 +32,34 @@ def check_sampling_values(temperature: float, top_p: float, top_k: int, vocab_si
         raise RequestError(f"top_k must be >= 0 (got {top_k}); use 0 to disable")
     if vocab_size is not None and top_k > vocab_size:
         raise RequestError(f"top_k {top_k} is over the vocabulary's {vocab_size} tokens; send at most that, or 0")
+
+MAX_LOGPROBS = 20  # top-N log probs per token, as OpenAI's top_logprobs allows
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def check_penalty_values(repetition_penalty: float, presence_penalty: float, frequency_penalty: float) -> None:
+    """Raise RequestError unless the penalties are usable: repetition > 0 (1 = off), presence and frequency in
+    [-2, 2] (0 = off), OpenAI's and vLLM's ranges."""
+    if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise RequestError(f"repetition_penalty must be a finite number > 0 (got {repetition_penalty}); use 1 for none")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not math.isfinite(value) or not -2 <= value <= 2:
+            raise RequestError(f"{name} must be in [-2, 2] (got {value}); use 0 for none")
+
+
+def check_logprobs(logprobs: int | None) -> None:
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise RequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the top-N alternatives per token; "
+                           f"0 for the chosen token's only) (got {logprobs!r})")
+
+
+def check_stop_strings(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"{len(stop)} stop strings; send at most {MAX_STOP_STRINGS}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise RequestError(f"stop strings must be non-empty text (got {s!r})")
+        if len(s) > MAX_STOP_CHARS:
+            raise RequestError(f"stop string {s[:20]!r}... is {len(s)} characters; send at most {MAX_STOP_CHARS}")
