@@ -115,6 +115,21 @@ def test_drafts_equal_a_fresh_head_after_joins_leaves_and_gate_flips(target, hea
     assert not engine.proposer.pending and not engine.proposer.head_len  # released with their requests
 
 
+@pytest.mark.identity
+def test_drafts_equal_a_fresh_head_after_prefix_hits_and_chunked_prefills(target, head, reference):
+    # A cached prefix skips the target's forward over it: the head gets those tokens' states from the cache.
+    engine = LLMEngine.load(target, config(num_draft_tokens=3, prefill_chunk=20), draft=f"eagle3:{head}")
+    rec = Recorder(engine.proposer)
+    system = make_prompts(1, seed=9)[0] * 3  # 3 x its length: several whole blocks
+    prompts = [system + p[:5] for p in make_prompts(3, seed=10)]
+    reqs = engine.generate(prompts[:1], SamplingParams(max_tokens=MAX_TOKENS))
+    reqs += engine.generate(prompts[1:], SamplingParams(max_tokens=MAX_TOKENS))
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference(p)
+    assert all(r.num_cached_tokens >= 16 for r in reqs[1:])
+    assert check_incremental_drafts(engine, rec, every=2) >= 5
+
+
 def test_incremental_drafts_check_catches_a_proposer_that_drops_target_states(target, head, reference, monkeypatch):
     engine = LLMEngine.load(target, config(num_draft_tokens=3), draft=f"eagle3:{head}")
     rec = Recorder(engine.proposer)
@@ -206,7 +221,7 @@ def test_head_matches_modelopt_drafts(tmp_path, target):
     for prompt in make_prompts(4, seed=13):
         base, theirs = m.pseudo_speculative_generate(torch.tensor([prompt]), steps=4)
         req = engine.add_request(prompt, SamplingParams(max_tokens=8))
-        engine._prefill(engine._admit(), [])
+        engine.step()  # admits and prefills it: the first token, no decode yet
         assert req.output_ids == base[0].tolist()
         ours = engine.proposer.propose([req], [4]).tokens[0]
         engine.cancel(req)

@@ -329,7 +329,8 @@ def test_a_failing_row_ends_alone_and_the_others_finish_identically(tiny_target,
     poison = torch.tensor(prompts[5])
     engine.model = _Poisoned(engine.model, lambda ids, fb: (
         any(len(row) >= len(poison) and torch.equal(row[:len(poison)], poison) for row in ids)
-        or (len(at_decode.output_ids) >= 3 and at_decode.slot in fb.slots.tolist())))
+        or (len(at_decode.output_ids) >= 3 and bool(at_decode.blocks.blocks)
+            and at_decode.blocks.blocks[0] in fb.block_table[:, 0].tolist())))
     for _ in range(200):
         if not engine.has_unfinished():
             break

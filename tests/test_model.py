@@ -141,7 +141,6 @@ def test_ragged_padded_batch_matches_hf(variant, dtype, backend):
     for i, (_, start, n) in enumerate(rows):
         ids[i, :n] = full[i, start:start + n]
     fb = ForwardBatch.build([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], cache)
-    assert fb.slot_range is None  # exercises the gathered (non-contiguous) cache read
     out = model(ids, fb, cache)
     for i, (_, start, n) in enumerate(rows):
         ref = hf_logits(path, dtype, full[i:i + 1, : start + n])[0, start:]

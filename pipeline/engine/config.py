@@ -108,9 +108,20 @@ class EngineConfig:
     # inputs, like llama.cpp's Q8_0 head) onto the C kernel; "auto" does that for an INT4 checkpoint only, whose
     # ModelOpt export leaves the (tied) head in bf16: half the bytes a decode step reads (see quant.Int8Head).
     lm_head: str = "auto"
+    # The target's KV cache: a pool of 16-token blocks, this many bytes (None: room for max_batch_size requests of
+    # max_seq_len tokens each). Requests hold only the blocks their tokens fill.
+    kv_cache_bytes: int | None = None
+    prefix_caching: bool = True  # reuse full blocks of a prompt prefix another request already computed
+    # Prompt tokens prefilled per step, at most (chunked prefill): a long prompt is prefilled over several steps,
+    # each also decoding the running requests, so it never stalls their tokens for its whole prefill.
+    prefill_chunk: int = 512
 
     def __post_init__(self):
         parse_dtype(self.dtype)
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes must be > 0 (got {self.kv_cache_bytes})")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1 token (got {self.prefill_chunk})")
         if self.max_batch_size < 1:
             raise ConfigError("max_batch_size must be >= 1")
         if self.max_seq_len < 2:

@@ -61,9 +61,10 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _LAYER_OPS = {  # the per-layer ops (cpu_kernels_layer.h), one copy per storage type: name_bf16 and name_f32
     "rms_norm": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
     "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
-    "rope_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _F, ctypes.c_int, _P]),
-    "layers": (ctypes.c_int, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P, _P, _P, _I, _I, _P, _P, _F,
-                              ctypes.c_int]),
+    "rope_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _P, _F, ctypes.c_int,
+                                   _P]),
+    "layers": (ctypes.c_int, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P, _P, _P, _I, _I, _P, _I, _P,
+                              _F, ctypes.c_int]),
 }
 _SIGNATURES = {  # name -> (return type, argument types)
     **{f"{name}_{suffix}": sig for name, sig in _LAYER_OPS.items() for suffix in ("bf16", "f32")},
@@ -175,24 +176,25 @@ class CpuKernels:
         return out
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
-                    cache_v: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, n_heads: int,
+                    cache_v: torch.Tensor, block_table: torch.Tensor, write_pos: torch.Tensor, n_heads: int,
                     n_kv: int) -> torch.Tensor:
-        """qkv [B, T, H + 2KV, D]; cos/sin [B, T, 1, D]; cache_k/v one layer's [S, KV, P, D]; slots [B] and
-        write_pos [B, T] int64 -> attention output [B, T, H, D]. Writes the rotated K and V to the cache."""
+        """qkv [B, T, H + 2KV, D]; cos/sin [B, T, 1, D]; cache_k/v one layer's block pool [NB, KV, BS, D];
+        block_table [B, MB] and write_pos [B, T] (-1 for pads) int64 -> attention output [B, T, H, D]. Writes the
+        rotated K and V to the cache."""
         B, T, _, D = qkv.shape
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
             raise ValueError("rope_attend needs a contiguous KV cache")
-        if slots.dtype != torch.int64 or write_pos.dtype != torch.int64:
-            raise ValueError("rope_attend reads slots and write_pos as int64")
+        if block_table.dtype != torch.int64 or write_pos.dtype != torch.int64:
+            raise ValueError("rope_attend reads block_table and write_pos as int64")
         out = qkv.new_empty(B, T, n_heads, D)
-        slots, write_pos = slots.contiguous(), write_pos.contiguous()
+        table, write_pos = block_table.contiguous(), write_pos.contiguous()
         attend = self._op("rope_attend", qkv, cos, sin, cache_k, cache_v)
         if attend(qkv.data_ptr(), B, T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
-                  cache_v.data_ptr(), cache_k.shape[0], cache_k.shape[2], slots.data_ptr(), write_pos.data_ptr(),
-                  D**-0.5, torch.get_num_threads(), out.data_ptr()):
-            raise IndexError(f"a slot or cache position is outside the KV cache ({cache_k.shape[0]} slots, "
-                             f"{cache_k.shape[2]} positions): slots {slots.tolist()}")
+                  cache_v.data_ptr(), cache_k.shape[0], cache_k.shape[2], table.data_ptr(), table.shape[1],
+                  write_pos.data_ptr(), D**-0.5, torch.get_num_threads(), out.data_ptr()):
+            raise IndexError(f"a position or block is outside the KV cache ({cache_k.shape[0]} blocks of "
+                             f"{cache_k.shape[2]}): table {table.tolist()}")
         return out
 
     def quant_linear(self, x: torch.Tensor, blocks: torch.Tensor, bits: int, scales: torch.Tensor,
@@ -249,22 +251,22 @@ class CpuKernels:
         x = x.contiguous()
         delta = torch.empty_like(x)
         cos, sin = cos.contiguous(), sin.contiguous()
-        k, v = cache.k, cache.v  # [layers, S, KV, P, D]
+        k, v = cache.k, cache.v  # [layers, NB, KV, BS, D]
         if not (k.is_contiguous() and v.is_contiguous()):
             raise ValueError("the layer stack needs a contiguous KV cache")
-        slots, write_pos = fb.slots.contiguous(), fb.write_pos.contiguous()
-        if slots.dtype != torch.int64 or write_pos.dtype != torch.int64:
-            raise ValueError("the layer stack reads slots and write_pos as int64")
+        blocks, write_pos = fb.block_table.contiguous(), fb.write_pos.contiguous()
+        if blocks.dtype != torch.int64 or write_pos.dtype != torch.int64:
+            raise ValueError("the layer stack reads block_table and write_pos as int64")
         layers = self._op("layers", x, cos, sin, k, v)
         rc = layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
-                    sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], slots.data_ptr(),
-                    write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads())
+                    sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], blocks.data_ptr(),
+                    blocks.shape[1], write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads())
         if rc == -2:
             raise ValueError("the layer stack was planned with a projection its kernels can't hold")
         if rc:
-            raise IndexError(f"a slot or cache position is outside the KV cache ({k.shape[1]} slots, "
-                             f"{k.shape[3]} positions): slots {slots.tolist()}")
+            raise IndexError(f"a position or block is outside the KV cache ({k.shape[1]} blocks of "
+                             f"{k.shape[3]}): table {blocks.tolist()}")
         return x, delta
 
 

@@ -82,30 +82,40 @@ static inline void FN(rope_head)(const ELT *x, const ELT *cos, const ELT *sin, i
 }
 
 // qkv: [B, T, H + 2*KV, D], the fused projection's output. cos/sin: [B, T, D]. cache_k/cache_v: one
-// layer's [S, KV, P, D]. write_pos: [B, T] cache position of each token, P - 1 (the trash row) for pads.
+// layer's block pool [NB, KV, BS, D]. table: [B, MB], each row's blocks in order: position p of row b lives at
+// offset p % BS of block table[b, p / BS]. write_pos: [B, T] position of each token, -1 for pads.
 // out: [B, T, H, D].
 //
-// First every token's rotated K and its V go to the cache; then query (b, t) attends keys
-// 0..write_pos[b, t] of its slot, which is causal order within the forward too. A pad's output is
-// zeros (nothing reads it). Scores and softmax in fp32; the weighted sum in fp32, rounded once.
-// Returns 0, or -1 (writing nothing) when a slot or position lies outside the cache: torch's indexing
-// would raise there, and a write past the cache would corrupt memory silently.
+// First every token's rotated K and its V go to the cache; then query (b, t) attends positions
+// 0..write_pos[b, t] of its row, which is causal order within the forward too. A pad writes nothing and its
+// output is zeros (nothing reads it). Scores and softmax in fp32; the weighted sum in fp32, rounded once.
+// Where a key lives changes no arithmetic: the bits are those of a contiguous cache.
+// Returns 0, or -1 (writing nothing) when a position or a block lies outside the table or the pool: torch's
+// indexing would raise there, and a write past the cache would corrupt memory silently.
+#define KV_AT(b, pos) (((table[(b) * MB + (pos) / BS] * KV + j) * BS + (pos) % BS) * D)
 int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, const ELT *cos,
-                    const ELT *sin, ELT *cache_k, ELT *cache_v, int64_t S, int64_t P, const int64_t *slots,
-                    const int64_t *write_pos, float scale, int threads, ELT *out) {
-    const int64_t W = H + 2 * KV, G = H / KV, trash = P - 1;
-    for (int64_t b = 0; b < B; b++)
-        if (slots[b] < 0 || slots[b] >= S) return -1;
-    for (int64_t i = 0; i < B * T; i++)
-        if (write_pos[i] < 0 || write_pos[i] >= P) return -1;
+                    const ELT *sin, ELT *cache_k, ELT *cache_v, int64_t NB, int64_t BS, const int64_t *table,
+                    int64_t MB, const int64_t *write_pos, float scale, int threads, ELT *out) {
+    const int64_t W = H + 2 * KV, G = H / KV;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t last = -1;
+        for (int64_t t = 0; t < T; t++) {
+            int64_t wp = write_pos[b * T + t];
+            if (wp < -1 || wp / BS >= MB) return -1;
+            if (wp > last) last = wp;
+        }
+        for (int64_t k = 0; k <= last / BS && last >= 0; k++)  // every block the row reads or writes
+            if (table[b * MB + k] < 0 || table[b * MB + k] >= NB) return -1;
+    }
     float krot[D];
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = 0; t < T; t++) {
             const ELT *row = qkv + (b * T + t) * W * D;
             const ELT *c = cos + (b * T + t) * D, *s = sin + (b * T + t) * D;
             int64_t wp = write_pos[b * T + t];
+            if (wp < 0) continue;
             for (int64_t j = 0; j < KV; j++) {
-                int64_t at = ((slots[b] * KV + j) * P + wp) * D;
+                int64_t at = KV_AT(b, wp);
                 FN(rope_head)(row + (H + j) * D, c, s, D, krot);
                 for (int64_t d = 0; d < D; d++) cache_k[at + d] = ST(krot[d]);
                 memcpy(cache_v + at, row + (H + KV + j) * D, sizeof(ELT) * D);
@@ -114,7 +124,7 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
     }
     int64_t max_keys = 0, work = 0;
     for (int64_t i = 0; i < B * T; i++) {
-        int64_t n = write_pos[i] == trash ? 0 : write_pos[i] + 1;
+        int64_t n = write_pos[i] + 1;  // 0 for a pad
         if (n > max_keys) max_keys = n;
         work += n;
     }
@@ -134,20 +144,20 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
             int64_t b = item / (KV * nqb), j = item / nqb % KV, t0 = item % nqb * QB;
             int64_t nq = T - t0 < QB ? T - t0 : QB, n[QB], nmax = 0;
             for (int64_t tq = 0; tq < nq; tq++) {
-                int64_t bt = b * T + t0 + tq, wp = write_pos[bt];
-                n[tq] = wp == trash ? 0 : wp + 1;
+                int64_t bt = b * T + t0 + tq;
+                n[tq] = write_pos[bt] + 1;
                 if (n[tq] > nmax) nmax = n[tq];
                 for (int64_t g = 0; g < G && n[tq]; g++)
                     FN(rope_head)(qkv + (bt * W + j * G + g) * D, cos + bt * D, sin + bt * D, D, q + (tq * G + g) * D);
             }
-            const ELT *keys = cache_k + (slots[b] * KV + j) * P * D;
-            const ELT *vals = cache_v + (slots[b] * KV + j) * P * D;
             // Scores: KB keys at a time, one lane per key, summed over d in order. A score's bits depend
             // only on its query, its key and the key's lane (k mod KB): never on the batch or the block.
             for (int64_t k0 = 0; k0 < nmax; k0 += KB) {
                 int64_t kn = nmax - k0 < KB ? nmax - k0 : KB;
-                for (int64_t kk = 0; kk < KB; kk++)
-                    for (int64_t d = 0; d < D; d++) kt[d * KB + kk] = kk < kn ? LD(keys[(k0 + kk) * D + d]) : 0.0f;
+                for (int64_t kk = 0; kk < KB; kk++) {
+                    const ELT *key = kk < kn ? cache_k + KV_AT(b, k0 + kk) : NULL;
+                    for (int64_t d = 0; d < D; d++) kt[d * KB + kk] = key ? LD(key[d]) : 0.0f;
+                }
                 for (int64_t tq = 0; tq < nq; tq++) {
                     if (k0 >= n[tq]) continue;
                     for (int64_t g = 0; g < G; g++) {
@@ -177,7 +187,8 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
             }
             for (int64_t x = 0; x < nq * G * D; x++) acc[x] = 0.0f;
             for (int64_t k = 0; k < nmax; k++) {
-                for (int64_t d = 0; d < D; d++) vf[d] = LD(vals[k * D + d]);
+                const ELT *val = cache_v + KV_AT(b, k);
+                for (int64_t d = 0; d < D; d++) vf[d] = LD(val[d]);
                 for (int64_t tq = 0; tq < nq; tq++) {
                     if (k >= n[tq]) continue;
                     for (int64_t g = 0; g < G; g++) {
@@ -200,6 +211,7 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
     }
     return 0;
 }
+#undef KV_AT
 
 // ---- a whole decoder stack in one call ----------------------------------------------------------------
 //
@@ -212,8 +224,8 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
 // x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
 // delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
 // weights, then per projection (qkv, o, gate_up, down) its kind (STACK_*) and the addresses of its weights,
-// scales and pre_quant_scale (0 for none). Returns 0; -1 when a slot or position lies outside
-// the cache (nothing is written then); -2 when a projection's kernel refuses its shape (the plan checks
+// scales and pre_quant_scale (0 for none). Returns 0; -1 when a position or block lies outside
+// the table or the pool (nothing is written then); -2 when a projection's kernel refuses its shape (the plan checks
 // them, so a bug).
 
 static int FN(stack_linear)(const ELT *x, int64_t rows, int64_t K, const int64_t *lin, int64_t G, int64_t N,
@@ -229,9 +241,9 @@ static int FN(stack_linear)(const ELT *x, int64_t rows, int64_t K, const int64_t
 
 int FN(layers)(ELT *x, ELT *delta, int64_t B, int64_t T, int64_t layers, int64_t hidden, int64_t H, int64_t KV,
                int64_t D, int64_t inter, int64_t G, const int64_t *table, float eps, const ELT *cos, const ELT *sin,
-               ELT *cache_k, ELT *cache_v, int64_t S, int64_t P, const int64_t *slots, const int64_t *write_pos,
-               float scale, int threads) {
-    const int64_t rows = B * T, nqkv = (H + 2 * KV) * D, layer_cache = S * KV * P * D;
+               ELT *cache_k, ELT *cache_v, int64_t NB, int64_t BS, const int64_t *block_table, int64_t MB,
+               const int64_t *write_pos, float scale, int threads) {
+    const int64_t rows = B * T, nqkv = (H + 2 * KV) * D, layer_cache = NB * KV * BS * D;
     ELT *normed = malloc(sizeof(ELT) * rows * hidden), *qkv = malloc(sizeof(ELT) * rows * nqkv);
     ELT *attn = malloc(sizeof(ELT) * rows * H * D), *o = malloc(sizeof(ELT) * rows * hidden);
     ELT *gate_up = malloc(sizeof(ELT) * rows * 2 * inter), *act = malloc(sizeof(ELT) * rows * inter);
@@ -242,8 +254,8 @@ int FN(layers)(ELT *x, ELT *delta, int64_t B, int64_t T, int64_t layers, int64_t
         FN(rms_norm)(x, l ? delta : NULL, (const ELT *)(intptr_t)t[L_IN_NORM], eps, rows, hidden, l ? x : NULL,
                      normed, threads);
         if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads))) break;
-        if (FN(rope_attend)(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache, S,
-                            P, slots, write_pos, scale, threads, attn)) {
+        if (FN(rope_attend)(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache, NB,
+                            BS, block_table, MB, write_pos, scale, threads, attn)) {
             rc = -1;
             break;
         }

@@ -18,8 +18,9 @@ Every row that doesn't draft gets a reason, so users see why (`skip_reasons` in 
 - end: no room left to draft (its last token, or max_seq_len);
 - acceptance: its own drafts don't pay at this step's width, while others' do, or even alone;
 - cost: its drafts would pay alone, but not in a batch this large;
-and two the engine adds after the plan: empty (the proposer had nothing, as an n-gram lookup without a
-match) and proposer_failed (the proposer raised for it once; it decodes on without drafts).
+and three the engine adds after the plan: empty (the proposer had nothing, as an n-gram lookup without a
+match), proposer_failed (the proposer raised for it once; it decodes on without drafts) and memory (the KV
+cache had no blocks free for its drafts this step).
 A row skipped for acceptance is probed with a short draft every `probe_every` steps, so a request whose
 text turns predictable can win its drafts back; no other request is affected by its history.
 
@@ -35,8 +36,8 @@ from dataclasses import dataclass
 from pipeline.engine.cost_model import CostModel
 
 OVERRIDE, SHORT, LOAD, END, ACCEPTANCE, COST = "override", "short", "load", "end", "acceptance", "cost"
-EMPTY, PROPOSER_FAILED = "empty", "proposer_failed"
-SKIP_REASONS = (OVERRIDE, SHORT, LOAD, END, ACCEPTANCE, COST, EMPTY, PROPOSER_FAILED)
+EMPTY, PROPOSER_FAILED, MEMORY = "empty", "proposer_failed", "memory"
+SKIP_REASONS = (OVERRIDE, SHORT, LOAD, END, ACCEPTANCE, COST, EMPTY, PROPOSER_FAILED, MEMORY)
 PROBE_K = 2  # drafts in a probe: enough to see acceptance, little to pay when it fails
 
 

@@ -1,9 +1,13 @@
-"""Preallocated per-slot KV cache, and the per-forward batch layout that indexes it.
+"""The KV cache as a pool of fixed-size blocks, and the per-forward batch layout that indexes it.
 
-Each running request owns one slot. A slot's length is not stored here: the engine keeps it per
-request, so rolling back rejected draft tokens is just moving that length back. Entries past the
-length are stale and are never attended to (a query at position p only sees keys at <= p), so
-they are simply overwritten later.
+Position p of a sequence lives at offset p % block_size of block table[p // block_size], its row of the
+block table. The target's blocks are handed out by the BlockManager (block_manager.py): a request holds
+only the blocks its tokens fill, and full blocks are shared between requests with the same prefix. A
+draft model's or an EAGLE-3 head's small cache keeps a fixed run of blocks per batch slot (slot_blocks).
+
+A sequence's length is not stored here: the engine keeps it per request, so rolling back rejected draft
+tokens is just moving that length back. Entries past the length are stale and are never attended to (a
+query at position p only sees keys at <= p), so they are simply overwritten later.
 """
 
 from __future__ import annotations
@@ -12,21 +16,41 @@ from dataclasses import dataclass
 
 import torch
 
+BLOCK_SIZE = 16  # tokens per block: vLLM's default; a whole number of the attention kernel's 16-key lanes
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-tokens // block_size)
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        # [layers, slots, kv_heads, max_seq_len + 1, head_dim]. The last position is a trash row:
-        # padding tokens write their K/V there, so a padded batch never clobbers real entries.
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len + 1, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                 num_blocks: int | None = None, block_size: int = BLOCK_SIZE):
+        """num_blocks: the pool's size; default one max_seq_len run per slot (num_slots x max_seq_len tokens)."""
+        self.block_size = block_size
+        self.blocks_per_slot = blocks_for(max_seq_len, block_size)
+        self.num_blocks = num_slots * self.blocks_per_slot if num_blocks is None else num_blocks
+        # [layers, blocks + 1, kv_heads, block_size, head_dim]. The last block is trash: the torch ops write a
+        # padding token's K/V there, so a padded batch never clobbers real entries (the C kernels skip pads).
+        shape = (num_layers, self.num_blocks + 1, num_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
 
     @property
-    def trash_pos(self) -> int:
-        return self.max_seq_len
+    def trash_block(self) -> int:
+        return self.num_blocks
+
+    def slot_blocks(self, slot: int) -> list[int]:
+        """The fixed blocks of a slot, for the caches that keep one max_seq_len run per slot."""
+        if not 0 <= slot < self.num_slots:
+            return [self.num_blocks + 1]  # past the pool: refused by the kernels and by torch's indexing alike
+        return list(range(slot * self.blocks_per_slot, (slot + 1) * self.blocks_per_slot))
+
+    def bytes_per_block(self) -> int:
+        return self.k[:, 0].numel() * self.k.element_size() * 2
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -36,26 +60,36 @@ class KVCache:
 class ForwardBatch:
     """Where each token of a padded [B, T] forward sits in the cache."""
 
-    slots: torch.Tensor  # [B] long: cache slot of each row
+    block_table: torch.Tensor  # [B, MB] long: each row's blocks, trash-padded to the longest row's
     positions: torch.Tensor  # [B, T] long: rope position of each token (pads clamped into range)
-    write_pos: torch.Tensor  # [B, T] long: cache position to write K/V (pads -> trash row)
+    write_pos: torch.Tensor  # [B, T] long: position to write K/V, -1 for pads
     attn_mask: torch.Tensor | None  # [B, 1, T, L] bool, True = attend; None = plain causal over L
     kv_len: int  # L: keys 0..L-1 are read from the cache
-    slot_range: tuple[int, int] | None  # set when slots are contiguous: read the cache as a view
+    block_size: int
+    trash_block: int
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], cache: KVCache,
               device: torch.device | str = "cpu") -> "ForwardBatch":
-        """Row i feeds lengths[i] tokens at positions starts[i] .. starts[i] + lengths[i] - 1."""
-        B, T = len(slots), max(lengths)
+        """Row i is slot slots[i] of a per-slot cache, fed lengths[i] tokens from position starts[i]."""
+        return cls.paged([cache.slot_blocks(s) for s in slots], starts, lengths, cache, device)
+
+    @classmethod
+    def paged(cls, tables: list[list[int]], starts: list[int], lengths: list[int], cache: KVCache,
+              device: torch.device | str = "cpu") -> "ForwardBatch":
+        """Row i has blocks tables[i] and feeds lengths[i] tokens at positions starts[i] .. + lengths[i] - 1."""
+        B, T = len(tables), max(lengths)
+        kv_len = max(s + n for s, n in zip(starts, lengths))
+        width = blocks_for(kv_len, cache.block_size)
+        trash = cache.trash_block
+        table = torch.tensor([list(t[:width]) + [trash] * (width - len(t[:width])) for t in tables], dtype=torch.long)
         offs = torch.arange(T)
         start_t = torch.tensor(starts)
         len_t = torch.tensor(lengths)
         pos = start_t[:, None] + offs[None, :]  # [B, T]
         valid = offs[None, :] < len_t[:, None]  # [B, T]
-        write_pos = torch.where(valid, pos, torch.full_like(pos, cache.trash_pos))
+        write_pos = torch.where(valid, pos, torch.full_like(pos, -1))
         positions = pos.clamp(max=cache.max_seq_len - 1)
-        kv_len = max(s + n for s, n in zip(starts, lengths))
         same_shape = all(s == starts[0] for s in starts) and all(n == T for n in lengths)
         if same_shape and T == 1:
             mask = None  # one token per row at the same position: every key 0..L-1 is visible
@@ -65,13 +99,24 @@ class ForwardBatch:
             key_pos = torch.arange(kv_len)
             q_pos = torch.where(valid, pos, torch.zeros_like(pos))
             mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T, L]
-        sorted_slots = sorted(slots)
-        contiguous = slots == sorted_slots and sorted_slots == list(range(slots[0], slots[0] + B))
-        return cls(
-            slots=torch.tensor(slots, device=device),
-            positions=positions.to(device),
-            write_pos=write_pos.to(device),
-            attn_mask=None if mask is None else mask.to(device),
-            kv_len=kv_len,
-            slot_range=(slots[0], slots[0] + B) if contiguous else None,
-        )
+        return cls(block_table=table.to(device), positions=positions.to(device), write_pos=write_pos.to(device),
+                   attn_mask=None if mask is None else mask.to(device), kv_len=kv_len,
+                   block_size=cache.block_size, trash_block=trash)
+
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) [B, T] where each token's K/V goes; pads go to the trash block."""
+        pos = self.write_pos.clamp(min=0)
+        block = self.block_table.gather(1, pos // self.block_size)
+        block = torch.where(self.write_pos < 0, torch.full_like(block, self.trash_block), block)
+        return block, pos % self.block_size
+
+    def keys(self, layer_cache: torch.Tensor, row: int | None, width: int) -> torch.Tensor:
+        """layer_cache [NB + 1, KV, BS, D] -> positions 0..width-1 of one row ([1, KV, width, D]) or of every row
+        ([B, KV, width, D]), gathered from their blocks; blocks past the table read the trash block."""
+        n = blocks_for(width, self.block_size)
+        table = self.block_table if row is None else self.block_table[row:row + 1]
+        if table.shape[1] < n:
+            table = torch.nn.functional.pad(table, (0, n - table.shape[1]), value=self.trash_block)
+        blocks = layer_cache[table[:, :n]]  # [B, n, KV, BS, D]
+        B, _, KV, BS, D = blocks.shape
+        return blocks.transpose(1, 2).reshape(B, KV, n * BS, D)[:, :, :width]

@@ -1,7 +1,8 @@
-"""The engine: in-flight batching over a slot-based KV cache, with gated speculative decoding.
+"""The engine: in-flight batching over a paged KV cache, with gated speculative decoding.
 
-Each step admits waiting requests (one padded prefill forward), then runs one decode iteration
-over every running request: the planner (draft_plan.py) picks each row's number of drafts from the
+Each step admits waiting requests while the block pool holds their prompts (reusing cached prefix blocks,
+block_manager.py), prefills up to prefill_chunk prompt tokens (a long prompt takes several steps: chunked
+prefill), then runs one decode iteration over every request already prefilled: the planner (draft_plan.py) picks each row's number of drafts from the
 cost model and the row's own acceptance, under the gate's load ceiling; the proposer drafts for them,
 and one target forward verifies all rows at once, each with its own number of drafts (0 for rows
 that don't speculate). Rows then advance by their own accepted count.
@@ -21,9 +22,10 @@ import torch
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.cost_model import CostModel, default_cost_model
-from pipeline.engine.draft_plan import EMPTY, PROPOSER_FAILED, Row, plan_drafts
+from pipeline.engine.draft_plan import EMPTY, MEMORY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
-from pipeline.engine.kv_cache import ForwardBatch
+from pipeline.engine.block_manager import BlockManager
+from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
 from pipeline.engine.model import Transformer
 from pipeline.engine.penalties import penalize
@@ -38,8 +40,7 @@ from pipeline.errors import ConfigError, DraftMismatchError, RequestError, one_l
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, proposer: Proposer | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_prefill_tokens: int = 4096,
-                 cost_model: CostModel | None = None):
+                 eos_token_ids: tuple[int, ...] = (), cost_model: CostModel | None = None):
         self.model, self.config, self.proposer = model, config, proposer
         # A model measured for fewer drafts than this engine may take can't price them: use the default.
         if cost_model is None or cost_model.max_drafts < config.num_draft_tokens:
@@ -47,8 +48,19 @@ class LLMEngine:
                                             proposer.name if proposer is not None else "")
         self.cost_model = cost_model
         self.eos_token_ids = tuple(eos_token_ids)
-        self.max_prefill_tokens = max_prefill_tokens
-        self.cache = model.new_cache(config.max_batch_size, config.max_seq_len)
+        probe = model.new_cache(0, config.max_seq_len, num_blocks=0)  # a block's size, before sizing the pool
+        num_blocks = (config.max_batch_size * blocks_for(config.max_seq_len) if config.kv_cache_bytes is None
+                      else config.kv_cache_bytes // probe.bytes_per_block())
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_bytes {config.kv_cache_bytes} holds no KV block ({probe.bytes_per_block()} "
+                              f"bytes each); raise it")
+        self.cache = model.new_cache(config.max_batch_size, config.max_seq_len, num_blocks=num_blocks)
+        self.blocks = BlockManager(num_blocks, self.cache.block_size, config.prefix_caching)
+        # An EAGLE-3 head reads the target's hidden states of every token. A cached prefix skips the target's
+        # forward over it, so its states are kept beside its K/V, block for block.
+        capture = getattr(proposer, "capture_layers", ())
+        self.states = (torch.zeros(num_blocks + 1, self.cache.block_size, len(capture) * model.cfg.hidden_size,
+                                   dtype=model.embed.weight.dtype, device=config.device) if capture else None)
         self.gate = SpeculationGate(config.gate)
         self.stats = EngineStats()
         self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
@@ -111,6 +123,10 @@ class LLMEngine:
         if len(prompt_ids) >= max_len:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens but the engine's max_seq_len is {max_len}; "
                                f"shorten the prompt or raise max_seq_len")
+        if blocks_for(len(prompt_ids) + 1) > self.blocks.num_blocks:
+            raise RequestError(f"prompt is {len(prompt_ids)} tokens but the KV cache holds "
+                               f"{self.blocks.num_blocks * self.cache.block_size}; shorten the prompt or raise "
+                               f"kv_cache_bytes")
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
@@ -156,49 +172,68 @@ class LLMEngine:
         with self._step_lock:
             t0 = time.perf_counter()
             finished: list[Request] = []
-            decoding = list(self.running)
-            admitted = self._admit()
-            if admitted:
-                self._prefill(admitted, finished)
+            decoding = [r for r in self.running if not r.prefilling]
+            self._admit()
+            chunks = self._prefill_chunks()
+            if chunks:
+                self._prefill(chunks, finished)
             if decoding:
                 self._decode(decoding, finished)
-            if admitted or decoding:
+            if chunks or decoding:
                 self.stats.step_time_s += time.perf_counter() - t0
             return finished
 
-    def _admit(self) -> list[Request]:
-        admitted, budget = [], self.max_prefill_tokens
+    def _admit(self) -> None:
+        """Waiting requests join, in order, while a batch slot is free and the pool holds their tokens."""
         with self._queue_lock:
             while self.waiting and self.free_slots:
-                n = len(self.waiting[0].prompt_ids)
-                if admitted and n > budget:
+                req = self.waiting[0]
+                tokens = req.all_ids  # a preempted request resumes with its output so far
+                if not self.blocks.admit(req.blocks, tokens):
                     break
-                req = self.waiting.popleft()
+                self.waiting.popleft()
                 req.slot = heapq.heappop(self.free_slots)
                 req.status = RequestStatus.RUNNING
-                budget -= n
-                admitted.append(req)
-        self.running.extend(admitted)
-        return admitted
+                req.target_len = req.num_cached_tokens = req.blocks.cached_tokens
+                req.prefill_target = len(tokens)
+                self.running.append(req)
 
-    def _prefill(self, reqs: list[Request], finished: list[Request]) -> None:
-        lengths = [len(r.prompt_ids) for r in reqs]
+    def _prefill_chunks(self) -> list[tuple[Request, int]]:
+        """(request, prompt tokens to prefill now), oldest first, within the step's prefill_chunk tokens."""
+        chunks, budget = [], self.config.prefill_chunk
+        for r in self.running:
+            if r.prefilling and budget > 0:
+                n = min(r.prefill_target - r.target_len, budget)
+                chunks.append((r, n))
+                budget -= n
+        return chunks
+
+    def _prefill(self, chunks: list[tuple[Request, int]], finished: list[Request]) -> None:
+        reqs = [r for r, _ in chunks]
+        lengths = [n for _, n in chunks]
+        starts = [r.target_len for r in reqs]
+        feeds = [r.all_ids[s:s + n] for r, s, n in zip(reqs, starts, lengths)]
         T = max(lengths)
         try:
-            ids = torch.tensor([r.prompt_ids + [0] * (T - len(r.prompt_ids)) for r in reqs], device=self.config.device)
-            fb = ForwardBatch.build([r.slot for r in reqs], [0] * len(reqs), lengths, self.cache, self.config.device)
+            ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=self.config.device)
+            fb = ForwardBatch.paged([r.blocks.blocks for r in reqs], starts, lengths, self.cache, self.config.device)
             last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
             logits, hidden = self._target_forward(ids, fb, last)
         except Exception as err:  # noqa: BLE001  find the row that breaks the batch; the others go on
-            self._isolate(reqs, err, finished, lambda r: self._prefill([r], finished))
+            self._isolate(reqs, err, finished, lambda r: self._prefill([(r, lengths[reqs.index(r)])], finished))
             return
         logits = logits[:, 0]  # [B, V]
         greedy = logits.argmax(-1).tolist()
         for i, r in enumerate(reqs):
             try:
-                r.target_len = lengths[i]
                 if hidden is not None:
+                    if starts[i] == r.num_cached_tokens and starts[i]:  # first chunk after a prefix hit
+                        self.proposer.on_target_hidden(r, self._cached_states(r))
                     self.proposer.on_target_hidden(r, hidden[i, : lengths[i]])
+                r.target_len = starts[i] + lengths[i]
+                self.blocks.commit(r.blocks, r.all_ids, r.target_len)
+                if r.prefilling:  # more chunks to come: no token yet
+                    continue
                 row = logits[i:i + 1]
                 if r.params.penalized:
                     row = penalize(row.cpu(), r.params, r.prompt_ids, r.output_ids)
@@ -208,6 +243,13 @@ class LLMEngine:
             except Exception as err:  # noqa: BLE001  one request's failure ends that request only
                 self._fail(r, err, finished)
         self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += sum(lengths)
+
+    def _cached_states(self, req: Request) -> torch.Tensor:
+        """The target's captured states of a request's cached prefix: [num_cached_tokens, A]."""
+        n = req.num_cached_tokens
+        held = self.states[req.blocks.blocks[:blocks_for(n, self.cache.block_size)]]  # [blocks, BS, A]
+        return held.reshape(-1, held.shape[-1])[:n]
 
     def draft_budget(self, req: Request) -> int:
         """Drafts this row may take: a step emits up to k+1 tokens, within max_tokens and max_seq_len."""
@@ -218,10 +260,13 @@ class LLMEngine:
         return max(0, min(k, room))
 
     def _decode(self, reqs: list[Request], finished: list[Request]) -> None:
+        ks = self._plan(reqs) if self.proposer is not None else [0] * len(reqs)
+        reqs, ks = self._reserve(reqs, ks, finished)
+        if not reqs:
+            return
         drafts: list[list[int]] = [[] for _ in reqs]
         q_rows: dict[int, torch.Tensor] = {}
         if self.proposer is not None:
-            ks = self._plan(reqs)
             spec = [i for i, k in enumerate(ks) if k > 0]
             if spec:  # while no row drafts, no draft work runs at all
                 try:
@@ -248,6 +293,41 @@ class LLMEngine:
             self.stats.spec_steps += 1
         else:
             self.stats.nonspec_steps += 1
+
+    def _reserve(self, reqs: list[Request], ks: list[int], finished: list[Request]
+                 ) -> tuple[list[Request], list[int]]:
+        """Blocks for each row's pending token and drafts, oldest request first. Short of blocks, a row drafts
+        nothing; still short, the newest request gives its blocks back and waits to resume (vLLM's preemption
+        by recomputation: its prefix is likely still cached). Returns the rows that go on, and their drafts."""
+        ks = list(ks)
+        for i, r in enumerate(reqs):
+            while not r.finished and r.status is RequestStatus.RUNNING:
+                if self.blocks.grow(r.blocks, r.target_len + 1 + ks[i]):
+                    break
+                if ks[i]:
+                    ks[i] = 0
+                    self._skipped(r, MEMORY)
+                    continue
+                victim = self.running[-1]
+                if victim is r and len(self.running) == 1:
+                    self._fail(r, RequestError(
+                        f"the KV cache is full: this request alone holds all {self.blocks.num_blocks} blocks; "
+                        f"raise kv_cache_bytes or lower max_tokens"), finished)
+                    break
+                self._preempt(victim)
+        kept = [i for i, r in enumerate(reqs) if r.status is RequestStatus.RUNNING]
+        return [reqs[i] for i in kept], [ks[i] for i in kept]
+
+    def _preempt(self, req: Request) -> None:
+        self.stats.preemptions += 1
+        self.running.remove(req)
+        self.blocks.free(req.blocks)
+        heapq.heappush(self.free_slots, req.slot)
+        req.slot, req.target_len, req.status = None, 0, RequestStatus.WAITING
+        if self.proposer is not None:
+            self.proposer.release(req)
+        with self._queue_lock:
+            self.waiting.appendleft(req)
 
     def _plan(self, reqs: list[Request]) -> list[int]:
         """Each row's drafts this step, under the gate's load ceiling; a row left out gets its reason."""
@@ -277,7 +357,8 @@ class LLMEngine:
         T = max(lengths)
         try:
             ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
-            fb = ForwardBatch.build([r.slot for r in reqs], [r.target_len for r in reqs], lengths, self.cache, dev)
+            fb = ForwardBatch.paged([r.blocks.blocks for r in reqs], [r.target_len for r in reqs], lengths,
+                                    self.cache, dev)
             logits, hidden = self._target_forward(ids, fb)  # [B, T, V]
         except Exception as err:  # noqa: BLE001  find the row that breaks the batch; the others go on
             # Nothing was committed: a row's K/V past its target_len is overwritten by the retry.
@@ -302,6 +383,8 @@ class LLMEngine:
                 # The pending token and the m accepted drafts now have valid K/V; rejected entries past
                 # this length are stale and get overwritten: that is the per-sequence rollback.
                 r.target_len = prev_len + m
+                self.blocks.trim(r.blocks, r.target_len + 1)  # blocks only rejected drafts wrote go back
+                self.blocks.commit(r.blocks, r.all_ids + d[:m], r.target_len)  # the accepted drafts aren't emitted yet
                 if d:
                     r.num_drafted += len(d)
                     r.num_accepted += m
@@ -324,7 +407,10 @@ class LLMEngine:
         if not capture:
             return self.model(ids, fb, self.cache, logits_index=logits_index), None
         logits, captured = self.model(ids, fb, self.cache, logits_index=logits_index, capture_layers=capture)
-        return logits, torch.cat(captured, dim=-1)
+        hidden = torch.cat(captured, dim=-1)  # [B, T, A]
+        block, offset = fb.write_index()  # kept where the K/V went, for a later request's prefix hit
+        self.states[block, offset] = hidden
+        return logits, hidden
 
     @staticmethod
     def _logprobs(req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
@@ -387,6 +473,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.blocks.free(req.blocks)
         if req.slot is not None:
             heapq.heappush(self.free_slots, req.slot)
             req.slot = None

@@ -94,48 +94,43 @@ class Attention(nn.Module):
                 fb: ForwardBatch) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
-        ck, cv = cache.k[self.layer], cache.v[self.layer]  # [S, KV, Lmax+1, D]
+        ck, cv = cache.k[self.layer], cache.v[self.layer]  # [NB + 1, KV, BS, D]
         kernels = cpu_kernels.for_tensor(qkv) if ck.dtype == cos.dtype == qkv.dtype else None
         if kernels is not None:  # rope, the cache write and attention in one call (cpu_kernels.c)
-            out = kernels.rope_attend(qkv, cos, sin, ck, cv, fb.slots, fb.write_pos, self.n_heads, self.n_kv)
+            out = kernels.rope_attend(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads, self.n_kv)
             return self.o(out.view(B, T, self.n_heads * self.hd))
         nq = self.n_heads
         qk = apply_rope(qkv[:, :, : nq + self.n_kv], cos, sin)  # q and k in one go
         q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + self.n_kv:]
         # Advanced indices on dims 0 and 2 put [B, T] first: the value is [B, T, KV, D].
-        ck[fb.slots[:, None], :, fb.write_pos] = k
-        cv[fb.slots[:, None], :, fb.write_pos] = v
+        block, offset = fb.write_index()
+        ck[block, :, offset] = k
+        cv[block, :, offset] = v
         q = q.transpose(1, 2)  # [B, H, T, D]
         if q.device.type == "cpu":
             out = self.token_by_token_attention(q, ck, cv, fb)
         else:
-            L = fb.kv_len
-            if fb.slot_range is not None:
-                a, b = fb.slot_range
-                keys, values = ck[a:b, :, :L], cv[a:b, :, :L]  # views, no copy
-            else:
-                keys, values = ck[:, :, :L].index_select(0, fb.slots), cv[:, :, :L].index_select(0, fb.slots)
+            keys, values = fb.keys(ck, None, fb.kv_len), fb.keys(cv, None, fb.kv_len)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fb.attn_mask,
                                                  enable_gqa=self.n_kv != self.n_heads)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
     def token_by_token_attention(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor,
                                  fb: ForwardBatch) -> torch.Tensor:
-        """q: [B, H, T, D]; ck/cv: one layer's cache [S, KV, P, D] -> [B, H, T, D]. The torch ops' attention on a
-        CPU (no C kernels): each query token alone, against its own keys only, so every op's shapes follow from
-        the token's position and nothing else: not the batch, not a verify's width, not the longest row. torch's
-        kernels pick their code path by shape, and a batched attention had moved SmolLM2's greedy output under
-        speculation (3 of 16 soak prompts on an AMD EPYC). One call per token: slow, and lossless."""
+        """q: [B, H, T, D]; ck/cv: one layer's block pool [NB + 1, KV, BS, D] -> [B, H, T, D]. The torch ops'
+        attention on a CPU (no C kernels): each query token alone, against its own keys only, so every op's shapes
+        follow from the token's position and nothing else: not the batch, not a verify's width, not the longest
+        row. torch's kernels pick their code path by shape, and a batched attention had moved SmolLM2's greedy
+        output under speculation (3 of 16 soak prompts on an AMD EPYC). One call per token: slow, and lossless."""
         out = q.new_zeros(q.shape)
-        trash, P = ck.shape[2] - 1, ck.shape[2]
-        for b, (slot, write_pos) in enumerate(zip(fb.slots.tolist(), fb.write_pos.tolist())):
+        for b, write_pos in enumerate(fb.write_pos.tolist()):
             for t, wp in enumerate(write_pos):
-                if wp == trash:  # a pad: nothing reads its output
+                if wp < 0:  # a pad: nothing reads its output
                     continue
                 # Whole blocks of SCORE_ALIGN keys, the ones past the token's own masked: a new length is a new
                 # matmul shape, which oneDNN builds a kernel for (1.0 against 0.2 ms a call).
-                W = min(-(-(wp + 1) // SCORE_ALIGN) * SCORE_ALIGN, P)
-                keys, values = ck[slot:slot + 1, :, :W], cv[slot:slot + 1, :, :W]
+                W = -(-(wp + 1) // SCORE_ALIGN) * SCORE_ALIGN
+                keys, values = fb.keys(ck, b, W), fb.keys(cv, b, W)
                 out[b, :, t] = self.grouped_attention(q[b:b + 1, :, t:t + 1], keys, values, None, wp + 1)[0, :, 0]
         return out
 
@@ -288,10 +283,11 @@ class Transformer(nn.Module):
             return None
         return LayerStack(torch.tensor(rows, dtype=torch.int64), groups.pop() if groups else 0, held)
 
-    def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+    def new_cache(self, num_slots: int, max_seq_len: int, num_blocks: int | None = None) -> KVCache:
+        """num_blocks: a pool of that many blocks; default one max_seq_len run per slot."""
         p = self.embed.weight
         return KVCache(self.cfg.num_layers, num_slots, max_seq_len, self.cfg.num_kv_heads, self.cfg.head_dim,
-                       p.dtype, p.device)
+                       p.dtype, p.device, num_blocks=num_blocks)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, cache: KVCache,

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from pipeline.engine.block_manager import BlockTable
 from pipeline.engine.draft_plan import AcceptanceEstimate
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import RequestError
@@ -47,10 +48,13 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    slot: int | None = None
-    # Tokens whose K/V are in the target cache. The last token of all_ids is always pending (not
+    slot: int | None = None  # its row in a draft model's or EAGLE-3 head's per-slot cache
+    blocks: BlockTable = field(default_factory=BlockTable)  # its blocks in the target's KV cache
+    # Tokens whose K/V are in the target cache. Once prefilled, the last token of all_ids is always pending (not
     # yet fed); the next forward feeds it.
     target_len: int = 0
+    prefill_target: int = 0  # tokens to prefill before the first new token (the prompt; a preempted request's all)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     stop_ids: frozenset[int] = frozenset()  # stop tokens + the model's eos, set by the engine
     num_drafted: int = 0
     num_accepted: int = 0
@@ -95,6 +99,10 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.status is RequestStatus.RUNNING and self.target_len < self.prefill_target
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,8 @@ class EngineStats:
     spec_steps: int = 0  # iterations where at least one row verified drafts
     nonspec_steps: int = 0
     prefill_steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens the target computed (prefix-cache hits aren't)
+    preemptions: int = 0  # requests that gave their KV blocks back to wait and resume (the pool ran short)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verified_rows: int = 0  # (row, target forward) pairs that verified at least one draft

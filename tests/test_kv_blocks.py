@@ -1,0 +1,167 @@
+"""The paged KV cache: prefix caching, chunked prefill and preemption change no output, and memory follows use."""
+
+import pytest
+import torch
+
+from pipeline.engine.block_manager import BlockManager, BlockTable
+from pipeline.engine.config import EngineConfig, GatePolicy
+from pipeline.engine.kv_cache import BLOCK_SIZE, blocks_for
+from pipeline.engine.llm_engine import LLMEngine
+from pipeline.engine.sampling import SamplingParams
+from pipeline.errors import RequestError
+from tiny_models import greedy_reference
+
+MAX_TOKENS = 30
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(**{"max_batch_size": 8, "max_seq_len": 256, "gate": GatePolicy(min_tokens=0), **kw})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    """Target-only greedy decoding, one request at a time, nothing cached or chunked."""
+    return greedy_reference(LLMEngine.load(tiny_target, config(max_batch_size=1, prefix_caching=False,
+                                                               prefill_chunk=4096)), MAX_TOKENS)
+
+
+def chat_prompts(n: int, system: int = 70, seed: int = 0) -> list[list[int]]:
+    """A shared system prompt (several whole blocks) and a different question each."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, 256, (system,), generator=g).tolist()
+    return [head + torch.randint(0, 256, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+# ---- the block manager alone ----------------------------------------------------------------------
+
+def test_a_prefix_is_reused_only_when_every_token_before_it_matches():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = BlockTable()
+    tokens = list(range(14))
+    assert bm.admit(a, tokens) and len(a.blocks) == 4 and a.cached_tokens == 0
+    bm.commit(a, tokens, 14)  # three full blocks registered; the fourth holds 2 tokens
+    b = BlockTable()
+    assert bm.admit(b, tokens[:12] + [99, 98]) and b.blocks[:3] == a.blocks[:3] and b.cached_tokens == 12
+    c = BlockTable()
+    assert bm.admit(c, [0, 1, 2, 3, 4, 5, 6, 7, 9, 9, 10, 11, 12]) and c.cached_tokens == 8  # differs in block 3
+    d = BlockTable()
+    assert bm.admit(d, [1] + tokens[1:]) and d.cached_tokens == 0  # the first token differs: nothing shared
+    e = BlockTable()
+    assert bm.admit(e, tokens[:12]) and e.cached_tokens == 8  # the last token is always computed
+
+
+def test_blocks_are_shared_by_reference_and_evicted_least_recently_released_first():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a, b = BlockTable(), BlockTable()
+    assert bm.admit(a, [1, 2, 3, 4, 5])
+    bm.commit(a, [1, 2, 3, 4, 5], 4)
+    assert bm.admit(b, [1, 2, 3, 4, 9]) and b.blocks[:2] == a.blocks[:2]
+    assert bm.refs[a.blocks[0]] == 2 and bm.num_free == 2
+    shared = a.blocks[:2]
+    bm.free(a)
+    assert bm.num_free == 3  # a's last block only: the shared two are still b's
+    bm.free(b)
+    assert bm.num_free == 6 and bm.match([1, 2, 3, 4, 7]) == shared  # free, and still cached
+    c = BlockTable()
+    assert bm.admit(c, list(range(100, 110)))  # needs 5 blocks: the 4 unregistered, then the LRU cached one
+    assert bm.match([1, 2, 3, 4, 7]) == shared[:1]  # the prefix's tail went first, its head survives
+    assert not bm.admit(BlockTable(), [1, 2, 3, 4, 5, 6])  # 3 blocks, 1 free: refused, nothing changed
+    assert bm.num_free == 1
+
+
+def test_trim_gives_back_the_blocks_only_rejected_drafts_wrote():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    t = BlockTable()
+    assert bm.admit(t, list(range(6))) and bm.grow(t, 6 + 1 + 7)  # pending + 7 drafts: 4 blocks
+    assert len(t.blocks) == 4
+    bm.trim(t, 9)  # one draft accepted: positions < 9 -> 3 blocks
+    assert len(t.blocks) == 3 and bm.num_free == 5
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+@pytest.mark.identity
+@pytest.mark.parametrize("draft", [None, "ngram", "small-draft"])
+def test_prefix_hits_and_chunked_prefills_change_no_output(tiny_target, tiny_draft, reference, draft):
+    prompts = chat_prompts(6)
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3, prefill_chunk=24),
+                            draft={"small-draft": tiny_draft}.get(draft, draft))
+    first = engine.generate(prompts[:1], SamplingParams(max_tokens=MAX_TOKENS))  # caches the system prompt
+    rest = engine.generate(prompts[1:], SamplingParams(max_tokens=MAX_TOKENS))
+    for p, r in zip(prompts, first + rest):
+        assert r.output_ids == reference(p)
+    assert [r.num_cached_tokens for r in rest] == [64] * 5  # 4 whole blocks of the 70-token system prompt
+    assert engine.blocks.hit_tokens == 5 * 64
+    assert engine.stats.prefill_steps > 2  # chunks: 24 tokens a step
+
+
+@pytest.mark.identity
+def test_a_resent_conversation_reuses_its_own_answer(tiny_target, reference):
+    """A chat's next turn resends the history: the previous answer's blocks were committed while decoding, the
+    accepted drafts' tokens among them (the target drafting for itself: every draft is accepted, so block ends
+    fall inside accepted runs)."""
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3), draft=tiny_target)
+    for n in (40, 41, 42, 43):
+        turn1 = chat_prompts(1, system=n, seed=n)[0][:n]
+        [a1] = engine.generate([turn1], SamplingParams(max_tokens=MAX_TOKENS))
+        history = turn1 + a1.output_ids  # the last answer token was never fed: its K/V doesn't exist
+        assert len(engine.blocks.match(history)) == (len(history) - 1) // BLOCK_SIZE
+        turn2 = history + [7, 8, 9]
+        [a2] = engine.generate([turn2], SamplingParams(max_tokens=MAX_TOKENS))
+        assert a2.output_ids == reference(turn2)
+        assert a2.num_cached_tokens == (len(history) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert engine.stats.accepted_tokens > 4 * MAX_TOKENS // 2
+
+
+def test_decoding_goes_on_while_a_long_prompt_is_prefilled_in_chunks(tiny_target, reference):
+    engine = LLMEngine.load(tiny_target, config(prefill_chunk=16))
+    short = engine.add_request([1, 2, 3], SamplingParams(max_tokens=MAX_TOKENS))
+    engine.step()
+    long_prompt = chat_prompts(1, system=150, seed=4)[0]
+    long = engine.add_request(long_prompt, SamplingParams(max_tokens=5))
+    made = []
+    while long.prefilling or not long.output_ids:
+        before = len(short.output_ids)
+        engine.step()
+        made.append(len(short.output_ids) - before)
+    assert len(made) == blocks_for(len(long_prompt), 16) and all(n == 1 for n in made[:-1])
+    while engine.has_unfinished():
+        engine.step()
+    assert short.output_ids == reference([1, 2, 3]) and long.output_ids == reference(long_prompt, 5)
+
+
+@pytest.mark.identity
+def test_preempted_requests_resume_with_the_same_output(tiny_target, tiny_draft, reference):
+    prompts = chat_prompts(8, system=20, seed=5)
+    probe = LLMEngine.load(tiny_target, config())
+    per_block = probe.cache.bytes_per_block()
+    # 14 blocks for 8 requests that each end up needing 4: some must give their blocks back and wait.
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3, kv_cache_bytes=14 * per_block), draft=tiny_draft)
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference(p) and r.error is None
+    assert engine.stats.preemptions > 0 and engine.blocks.num_held == 0
+
+
+def test_64_short_requests_hold_only_the_blocks_they_fill(tiny_target):
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=64, max_seq_len=2048, prefix_caching=False))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (int(torch.randint(5, 20, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(64)]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.blocks.num_held)
+    use = sum(blocks_for(len(p) + 12) for p in prompts)
+    assert peak <= use  # what they use, not 64 x 2048 positions (8192 blocks)
+    assert all(len(r.output_ids) == 12 or r.finish_reason.value == "stop" for r in reqs)
+    assert peak * engine.cache.bytes_per_block() < engine.cache.nbytes() / 50
+
+
+def test_a_prompt_larger_than_the_pool_is_refused_in_one_line(tiny_target):
+    per_block = LLMEngine.load(tiny_target, config()).cache.bytes_per_block()
+    engine = LLMEngine.load(tiny_target, config(kv_cache_bytes=4 * per_block))
+    with pytest.raises(RequestError, match="the KV cache holds 64; shorten the prompt or raise kv_cache_bytes"):
+        engine.add_request(list(range(70)), SamplingParams())
