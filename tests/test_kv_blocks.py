@@ -165,3 +165,15 @@ def test_a_prompt_larger_than_the_pool_is_refused_in_one_line(tiny_target):
     engine = LLMEngine.load(tiny_target, config(kv_cache_bytes=4 * per_block))
     with pytest.raises(RequestError, match="the KV cache holds 64; shorten the prompt or raise kv_cache_bytes"):
         engine.add_request(list(range(70)), SamplingParams())
+
+
+def test_compile_writes_the_kv_settings_and_the_engine_loads_them(tiny_target, tmp_path):
+    from pipeline.compiler import CompileOptions, compile_model
+    from pipeline.engine.folder import load_engine
+
+    per_block = LLMEngine.load(tiny_target, config()).cache.bytes_per_block()
+    compile_model(CompileOptions("torch", tiny_target, tmp_path / "e", kv_cache_bytes=40 * per_block,
+                                 prefill_chunk=64, prefix_caching=False, calibrate=False))
+    engine = load_engine(tmp_path / "e")
+    assert engine.blocks.num_blocks == 40 and engine.config.prefill_chunk == 64
+    assert not engine.blocks.prefix_caching

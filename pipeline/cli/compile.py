@@ -33,6 +33,14 @@ import click
               type=click.Choice(["auto", "fp8"]), help="auto: the checkpoint's.")
 @click.option("free_gpu_memory_fraction", "--free-gpu-memory-fraction", type=float, default=0.9, show_default=True,
               help="Free GPU memory the KV cache may take (TensorRT-LLM).")
+@click.option("kv_cache_bytes", "--kv-cache-bytes", type=int,
+              help="torch backend: the target's KV cache, a pool of 16-token blocks shared by all requests "
+                   "[default: room for max-batch-size requests of max-seq-len tokens].")
+@click.option("prefill_chunk", "--prefill-chunk", type=int, default=512, show_default=True,
+              help="torch backend: prompt tokens prefilled per step; a longer prompt takes several, between the "
+                   "running requests' decode steps.")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="torch backend: reuse the KV blocks of a prompt prefix another request computed.")
 @click.option("tp_size", "--tp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
 @click.option("pp_size", "--pp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
@@ -47,8 +55,8 @@ import click
 @click.option("output", "--output", "-o", type=click.Path(path_type=Path),
               help="Output folder [default: engines/<target folder name>-<backend>].")
 def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
-            max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, tp_size, pp_size, dtype, gpu,
-            calibrate, dry_run, force, json_, output):
+            max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, kv_cache_bytes, prefill_chunk,
+            prefix_caching, tp_size, pp_size, dtype, gpu, calibrate, dry_run, force, json_, output):
     """Turn quantized checkpoints into what TensorRT-LLM serves, or the portable engine folder.
 
     Without TensorRT-LLM installed (it runs in NVIDIA's container), use --dry-run: it writes the
@@ -77,6 +85,7 @@ def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_s
         backend=backend, target=target, output=output, draft=draft, route=route, num_draft_tokens=num_draft_tokens,
         max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
         max_num_tokens=max_num_tokens, gate_batch_size=gate_batch_size, kv_cache_dtype=kv_cache_dtype,
-        free_gpu_memory_fraction=free_gpu_memory_fraction, tp_size=tp_size, pp_size=pp_size, dtype=dtype, gpu=gpu,
+        free_gpu_memory_fraction=free_gpu_memory_fraction, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
+        prefix_caching=prefix_caching, tp_size=tp_size, pp_size=pp_size, dtype=dtype, gpu=gpu,
         calibrate=calibrate, dry_run=dry_run, force=force))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else result.render())

@@ -50,6 +50,11 @@ class CompileOptions:
     tp_size: int | None = None  # llmapi route; the engine route reads the checkpoint's mapping
     pp_size: int | None = None
     dtype: str = "auto"  # torch backend compute dtype: auto (the checkpoint's) | fp32 | bf16 | fp16
+    # torch backend: the target's KV pool in bytes (None: max_batch_size x max_seq_len tokens), prompt tokens
+    # prefilled per step (chunked prefill), and reuse of cached prefix blocks (EngineConfig's fields)
+    kv_cache_bytes: int | None = None
+    prefill_chunk: int = 512
+    prefix_caching: bool = True
     gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
     # torch backend with a draft: measure the cost model the draft planner reads (engine/calibrate.py)
     calibrate: bool = True
@@ -224,7 +229,8 @@ def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: 
     engine = engine_folder.engine_manifest(
         target, draft, draft_ckpt, max_batch_size=sizes.max_batch_size, max_seq_len=sizes.max_seq_len,
         num_draft_tokens=sizes.max_draft_len, dtype=engine_folder.runtime_dtype(target, options.dtype),
-        gate_batch_size=options.gate_batch_size)
+        gate_batch_size=options.gate_batch_size, kv_cache_bytes=options.kv_cache_bytes,
+        prefill_chunk=options.prefill_chunk, prefix_caching=options.prefix_caching)
     if options.dry_run:
         write_engine_manifest(stage, engine)
     else:
@@ -257,6 +263,11 @@ def _check_options(o: CompileOptions) -> None:
         raise ConfigError(f"unknown --kv-cache-dtype {o.kv_cache_dtype!r}; pick one of {', '.join(KV_CACHE_DTYPES)}")
     if not 0 < o.free_gpu_memory_fraction <= 1:
         raise ConfigError(f"--free-gpu-memory-fraction must be in (0, 1] (got {o.free_gpu_memory_fraction})")
+    if o.kv_cache_bytes is not None and o.kv_cache_bytes < 1:
+        raise ConfigError(f"--kv-cache-bytes must be positive (got {o.kv_cache_bytes}); leave it out for room for "
+                          f"--max-batch-size requests of --max-seq-len tokens")
+    if o.prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be at least 1 token (got {o.prefill_chunk})")
     if o.gate_batch_size is not None and o.gate_batch_size < 1:
         raise ConfigError(f"--gate-batch-size must be at least 1 (got {o.gate_batch_size}); "
                           f"use --draft none to turn speculation off")

@@ -27,7 +27,8 @@ def runtime_dtype(ckpt: Checkpoint, requested: str = "auto") -> str:
 
 
 def engine_manifest(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None, *, max_batch_size: int,
-                    max_seq_len: int, num_draft_tokens: int, dtype: str, gate_batch_size: int | None) -> dict:
+                    max_seq_len: int, num_draft_tokens: int, dtype: str, gate_batch_size: int | None,
+                    kv_cache_bytes: int | None = None, prefill_chunk: int = 512, prefix_caching: bool = True) -> dict:
     """engine.json's content: pure."""
     draft_entry: dict = {"kind": draft.kind}
     if draft_ckpt is not None:
@@ -39,6 +40,8 @@ def engine_manifest(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint
         "num_draft_tokens": num_draft_tokens if draft.speculates else 0,
         "dtype": dtype,  # compute dtype of the engine (EngineConfig.dtype)
         "gate_batch_size": gate_batch_size,  # speculate while the running batch is at or below this
+        # the target's KV block pool (null: max_batch_size x max_seq_len tokens), chunked prefill, prefix reuse
+        "kv_cache_bytes": kv_cache_bytes, "prefill_chunk": prefill_chunk, "prefix_caching": prefix_caching,
         "target": {"path": "target", "source": str(target.path), "checkpoint_dtype": target.dtype,
                    "quant_algo": target.quant_algo, "weights": "hf-safetensors"},
         "draft": draft_entry,

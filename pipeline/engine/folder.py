@@ -58,7 +58,9 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
     return EngineConfig(max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                         dtype=dtype or manifest["dtype"], device=device or "cpu",
                         num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=policy,
-                        lm_head=manifest.get("lm_head", "auto"))
+                        lm_head=manifest.get("lm_head", "auto"), kv_cache_bytes=manifest.get("kv_cache_bytes"),
+                        prefill_chunk=manifest.get("prefill_chunk", 512),
+                        prefix_caching=manifest.get("prefix_caching", True))
 
 
 def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None,
