@@ -2,10 +2,10 @@
 
 Each step admits waiting requests while the block pool holds their prompts (reusing cached prefix blocks,
 block_manager.py), prefills up to prefill_chunk prompt tokens (a long prompt takes several steps: chunked
-prefill), then runs one decode iteration over every request already prefilled: the planner (draft_plan.py) picks each row's number of drafts from the
-cost model and the row's own acceptance, under the gate's load ceiling; the proposer drafts for them,
-and one target forward verifies all rows at once, each with its own number of drafts (0 for rows
-that don't speculate). Rows then advance by their own accepted count.
+prefill), then runs one decode iteration over every request already prefilled: the planner (draft_plan.py)
+picks each row's number of drafts from the cost model and the row's own acceptance, under the gate's load
+ceiling; the proposer drafts for them, and one target forward verifies all rows at once, each with its own
+number of drafts (0 for rows that don't speculate). Rows then advance by their own accepted count.
 """
 
 from __future__ import annotations
