@@ -7,13 +7,14 @@
    turns >= 2 at least 3x lower with the cache on.
 2. A long prompt beside streams. 8 requests are decoding when a --long-prompt-token prompt arrives. The
    inter-token latency (ITL) of the 8 streams until the long prompt's first token, with chunked prefill
-   (--prefill-chunk tokens a step) and with the whole prompt prefilled in one step.
+   (each of --prefill-chunks tokens a step) and with the whole prompt prefilled in one step.
 
 Everything runs in this process on the engine itself (no server), greedy, timed with the engine's token
 callbacks; the clock starts when a request is queued. Loading is excluded; each engine runs one warm-up.
 
     python scripts/bench_chat.py                  # SmolLM2-135M bf16, C = 1 8 32, 3 turns
     python scripts/bench_chat.py --concurrency 1 8 --turns 4 --json
+    python scripts/bench_chat.py --concurrency --prefill-chunks 128 256 512   # part 2 only
 """
 
 from __future__ import annotations
@@ -197,10 +198,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="target: preset, folder, .gguf or hub id")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32], help="part 1's (none: skip it)")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32, help="answer length per turn")
-    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[256],
+                    help="chunk sizes for part 2; part 1 runs at the first")
     ap.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long prompt (0: skip part 2)")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -212,8 +214,8 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     max_seq_len = max(2048, args.long_prompt + 256)
     model = load_transformer(target.path, max_seq_len, dtype, "cpu", keep_plain=False)
-    base = EngineConfig(max_batch_size=max(max(args.concurrency), args.streams + 1), max_seq_len=max_seq_len,
-                        dtype=args.dtype, gate=GatePolicy(min_tokens=0), prefill_chunk=args.prefill_chunk)
+    base = EngineConfig(max_batch_size=max([*args.concurrency, args.streams + 1]), max_seq_len=max_seq_len,
+                        dtype=args.dtype, gate=GatePolicy(min_tokens=0), prefill_chunk=args.prefill_chunks[0])
     load_before = os.getloadavg()[0]
 
     def engine(**kw) -> LLMEngine:
@@ -230,19 +232,23 @@ def main() -> None:
         chat += [rows[False], rows[True]]
     long_rows: list[LongPromptRow] = []
     if args.long_prompt:
-        for chunk in (args.prefill_chunk, max_seq_len):
+        for chunk in (*args.prefill_chunks, max_seq_len):
             long_rows.append(long_prompt_workload(engine(prefill_chunk=chunk, prefix_caching=False), tok,
                                                   args.streams, args.long_prompt))
     load = (round(load_before, 2), round(os.getloadavg()[0], 2))
 
-    print(f"{args.model} {args.dtype}, {torch.get_num_threads()} threads, greedy, no draft; {args.turns} turns of "
-          f"{args.max_tokens} tokens, every turn resending the history; load avg {load[0]} -> {load[1]}\n")
-    print_markdown(("C", "prefix cache", "requests", "TTFT turn 1 p50 ms", "TTFT turns>=2 p50 ms",
-                    "TTFT turns>=2 p99 ms", "out tok/s", "prompt tokens cached", "turns>=2 p50: off/on"),
-                   [(str(r.concurrency), "on" if r.prefix_cache else "off", str(r.requests), fmt(r.ttft_turn1_p50_ms),
-                     fmt(r.ttft_later_p50_ms), fmt(r.ttft_later_p99_ms), fmt(r.output_tokens_per_s, ".1f"),
-                     f"{r.hit_rate:.0%}", fmt(r.vs_off_ttft_later_p50, ".1f") + ("x" if r.vs_off_ttft_later_p50 else ""))
-                    for r in chat])
+    print(f"{args.model} {args.dtype}, {torch.get_num_threads()} threads, greedy, no draft; load avg {load[0]} -> "
+          f"{load[1]}")
+    if chat:
+        print(f"\n{args.turns} turns of {args.max_tokens} tokens, every turn resending the history, prefill chunks of "
+              f"{args.prefill_chunks[0]}\n")
+        print_markdown(("C", "prefix cache", "requests", "TTFT turn 1 p50 ms", "TTFT turns>=2 p50 ms",
+                        "TTFT turns>=2 p99 ms", "out tok/s", "prompt tokens cached", "turns>=2 p50: off/on"),
+                       [(str(r.concurrency), "on" if r.prefix_cache else "off", str(r.requests),
+                         fmt(r.ttft_turn1_p50_ms), fmt(r.ttft_later_p50_ms), fmt(r.ttft_later_p99_ms),
+                         fmt(r.output_tokens_per_s, ".1f"), f"{r.hit_rate:.0%}",
+                         fmt(r.vs_off_ttft_later_p50, ".1f") + ("x" if r.vs_off_ttft_later_p50 else ""))
+                        for r in chat])
     if long_rows:
         print(f"\nA {long_rows[0].long_prompt_tokens}-token prompt arriving beside {args.streams} decoding streams: "
               f"their inter-token latency until its first token\n")

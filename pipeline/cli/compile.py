@@ -36,7 +36,7 @@ import click
 @click.option("kv_cache_bytes", "--kv-cache-bytes", type=int,
               help="torch backend: the target's KV cache, a pool of 16-token blocks shared by all requests "
                    "[default: room for max-batch-size requests of max-seq-len tokens].")
-@click.option("prefill_chunk", "--prefill-chunk", type=int, default=512, show_default=True,
+@click.option("prefill_chunk", "--prefill-chunk", type=int, default=256, show_default=True,
               help="torch backend: prompt tokens prefilled per step; a longer prompt takes several, between the "
                    "running requests' decode steps.")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,

@@ -53,7 +53,7 @@ class CompileOptions:
     # torch backend: the target's KV pool in bytes (None: max_batch_size x max_seq_len tokens), prompt tokens
     # prefilled per step (chunked prefill), and reuse of cached prefix blocks (EngineConfig's fields)
     kv_cache_bytes: int | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
     prefix_caching: bool = True
     gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
     # torch backend with a draft: measure the cost model the draft planner reads (engine/calibrate.py)

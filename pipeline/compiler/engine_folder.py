@@ -28,7 +28,7 @@ def runtime_dtype(ckpt: Checkpoint, requested: str = "auto") -> str:
 
 def engine_manifest(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None, *, max_batch_size: int,
                     max_seq_len: int, num_draft_tokens: int, dtype: str, gate_batch_size: int | None,
-                    kv_cache_bytes: int | None = None, prefill_chunk: int = 512, prefix_caching: bool = True) -> dict:
+                    kv_cache_bytes: int | None = None, prefill_chunk: int = 256, prefix_caching: bool = True) -> dict:
     """engine.json's content: pure."""
     draft_entry: dict = {"kind": draft.kind}
     if draft_ckpt is not None:

@@ -114,7 +114,7 @@ class EngineConfig:
     prefix_caching: bool = True  # reuse full blocks of a prompt prefix another request already computed
     # Prompt tokens prefilled per step, at most (chunked prefill): a long prompt is prefilled over several steps,
     # each also decoding the running requests, so it never stalls their tokens for its whole prefill.
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
 
     def __post_init__(self):
         parse_dtype(self.dtype)

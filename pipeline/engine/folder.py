@@ -59,7 +59,7 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
                         dtype=dtype or manifest["dtype"], device=device or "cpu",
                         num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=policy,
                         lm_head=manifest.get("lm_head", "auto"), kv_cache_bytes=manifest.get("kv_cache_bytes"),
-                        prefill_chunk=manifest.get("prefill_chunk", 512),
+                        prefill_chunk=manifest.get("prefill_chunk", 256),
                         prefix_caching=manifest.get("prefix_caching", True))
 
 
