@@ -177,3 +177,47 @@ def test_compile_writes_the_kv_settings_and_the_engine_loads_them(tiny_target, t
     engine = load_engine(tmp_path / "e")
     assert engine.blocks.num_blocks == 40 and engine.config.prefill_chunk == 64
     assert not engine.blocks.prefix_caching
+
+
+@pytest.mark.identity
+@pytest.mark.parametrize("draft", ["ngram", "small-draft"])
+def test_everything_in_the_mix_is_still_each_requests_own_greedy_output(tiny_target, tiny_draft, draft):
+    """Prefix hits, chunked prefills, preemption, stop strings, penalties, log probs and gate flips at once: every
+    answer equals the one it gets alone, uncached, unchunked and unspeculated."""
+    from tiny_models import flip_gate
+
+    def detok(ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    prompts = chat_prompts(6, system=40, seed=8)
+    plist = [SamplingParams(max_tokens=MAX_TOKENS),
+             SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.2, frequency_penalty=0.3),
+             SamplingParams(max_tokens=MAX_TOKENS, logprobs=3),
+             SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.5, logprobs=0),
+             SamplingParams(max_tokens=MAX_TOKENS),
+             SamplingParams(max_tokens=12)]
+    alone = LLMEngine.load(tiny_target, config(max_batch_size=1, prefix_caching=False, prefill_chunk=4096))
+    alone.detokenize = detok
+    want = [alone.generate([p], sp)[0] for p, sp in zip(prompts, plist)]
+    # a stop string from the middle of request 4's answer
+    stop = detok(want[4].output_ids)[9:12]
+    plist[4] = SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,))
+    want[4] = alone.generate([prompts[4]], plist[4])[0]
+    assert want[4].finish_reason.value == "stop" and want[4].stop_reason == stop
+
+    per_block = alone.cache.bytes_per_block()
+    engine = LLMEngine.load(tiny_target, config(num_draft_tokens=3, gate=flip_gate(), prefill_chunk=9,
+                                                kv_cache_bytes=12 * per_block),
+                            draft="ngram" if draft == "ngram" else tiny_draft)
+    engine.detokenize = detok
+    reqs = [engine.add_request(prompts[0], plist[0])]
+    for _ in range(8):  # the first one decodes alone (and caches the system prompt) before the rest arrive
+        engine.step()
+    reqs += [engine.add_request(p, sp) for p, sp in zip(prompts[1:], plist[1:])]
+    while engine.has_unfinished():
+        engine.step()
+    for got, exp in zip(reqs, want):
+        assert got.output_ids == exp.output_ids and got.logprobs == exp.logprobs
+        assert (got.finish_reason, got.stop_text_len) == (exp.finish_reason, exp.stop_text_len)
+    assert engine.blocks.hit_tokens > 0 and engine.stats.preemptions > 0
+    assert engine.gate.flips >= 1 and engine.stats.drafted_tokens > 0
