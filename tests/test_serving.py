@@ -6,6 +6,7 @@ slots; the gate's threshold is 12 requests in flight with a hysteresis of 4.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -184,7 +185,10 @@ def engine_inputs(**overrides):
                   temperature=np.array([[0.0]], np.float32), top_k=np.array([[0]], np.int32),
                   top_p=np.array([[1.0]], np.float32), seed=np.array([[0]], np.uint64),
                   stream=np.array([[True]]), stop_words_list=np.array([[[-1], [-1]]], np.int32),
-                  speculation=np.array([[b"auto"]], np.object_), num_draft_tokens=np.array([[3]], np.int32))
+                  speculation=np.array([[b"auto"]], np.object_), num_draft_tokens=np.array([[3]], np.int32),
+                  repetition_penalty=np.array([[1.0]], np.float32), presence_penalty=np.array([[0.0]], np.float32),
+                  frequency_penalty=np.array([[0.0]], np.float32), return_log_probs=np.array([[False]]),
+                  num_logprobs=np.array([[0]], np.int32), stop_strings=np.array([[b"[]"]], np.object_))
     values.update(overrides)
     from tritonclient.utils import np_to_triton_dtype
 
@@ -615,3 +619,121 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
         # tritonserver memory it never frees.
         assert value(metrics(srv.endpoints.metrics), "pipeline_gate_rejected_total") == 3
         assert finished(srv, "rejected") == 0
+
+
+# ---- stop strings, log probs and penalties through the ensemble (issue 29) ----------------------------------
+
+def ensemble_results(c, prompt: str, max_tokens: int, stream: bool, **values) -> list:
+    """Every response (an InferResult) to one ensemble request with extra inputs by name; an error raises."""
+    import queue
+
+    from tritonclient.utils import np_to_triton_dtype
+
+    extra = [tensor(name, v, np_to_triton_dtype(v.dtype)) for name, v in values.items()]
+    got: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        c.async_stream_infer("ensemble", inputs(prompt, max_tokens, stream) + extra, enable_empty_final_response=True)
+        results = []
+        while True:
+            result, error = got.get(timeout=60)
+            if error is not None:
+                raise error
+            if result.get_response().outputs:
+                results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return results
+    finally:
+        c.stop_stream()
+
+
+def engine_answer(engine_dir: Path, prompt: str, max_tokens: int, **params):
+    """The in-process engine's request for a prompt, as the repository's preprocessing would send it."""
+    from pipeline.engine import load_engine
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    tokenizer = load_tokenizer(engine_dir / "target")
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
+    engine = load_engine(engine_dir)
+    engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    [req] = engine.generate([encode_prompt(tokenizer, prompt, raw=False)],
+                            SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, **params), speculation="off")
+    return req, tokenizer
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_word_of_several_tokens_cuts_the_text_just_before_it(server, engine_dir, stream):
+    prompt = "tell me about stop words"
+    whole = expected_text(engine_dir, prompt, 40)
+    _, tokenizer = engine_answer(engine_dir, prompt, 1)
+    stop = next(whole[i:i + 6] for i in range(8, len(whole) - 6)
+                if len(tokenizer(whole[i:i + 6], add_special_tokens=False).input_ids) > 1)
+    c = client(server)
+    try:
+        results = ensemble_results(c, prompt, 40, stream,
+                                   stop_words=np.array([[stop.encode()]], np.object_))
+        text = "".join(r.as_numpy("text_output")[0, 0].decode() for r in results)
+        assert text == whole[:whole.find(stop)]
+        # and the server serves the next request as before
+        [(again, _, _)] = responses(c, prompt, 40, stream=False)
+        assert again == whole
+    finally:
+        c.close()
+
+
+def test_a_stop_word_over_http_generate(server, engine_dir):
+    import json
+    import urllib.request
+
+    prompt = "tell me about stop words"
+    whole = expected_text(engine_dir, prompt, 40)
+    stop = whole[12:19]
+    body = json.dumps({"text_input": prompt, "max_tokens": 40, "stop_words": [stop]}).encode()
+    request = urllib.request.Request(f"{server.endpoints.http}/v2/models/ensemble/generate", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert json.loads(answer.read())["text_output"] == whole[:whole.find(stop)]
+
+
+def test_log_probs_and_penalties_are_the_engines_own(server, engine_dir):
+    prompt = "count the words in this sentence please"
+    req, tokenizer = engine_answer(engine_dir, prompt, 24, repetition_penalty=1.2, logprobs=2)
+    plain, _ = engine_answer(engine_dir, prompt, 24)
+    assert req.output_ids != plain.output_ids  # the penalty changed the answer
+    c = client(server)
+    try:
+        for stream in (False, True):
+            results = ensemble_results(c, prompt, 24, stream, repetition_penalty=np.array([[1.2]], np.float32),
+                                       return_log_probs=np.array([[True]]), num_logprobs=np.array([[2]], np.int32))
+            logprobs = np.concatenate([r.as_numpy("output_log_probs").reshape(-1) for r in results])
+            assert logprobs.tolist() == pytest.approx([lp.logprob for lp in req.logprobs], abs=1e-5)
+            assert sum(float(r.as_numpy("cum_log_probs").reshape(-1)[0]) for r in results) == \
+                pytest.approx(sum(lp.logprob for lp in req.logprobs), abs=1e-3)
+            top = [t for r in results for t in json.loads(r.as_numpy("top_log_probs")[0, 0])]
+            assert [t[0] for t in top] == req.output_ids
+            assert [[tuple(p) for p in t[2]] for t in top] == [list(lp.top) for lp in req.logprobs]
+        [(text, _, _)] = responses(c, prompt, 24, stream=False,
+                                   extra=[tensor("repetition_penalty", np.array([[1.2]], np.float32), "FP32")])
+        assert text == tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("repetition_penalty", np.array([[0.0]], np.float32), "repetition_penalty must be a finite number > 0"),
+    ("presence_penalty", np.array([[3.0]], np.float32), r"presence_penalty must be in \[-2, 2\]"),
+    ("num_logprobs", np.array([[30]], np.int32), r"logprobs must be an integer in \[0, 20\]"),
+])
+def test_bad_sampling_extras_are_refused_in_one_line_and_the_server_goes_on(server, engine_dir, name, value, message):
+    from tritonclient.utils import InferenceServerException
+
+    c = client(server)
+    try:
+        with pytest.raises(InferenceServerException, match=message):
+            ensemble_results(c, "hi", 8, True, return_log_probs=np.array([[True]]), **{name: value})
+        [(text, _, _)] = responses(c, "hi", 8, stream=False)
+        assert text == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()

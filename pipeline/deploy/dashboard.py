@@ -42,6 +42,9 @@ PANELS: tuple[tuple[str, str, list[tuple[str, str]]], ...] = (
     ("Decode steps that drafted nothing, by reason", "short",
      [(f"sum by (reason) (rate(pipeline_spec_decode_skipped_steps_total[{WINDOW}]))", "{{reason}}")]),
     ("KV-cache usage", "percentunit", [("max(pipeline_engine_kv_cache_usage_ratio)", "used")]),
+    ("Prefix-cache hit rate (prompt tokens)", "percentunit",
+     [(f"sum(rate(pipeline_engine_prefix_cache_hits_total[{WINDOW}])) / "
+       f"sum(rate(pipeline_engine_prefix_cache_queries_total[{WINDOW}]))", "cached")]),
     ("Engine queue", "short",
      [("sum(pipeline_engine_requests_running)", "running"), ("sum(pipeline_engine_requests_waiting)", "waiting"),
       ("sum(nv_inference_pending_request_count)", "Triton pending")]),

@@ -15,6 +15,7 @@ tritonclient is imported inside the functions that use it, so `pipeline --help` 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import queue
 import threading
@@ -49,6 +50,11 @@ class RequestOptions:
     num_draft_tokens: int | None = None
     stream: bool = True
     apply_chat_template: bool | None = None  # None: the repository's setting; rendered conversations never are
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()  # stop strings: the answer's text ends just before the first one
+    logprobs: int | None = None  # None: none; N: each token's log prob and the N most likely alternatives
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -62,6 +68,11 @@ class RequestOptions:
         from pipeline.engine.sampling_limits import check_sampling_values
 
         check_sampling_values(self.temperature, self.top_p, self.top_k)
+        from pipeline.engine.sampling_limits import check_logprobs, check_penalty_values, check_stop_strings
+
+        check_penalty_values(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        check_logprobs(self.logprobs)
+        check_stop_strings(self.stop)
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise RequestError(f"seed must be in [0, 2**64) (got {self.seed})")
         return self
@@ -89,6 +100,9 @@ class Chunk:
     skipped: dict[str, int] = field(default_factory=dict)  # those that didn't, by reason (skipped_steps)
     # j -> verification steps in this response that accepted exactly j drafts (acceptance_histogram)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
+    # With logprobs: per new token [token id, log prob, [[id, log prob], ...]] (the ensemble's top_log_probs)
+    logprobs: list = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (prefix_cache_hit_tokens)
 
 
 @dataclass(frozen=True)
@@ -161,11 +175,15 @@ def chunk_of(result, t_s: float) -> Chunk:
         return int(result.as_numpy(name).reshape(-1)[0])
 
     histogram = result.as_numpy("acceptance_histogram")  # absent from a server whose ensemble predates it
+    top = result.as_numpy("top_log_probs")  # these two as well
+    cached = result.as_numpy("prefix_cache_hit_tokens")
     return Chunk(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"),
                  scalar("num_accepted_tokens"), scalar("num_drafted_tokens"), t_s, scalar("num_output_tokens"),
                  _draft_steps(result), _skipped(result),
                  {int(j): n for j, n in read_counts(histogram.reshape(-1)[0]).items()}
-                 if histogram is not None and histogram.size else {})
+                 if histogram is not None and histogram.size else {},
+                 json.loads(top.reshape(-1)[0]) if top is not None and top.size else [],
+                 int(cached.reshape(-1)[0]) if cached is not None and cached.size else 0)
 
 
 def _round(x: float | None) -> float | None:
@@ -234,6 +252,15 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
         tensors.append(tensor("num_draft_tokens", np.array([[options.num_draft_tokens]], np.int32), "INT32"))
     if options.apply_chat_template is not None:
         tensors.append(tensor("apply_chat_template", np.array([[options.apply_chat_template]], np.bool_), "BOOL"))
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(options, name)
+        if value != RequestOptions.__dataclass_fields__[name].default:
+            tensors.append(tensor(name, np.array([[value]], np.float32), "FP32"))
+    if options.stop:
+        tensors.append(tensor("stop_words", np.array([[s.encode() for s in options.stop]], np.object_), "BYTES"))
+    if options.logprobs is not None:
+        tensors.append(tensor("return_log_probs", np.array([[True]], np.bool_), "BOOL"))
+        tensors.append(tensor("num_logprobs", np.array([[options.logprobs]], np.int32), "INT32"))
     return tensors
 
 

@@ -82,15 +82,10 @@ class TritonRequest:
 
 
 def parse_stop_words(flat: np.ndarray) -> tuple[tuple[int, ...], ...]:
-    """tensorrtllm's [2, W] layout (row 0 the ids, row 1 each word's end offset, -1 padded) -> words."""
-    ids, ends = flat.reshape(2, -1)
-    words, start = [], 0
-    for end in ends:
-        if end < 0:
-            break
-        words.append(tuple(int(t) for t in ids[start:end]))
-        start = int(end)
-    return tuple(w for w in words if w)
+    """tensorrtllm's [2, W] layout -> words (pipeline.triton.validate.stop_word_ids)."""
+    from pipeline.triton.validate import stop_word_ids
+
+    return tuple(stop_word_ids(flat))
 
 
 def stop_words_tensor(words: tuple[tuple[int, ...], ...]) -> np.ndarray:

@@ -3,9 +3,9 @@
 The ensemble's request is a superset of TensorRT-LLM's Triton ensemble, name for name and dtype for dtype
 (pipeline.triton.upstream.ENSEMBLE_INPUTS, from tensorrtllm_backend's ensemble/config.pbtxt), so
 tritonclient scripts and genai-perf written for TensorRT-LLM send what they always send. We add
-`speculation`, `num_draft_tokens` and `apply_chat_template`. Inputs upstream has and this pipeline can't honour (beam search,
-LoRA, log probs, ...) are accepted at their neutral values and refused otherwise, in one line
-(UNSUPPORTED_INPUTS): never ignored. Out come `text_output` and `num_output_tokens` as upstream names
+`speculation`, `num_draft_tokens`, `apply_chat_template` and `num_logprobs`. Inputs upstream has and this
+pipeline can't honour (beam search, LoRA, ...) are accepted at their neutral values and refused otherwise, in
+one line (UNSUPPORTED_INPUTS): never ignored. Out come `text_output` and `num_output_tokens` as upstream names
 them, plus per-response acceptance counts; UPSTREAM_OUTPUTS_NOT_PRODUCED says which upstream outputs
 aren't produced, and why.
 
@@ -26,6 +26,9 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # repository's setting. Text that is already a rendered conversation is never templated again
     # (pipeline.models.tokenizer.is_rendered), so Triton's own OpenAI frontend can sit in front unchanged.
     TensorSpec("apply_chat_template", "BOOL", (1,), optional=True),
+    # With return_log_probs: the N most likely alternatives per token too (0-20; 0 or absent: none), as
+    # top_log_probs.
+    TensorSpec("num_logprobs", "INT32", (1,), optional=True),
 )
 ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = tuple(
     TensorSpec(t.name, t.dtype, t.dims, optional=t.optional) for t in upstream.ENSEMBLE_INPUTS) + OUR_INPUTS
@@ -39,10 +42,6 @@ UNSUPPORTED_INPUTS: dict[str, tuple[object, str]] = {
     "bad_words": (None, "bad_words isn't supported; leave it out"),
     "exclude_input_in_output": (True, "the output never repeats the prompt here; send exclude_input_in_output "
                                       "true or leave it out"),
-    "repetition_penalty": (1.0, "repetition_penalty isn't supported; send 1.0 or leave it out"),
-    "presence_penalty": (0.0, "presence_penalty isn't supported; send 0.0 or leave it out"),
-    "frequency_penalty": (0.0, "frequency_penalty isn't supported; send 0.0 or leave it out"),
-    "return_log_probs": (False, "log probs aren't returned here; send return_log_probs false or leave it out"),
     "return_context_logits": (False, "logits aren't returned here; send return_context_logits false or leave it out"),
     "return_generation_logits": (False, "logits aren't returned here; send return_generation_logits false or "
                                         "leave it out"),
@@ -76,7 +75,6 @@ IGNORED_INPUTS: dict[str, str] = {
 # Upstream ensemble outputs we don't produce, and why; a client asking for one gets Triton's "unexpected
 # inference output" (every other upstream output has the same name and dtype here).
 UPSTREAM_OUTPUTS_NOT_PRODUCED: dict[str, str] = {
-    "cum_log_probs": "log probs are not computed", "output_log_probs": "log probs are not computed",
     "context_logits": "logits are not returned", "generation_logits": "logits are not returned",
     "batch_index": "one request per call", "sequence_index": "one sequence per request",
     "kv_cache_alloc_new_blocks": "KV cache block stats are on the metrics port",
@@ -104,6 +102,15 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     # A JSON object: drafts accepted -> verification steps in this response that accepted that many
     # ({"0": 2, "3": 1}); vLLM's per-request acceptance histogram, as the OpenAI frontend reports it.
     TensorSpec("acceptance_histogram", "BYTES", (1,)),
+    # With return_log_probs (upstream's names and shapes, one beam): the log probs of this response's tokens, from
+    # the distribution each was drawn from (after penalties, temperature, top-k and top-p), and their sum.
+    TensorSpec("cum_log_probs", "FP32", (-1,)),
+    TensorSpec("output_log_probs", "FP32", (-1, -1)),
+    # With return_log_probs: a JSON list, per token of this response, of [token id, its log prob, [[id, log prob],
+    # ...] for the num_logprobs most likely tokens]; "[]" otherwise.
+    TensorSpec("top_log_probs", "BYTES", (1,)),
+    # Prompt tokens whose KV blocks came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    TensorSpec("prefix_cache_hit_tokens", "INT32", (1,)),
 )
 
 # A request after preprocessing: tokenized, validated, every default filled in. Preprocessing emits
@@ -122,6 +129,14 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("stop_words_list", "INT32", (2, -1)),  # tensorrtllm's layout: [flat token ids; end offsets], -1 padded
     TensorSpec("speculation", "BYTES", (1,)),
     TensorSpec("num_draft_tokens", "INT32", (1,)),
+    TensorSpec("repetition_penalty", "FP32", (1,)),
+    TensorSpec("presence_penalty", "FP32", (1,)),
+    TensorSpec("frequency_penalty", "FP32", (1,)),
+    TensorSpec("return_log_probs", "BOOL", (1,)),
+    TensorSpec("num_logprobs", "INT32", (1,)),
+    # Every stop word as text, a JSON list: the portable engine matches them on the answer's text, across token
+    # boundaries, and cuts the text just before (stop_words_list carries them as token ids for TensorRT-LLM).
+    TensorSpec("stop_strings", "BYTES", (1,)),
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds
@@ -142,6 +157,14 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # The request's last response: postprocessing stops holding back a trailing U+FFFD (no more
     # bytes can complete it). Engines that don't send it leave the gate to say False.
     TensorSpec("final", "BOOL", (1,)),
+    # output_ids' log probs, one per id (prefix included; 0 where none were asked for), and the new tokens' ids,
+    # log probs and top-N alternatives as ENSEMBLE_OUTPUTS' top_log_probs ("[]" for none). These four are optional for a client calling postprocessing
+    # directly; the gate always sends them.
+    TensorSpec("output_log_probs", "FP32", (-1,), optional=True),
+    TensorSpec("top_log_probs", "BYTES", (1,), optional=True),
+    # Characters of this response's text to keep (-1: all): a stop string ends the answer inside it.
+    TensorSpec("text_limit", "INT32", (1,), optional=True),
+    TensorSpec("cached_tokens", "INT32", (1,), optional=True),  # prompt tokens served from the prefix cache
     # Set by the gate, not the engine: names the stream, so postprocessing can tell the gate that the
     # client cancelled it (pipeline.triton.cancel_marks).
     TensorSpec("stream_id", "UINT64", (1,)),

@@ -7,12 +7,13 @@ RequestError with the one line the client sees.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.engine.sampling_limits import check_sampling_values
+from pipeline.engine.sampling_limits import check_logprobs, check_penalty_values, check_sampling_values, check_stop_strings
 from pipeline.errors import RequestError
 from pipeline.triton.interface import IGNORED_INPUTS, UNSUPPORTED_INPUTS
 
@@ -91,6 +92,17 @@ class ClientRequest:
     end_id: int | None  # None: not sent
     stop_words: tuple[str, ...]
     apply_chat_template: bool | None = None  # None: not sent (the repository's setting)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    return_log_probs: bool = False
+    num_logprobs: int = 0  # top-N alternatives per token, with return_log_probs
+
+    @property
+    def plain_sampling(self) -> bool:
+        """No penalties and no log probs: what every route serves."""
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.return_log_probs) == \
+            (1.0, 0.0, 0.0, False)
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -125,11 +137,20 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
     end_id = scalar("end_id", None)
     words = get("stop_words")
     stop_words = tuple(text_of(w, "stop_words", max_input_bytes) for w in ([] if words is None else words.reshape(-1)))
+    stop_words = tuple(w for w in stop_words if w)  # upstream clients pad the list with empty words
+    check_stop_strings(stop_words)
+    penalties = (float(scalar("repetition_penalty", 1.0)), float(scalar("presence_penalty", 0.0)),
+                 float(scalar("frequency_penalty", 0.0)))
+    check_penalty_values(*penalties)
+    logprobs, num_logprobs = bool(scalar("return_log_probs", False)), int(scalar("num_logprobs", 0))
+    check_logprobs(num_logprobs)
+    if num_logprobs and not logprobs:
+        raise RequestError(f"num_logprobs {num_logprobs} needs return_log_probs true; send both")
     template = scalar("apply_chat_template", None)
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
                          None if end_id is None else int(end_id), stop_words,
-                         None if template is None else bool(template))
+                         None if template is None else bool(template), *penalties, logprobs, num_logprobs)
 
 
 def _required(get: Get, name: str) -> np.ndarray:
@@ -167,11 +188,28 @@ def read_engine_request(get: Get) -> dict:
         "top_p": top_p,
         "seed": int(scalar("seed")),
         "stream": bool(scalar("stream")),
-        # Single-token stop words only: the ids whose end offsets are 1 apart.
-        "stop_ids": [int(t) for t in stop_words.reshape(2, -1)[0] if t >= 0],
+        # Single-token stop words as token ids; longer ones are matched on text (stop_strings).
+        "stop_ids": [w[0] for w in stop_word_ids(stop_words) if len(w) == 1],
         "speculation": text_of(scalar("speculation"), "speculation"),
         "num_draft_tokens": int(scalar("num_draft_tokens")),
+        "repetition_penalty": float(scalar("repetition_penalty")),
+        "presence_penalty": float(scalar("presence_penalty")),
+        "frequency_penalty": float(scalar("frequency_penalty")),
+        "logprobs": int(scalar("num_logprobs")) if bool(scalar("return_log_probs")) else None,
+        "stop_strings": tuple(json.loads(text_of(scalar("stop_strings"), "stop_strings"))),
     }
+
+
+def stop_word_ids(flat: np.ndarray) -> list[tuple[int, ...]]:
+    """tensorrtllm's [2, W] layout (row 0 the ids, row 1 each word's end offset, -1 padded) -> words."""
+    ids, ends = flat.reshape(2, -1)
+    words, start = [], 0
+    for end in ends:
+        if end < 0:
+            break
+        words.append(tuple(int(t) for t in ids[start:end]))
+        start = int(end)
+    return [w for w in words if w]
 
 
 def read_generation_output(get: Get) -> tuple[list[int], int, bool]:

@@ -103,6 +103,9 @@ class TritonPythonModel:
         if r.num_draft_tokens != self.num_draft_tokens:
             raise RequestError(f"num_draft_tokens {r.num_draft_tokens} can't be set per request on the LLM-API route "
                                f"(it is {self.num_draft_tokens}, compiled in); leave it out")
+        if not r.plain_sampling:
+            raise RequestError("penalties and log probs aren't passed to the LLM-API route's llmapi model yet; leave "
+                               "repetition_penalty, presence_penalty, frequency_penalty and return_log_probs out")
         if r.end_id is not None:
             raise RequestError("end_id isn't supported on the LLM-API route (TensorRT-LLM's llmapi model stops at "
                                "the tokenizer's end of text); leave it out, or send stop_words")
@@ -166,7 +169,11 @@ class TritonPythonModel:
             # TensorRT-LLM's own gate decides inside its executor; it reports no per-step reasons.
             pb_utils.Tensor("num_draft_steps", count(0)),
             pb_utils.Tensor("skipped_steps", np.array([[b"{}"]], np.object_)),
-            pb_utils.Tensor("acceptance_histogram", np.array([[b"{}"]], np.object_))]))
+            pb_utils.Tensor("acceptance_histogram", np.array([[b"{}"]], np.object_)),
+            pb_utils.Tensor("cum_log_probs", np.zeros((1, 1), np.float32)),
+            pb_utils.Tensor("output_log_probs", np.zeros((1, 1, 0), np.float32)),
+            pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_)),
+            pb_utils.Tensor("prefix_cache_hit_tokens", count(0))]))
         return text, tokens
 
     # ---- the sender thread ------------------------------------------------------------------------------

@@ -35,7 +35,11 @@ class TritonPythonModel:
                 pb_utils.Tensor("num_accepted_tokens", zero), pb_utils.Tensor("num_drafted_tokens", zero),
                 pb_utils.Tensor("num_output_tokens", zero), pb_utils.Tensor("num_draft_steps", zero),
                 pb_utils.Tensor("skipped_steps", np.array([[b"{}"]], np.object_)),
-                pb_utils.Tensor("acceptance_histogram", np.array([[b"{}"]], np.object_))]
+                pb_utils.Tensor("acceptance_histogram", np.array([[b"{}"]], np.object_)),
+                pb_utils.Tensor("cum_log_probs", np.zeros((1, 1), np.float32)),
+                pb_utils.Tensor("output_log_probs", np.zeros((1, 1, 0), np.float32)),
+                pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_)),
+                pb_utils.Tensor("prefix_cache_hit_tokens", zero)]
 
     def _visible(self, ids, final: bool = False) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -67,7 +71,20 @@ class TritonPythonModel:
         ids, start, final = read_generation_output(get)
         full, prefix = self._visible(ids, final=final), self._visible(ids[:start])
         text = full[len(prefix):] if full.startswith(prefix) else full
+        limit = get("text_limit")
+        if limit is not None and int(limit.reshape(-1)[0]) >= 0:  # a stop string ends the answer in this response
+            text = text[:int(limit.reshape(-1)[0])]
+        logprobs = get("output_log_probs")
+        new = np.zeros(0, np.float32) if logprobs is None else logprobs.reshape(-1)[start:].astype(np.float32)
+        top = get("top_log_probs")
+        cached = get("cached_tokens")
         return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("cum_log_probs", np.array([[new.sum()]], np.float32)),
+            pb_utils.Tensor("output_log_probs", new.reshape(1, 1, -1)),
+            pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_) if top is None
+                            else top.astype(np.object_).reshape(1, 1)),
+            pb_utils.Tensor("prefix_cache_hit_tokens",
+                            np.zeros((1, 1), np.int32) if cached is None else cached.astype(np.int32).reshape(1, 1)),
             pb_utils.Tensor("text_output", np.array([[text.encode()]], np.object_)),
             pb_utils.Tensor("num_accepted_tokens", get("accepted_tokens").astype(np.int32)),
             pb_utils.Tensor("num_drafted_tokens", get("drafted_tokens").astype(np.int32)),

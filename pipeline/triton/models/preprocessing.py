@@ -11,7 +11,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.config import ModelConfig
-from pipeline.errors import RequestError
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, template_opening, uses_chat_template
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.validate import check_length, read_request
@@ -57,17 +56,15 @@ class TritonPythonModel:
         ids = encode_prompt(self.tokenizer, r.text, r.raw(self.raw), self.opening)
         check_length(len(ids), r.max_tokens, self.max_seq_len)
         end_id = r.end_id if r.end_id is not None else (self.stops[0] if self.stops else -1)
-        stop_ids = list(self.stops[1:])
-        for word in r.stop_words:
-            tokens = self.tokenizer(word, add_special_tokens=False).input_ids
-            if len(tokens) != 1:
-                raise RequestError(f"stop word {word!r} is {len(tokens)} tokens; the portable engine stops "
-                                   f"only on single-token words")
-            stop_ids.append(tokens[0])
-        # tensorrtllm's layout: row 0 the flat ids, row 1 the end offset of each word, -1 padded.
-        stop_words = np.full((1, 2, max(1, len(stop_ids))), -1, np.int32)
-        stop_words[0, 0, :len(stop_ids)] = stop_ids
-        stop_words[0, 1, :len(stop_ids)] = np.arange(1, len(stop_ids) + 1)
+        # tensorrtllm's layout: row 0 the flat ids, row 1 the end offset of each word, -1 padded. The model's own
+        # stop tokens first, then each stop word's tokens (TensorRT-LLM matches them as sequences).
+        words = [[t] for t in self.stops[1:]] + [self.tokenizer(w, add_special_tokens=False).input_ids
+                                                 for w in r.stop_words]
+        words = [w for w in words if w]
+        flat = [t for w in words for t in w]
+        stop_words = np.full((1, 2, max(1, len(flat))), -1, np.int32)
+        stop_words[0, 0, :len(flat)] = flat
+        stop_words[0, 1, :len(words)] = np.cumsum([len(w) for w in words])
 
         def row(value, dtype):
             return np.array([[value]], dtype)
@@ -85,5 +82,11 @@ class TritonPythonModel:
             pb_utils.Tensor("stop_words_list", stop_words),
             pb_utils.Tensor("speculation", np.array([[r.speculation.encode()]], np.object_)),
             pb_utils.Tensor("num_draft_tokens", row(r.num_draft_tokens, np.int32)),
+            pb_utils.Tensor("repetition_penalty", row(r.repetition_penalty, np.float32)),
+            pb_utils.Tensor("presence_penalty", row(r.presence_penalty, np.float32)),
+            pb_utils.Tensor("frequency_penalty", row(r.frequency_penalty, np.float32)),
+            pb_utils.Tensor("return_log_probs", row(r.return_log_probs, np.bool_)),
+            pb_utils.Tensor("num_logprobs", row(r.num_logprobs, np.int32)),
+            pb_utils.Tensor("stop_strings", np.array([[json.dumps(list(r.stop_words)).encode()]], np.object_)),
         ]
 

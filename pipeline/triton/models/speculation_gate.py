@@ -50,9 +50,28 @@ from pipeline.triton.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
 ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps", "skipped_steps",
-                  "acceptance_histogram", "final"]
+                  "acceptance_histogram", "final", "output_log_probs", "top_log_probs", "text_limit", "cached_tokens"]
 GENERATION_OUTPUTS = ENGINE_OUTPUTS + ["stream_id"]
 METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather than send one per token
+
+
+def _defaults(outputs: dict) -> dict:
+    """The generation tensors an engine left out (the TensorRT-LLM loop computes no log probs, no stop-string cut,
+    no prefix-cache count), at their neutral values: postprocessing always gets every input."""
+    return {"final": np.array([[False]]), "output_log_probs": np.zeros(outputs["output_ids"].shape, np.float32),
+            "top_log_probs": np.array([[b"[]"]], np.object_), "text_limit": np.array([[-1]], np.int32),
+            "cached_tokens": np.array([[0]], np.int32), **outputs}
+
+
+def _trtllm_refusal(request) -> str | None:
+    """What the TensorRT-LLM loop doesn't do yet (draft_target sends the engines none of it), in one line."""
+    for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("return_log_probs", False)):
+        value = type(neutral)(_scalar(request, name))
+        if value != neutral:
+            return (f"{name} {value!r} isn't served on this repository's TensorRT-LLM route yet (the portable engine "
+                    f"and TensorRT-LLM's own ensemble serve it); leave it out")
+    return None
 
 
 def _scalar(request, name):
@@ -214,6 +233,10 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             arrival = time.monotonic()
+            refusal = _trtllm_refusal(request) if self.backend == "trtllm" else None
+            if refusal is not None:
+                self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)), FINAL)
+                continue
             try:
                 decision = self.gate.admit(str(_scalar(request, "speculation")),
                                            int(_scalar(request, "request_output_len")))
@@ -255,8 +278,8 @@ class TritonPythonModel:
             return sender.is_cancelled() or cancel_marks.take(f"stream-{stream_id}")
 
         def forward(outputs: dict):
-            self._forward(sender, {"final": np.array([[False]]), **outputs,
-                                   "stream_id": np.array([[stream_id]], np.uint64)}, decision, clock)
+            self._forward(sender, {**_defaults(outputs), "stream_id": np.array([[stream_id]], np.uint64)}, decision,
+                          clock)
 
         try:
             if self.backend == "trtllm":

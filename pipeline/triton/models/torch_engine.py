@@ -71,11 +71,18 @@ class EngineMetrics:
                                           "rejected: refused as busy)"))
         self.tokens = keep(F(name="pipeline_engine_generation_tokens_total", kind=F.COUNTER,
                             description="Tokens generated")).Metric(labels=self.labels)
-        # vLLM's kv_cache_usage_perc, as a ratio: each slot holds max_seq_len positions, so this is the
-        # positions running requests hold over all slots' (the target's cache; a draft model's is its twin).
+        # vLLM's kv_cache_usage_perc, as a ratio: the target's KV blocks held (by running requests; cached blocks
+        # nobody holds are free) over the pool's.
         self.kv_usage = keep(F(name="pipeline_engine_kv_cache_usage_ratio", kind=F.GAUGE,
-                               description="Fraction of the target's KV-cache positions held by running requests"
+                               description="Fraction of the target's KV-cache blocks held by running requests"
                                )).Metric(labels=self.labels)
+        # vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up, and those found cached.
+        self.prefix_queries = keep(F(name="pipeline_engine_prefix_cache_queries_total", kind=F.COUNTER,
+                                     description="Prompt tokens looked up in the prefix cache")).Metric(labels=self.labels)
+        self.prefix_hits = keep(F(name="pipeline_engine_prefix_cache_hits_total", kind=F.COUNTER,
+                                  description="Prompt tokens whose KV blocks came from the prefix cache"
+                                  )).Metric(labels=self.labels)
+        self._prefix_sent = (0, 0)
         self._by_reason: dict = {}
         self._tokens_sent = 0
         self._published = None
@@ -88,14 +95,21 @@ class EngineMetrics:
 
     def publish(self, engine):
         self.last = time.monotonic()
-        held = sum(len(r.prompt_ids) + len(r.output_ids) for r in engine.running)
-        state = (len(engine.running), len(engine.waiting), engine.stats.generated_tokens, held)
+        blocks = engine.blocks
+        state = (len(engine.running), len(engine.waiting), engine.stats.generated_tokens, blocks.num_held,
+                 blocks.queried_tokens, blocks.hit_tokens)
         if state == self._published:  # idle: no IPC round trips
             return
         self._published = state
         self.running.set(state[0])
         self.waiting.set(state[1])
-        self.kv_usage.set(held / (engine.config.max_batch_size * engine.config.max_seq_len))
+        self.kv_usage.set(blocks.num_held / blocks.num_blocks)
+        queried, hits = blocks.queried_tokens, blocks.hit_tokens
+        if queried > self._prefix_sent[0]:
+            self.prefix_queries.increment(queried - self._prefix_sent[0])
+        if hits > self._prefix_sent[1]:
+            self.prefix_hits.increment(hits - self._prefix_sent[1])
+        self._prefix_sent = (queried, hits)
         generated = state[2]
         if generated > self._tokens_sent:
             self.tokens.increment(generated - self._tokens_sent)
@@ -126,10 +140,19 @@ def _since(counts: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def _generation_response(ids: list[int], prefix_length: int, accepted: int, drafted: int, verify_steps: int,
-                         final: bool, skipped: dict | None = None, histogram: dict | None = None):
+                         final: bool, skipped: dict | None = None, histogram: dict | None = None,
+                         logprobs: list[float] | None = None, top: list | None = None, text_limit: int = -1,
+                         cached_tokens: int = 0):
     """One response in the engine's output tensors (pipeline.triton.interface GENERATION_TENSORS, less stream_id)."""
     def scalar(value, dtype=np.int32):
         return np.array([[value]], dtype)
+
+    extras = [
+        pb_utils.Tensor("output_log_probs", np.array([logprobs or [0.0] * len(ids)], np.float32)),
+        pb_utils.Tensor("top_log_probs", scalar(json.dumps(top or []).encode(), np.object_)),
+        pb_utils.Tensor("text_limit", scalar(text_limit)),
+        pb_utils.Tensor("cached_tokens", scalar(cached_tokens)),
+    ]
 
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("output_ids", np.array([ids], np.int32)),
@@ -140,6 +163,7 @@ def _generation_response(ids: list[int], prefix_length: int, accepted: int, draf
         pb_utils.Tensor("skipped_steps", scalar(json.dumps(skipped or {}).encode(), np.object_)),
         pb_utils.Tensor("acceptance_histogram", scalar(json.dumps(histogram or {}).encode(), np.object_)),
         pb_utils.Tensor("final", scalar(final, np.bool_)),
+        *extras,
     ])
 
 
@@ -158,6 +182,9 @@ class TritonPythonModel:
         # Requests that may wait for a slot (0: no bound); past it a request is refused at once as busy.
         self.max_queue_size = int(config["parameters"].get("max_queue_size", {}).get("string_value", "0"))
         tokenizer = load_tokenizer(Path(engine_dir) / manifest["tokenizer"])
+        # The answer's text as postprocessing writes it (skip_special_tokens), for stop strings.
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.engine.detokenize = self.decode
         self.text_vocab = len(tokenizer)
         self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
@@ -242,7 +269,10 @@ class TritonPythonModel:
             params = SamplingParams(max_tokens=parsed["max_tokens"], temperature=parsed["temperature"],
                                     top_p=parsed["top_p"], top_k=parsed["top_k"],
                                     seed=parsed["seed"] if parsed["temperature"] > 0 else None,
-                                    stop_token_ids=stops)
+                                    stop_token_ids=stops, stop=parsed["stop_strings"],
+                                    repetition_penalty=parsed["repetition_penalty"],
+                                    presence_penalty=parsed["presence_penalty"],
+                                    frequency_penalty=parsed["frequency_penalty"], logprobs=parsed["logprobs"])
             req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
                                           on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"])
         except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
@@ -282,24 +312,51 @@ class TritonPythonModel:
     def _respond(self, req, state: Stream, final: bool):
         # Streaming: the new tokens after up to PREFIX_TOKENS already sent. Not streaming: the whole answer.
         start = self._prefix_start(req.output_ids, state.sent) if state.stream else 0
-        end = len(req.output_ids)
+        end = len(req.output_ids) if final else self._safe_end(req)
         # A stream's final response goes out even with no new tokens: it resends the prefix, so
         # postprocessing releases a trailing U+FFFD it held back.
         if start == end and final:
-            # No token at all (the first one was a stop token): Triton's ensemble takes a [1, 0] output_ids
-            # for a missing input and fails the request, so the answer ends with a bare final flag instead.
+            # No token at all (the first one was a stop token): Triton's ensemble takes a [1, 0] output_ids for a
+            # missing input and fails the request, so the answer ends with a bare final flag instead.
             state.sender.send(flags=FINAL)
         elif not state.stream or end > state.sent or final:
             skipped = _since(req.skip_reasons, state.skipped)
-            response = _generation_response(req.output_ids[start:end], state.sent - start if state.stream else 0,
+            sent = state.sent if state.stream else 0
+            logprobs = top = None
+            if req.params.logprobs is not None:
+                logprobs = [lp.logprob for lp in req.logprobs[start:end]]
+                top = [[tok, lp.logprob, [list(pair) for pair in lp.top]]
+                       for tok, lp in zip(req.output_ids[sent:end], req.logprobs[sent:end])]
+            limit = -1
+            if final and req.stop_text_len is not None:  # cut just before the stop string, past what was sent
+                limit = max(0, req.stop_text_len - len(self._visible(req.output_ids[:sent])))
+            response = _generation_response(req.output_ids[start:end], sent - start,
                                             req.num_accepted - state.accepted, req.num_drafted - state.drafted,
                                             req.num_verify_steps - state.verify_steps, final, skipped,
-                                            _since(req.accepted_per_step, state.histogram))
+                                            _since(req.accepted_per_step, state.histogram), logprobs, top, limit,
+                                            req.num_cached_tokens)
             state.skipped, state.histogram = dict(req.skip_reasons), dict(req.accepted_per_step)
             state.sender.send(response, flags=FINAL if final else 0)
             state.last_sent = time.monotonic()
-        state.sent, state.new = end, []
+        state.sent, state.new = max(state.sent, end), []
         state.accepted, state.drafted, state.verify_steps = req.num_accepted, req.num_drafted, req.num_verify_steps
+
+    def _visible(self, ids) -> str:
+        """The text postprocessing has written for `ids` (it holds back one trailing U+FFFD until the end)."""
+        text = self.decode(ids)
+        return text[:-1] if text.endswith("\ufffd") else text
+
+    def _safe_end(self, req) -> int:
+        """Output tokens a stream may send now: with stop strings, not the tail whose text could still begin one
+        (its last longest-1 characters), since the answer may yet be cut there."""
+        if not req.params.stop:
+            return len(req.output_ids)
+        hold = max(len(s) for s in req.params.stop) - 1
+        limit = len(self.decode(req.output_ids)) - hold
+        end = len(req.output_ids)
+        while end > 0 and len(self.decode(req.output_ids[:end])) > limit:
+            end -= 1
+        return end
 
     def _keepalive(self, req, state: Stream):
         """An empty response for a stream waiting in the queue, so a client that left is noticed (KEEPALIVE_S).
