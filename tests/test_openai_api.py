@@ -26,7 +26,7 @@ def test_openai_clients_neutral_defaults_pass():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("n", True), ("logprobs", True), ("frequency_penalty", 0.5), ("tools", [{"type": "function"}]),
+    ("n", 2), ("n", True), ("top_logprobs", 30), ("frequency_penalty", 2.5), ("tools", [{"type": "function"}]),
     ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}), ("presence_penalty", float("nan")),
 ])
 def test_an_unsupported_field_is_a_400_naming_it(field, value):
@@ -145,8 +145,12 @@ def test_a_stream_says_what_the_whole_answer_says_and_ends_with_usage(client):
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+        (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
     assert whole.usage.prompt_tokens > 20  # the system prompt and both turns are in it
+    # the same conversation again: its whole blocks come from the prefix cache
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_a_stop_string_cuts_the_answer_where_it_starts(client):
@@ -169,7 +173,7 @@ def test_a_stop_string_cuts_the_answer_where_it_starts(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"n": 2}, "n"), ({"top_logprobs": 2}, "top_logprobs"), ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
 ])
@@ -182,6 +186,40 @@ def test_unsupported_fields_get_openais_400_and_the_server_serves_on(client, ext
     assert err.value.body["param"] == param and param in err.value.body["message"]
     ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_penalties_reach_the_engine_and_a_resent_prompt_is_served_from_the_prefix_cache(client):
+    messages = [{"role": "user", "content": "Say something repetitive about the sea, the sea and the sea. " * 3}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0)
+    penalised = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
+                                               frequency_penalty=1.5, presence_penalty=0.5,
+                                               extra_body={"repetition_penalty": 1.3})
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
+    # The second time the prompt was sent, its whole blocks were found cached (the last token is always computed).
+    cached = penalised.usage.prompt_tokens_details.cached_tokens
+    assert cached == (penalised.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
+def test_log_probs_in_openais_shapes_streamed_or_not(client):
+    messages = [{"role": "user", "content": "List some numbers."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob <= 0
+        assert bytes(t.bytes).decode() == t.token
+    streamed = [c for c in client.chat.completions.create(model="tiny", messages=messages, max_tokens=20,
+                                                         temperature=0, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs]
+    assert [t for c in streamed for t in c.choices[0].logprobs.content] == content
+    completion = client.completions.create(model="tiny", prompt="Count: 1, 2,", max_tokens=10, temperature=0,
+                                           logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
 
 
 def test_an_unknown_model_is_a_404_naming_the_served_one(client):

@@ -30,7 +30,8 @@ from pipeline.openai_api.ensemble import Ensemble, EnsembleError
 from pipeline.openai_api.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessage, ChatRequest,
                                           ChunkChoice, Completion, CompletionChoice, CompletionRequest, Delta,
                                           API_KEY_ENV, ModelCard, ModelList, ProtocolError, ResponseMetrics, SamplingFields,
-                                          SpecDecoding, Usage, parse_chat, parse_completion)
+                                          PromptTokensDetails, SpecDecoding, Usage, parse_chat,
+                                          parse_completion, ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob)
 from pipeline.openai_api.stops import StopMatcher
 from pipeline.triton.client import Chunk, RequestOptions
 
@@ -57,6 +58,14 @@ class Outcome:
     completion_tokens: int = 0
     stopped_by_string: bool = False
     chunks: list[Chunk] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # per token [id, log prob, [[id, log prob], ...]], as they came
+    reported: int = 0  # of those, already in a response
+    text_offset: int = 0  # characters of the answer already covered by reported tokens
+
+    def take_logprobs(self) -> list:
+        """The log probs not yet reported."""
+        new, self.reported = self.logprobs[self.reported:], len(self.logprobs)
+        return new
 
     @property
     def finish_reason(self) -> str:
@@ -66,8 +75,10 @@ class Outcome:
         return "length"
 
     def usage(self) -> Usage:
+        cached = max((c.cached_tokens for c in self.chunks), default=0)
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens)
+                     total_tokens=self.prompt_tokens + self.completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def metrics(self, k: int) -> ResponseMetrics:
         drafted = sum(c.drafted for c in self.chunks)
@@ -149,7 +160,12 @@ def create_app(settings: FrontendSettings):
             seed = secrets.randbelow(2**63)  # unseeded sampled requests differ, as OpenAI's do
         return RequestOptions(max_tokens=max_new, temperature=temperature, top_p=1.0 if req.top_p is None else
                               req.top_p, top_k=max(req.top_k or 0, 0), seed=seed, speculation=req.speculation,
-                              num_draft_tokens=req.num_draft_tokens, stream=stream, apply_chat_template=template)
+                              num_draft_tokens=req.num_draft_tokens, stream=stream, apply_chat_template=template,
+                              frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                              # the engine ends the decoding at a stop string; the matcher below cuts the text
+                              # on a route that stops on token sequences instead
+                              stop=req.stop_strings(), logprobs=req.num_logprobs())
 
     async def pieces(text: str, options: RequestOptions, outcome: Outcome,
                      stops: StopMatcher) -> AsyncIterator[str]:
@@ -158,6 +174,7 @@ def create_app(settings: FrontendSettings):
         try:
             async for chunk in stream:
                 outcome.chunks.append(chunk)
+                outcome.logprobs += chunk.logprobs
                 outcome.completion_tokens += chunk.tokens
                 out = stops.feed(chunk.text)
                 if out:
@@ -181,6 +198,34 @@ def create_app(settings: FrontendSettings):
             return ProtocolError(err.message)
         return ProtocolError(err.message, status=502, type="upstream_error")
 
+    def token_text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=True)
+
+    def chat_logprobs(entries: list) -> ChatLogprobs:
+        def top(token: int, logprob: float) -> TopLogprob:
+            t = token_text(token)
+            return TopLogprob(token=t, logprob=logprob, bytes=list(t.encode()))
+
+        return ChatLogprobs(content=[TokenLogprob(**top(token, logprob).model_dump(),
+                                                  top_logprobs=[top(i, lp) for i, lp in alternatives])
+                                     for token, logprob, alternatives in entries])
+
+    def completion_logprobs(entries: list, outcome: Outcome) -> CompletionLogprobs:
+        tokens = [token_text(token) for token, _, _ in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(outcome.text_offset)
+            outcome.text_offset += len(t)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[lp for _, lp, _ in entries],
+                                  top_logprobs=[{token_text(i): lp for i, lp in alternatives}
+                                                for _, _, alternatives in entries], text_offset=offsets)
+
+    def logprobs_of(req: SamplingFields, outcome: Outcome, chat: bool):
+        if req.num_logprobs() is None:
+            return None
+        entries = outcome.take_logprobs()
+        return chat_logprobs(entries) if chat else completion_logprobs(entries, outcome)
+
     async def respond(req: SamplingFields, text: str, prompt_tokens: int, template: bool | None, chat: bool):
         max_new = req.new_tokens(settings.max_seq_len - prompt_tokens)
         # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
@@ -197,23 +242,27 @@ def create_app(settings: FrontendSettings):
                 raise error_of(err) from None
             if chat:
                 return ChatCompletion(id=rid, created=created, model=settings.model_name, choices=[ChatChoice(
-                    message=ChatMessage(content=answer), finish_reason=outcome.finish_reason)],
-                    usage=outcome.usage(), metrics=outcome.metrics(k))
+                    message=ChatMessage(content=answer), finish_reason=outcome.finish_reason,
+                    logprobs=logprobs_of(req, outcome, chat))], usage=outcome.usage(), metrics=outcome.metrics(k))
             return Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
-                text=answer, finish_reason=outcome.finish_reason)], usage=outcome.usage(), metrics=outcome.metrics(k))
+                text=answer, finish_reason=outcome.finish_reason, logprobs=logprobs_of(req, outcome, chat))],
+                usage=outcome.usage(), metrics=outcome.metrics(k))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(content: str | None = None, finish: str | None = None, role: bool = False, choices: bool = True,
                   usage: bool = False):
+            # A piece of text carries the log probs of every token that came since the last one; the finish chunk
+            # the rest.
+            lps = logprobs_of(req, outcome, chat) if content or finish else None
             if chat:
                 body = ChatCompletionChunk(id=rid, created=created, model=settings.model_name, choices=[ChunkChoice(
-                    delta=Delta(role="assistant" if role else None, content=content), finish_reason=finish)]
-                    if choices else [], usage=outcome.usage() if usage else None,
+                    delta=Delta(role="assistant" if role else None, content=content), finish_reason=finish,
+                    logprobs=lps)] if choices else [], usage=outcome.usage() if usage else None,
                     metrics=outcome.metrics(k) if usage else None)
             else:
                 body = Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
-                    text=content or "", finish_reason=finish)] if choices else [],
+                    text=content or "", finish_reason=finish, logprobs=lps)] if choices else [],
                     usage=outcome.usage() if usage else None, metrics=outcome.metrics(k) if usage else None)
             return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
 

@@ -1,12 +1,13 @@
 """OpenAI's chat and completions requests as this server reads them, and the responses it writes.
 
 Every field OpenAI's API defines is either honoured, accepted at its neutral value (what OpenAI's own
-clients send by default: `n: 1`, `frequency_penalty: 0`, `logprobs: false`, ...) or refused with a 400 in
+clients send by default: `n: 1`, `logit_bias: {}`, ...) or refused with a 400 in
 OpenAI's error shape naming the field. A field nobody defines is refused too, as OpenAI refuses it
 ("Unrecognized request argument supplied"). Nothing is silently ignored.
 
 Our extension, in the body (the openai SDK sends it with `extra_body`): `speculation` ("auto", "on", "off")
-and `num_draft_tokens`, as the ensemble's gRPC inputs of the same names. `top_k` is vLLM's extension.
+and `num_draft_tokens`, as the ensemble's gRPC inputs of the same names. `top_k` and `repetition_penalty` are
+vLLM's extensions.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 SPECULATION = ("auto", "on", "off")
 API_KEY_ENV = "PIPELINE_OPENAI_API_KEY"  # the key the API asks for, when set
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top-N alternatives per token (pipeline.engine.sampling_limits.MAX_LOGPROBS)
 
 
 class ProtocolError(Exception):
@@ -51,9 +53,6 @@ def _empty(v) -> bool:
 # Fields OpenAI defines that this server doesn't implement: (passes?, what to do instead).
 COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "n": (_absent_or(1), "one choice per request; send n 1 or leave it out"),
-    "frequency_penalty": (_absent_or(0.0), "frequency_penalty isn't supported; send 0 or leave it out"),
-    "presence_penalty": (_absent_or(0.0), "presence_penalty isn't supported; send 0 or leave it out"),
-    "repetition_penalty": (_absent_or(1.0), "repetition_penalty isn't supported; send 1 or leave it out"),
     "logit_bias": (_empty, "logit_bias isn't supported; leave it out"),
     "min_tokens": (_absent_or(0, 1), "min_tokens above 1 isn't supported (an answer may end at its first token)"),
     "ignore_eos": (_absent_or(False), "ignore_eos isn't supported; an answer ends at the model's end token"),
@@ -62,8 +61,6 @@ COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "store": (_absent_or(False), "completions aren't stored here; send store false or leave it out"),
 }
 CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "logprobs": (_absent_or(False), "log probs aren't returned here; send logprobs false or leave it out"),
-    "top_logprobs": (_absent_or(0), "log probs aren't returned here; leave top_logprobs out"),
     "tools": (_empty, "tool calling isn't supported; leave tools out"),
     "tool_choice": (_absent_or("none"), "tool calling isn't supported; leave tool_choice out"),
     "parallel_tool_calls": (lambda v: v is None, "tool calling isn't supported; leave parallel_tool_calls out"),
@@ -79,7 +76,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "verbosity": (lambda v: v is None, "verbosity isn't supported; leave it out"),
 }
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "logprobs": (_absent_or(0), "log probs aren't returned here; leave logprobs out"),
     "echo": (_absent_or(False), "echo isn't supported (the answer never repeats the prompt); send false or leave it out"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) isn't supported; leave it out"),
 }
@@ -108,6 +104,9 @@ class SamplingFields(BaseModel):
     metadata: dict[str, str] | None = None  # the same
     speculation: Literal["auto", "on", "off"] = "auto"  # ours: as the ensemble's speculation input
     num_draft_tokens: int | None = Field(default=None, ge=1)  # ours: k for this request
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's extension
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -139,6 +138,16 @@ class Message(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        """None: no log probs; N: each token's, and its N most likely alternatives."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ProtocolError("top_logprobs needs logprobs true; send both", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     def conversation(self) -> list[dict]:
         """The messages as the chat template takes them; "developer" is OpenAI's newer name for "system"."""
@@ -150,6 +159,10 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # OpenAI allows up to 5, vLLM 20
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         if isinstance(self.prompt, list):
@@ -204,10 +217,15 @@ def parse_completion(body: Any) -> CompletionRequest:
 # ---- responses ------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class SpecDecoding(BaseModel):
@@ -235,11 +253,32 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -261,7 +300,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -278,7 +317,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
