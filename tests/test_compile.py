@@ -80,6 +80,27 @@ def test_target_gets_the_speculative_flags_and_the_draft_builds_plainly(trt, tmp
     assert "--speculative_decoding_mode" not in d_cmd and "--max_draft_len" not in d_cmd
 
 
+@pytest.mark.parametrize("with_draft", [True, False], ids=["draft-target", "target-alone"])
+def test_the_smoke_test_turns_on_chunked_context_and_block_reuse_with_pinned_flags(trt, tmp_path, with_draft):
+    """run.py hands its flags to the draft's and the target's runner alike; each flag is one add_common_args
+    defines, pinned in FEATURE_SETTINGS, and the runtime takes it beside both engines' speculation modes."""
+    from pipeline.compiler.trtllm_build import FEATURES, engine_modes, run_command
+
+    target = read_checkpoint(trt("target"))
+    cmd = run_command(tmp_path / "target", tmp_path / "draft" if with_draft else None, target.path,
+                      derive_sizes(8, 4 if with_draft else 0, 1024), 0.9)
+    assert set(flags_of(cmd)) <= ref.RUN_PY_FLAGS, set(flags_of(cmd)) - ref.RUN_PY_FLAGS
+    for flag, setting in (("--enable_chunked_context", "enable_chunked_context"),
+                          ("--kv_cache_enable_block_reuse", "enable_kv_cache_reuse")):
+        assert flag in cmd, flag
+        assert ref.FEATURE_SETTINGS[flag].path == ref.EXAMPLES_UTILS and setting in FEATURES
+        assert all(ref.combination(setting, mode).allowed for mode in engine_modes(with_draft))
+    build = build_command(target, tmp_path / "e", derive_sizes(8, 4, 1024), role="target")
+    # Without paged context FMHA the runtime turns both features off at load.
+    assert value_of(build, "--use_paged_context_fmha") == "enable"
+    assert "--use_paged_context_fmha" in ref.FEATURE_SETTINGS
+
+
 def test_no_speculative_flags_without_a_draft(trt, tmp_path):
     cmd = build_command(read_checkpoint(trt("target")), tmp_path / "e", derive_sizes(8, 0, 1024), role="target")
     assert "--speculative_decoding_mode" not in cmd and "--max_draft_len" not in cmd
@@ -139,9 +160,101 @@ def test_llm_api_yaml_uses_only_known_keys_with_the_right_values(kind, decoding_
     assert spec["max_draft_len"] == 3
     assert spec["max_concurrency"] == 32  # the gate, in TensorRT-LLM's own terms
     assert kv == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True, "dtype": "fp8"}
+    assert options["enable_chunked_prefill"] is True
     if kind != "ngram":
         assert spec["speculative_model_dir"] == "/ckpt/draft"
     assert decoding_type in ref.DECODING_TYPES_BY_RELEASE["1.2"].values()
+
+
+# Every speculation mode the LLM-API route writes: (draft, gate) -> its mode in SPECULATION_COMBINATIONS.
+LLM_API_MODES = [(DraftSpec("none"), None, "none"), (DraftSpec("model", "/ckpt/draft"), 32, "model"),
+                 (DraftSpec("ngram"), 32, "ngram"), (DraftSpec("eagle3", "/heads/e"), None, "eagle3:one-model"),
+                 (DraftSpec("eagle3", "/heads/e"), 32, "eagle3:two-model")]
+
+
+@pytest.mark.parametrize("draft,gate,mode", LLM_API_MODES, ids=[m for _, _, m in LLM_API_MODES])
+def test_llm_api_yaml_turns_on_chunked_prefill_and_block_reuse_beside_every_speculation_mode(draft, gate, mode):
+    """Each is a field of llm_args.py (FEATURE_SETTINGS), and 1.2.1 runs it beside this mode (the table names the
+    file and symbol that say so); leaving either out of the YAML fails here."""
+    from pipeline.compiler.llmapi import FEATURES, feature_notes, speculation_mode
+
+    assert speculation_mode(draft, gate) == mode
+    sizes = derive_sizes(16, 0 if mode == "none" else 4, 4096)
+    options = llm_api_options(draft, sizes, LlmApiSettings(gate, "auto", 0.9))
+    options = yaml.safe_load(yaml.safe_dump(options))
+    assert options["enable_chunked_prefill"] is True and "enable_chunked_prefill" in ref.LLM_API_KEYS
+    assert options["kv_cache_config"]["enable_block_reuse"] is True
+    assert "enable_block_reuse" in ref.KV_CACHE_CONFIG_KEYS
+    for setting in FEATURES:
+        assert ref.FEATURE_SETTINGS[setting].path == ref.LLM_ARGS
+        entry = ref.combination(setting, mode)
+        assert entry.allowed and entry.where.path in ref.SOURCES and entry.where.symbol
+    assert feature_notes(draft, gate) == []
+
+
+def test_every_speculation_combination_is_pinned_to_an_upstream_file_and_symbol():
+    from pipeline.compiler.llmapi import FEATURES as LLM_API_FEATURES
+    from pipeline.compiler.trtllm_build import FEATURES as ENGINE_FEATURES
+    from pipeline.triton import upstream
+
+    modes = {m for _, _, m in LLM_API_MODES}
+    assert set(ref.SPECULATION_COMBINATIONS) == ({(s, m) for s in LLM_API_FEATURES for m in modes}
+                                                 | {(s, m) for s in ENGINE_FEATURES
+                                                    for m in ("draft_tokens_external", "plain")})
+    for key, entry in ref.SPECULATION_COMBINATIONS.items():
+        assert entry.where.path in ref.SOURCES and entry.where.symbol, key
+        assert entry.allowed or entry.why, key  # a refusal says why
+    for name, pin in ref.FEATURE_SETTINGS.items():
+        assert pin.path in ref.SOURCES and pin.symbol, name
+    # The backend's parameters are pinned with the rest of its template, each to the function that reads it.
+    readers = {p.key: (p.read_by.path, p.read_by.symbol) for p in upstream.TEMPLATE_PARAMETERS}
+    assert readers["enable_chunked_context"] == (upstream.MODEL_INSTANCE_STATE, "getExecutorConfigFromParams")
+    assert readers["enable_kv_cache_reuse"] == (upstream.MODEL_INSTANCE_STATE, "getKvCacheConfigFromParams")
+
+
+def refuse(monkeypatch, setting: str, mode: str, why: str) -> None:
+    """Plant a refusal in the table, as a later release might have one."""
+    where = ref.SPECULATION_COMBINATIONS[(setting, mode)].where
+    monkeypatch.setitem(ref.SPECULATION_COMBINATIONS, (setting, mode), ref.Combination(False, where, why))
+
+
+def test_a_combination_upstream_refuses_is_left_off_and_compile_says_why_in_one_line(
+        monkeypatch, tiny_target, tiny_draft, tmp_path):
+    refuse(monkeypatch, "enable_chunked_prefill", "model", "draft tokens can't ride a prefill chunk")
+    refuse(monkeypatch, "kv_cache_config.enable_block_reuse", "model", "the draft's blocks aren't rewound")
+    out = tmp_path / "ll"
+    result = run("-b", "trtllm", "-t", str(tiny_target), "-d", str(tiny_draft), "-k", "3", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    options = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())
+    assert "enable_chunked_prefill" not in options  # BaseLlmArgs' default: off
+    assert options["kv_cache_config"]["enable_block_reuse"] is False  # KvCacheConfig defaults to on: written off
+    notes = [line for line in result.output.splitlines() if line.startswith("note: ") and " off with " in line]
+    assert notes == [
+        "note: enable_chunked_prefill off with speculation model: draft tokens can't ride a prefill chunk "
+        f"({ref.MODEL_DRAFTER} ModelDrafter._prepare_draft_batch)",
+        "note: kv_cache_config.enable_block_reuse off with speculation model: the draft's blocks aren't rewound "
+        f"({ref.PY_EXECUTOR_UTIL} validate_feature_combination)"]
+
+
+def test_an_engine_route_refusal_leaves_the_flag_and_the_parameter_off(monkeypatch, trt, tmp_path):
+    from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, repository_configs
+
+    refuse(monkeypatch, "enable_chunked_context", "draft_tokens_external", "drafts can't ride a chunk")
+    result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "--dry-run", "--json", "-o",
+                 str(tmp_path / "dt"))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert "--enable_chunked_context" not in report["commands"]["smoke_test"]
+    assert "--kv_cache_enable_block_reuse" in report["commands"]["smoke_test"]
+    assert [n for n in report["notes"] if " off with " in n] == [
+        "enable_chunked_context off with speculation draft_tokens_external: drafts can't ride a chunk "
+        f"({ref.MICRO_BATCH_SCHEDULER} MicroBatchScheduler::fitDraftTokens)"]
+    configs = repository_configs(RepoSpec(backend="trtllm", tokenizer_dir="/t", engine_dir="/e/t",
+                                          draft_engine_dir="/e/d", kv_fraction_target=0.5, kv_fraction_draft=0.5))
+    params = {name: {k: v.string_value for k, v in configs[name].parameters.items()}
+              for name in (TRTLLM_TARGET, TRTLLM_DRAFT)}
+    assert params[TRTLLM_TARGET]["enable_chunked_context"] == "false"
+    assert params[TRTLLM_DRAFT]["enable_chunked_context"] == "true"  # the plain draft engine still takes it
 
 
 def test_eagle3_with_a_gate_is_two_model_so_max_concurrency_can_turn_it_off():

@@ -77,6 +77,28 @@ def test_each_tensorrt_llm_model_writes_every_template_parameter_and_nothing_els
     check_config(msg, SENT_INPUTS)
 
 
+@pytest.mark.parametrize("with_draft", [True, False], ids=["draft-target", "target-alone"])
+def test_each_tensorrt_llm_model_turns_on_chunked_context_and_kv_reuse_where_its_engine_takes_them(with_draft):
+    """Filled "true", not left to the backend's default (chunked context: false). Each key is a template parameter
+    pinned to the function that reads it, and the runtime takes it beside the engine's speculation mode: the
+    target of a pair is built draft_tokens_external, the draft and a lone target plain."""
+    from pipeline.compiler.reference import combination
+
+    spec = SPEC if with_draft else replace(SPEC, draft_engine_dir="")
+    configs = repository_configs(spec)
+    modes = {TRTLLM_TARGET: "draft_tokens_external" if with_draft else "plain", TRTLLM_DRAFT: "plain"}
+    readers = {p.key: p.read_by for p in upstream.TEMPLATE_PARAMETERS}
+    for name, mode in modes.items():
+        if name not in configs:
+            continue
+        got = params(configs[name])
+        for key in ("enable_chunked_context", "enable_kv_cache_reuse"):
+            assert got[key] == "true", (name, key)
+            assert readers[key].path == upstream.MODEL_INSTANCE_STATE, key
+            assert combination(key, mode).allowed, (key, mode)
+    assert (TRTLLM_DRAFT in configs) == with_draft
+
+
 def test_the_seed_input_is_upstreams_name_everywhere():
     """InputFieldsNames::seed is "seed": random_seed would be silently ignored by the backend."""
     configs = repository_configs(SPEC)

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline.compiler import engine_folder, llmapi
 from pipeline.compiler.checkpoint import Checkpoint, read_checkpoint
 from pipeline.compiler.reference import TRTLLM_CONTAINER, TRTLLM_VERSION
-from pipeline.compiler.trtllm_build import BuildSizes, build_command, derive_sizes, run_command
+from pipeline.compiler.trtllm_build import BuildSizes, build_command, derive_sizes, feature_notes, run_command
 from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan, pick_route
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.folder import ENGINE_FILE, write_engine_manifest
@@ -146,10 +146,12 @@ def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft
                                                  target.world_size)
         builds = [cmd for name, cmd in out.commands.items() if name.startswith("build_")]
         out.files["build.sh"] = header + "set -euo pipefail\n" + "\n".join(shlex.join(c) for c in builds) + "\n"
+        out.notes += feature_notes(draft_ckpt is not None)  # chunked context / KV reuse upstream refuses, if any
         return out
     settings = llmapi.LlmApiSettings(options.gate_batch_size, r.kv_cache_dtype, options.free_gpu_memory_fraction,
                                      r.tp, r.pp, r.tensorrt_llm_version)
     out.notes += [n for n in (llmapi.gate_note(draft, options.gate_batch_size),) if n]
+    out.notes += llmapi.feature_notes(draft, options.gate_batch_size)
     config = llmapi.llm_api_options(draft, r.sizes, settings)
     out.files[llmapi.OPTIONS_FILE] = llmapi.to_yaml(config)
     serve = llmapi.serve_command(target.path, output / llmapi.OPTIONS_FILE, r.sizes, settings)

@@ -14,11 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.compiler.reference import DECODING_TYPES_BY_RELEASE, TRTLLM_VERSION
+from pipeline.compiler.reference import DECODING_TYPES_BY_RELEASE, TRTLLM_VERSION, combination, refusal_notes
 from pipeline.compiler.trtllm_build import BuildSizes
 from pipeline.draft_spec import DraftSpec
 
 OPTIONS_FILE = "extra_llm_api_options.yaml"
+# Turned on beside every speculation mode that TensorRT-LLM runs them with (reference.SPECULATION_COMBINATIONS):
+# chunked prefill keeps a long prompt from stalling the decode steps of the batch beside it, and block reuse lets a
+# resent conversation skip its cached prefix.
+FEATURES = ("enable_chunked_prefill", "kv_cache_config.enable_block_reuse")
 EAGLE3_TWO_MODEL_COST = ("two-model EAGLE-3, so max_concurrency can turn it off (1.2's one-model EAGLE-3 has no "
                          "Drafter and never turns off): a separate draft engine and KV cache, a Python-driven draft "
                          "loop and no overlap scheduler; TensorRT-LLM finds one-model faster at low latency")
@@ -40,13 +44,27 @@ def decoding_type(kind: str, version: str) -> str:
     return DECODING_TYPES_BY_RELEASE[release(version)][kind]
 
 
+def speculation_mode(draft: DraftSpec, gate_batch_size: int | None) -> str:
+    """The mode reference.SPECULATION_COMBINATIONS knows this route by: none, model, ngram, or EAGLE-3 one-model
+    (no gate) / two-model (gated; see the module docstring)."""
+    if not draft.speculates:
+        return "none"
+    if draft.kind == "eagle3":
+        return "eagle3:one-model" if gate_batch_size is None else "eagle3:two-model"
+    return draft.kind
+
+
 def llm_api_options(draft: DraftSpec, sizes: BuildSizes, settings: LlmApiSettings) -> dict:
     """The extra_llm_api_options mapping (written as YAML)."""
+    mode = speculation_mode(draft, settings.gate_batch_size)
+    # Written either way: KvCacheConfig.enable_block_reuse defaults to True, so leaving it out would not turn it off.
     kv: dict = {"free_gpu_memory_fraction": settings.free_gpu_memory_fraction,
-                "enable_block_reuse": True}
+                "enable_block_reuse": combination("kv_cache_config.enable_block_reuse", mode).allowed}
     if settings.kv_cache_dtype == "fp8":
         kv["dtype"] = "fp8"
     options: dict = {"kv_cache_config": kv}
+    if combination("enable_chunked_prefill", mode).allowed:
+        options["enable_chunked_prefill"] = True  # BaseLlmArgs default False
     if draft.speculates:
         spec: dict = {"decoding_type": decoding_type(draft.kind, settings.tensorrt_llm_version),
                       "max_draft_len": sizes.max_draft_len}
@@ -73,6 +91,11 @@ def gate_note(draft: DraftSpec, gate_batch_size: int | None) -> str:
         return f"gate: none (--gate-batch-size none): {what} stays on at every batch size"
     gate = f"gate: TensorRT-LLM turns speculation off above {gate_batch_size} active requests (max_concurrency)"
     return f"{gate}; {EAGLE3_TWO_MODEL_COST}" if draft.kind == "eagle3" else gate
+
+
+def feature_notes(draft: DraftSpec, gate_batch_size: int | None) -> list[str]:
+    """One line for each of FEATURES left off because upstream refuses it beside this speculation mode."""
+    return refusal_notes(FEATURES, (speculation_mode(draft, gate_batch_size),))
 
 
 def to_yaml(options: dict) -> str:

@@ -7,7 +7,9 @@ this is developed on (no GPU, and no wheel for them), so tests check every gener
 these tables: a typo'd flag fails a test instead of a build in the container.
 Sources (NVIDIA/TensorRT-LLM):
   tensorrt_llm/commands/build.py     parse_arguments(): trtllm-build's own flags
-  tensorrt_llm/plugin/plugin.py      cli_plugin_args + add_plugin_argument(): the plugin flags
+  tensorrt_llm/plugin/plugin.py      cli_plugin_args + add_plugin_argument(): the plugin flags; PluginConfig
+                                     .use_paged_context_fmha (1.2.1: default True, "Allow advanced features like
+                                     KV cache reuse and chunked context")
   tensorrt_llm/builder.py            build(): FP8 paged context FMHA needs the FP8 quantization workflow
   tensorrt_llm/llmapi/llm_args.py    DecodingBaseConfig.from_dict, EagleDecodingConfig, DraftTargetDecodingConfig,
                                      NGramDecodingConfig, KvCacheConfig, BaseLlmArgs/TorchLlmArgs (1.2.1: read
@@ -17,9 +19,13 @@ Sources (NVIDIA/TensorRT-LLM):
   tensorrt_llm/commands/serve.py     trtllm-serve's click options
   examples/utils.py                  add_common_args(): examples/run.py's flags
   examples/draft_target_model/README.md   the draft-target build recipe and its run.py smoke test
+  SPECULATION_COMBINATIONS below: chunked prefill/context and KV block reuse beside each speculation mode, each
+  pinned to the file and symbol that decides it
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pipeline.trtllm_version import TRITON_CONTAINER, TRTLLM_VERSION  # noqa: F401  (re-exported)
 
@@ -93,4 +99,116 @@ FP8_KV_QUANT_ALGOS = frozenset({"FP8"})
 RUN_PY_FLAGS = frozenset({
     "--engine_dir", "--tokenizer_dir", "--max_output_len", "--input_text", "--kv_cache_enable_block_reuse",
     "--kv_cache_free_gpu_memory_fraction", "--max_tokens_in_paged_kv_cache", "--draft_engine_dir",
-    "--draft_target_model_config"})
+    "--draft_target_model_config", "--enable_chunked_context"})
+
+
+# ---- chunked prefill (chunked context) and KV block reuse beside speculation ----------------------------------------
+# Files in NVIDIA/TensorRT-LLM. The LLM API's classes and the feature matrix were read in the 1.2.1 docs build
+# (gh-pages 1.2.1/_modules and 1.2.1/features, @58fb435e, generated from TensorRT-LLM 376f7e1); release/1.2.1's own
+# tree wasn't readable here, so the rest at the newest stored commit named beside each.
+LLM_ARGS = "tensorrt_llm/llmapi/llm_args.py"
+FEATURE_MATRIX = "docs/source/features/feature-combination-matrix.md"  # the PyTorch backend's, 1.2.1
+PY_EXECUTOR_CREATOR = "tensorrt_llm/_torch/pyexecutor/py_executor_creator.py"  # @000429d5
+PY_EXECUTOR_UTIL = "tensorrt_llm/_torch/pyexecutor/_util.py"
+MODEL_DRAFTER = "tensorrt_llm/_torch/speculative/model_drafter.py"
+NGRAM_DRAFTER = "tensorrt_llm/_torch/speculative/ngram.py"
+TRT_GPT_MODEL = "cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp"  # @00825c4e
+MICRO_BATCH_SCHEDULER = "cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp"  # @0a949d31
+PLUGIN = "tensorrt_llm/plugin/plugin.py"  # 1.2.1, gh-pages 1.2.1/_modules
+EXAMPLES_UTILS = "examples/utils.py"
+SOURCES = frozenset({LLM_ARGS, FEATURE_MATRIX, PY_EXECUTOR_CREATOR, PY_EXECUTOR_UTIL, MODEL_DRAFTER, NGRAM_DRAFTER,
+                     TRT_GPT_MODEL, MICRO_BATCH_SCHEDULER, PLUGIN, EXAMPLES_UTILS})
+
+
+@dataclass(frozen=True)
+class Pin:
+    """An upstream file (one of SOURCES) and the symbol in it."""
+
+    path: str
+    symbol: str
+
+
+# The settings compile writes for these features, each where it is defined. The tensorrtllm backend's parameters
+# enable_chunked_context and enable_kv_cache_reuse are pinned with the backend's other parameters
+# (pipeline.triton.upstream.TEMPLATE_PARAMETERS: getExecutorConfigFromParams reads enable_chunked_context as a bool,
+# default false; getKvCacheConfigFromParams reads enable_kv_cache_reuse, default true).
+FEATURE_SETTINGS: dict[str, Pin] = {
+    "enable_chunked_prefill": Pin(LLM_ARGS, "BaseLlmArgs.enable_chunked_prefill"),  # default False
+    "kv_cache_config.enable_block_reuse": Pin(LLM_ARGS, "KvCacheConfig.enable_block_reuse"),  # default True
+    # Both features need the engine built with it (default True in 1.2.1): without it executorImpl.cpp
+    # fixExecutorConfig turns chunked context off and TrtGptModelInflightBatching::fixExecutorConfig KV reuse.
+    "--use_paged_context_fmha": Pin(PLUGIN, "PluginConfig.use_paged_context_fmha"),
+    # examples/run.py hands it to the draft's and the target's runner alike (examples/ngram/run_dtm_ngram.py
+    # run_dtm_ngram, common_runner_kwargs).
+    "--enable_chunked_context": Pin(EXAMPLES_UTILS, "add_common_args"),
+    "--kv_cache_enable_block_reuse": Pin(EXAMPLES_UTILS, "add_common_args"),
+}
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One setting beside one speculation mode: whether TensorRT-LLM 1.2.1 runs them together, and where that is
+    decided. A refusal (allowed False) keeps the setting off, and `why` is the line compile prints about it."""
+
+    allowed: bool
+    where: Pin
+    why: str = ""
+
+
+def _allowed(path: str, symbol: str) -> Combination:
+    return Combination(True, Pin(path, symbol))
+
+
+# Speculation modes as compile writes them. LLM API: "none", "model" (DraftTarget), "ngram" (NGram),
+# "eagle3:one-model" / "eagle3:two-model" (Eagle, eagle3_one_model true / false). Engine route: the target built
+# with --speculative_decoding_mode draft_tokens_external, or a "plain" engine (the draft, or a target alone).
+# Every (setting, mode) compile can write has an entry; a missing one is a KeyError in compile and fails the tests.
+# 1.2.1 refuses none of them.
+SPECULATION_COMBINATIONS: dict[tuple[str, str], Combination] = {
+    # LLM API (PyTorch backend). validate_feature_combination's CONFLICT_RULES pair neither chunked_prefill nor
+    # kv_cache_reuse with anything; create_py_executor hands both to AttentionRuntimeFeatures beside
+    # has_speculative_draft_tokens, and the attention then runs paged context FMHA for any of the three.
+    ("enable_chunked_prefill", "none"): _allowed(PY_EXECUTOR_CREATOR, "create_py_executor"),
+    # A two-model drafter fills its own KV cache for each prefill chunk the target ran.
+    ("enable_chunked_prefill", "model"): _allowed(MODEL_DRAFTER, "ModelDrafter._prepare_draft_batch"),
+    # The n-gram drafter drafts for generation requests only; a prompt still in chunks gets none.
+    ("enable_chunked_prefill", "ngram"): _allowed(NGRAM_DRAFTER, "NGramDrafter.prepare_draft_tokens"),
+    ("enable_chunked_prefill", "eagle3:one-model"):
+        _allowed(FEATURE_MATRIX, "Chunked Prefill x EAGLE-3(One Model Engine): Yes"),
+    ("enable_chunked_prefill", "eagle3:two-model"):
+        _allowed(FEATURE_MATRIX, "Chunked Prefill x EAGLE-3(Two Model Engine): Yes"),
+    ("kv_cache_config.enable_block_reuse", "none"): _allowed(FEATURE_MATRIX, "KV Cache Reuse x Chunked Prefill: Yes"),
+    ("kv_cache_config.enable_block_reuse", "model"): _allowed(PY_EXECUTOR_UTIL, "validate_feature_combination"),
+    ("kv_cache_config.enable_block_reuse", "ngram"): _allowed(PY_EXECUTOR_UTIL, "validate_feature_combination"),
+    ("kv_cache_config.enable_block_reuse", "eagle3:one-model"):
+        _allowed(FEATURE_MATRIX, "KV Cache Reuse x EAGLE-3(One Model Engine): Yes"),
+    ("kv_cache_config.enable_block_reuse", "eagle3:two-model"):
+        _allowed(FEATURE_MATRIX, "KV Cache Reuse x EAGLE-3(Two Model Engine): Yes"),
+    # Engine route (the C++ runtime behind the tensorrtllm backend and examples/run.py). Chunked context needs
+    # paged context FMHA ("Chunked context requires context FMHA, paged kv_cache and paged context FMHA all enabled
+    # at the same time"); a request's draft tokens ride its last chunk, and fitDraftTokens drops any that don't fit.
+    ("enable_chunked_context", "draft_tokens_external"):
+        _allowed(MICRO_BATCH_SCHEDULER, "MicroBatchScheduler::fitDraftTokens"),
+    ("enable_chunked_context", "plain"):
+        _allowed(TRT_GPT_MODEL, "TrtGptModelInflightBatching::TrtGptModelInflightBatching"),
+    # Required, not only allowed: "KV cache block reuse must be enabled for speculative decoding target model".
+    ("enable_kv_cache_reuse", "draft_tokens_external"):
+        _allowed(TRT_GPT_MODEL, "TrtGptModelInflightBatching::TrtGptModelInflightBatching"),
+    # Turned off only without paged context FMHA, or when the engine gathers context logits.
+    ("enable_kv_cache_reuse", "plain"): _allowed(TRT_GPT_MODEL, "TrtGptModelInflightBatching::fixExecutorConfig"),
+}
+
+
+def combination(setting: str, mode: str) -> Combination:
+    return SPECULATION_COMBINATIONS[(setting, mode)]
+
+
+def refusal_notes(settings: tuple[str, ...], modes: tuple[str, ...]) -> list[str]:
+    """One line per setting compile leaves off because upstream refuses it beside one of these modes."""
+    notes = []
+    for setting in settings:
+        for mode in modes:
+            c = combination(setting, mode)
+            if not c.allowed:
+                notes.append(f"{setting} off with speculation {mode}: {c.why} ({c.where.path} {c.where.symbol})")
+    return notes

@@ -2,7 +2,8 @@
 
 Draft-target (examples/draft_target_model/README.md, TensorRT-LLM 1.2): the target is built with
 `--speculative_decoding_mode draft_tokens_external --max_draft_len K`, the draft plainly; both with
-`--use_paged_context_fmha enable`, because the runtime reuses the KV cache of accepted tokens.
+`--use_paged_context_fmha enable`, because the runtime reuses the KV cache of accepted tokens and runs long prompts
+in chunks, and neither works without it (reference.FEATURE_SETTINGS).
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.compiler.checkpoint import Checkpoint
+from pipeline.compiler.reference import combination, refusal_notes
 from pipeline.errors import ConfigError
 
 DEFAULT_MAX_SEQ_LEN = 4096
 CONTEXT_CHUNK = 8192  # trtllm-build's default max_num_tokens: the most prompt tokens one iteration takes
 SHARED_KV_FRACTION = 0.5  # examples/draft_target_model/README.md: "--kv_cache_free_gpu_memory_fraction=0.5"
+# The runtime settings turned on beside speculation where TensorRT-LLM runs them (reference.SPECULATION_COMBINATIONS),
+# by their tensorrtllm backend names: the Triton config and run.py's flags follow the same entries.
+FEATURES = ("enable_chunked_context", "enable_kv_cache_reuse")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ def build_command(ckpt: Checkpoint, output_dir: Path, sizes: BuildSizes, *, role
         "--max_seq_len", str(sizes.max_seq_len),
         "--max_num_tokens", str(sizes.max_num_tokens),
         "--gemm_plugin", "auto",  # plugin.py: "auto" = the checkpoint's dtype
+        # 1.2.1's default already (plugin.py PluginConfig.use_paged_context_fmha), written out: KV reuse and chunked
+        # context are silently turned off at load without it.
         "--use_paged_context_fmha", "enable",
     ]
     if ckpt.world_size > 1:
@@ -80,6 +87,22 @@ def build_command(ckpt: Checkpoint, output_dir: Path, sizes: BuildSizes, *, role
 
 def flags_of(cmd: list[str]) -> list[str]:
     return [a for a in cmd if a.startswith("--")]
+
+
+def engine_modes(has_draft: bool) -> tuple[str, ...]:
+    """The speculation modes of the engines a pair runs: the target's (draft_tokens_external with a draft), then the
+    draft's (a plain engine)."""
+    return ("draft_tokens_external", "plain") if has_draft else ("plain",)
+
+
+def feature_allowed(setting: str, has_draft: bool) -> bool:
+    """Whether every engine of the pair runs `setting` (run.py gives its flags to both runners)."""
+    return all(combination(setting, mode).allowed for mode in engine_modes(has_draft))
+
+
+def feature_notes(has_draft: bool) -> list[str]:
+    """One line for each of FEATURES left off because upstream refuses it beside one of these engines."""
+    return refusal_notes(FEATURES, engine_modes(has_draft))
 
 
 def run_command(target_engine: Path, draft_engine: Path | None, tokenizer_dir: Path, sizes: BuildSizes,
@@ -94,12 +117,16 @@ def run_command(target_engine: Path, draft_engine: Path | None, tokenizer_dir: P
     from pipeline.trtllm_version import CONTAINER_APP, CONTAINER_RUN_PY
 
     mpi = ["mpirun", "-n", str(world_size), "--allow-run-as-root"] if world_size > 1 else []
-    fraction = min(free_gpu_memory_fraction, SHARED_KV_FRACTION) if draft_engine is not None else free_gpu_memory_fraction
+    has_draft = draft_engine is not None
+    fraction = min(free_gpu_memory_fraction, SHARED_KV_FRACTION) if has_draft else free_gpu_memory_fraction
     cmd = [*mpi, "python3", f"{CONTAINER_APP}/{CONTAINER_RUN_PY}", "--engine_dir", str(target_engine),
-           "--tokenizer_dir", str(tokenizer_dir), "--max_output_len", "128", "--kv_cache_enable_block_reuse",
-           "--kv_cache_free_gpu_memory_fraction", f"{fraction:g}",
-           "--input_text", "How does speculative decoding work?"]
-    if draft_engine is not None:
+           "--tokenizer_dir", str(tokenizer_dir), "--max_output_len", "128"]
+    # The README: "--kv_cache_enable_block_reuse must be specified" for draft-target.
+    cmd += ["--kv_cache_enable_block_reuse"] if feature_allowed("enable_kv_cache_reuse", has_draft) else []
+    cmd += ["--enable_chunked_context"] if feature_allowed("enable_chunked_context", has_draft) else []
+    cmd += ["--kv_cache_free_gpu_memory_fraction", f"{fraction:g}",
+            "--input_text", "How does speculative decoding work?"]
+    if has_draft:
         # [draft_len, draft device list, target device list, use_logits]: one device per TP rank, both
         # models sharing the GPUs (the README's single-GPU layout, which it finds faster).
         devices = "[" + ",".join(str(d) for d in range(world_size)) + "]"

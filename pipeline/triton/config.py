@@ -224,7 +224,8 @@ def trtllm_models(spec: RepoSpec) -> list:
     """The tensorrt_llm model (the target), and tensorrt_llm_draft when there is a draft engine."""
     from pipeline.triton.trtllm_template import TrtllmModel
 
-    models = [TrtllmModel(TRTLLM_TARGET, spec.engine_dir, spec.kv_fraction_target, None, spec.gpu_device_ids)]
+    models = [TrtllmModel(TRTLLM_TARGET, spec.engine_dir, spec.kv_fraction_target, None, spec.gpu_device_ids,
+                          speculation="draft_tokens_external" if spec.has_draft else "plain")]
     if spec.has_draft:
         models.append(TrtllmModel(TRTLLM_DRAFT, spec.draft_engine_dir, spec.kv_fraction_draft, spec.draft_max_tokens,
                                   spec.gpu_device_ids))

@@ -39,11 +39,19 @@ class TrtllmModel:
     kv_cache_free_gpu_mem_fraction: float
     max_tokens_in_paged_kv_cache: int | None = None  # an absolute KV bound (the draft's): min(this, the fraction)
     gpu_device_ids: str | None = None  # "0,1": orchestrator mode; None leaves the template's (all visible GPUs)
+    # How the engine was built: "draft_tokens_external" (a target with a draft) or "plain"; it decides what the
+    # runtime takes beside it (pipeline.compiler.reference.SPECULATION_COMBINATIONS).
+    speculation: str = "plain"
 
 
 def fills(model: TrtllmModel, *, max_batch_size: int, tokenizer_dir: str) -> dict[str, str]:
     """Placeholder name -> value, as fill_template.py takes them (names from upstream.TEMPLATE_FIELDS and
     TEMPLATE_PARAMETERS' placeholders). Pure."""
+    from pipeline.compiler.reference import combination
+
+    def on(setting: str) -> str:
+        return "true" if combination(setting, model.speculation).allowed else "false"
+
     values = {
         "triton_backend": "tensorrtllm",
         "triton_max_batch_size": str(max_batch_size),
@@ -62,8 +70,12 @@ def fills(model: TrtllmModel, *, max_batch_size: int, tokenizer_dir: str) -> dic
         # The draft -> target loop reads generated tokens only.
         "exclude_input_in_output": "true",
         # Draft-target resends the accepted prefix every step; reuse keeps it from being recomputed
-        # (examples/draft_target_model/README.md: "--use_paged_context_fmha=enable ... we need KV-Cache reuse").
-        "enable_kv_cache_reuse": "true",
+        # (examples/draft_target_model/README.md: "--use_paged_context_fmha=enable ... we need KV-Cache reuse"),
+        # and the runtime refuses a draft_tokens_external target without it (trtGptModelInflightBatching.cpp).
+        "enable_kv_cache_reuse": on("enable_kv_cache_reuse"),
+        # Off by default in getExecutorConfigFromParams. A long prompt then runs in chunks beside the other requests'
+        # decode steps instead of stalling them; the engines are built with paged context FMHA, which it needs.
+        "enable_chunked_context": on("enable_chunked_context"),
         # Read unguarded by getGuidedDecodingConfigFromParams: set, as NVIDIA's CI fills its main model
         # (tests/integration/defs/triton_server/common.py). "" leaves guided decoding off.
         "tokenizer_dir": tokenizer_dir,

@@ -120,6 +120,8 @@ TEMPLATE_PARAMETERS: tuple[TemplateParameter, ...] = (
     _p("stats_check_period_ms", "ModelInstanceState::ModelInstanceState"),
     _p("iter_stats_max_iterations", "getExecutorConfigFromParams"),
     _p("request_stats_max_iterations", "getExecutorConfigFromParams"),
+    # Both filled "true" where the runtime takes them beside the engine's speculation mode, each combination pinned
+    # in pipeline.compiler.reference.SPECULATION_COMBINATIONS (default: reuse true, chunked context false).
     _p("enable_kv_cache_reuse", "getKvCacheConfigFromParams"),
     _p("normalize_log_probs", "getExecutorConfigFromParams"),
     _p("enable_chunked_context", "getExecutorConfigFromParams"),
