@@ -102,6 +102,29 @@ def responses(client, prompt: str, max_tokens: int, stream: bool = True, specula
 
 
 
+def ensemble_results(client, prompt: str, max_tokens: int, stream: bool, **values) -> list:
+    """Every response (an InferResult) to one ensemble request with extra inputs by name; an error raises."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    extra = [tensor(name, v, np_to_triton_dtype(v.dtype)) for name, v in values.items()]
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        client.async_stream_infer("ensemble", inputs(prompt, max_tokens, stream) + extra,
+                                  enable_empty_final_response=True)
+        results = []
+        while True:
+            result, error = got.get(timeout=60)
+            if error is not None:
+                raise error
+            if result.get_response().outputs:
+                results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return results
+    finally:
+        client.stop_stream()
+
+
 def metrics(url: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} for our own families (pipeline_*)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()

@@ -59,14 +59,17 @@ class ToyEngines:
     def decode(self, ids, n, request):
         self.calls.append(("decode", n))
         out = self._greedy(self.target, ids, n)
+        # A toy log prob per token, every one so far in each response, as TensorRT-LLM sends them.
+        logprobs = [-t / 100 for t in out] if request.return_log_probs else None
         if request.stream:
             for i in range(0, len(out), self.chunk):
-                yield out[i:i + self.chunk]
+                yield out[i:i + self.chunk], logprobs and logprobs[i:i + self.chunk]
         else:
-            yield out
+            yield out, logprobs
 
 
-def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(), temperature=0.0):
+def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(), temperature=0.0,
+                    repetition_penalty=1.0, presence_penalty=0.0, return_log_probs=False):
     # Preprocessing's layout: -1 padded, one column even with no words.
     words = stop_words_tensor(tuple(tuple(w) for w in stop_words)) if stop_words else np.full((1, 2, 1), -1, np.int32)
     return {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
@@ -74,7 +77,11 @@ def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(
             "temperature": np.array([[temperature]], np.float32), "top_k": np.array([[0]], np.int32),
             "top_p": np.array([[1.0]], np.float32), "seed": np.array([[0]], np.uint64),
             "stream": np.array([[stream]], bool), "stop_words_list": words,
-            "speculation": np.array([[b"auto"]], np.object_), "num_draft_tokens": np.array([[4]], np.int32)}
+            "speculation": np.array([[b"auto"]], np.object_), "num_draft_tokens": np.array([[4]], np.int32),
+            "repetition_penalty": np.array([[repetition_penalty]], np.float32),
+            "presence_penalty": np.array([[presence_penalty]], np.float32),
+            "frequency_penalty": np.array([[0.0]], np.float32),
+            "return_log_probs": np.array([[return_log_probs]], bool), "num_logprobs": np.array([[0]], np.int32)}
 
 
 def run(engines, tensors, *, speculate=True, k=4, cancel_after=None):
@@ -182,6 +189,56 @@ def test_speculation_off_and_sampled_requests_call_the_target_alone():
     assert sampled.calls == [("decode", 20)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("extra, reason", [({"repetition_penalty": 1.2}, "penalties"),
+                                           ({"presence_penalty": -0.5}, "penalties"),
+                                           ({"return_log_probs": True}, "log_probs")])
+def test_penalties_and_log_probs_decode_on_the_target_alone_as_one_request(stream, extra, reason):
+    """Each verify step is a new TensorRT-LLM request whose prompt holds the answer so far: penalties would count
+    other tokens there, and accepted drafts get no log probs. So the target decodes alone, and says why."""
+    target = toy(7)
+    engines = ToyEngines(target, target, stream_chunk=3)
+    tensors = request_tensors(PROMPT, 20, stream=stream, **extra)
+    assert TritonRequest.from_tensors(tensors).plain_reason == reason
+    sent = run(engines, tensors, speculate=True)
+    expected = ToyEngines(target, target)._greedy(target, PROMPT, 20)
+    assert engines.calls == [("decode", 20)] and tokens_of(sent) == expected
+    assert skipped(sent) == {reason: 20}
+    if reason == "log_probs":  # each response: the log probs of its ids (prefix included), and its new tokens'
+        import json
+
+        got = [lp for r in sent for lp in r["output_log_probs"].reshape(-1)[int(r["prefix_length"][0, 0]):]]
+        assert got == pytest.approx([-t / 100 for t in expected])
+        top = [entry for r in sent for entry in json.loads(r["top_log_probs"][0, 0])]
+        assert top == [[t, pytest.approx(-t / 100), []] for t in expected]
+    else:
+        assert all("output_log_probs" not in r for r in sent)  # the gate fills in neutral ones
+
+
+def test_log_probs_cut_with_the_answer_at_a_stop_word_and_max_tokens():
+    target = toy(7)
+    full = ToyEngines(target, target)._greedy(target, PROMPT, 30)
+    word = tuple(full[12:14])
+    stop = next(i for i in range(1, len(full)) if tuple(full[i - 1:i + 1]) == word)
+    sent = run(ToyEngines(target, target, stream_chunk=5),
+               request_tensors(PROMPT, 30, stream=True, stop_words=[word], return_log_probs=True))
+    got = [lp for r in sent for lp in r["output_log_probs"].reshape(-1)[int(r["prefix_length"][0, 0]):]]
+    assert tokens_of(sent) == full[:stop + 1] and got == pytest.approx([-t / 100 for t in full[:stop + 1]])
+
+
+def test_the_targets_log_probs_are_read_from_the_end_of_what_it_returns():
+    """TensorRT-LLM's output_log_probs hold every generated token's so far, streaming too: a response's new tokens
+    are the last ones. None where they were asked for is an error, not zeros."""
+    from pipeline.triton.draft_target import EngineCallError, _new_log_probs
+
+    assert _new_log_probs({"output_log_probs": np.array([[[-1.0, -2.0, -3.0]]], np.float32)}, 2) == [-2.0, -3.0]
+    assert _new_log_probs({"output_log_probs": np.array([[[-1.0]]], np.float32)}, 1) == [-1.0]
+    with pytest.raises(EngineCallError, match="no output_log_probs"):
+        _new_log_probs({}, 1)
+    with pytest.raises(EngineCallError, match="1 log probs for 2 tokens"):
+        _new_log_probs({"output_log_probs": np.array([[[-1.0]]], np.float32)}, 2)
+
+
 @pytest.mark.parametrize("speculate", [True, False])
 def test_stops_on_end_id_and_on_a_stop_word(speculate):
     target = toy(7)
@@ -264,6 +321,26 @@ def test_tensors_sent_to_tensorrt_llm_are_inputs_of_its_config_with_their_dtype_
         assert value.ndim == 1 + len(spec.dims), name  # the batch dim, then the config's dims
     assert {t.name for t in TRTLLM_INPUTS if not t.optional} <= set(sent)
     assert ("temperature" in sent) == (temperature > 0)
+
+
+def test_penalties_and_log_probs_reach_the_target_as_tensorrt_llms_own_inputs():
+    from pipeline.triton.draft_target import LOG_PROBS_OUTPUT, SENT_INPUTS, TRTLLM_OUTPUTS, TritonEngines
+    from pipeline.triton.interface import TRTLLM_INPUTS
+    from pipeline.triton.interface import TRTLLM_OUTPUTS as OUTPUTS
+
+    specs = {t.name: t for t in TRTLLM_INPUTS}
+    request = TritonRequest.from_tensors(request_tensors(PROMPT, 9, repetition_penalty=1.3, presence_penalty=0.5,
+                                                         return_log_probs=True))
+    sent = TritonEngines("tensorrt_llm", "tensorrt_llm_draft", request, lambda: False)._decode_inputs(PROMPT, 9)
+    assert sent["repetition_penalty"].tolist() == [[pytest.approx(1.3)]]
+    assert sent["presence_penalty"].tolist() == [[0.5]]
+    assert "frequency_penalty" not in sent and sent["return_log_probs"].tolist() == [[True]]
+    for name, value in sent.items():
+        assert SENT_INPUTS[name] == specs[name].dtype and value.ndim == 1 + len(specs[name].dims), name
+    assert set(TRTLLM_OUTPUTS + [LOG_PROBS_OUTPUT]) <= {t.name for t in OUTPUTS}
+    plain = TritonRequest.from_tensors(request_tensors(PROMPT, 9))
+    assert set(TritonEngines("t", "d", plain, lambda: False)._decode_inputs(PROMPT, 9)) & {
+        "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs"} == set()
 
 
 def test_request_reads_the_gate_tensors():
@@ -371,6 +448,50 @@ def test_served_answers_equal_target_only_greedy_streamed_or_not_speculating_or_
         assert (drafted == 0) == (speculation == "off") and 0 <= accepted <= drafted
         if kind == "same_draft":
             assert accepted == drafted
+
+
+@pytest.mark.slow
+def test_penalties_and_log_probs_are_tensorrt_llms_own_and_top_n_is_refused_in_one_line(served, reference,
+                                                                                        tiny_target):
+    """The target gets repetition_penalty and return_log_probs as its own inputs and answers alone: the text is its
+    penalised greedy answer, output_log_probs its log probs (sent whole each time, read from the end)."""
+    import tritonclient.grpc as grpcclient
+    from serving_checks import ensemble_results
+    from tritonclient.utils import InferenceServerException
+    from trtllm_standin import load_model, penalised_next
+
+    from pipeline.engine.config import ModelConfig
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    _, server = served
+    prompt, n = "abcabcabc hello", 24
+    model, tokenizer = load_model(str(tiny_target)), load_tokenizer(tiny_target)
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(tiny_target).eos_token_ids)
+    ids, out, logprobs = encode_prompt(tokenizer, prompt, raw=False), [], []
+    while len(out) < n and not (out and out[-1] in stops):
+        token, logprob = penalised_next(model, ids + out, len(ids), 1.2)
+        out.append(token)
+        logprobs.append(logprob)
+    assert tokenizer.decode(out, skip_special_tokens=True) != reference(prompt, n)  # the penalty changed the answer
+    client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+    try:
+        for stream in (False, True):
+            results = ensemble_results(client, prompt, n, stream, repetition_penalty=np.array([[1.2]], np.float32),
+                                       return_log_probs=np.array([[True]]))
+            assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in results) == \
+                tokenizer.decode(out, skip_special_tokens=True)
+            got = [float(v) for r in results for v in r.as_numpy("output_log_probs").reshape(-1)]
+            assert got == pytest.approx(logprobs, abs=1e-5)
+            assert sum(float(r.as_numpy("cum_log_probs").reshape(-1)[0]) for r in results) == \
+                pytest.approx(sum(logprobs), abs=1e-4)
+            assert sum(int(r.as_numpy("num_drafted_tokens")[0, 0]) for r in results) == 0
+        with pytest.raises(InferenceServerException, match="num_logprobs 2 isn't served on the TensorRT-LLM route"):
+            ensemble_results(client, prompt, n, True, return_log_probs=np.array([[True]]),
+                             num_logprobs=np.array([[2]], np.int32))
+        [(text, _, _)] = responses(client, prompt, n, stream=False)
+        assert text == reference(prompt, n)
+    finally:
+        client.close()
 
 
 @pytest.mark.slow

@@ -592,6 +592,9 @@ def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft
         assert refused == [] and "can't be set per request on the LLM-API route" in error
         beams, error = stream_call(url, request(True, beam_width=(np.array([[2]], np.int32), "INT32")))
         assert beams == [] and "beam_width 2" in error
+        penalised, error = stream_call(url, request(True, repetition_penalty=(np.array([[1.2]], np.float32), "FP32")))
+        assert penalised == [] and "repetition_penalty 1.2 isn't served on the LLM-API route" in error
+        assert "\n" not in error
         after, error = stream_call(url, request(False))  # the server serves on after bad requests
         assert error is None and after
         # The autoscaler's per-pod metric (pipeline deploy kubernetes) exists on this route too, back at 0.

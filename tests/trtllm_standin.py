@@ -7,6 +7,9 @@ end_id / stop_words_list / streaming / draft_input_ids; outputs output_ids [1, b
 sequence_length [1, 1], generated tokens only (exclude_input_in_output=true), a streaming response
 holding only the tokens new since the last. With draft_input_ids it verifies greedily: it answers with
 the longest prefix of the drafts that matches its own greedy tokens, then its own next token.
+Without drafts it takes repetition_penalty, presence_penalty and frequency_penalty (penalised_next) and
+return_log_probs: output_log_probs [1, 1, len] then holds every generated token's log prob so far, also in a
+streaming response, as TensorRT-LLM's LlmRequest::createResult returns them.
 
 The model is the Hugging Face folder at gpt_model_path, run greedy with a full recompute per token
 (they are tiny). One worker thread computes and sends everything, as a decoupled model must.
@@ -46,6 +49,25 @@ def greedy_generate(model, ids: list[int], n: int, end_id: int = -1) -> list[int
         if token == end_id:
             break
     return out
+
+
+def penalised_next(model, ids: list[int], prompt_len: int, repetition: float = 1.0, presence: float = 0.0,
+                   frequency: float = 0.0) -> tuple[int, float]:
+    """(greedy token, its log prob) after the penalties: repetition over prompt and answer (transformers' rule),
+    presence and frequency over the answer (OpenAI's)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+    if repetition != 1.0:
+        seen = torch.tensor(sorted(set(ids)))
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    counts = torch.bincount(torch.tensor(ids[prompt_len:], dtype=torch.long), minlength=logits.numel()).double()
+    logits = logits - frequency * counts - presence * (counts > 0).double()
+    logprobs = torch.log_softmax(logits, -1)
+    token = int(logprobs.argmax())
+    return token, float(logprobs[token])
 
 
 def verify(model, ids: list[int], drafts: list[int]) -> list[int]:
@@ -125,10 +147,22 @@ class TritonPythonModel:
             raise ValueError(f"Number of draft tokens ({len(drafts)}) is larger than maximum number of draft "
                              f"tokens ({self.max_draft_len})")
 
+        def scalar(name, default):
+            return default if get(name) is None else get(name).reshape(-1)[0]
+
+        penalties = [float(scalar(name, neutral)) for name, neutral in
+                     (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))]
+        log_probs = bool(scalar("return_log_probs", False))
+        if drafts and (log_probs or penalties != [1.0, 0.0, 0.0]):
+            raise ValueError("draft_input_ids with penalties or log probs: the loop never sends these together")
+        logprobs: list[float] = []
+
         def response(tokens):
+            extra = [pb.Tensor("output_log_probs", np.array(logprobs, np.float32).reshape(1, 1, -1))] \
+                if log_probs else []
             return pb.InferenceResponse(output_tensors=[
                 pb.Tensor("output_ids", np.array([[tokens]], np.int32).reshape(1, 1, -1)),
-                pb.Tensor("sequence_length", np.array([[len(tokens)]], np.int32))])
+                pb.Tensor("sequence_length", np.array([[len(tokens)]], np.int32)), *extra])
 
         out: list[int] = []
         if drafts:  # one verification step, the whole answer of a draft_input_ids request
@@ -143,7 +177,9 @@ class TritonPythonModel:
             if sender.is_cancelled():
                 sender.send(flags=final)
                 return
-            out.append(greedy_at_every_position(self.model, ids + out)[-1])
+            token, logprob = penalised_next(self.model, ids + out, len(ids), *penalties)
+            out.append(token)
+            logprobs.append(logprob)
             if streaming:
                 sender.send(response(out[-1:]))
             if _stops(out, end_id, words):

@@ -17,6 +17,12 @@ Sampling: speculation runs for greedy requests only; sampled ones decode on the 
 target accepts by token match unless it gets draft_logits (externalDraftTokensLayer), and logits need
 the draft engine built with --gather_generation_logits plus a [n, vocab] FP32 tensor through BLS per
 step; `pipeline compile` doesn't build that, and upstream's BLS leaves use_draft_logits off too.
+
+Penalties and log probs go to the target as TensorRT-LLM's own inputs (repetition_penalty,
+presence_penalty, frequency_penalty, return_log_probs -> output_log_probs), and such a request decodes on
+the target alone, as one TensorRT-LLM request: each verify step here is a new request whose prompt holds
+the answer so far, which would move the tokens the penalties count from output to prompt, and TensorRT-LLM
+returns no log probs for accepted draft tokens. The answer is then TensorRT-LLM's own, penalised its way.
 """
 
 from __future__ import annotations
@@ -37,13 +43,18 @@ from pipeline.errors import PipelineError
 # decode to nothing, so they don't count: a run of them would push the split bytes out of the prefix.
 PREFIX_TOKENS = 6
 TRTLLM_OUTPUTS = ["output_ids", "sequence_length"]
+LOG_PROBS_OUTPUT = "output_log_probs"  # [1, beam=1, len]: every generated token's so far, also when streaming
 # Every input TritonEngines may send the tensorrt_llm models, with its dtype (tritonclient's names):
 # assemble checks each against the model config it writes (pipeline.triton.trtllm_template.check_config).
 SENT_INPUTS = {"input_ids": "INT32", "input_lengths": "INT32", "request_output_len": "INT32", "streaming": "BOOL",
                "end_id": "INT32", "pad_id": "INT32", "stop_words_list": "INT32", "runtime_top_k": "INT32",
-               "temperature": "FP32", "runtime_top_p": "FP32", "seed": "UINT64", "draft_input_ids": "INT32"}
+               "temperature": "FP32", "runtime_top_p": "FP32", "seed": "UINT64", "draft_input_ids": "INT32",
+               "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
+               "return_log_probs": "BOOL"}
+PENALTIES = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))  # name, neutral
 
 Send = Callable[[dict], None]
+Step = tuple[list[int], "list[float] | None"]  # new tokens, and their log probs where they were asked for
 
 
 class EngineCallError(PipelineError):
@@ -63,22 +74,42 @@ class TritonRequest:
     top_p: float
     seed: int
     stream: bool
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    return_log_probs: bool = False
+    num_logprobs: int = 0  # top-N alternatives: the tensorrt_llm model has none to give (the gate refuses N > 0)
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, np.ndarray]) -> TritonRequest:
-        def scalar(name):
-            return tensors[name].reshape(-1)[0]
+        def scalar(name, default=None):
+            return tensors[name].reshape(-1)[0] if name in tensors or default is None else default
 
         length = int(scalar("input_lengths"))
         return cls(prompt=tuple(int(t) for t in tensors["input_ids"].reshape(-1)[:length]),
                    max_tokens=int(scalar("request_output_len")), end_id=int(scalar("end_id")),
                    stop_words=parse_stop_words(tensors["stop_words_list"]),
                    temperature=float(scalar("temperature")), top_k=int(scalar("top_k")),
-                   top_p=float(scalar("top_p")), seed=int(scalar("seed")), stream=bool(scalar("stream")))
+                   top_p=float(scalar("top_p")), seed=int(scalar("seed")), stream=bool(scalar("stream")),
+                   **{name: float(scalar(name, neutral)) for name, neutral in PENALTIES},
+                   return_log_probs=bool(scalar("return_log_probs", False)),
+                   num_logprobs=int(scalar("num_logprobs", 0)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def plain_reason(self) -> str | None:
+        """Why this request decodes on the target alone whatever the gate says (module docstring), as the reason
+        its steps are counted under; None: it may speculate."""
+        if not self.greedy:
+            return "sampled"
+        if any(getattr(self, name) != neutral for name, neutral in PENALTIES):
+            return "penalties"
+        if self.return_log_probs:
+            return "log_probs"
+        return None
 
 
 def parse_stop_words(flat: np.ndarray) -> tuple[tuple[int, ...], ...]:
@@ -142,7 +173,9 @@ class Engines(Protocol):
 
     def verify(self, ids: list[int], drafts: list[int]) -> list[int]: ...
 
-    def decode(self, ids: list[int], n: int, request: TritonRequest) -> Iterator[list[int]]: ...
+    def decode(self, ids: list[int], n: int, request: TritonRequest) -> Iterator[Step]:
+        """The target alone: (new tokens, their log probs or None) per response."""
+        ...
 
 
 def text_token_filter(tokenizer_dir: str) -> Callable[[int], bool]:
@@ -163,14 +196,21 @@ class Emitter:
         self.request, self.send = request, send
         self.is_text = is_text or (lambda t: t != request.end_id)
         self.tokens: list[int] = []
+        self.logprobs: list[float] = []  # one per token, with return_log_probs
         self.sent = 0
         self.counts = [0, 0, 0]  # accepted, drafted, verify_steps not yet sent
         self.skipped: dict[str, int] = {}  # steps without drafts not yet sent, by reason
         self.histogram: dict[str, int] = {}  # verification steps not yet sent, by drafts accepted
 
     def add(self, tokens: list[int], accepted: int = 0, drafted: int = 0, steps: int = 0,
-            skipped: str | None = None, skipped_steps: int = 1) -> None:
-        """skipped: the reason this step (or these `skipped_steps` steps) drafted nothing."""
+            skipped: str | None = None, skipped_steps: int = 1, logprobs: list[float] | None = None) -> None:
+        """skipped: the reason this step (or these `skipped_steps` steps) drafted nothing; logprobs: the tokens'
+        own, where the request asked for them."""
+        if self.request.return_log_probs:
+            if logprobs is None or len(logprobs) != len(tokens):
+                raise EngineCallError(f"the target returned {0 if logprobs is None else len(logprobs)} log probs "
+                                      f"for {len(tokens)} tokens")
+            self.logprobs += logprobs
         self.tokens += tokens
         self.counts = [self.counts[0] + accepted, self.counts[1] + drafted, self.counts[2] + steps]
         if steps:  # one verification step (the loop verifies one draft run per call)
@@ -188,7 +228,13 @@ class Emitter:
             return
         start = self._prefix_start() if self.request.stream else 0
         row = np.array([self.tokens[start:end]], np.int32).reshape(1, -1)
-        self.send({"output_ids": row,
+        extras = {}
+        if self.request.return_log_probs:  # GENERATION_TENSORS' log probs; the gate fills neutral ones otherwise
+            new = range(self.sent if self.request.stream else 0, end)
+            extras = {"output_log_probs": np.array([self.logprobs[start:end]], np.float32).reshape(1, -1),
+                      "top_log_probs": np.array([[json.dumps([[self.tokens[i], self.logprobs[i], []]
+                                                              for i in new]).encode()]], np.object_)}
+        self.send({**extras, "output_ids": row,
                    "prefix_length": np.array([[self.sent - start if self.request.stream else 0]], np.int32),
                    "accepted_tokens": np.array([[self.counts[0]]], np.int32),
                    "drafted_tokens": np.array([[self.counts[1]]], np.int32),
@@ -250,12 +296,13 @@ def plain_loop(request: TritonRequest, engines: Engines, emit: Emitter, cancelle
     """The target alone (streaming when the request streams): relay its tokens up to a stop. reason: why
     it doesn't speculate, counted once per token (one decode step each)."""
     out: list[int] = []
-    for tokens in engines.decode(list(request.prompt), request.max_tokens, request):
+    for tokens, logprobs in engines.decode(list(request.prompt), request.max_tokens, request):
         new = tokens[:request.max_tokens - len(out)]
         end = stop_at(out, new, request)
         new = new[:end] if end is not None else new
         out += new
-        emit.add(new, skipped=reason, skipped_steps=len(new))
+        emit.add(new, skipped=reason, skipped_steps=len(new),
+                 logprobs=None if logprobs is None else logprobs[:len(new)])
         if end is not None or len(out) >= request.max_tokens or cancelled():
             return
 
@@ -288,12 +335,13 @@ class TritonEngines:
                            seed=np.array([[r.seed]], np.uint64))
         return tensors
 
-    def _call(self, model: str, tensors: dict[str, np.ndarray]) -> Iterator[list[int]]:
+    def _call(self, model: str, tensors: dict[str, np.ndarray]) -> Iterator[Step]:
         import triton_python_backend_utils as pb_utils
 
+        log_probs = bool(tensors.get("return_log_probs", np.zeros(1, bool)).reshape(-1)[0])
         responses = pb_utils.InferenceRequest(
             model_name=model, inputs=[pb_utils.Tensor(k, v) for k, v in tensors.items()],
-            requested_output_names=TRTLLM_OUTPUTS).exec(decoupled=True)
+            requested_output_names=TRTLLM_OUTPUTS + [LOG_PROBS_OUTPUT] * log_probs).exec(decoupled=True)
         try:
             for response in responses:
                 if response.has_error():
@@ -303,7 +351,7 @@ class TritonEngines:
                     ids = outputs["output_ids"].reshape(-1)  # [1, beam=1, len]
                     length = int(outputs["sequence_length"].reshape(-1)[0]) if "sequence_length" in outputs \
                         else ids.size
-                    yield [int(t) for t in ids[:length]]
+                    yield [int(t) for t in ids[:length]], _new_log_probs(outputs, length) if log_probs else None
                 if self.cancelled():
                     if hasattr(responses, "cancel"):  # python backend >= 24.04: tells the model to stop
                         responses.cancel()
@@ -312,17 +360,40 @@ class TritonEngines:
             drain(responses)  # also when the caller stopped early: the token budget, a stop word, a cancel
 
     def propose(self, ids: list[int], n: int) -> list[int]:
-        return [t for chunk in self._call(self.draft_model, self._inputs(ids, n, greedy=True, streaming=False))
-                for t in chunk]
+        return [t for tokens, _ in self._call(self.draft_model, self._inputs(ids, n, greedy=True, streaming=False))
+                for t in tokens]
 
     def verify(self, ids: list[int], drafts: list[int]) -> list[int]:
         tensors = self._inputs(ids, len(drafts) + 1, greedy=True, streaming=False)
         if drafts:
             tensors["draft_input_ids"] = np.array([drafts], np.int32)
-        return [t for chunk in self._call(self.target_model, tensors) for t in chunk]
+        return [t for tokens, _ in self._call(self.target_model, tensors) for t in tokens]
 
-    def decode(self, ids: list[int], n: int, request: TritonRequest) -> Iterator[list[int]]:
-        return self._call(self.target_model, self._inputs(ids, n, greedy=request.greedy, streaming=request.stream))
+    def decode(self, ids: list[int], n: int, request: TritonRequest) -> Iterator[Step]:
+        return self._call(self.target_model, self._decode_inputs(ids, n))
+
+    def _decode_inputs(self, ids: list[int], n: int) -> dict[str, np.ndarray]:
+        """The target alone, with TensorRT-LLM's own penalties and log probs where the request has them (such a
+        request never speculates: module docstring)."""
+        r = self.request
+        tensors = self._inputs(ids, n, greedy=r.greedy, streaming=r.stream)
+        for name, neutral in PENALTIES:
+            if getattr(r, name) != neutral:
+                tensors[name] = np.array([[getattr(r, name)]], np.float32)
+        if r.return_log_probs:
+            tensors["return_log_probs"] = np.array([[True]], bool)
+        return tensors
+
+
+def _new_log_probs(outputs: dict[str, np.ndarray], new: int) -> list[float]:
+    """The log probs of a response's `new` tokens. TensorRT-LLM's output_log_probs hold every generated token's so
+    far, streaming or not (LlmRequest::createResult slices the ids to the new ones, not the log probs): the last."""
+    if LOG_PROBS_OUTPUT not in outputs:
+        raise EngineCallError("the target returned no output_log_probs though return_log_probs was sent")
+    values = outputs[LOG_PROBS_OUTPUT].reshape(-1)  # [1, beam=1, len]
+    if values.size < new:
+        raise EngineCallError(f"the target returned {values.size} log probs for {new} tokens")
+    return [float(v) for v in values[values.size - new:]]
 
 
 def serve_request(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_tokens: int, target_model: str,
@@ -341,9 +412,9 @@ def serve_request(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_
     request = TritonRequest.from_tensors(tensors)
     engines = engines or TritonEngines(target_model, draft_model, request, cancelled)
     emit = Emitter(request, send, is_text)
-    if speculate and request.greedy and num_draft_tokens > 0:
+    if speculate and request.plain_reason is None and num_draft_tokens > 0:
         speculate_loop(request, engines, num_draft_tokens, emit, cancelled, forced=forced)
     else:
-        plain_loop(request, engines, emit, cancelled, reason=reason if request.greedy else "sampled")
+        plain_loop(request, engines, emit, cancelled, reason=request.plain_reason or reason)
     if not cancelled():
         emit.flush(final=True)

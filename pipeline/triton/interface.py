@@ -27,7 +27,7 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # (pipeline.models.tokenizer.is_rendered), so Triton's own OpenAI frontend can sit in front unchanged.
     TensorSpec("apply_chat_template", "BOOL", (1,), optional=True),
     # With return_log_probs: the N most likely alternatives per token too (0-20; 0 or absent: none), as
-    # top_log_probs.
+    # top_log_probs. The portable engine's; the TensorRT-LLM routes refuse N > 0.
     TensorSpec("num_logprobs", "INT32", (1,), optional=True),
 )
 ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = tuple(
@@ -158,8 +158,8 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # bytes can complete it). Engines that don't send it leave the gate to say False.
     TensorSpec("final", "BOOL", (1,)),
     # output_ids' log probs, one per id (prefix included; 0 where none were asked for), and the new tokens' ids,
-    # log probs and top-N alternatives as ENSEMBLE_OUTPUTS' top_log_probs ("[]" for none). These four are optional for a client calling postprocessing
-    # directly; the gate always sends them.
+    # log probs and top-N alternatives as ENSEMBLE_OUTPUTS' top_log_probs ("[]" for none). These four are optional
+    # for a client calling postprocessing directly; the gate always sends them.
     TensorSpec("output_log_probs", "FP32", (-1,), optional=True),
     TensorSpec("top_log_probs", "BYTES", (1,), optional=True),
     # Characters of this response's text to keep (-1: all): a stop string ends the answer inside it.

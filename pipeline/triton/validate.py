@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.engine.sampling_limits import check_logprobs, check_penalty_values, check_sampling_values, check_stop_strings
+from pipeline.engine.sampling_limits import (check_logprobs, check_penalty_values, check_sampling_values,
+                                             check_stop_strings)
 from pipeline.errors import RequestError
 from pipeline.triton.interface import IGNORED_INPUTS, UNSUPPORTED_INPUTS
 
@@ -97,12 +98,6 @@ class ClientRequest:
     frequency_penalty: float = 0.0
     return_log_probs: bool = False
     num_logprobs: int = 0  # top-N alternatives per token, with return_log_probs
-
-    @property
-    def plain_sampling(self) -> bool:
-        """No penalties and no log probs: what every route serves."""
-        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.return_log_probs) == \
-            (1.0, 0.0, 0.0, False)
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""

@@ -11,7 +11,8 @@ can be off by one where a token decodes to nothing (special tokens) or re-encode
 
 What the LLM API can't take per request is refused in one line, never ignored: speculation "on"/"off"
 (TensorRT-LLM decides per batch, speculative_config.max_concurrency), a num_draft_tokens other than
-the compiled one, and end_id (its llmapi model reads none). Drafted/accepted counts are 0: its only
+the compiled one, end_id (its llmapi model reads none), penalties and log probs (_sampling_refusal). Stop words
+go as sampling_param_stop, text the LLM API matches itself. Drafted/accepted counts are 0: its only
 source, return_perf_metrics, returns strings in 1.2 (tensors built with text_output's dtype).
 
 Each request runs on its own worker thread (a BLS response iterator blocks); every response goes out
@@ -33,6 +34,25 @@ from pipeline.triton.draft_target import drain
 from pipeline.triton.validate import check_length, read_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _sampling_refusal(r) -> str | None:
+    """The penalties and log probs the LLM-API route can't pass on, in one line naming the input. TensorRT-LLM's
+    llmapi model reads no repetition penalty and returns no per-token log probs (LLMAPI_HELPERS
+    get_sampling_params_from_request; only a cumulative one); it does read sampling_param_presence_penalty and
+    sampling_param_frequency_penalty, which pipeline.triton.upstream.LLMAPI_INPUTS doesn't record yet, so this
+    route sends them nowhere."""
+    if r.repetition_penalty != 1.0:
+        return (f"repetition_penalty {r.repetition_penalty:g} isn't served on the LLM-API route (TensorRT-LLM's "
+                f"llmapi model takes none); send 1 or leave it out")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(r, name) != 0.0:
+            return (f"{name} {getattr(r, name):g} isn't passed to the LLM-API route's llmapi model yet; send 0 or "
+                    f"leave it out")
+    if r.return_log_probs:
+        return ("return_log_probs isn't served on the LLM-API route (TensorRT-LLM's llmapi model returns no "
+                "per-token log probs); send false or leave it out")
+    return None
 
 
 class TritonPythonModel:
@@ -103,9 +123,8 @@ class TritonPythonModel:
         if r.num_draft_tokens != self.num_draft_tokens:
             raise RequestError(f"num_draft_tokens {r.num_draft_tokens} can't be set per request on the LLM-API route "
                                f"(it is {self.num_draft_tokens}, compiled in); leave it out")
-        if not r.plain_sampling:
-            raise RequestError("penalties and log probs aren't passed to the LLM-API route's llmapi model yet; leave "
-                               "repetition_penalty, presence_penalty, frequency_penalty and return_log_probs out")
+        if (refusal := _sampling_refusal(r)) is not None:
+            raise RequestError(refusal)
         if r.end_id is not None:
             raise RequestError("end_id isn't supported on the LLM-API route (TensorRT-LLM's llmapi model stops at "
                                "the tokenizer's end of text); leave it out, or send stop_words")

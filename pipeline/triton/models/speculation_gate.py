@@ -56,21 +56,21 @@ METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather t
 
 
 def _defaults(outputs: dict) -> dict:
-    """The generation tensors an engine left out (the TensorRT-LLM loop computes no log probs, no stop-string cut,
-    no prefix-cache count), at their neutral values: postprocessing always gets every input."""
+    """The generation tensors an engine left out (the TensorRT-LLM loop sends log probs only where they were asked
+    for, and no stop-string cut or prefix-cache count), at their neutral values: postprocessing always gets every
+    input."""
     return {"final": np.array([[False]]), "output_log_probs": np.zeros(outputs["output_ids"].shape, np.float32),
             "top_log_probs": np.array([[b"[]"]], np.object_), "text_limit": np.array([[-1]], np.int32),
             "cached_tokens": np.array([[0]], np.int32), **outputs}
 
 
 def _trtllm_refusal(request) -> str | None:
-    """What the TensorRT-LLM loop doesn't do yet (draft_target sends the engines none of it), in one line."""
-    for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                          ("return_log_probs", False)):
-        value = type(neutral)(_scalar(request, name))
-        if value != neutral:
-            return (f"{name} {value!r} isn't served on this repository's TensorRT-LLM route yet (the portable engine "
-                    f"and TensorRT-LLM's own ensemble serve it); leave it out")
+    """What the TensorRT-LLM route can't serve, in one line: penalties and each token's log prob go to the
+    tensorrt_llm model as its own inputs (draft_target), but it has no top-N alternatives to give."""
+    n = int(_scalar(request, "num_logprobs"))
+    if n:
+        return (f"num_logprobs {n} isn't served on the TensorRT-LLM route (its tensorrt_llm model returns each "
+                f"token's own log prob, no alternatives); send 0 or leave it out")
     return None
 
 
@@ -98,8 +98,10 @@ def _skipped(outputs: dict, decision: Decision) -> dict[str, int]:
     return skipped
 
 
-def _greedy(request) -> bool:
-    return float(_scalar(request, "temperature")) == 0.0 or int(_scalar(request, "top_k")) == 1
+def _trtllm_plain_reason(request) -> str | None:
+    from pipeline.triton.draft_target import TritonRequest
+
+    return TritonRequest.from_tensors({t.name(): t.as_numpy() for t in request.inputs()}).plain_reason
 
 
 class Metrics:
@@ -250,9 +252,10 @@ class TritonPythonModel:
                 continue
             if self.backend == "trtllm" and decision.speculate and not self.draft_model:
                 decision = Decision(False, "no_draft")  # a repository serving the target engine alone
-            elif self.backend == "trtllm" and decision.speculate and not _greedy(request):
-                # The TensorRT-LLM loop speculates for greedy requests only (see draft_target).
-                decision = Decision(False, "sampled")
+            elif self.backend == "trtllm" and decision.speculate and (reason := _trtllm_plain_reason(request)):
+                # The TensorRT-LLM loop speculates for greedy requests without penalties or log probs only
+                # (draft_target): sampled, penalties, log_probs.
+                decision = Decision(False, reason)
             self.outbox.put(lambda d=decision, n=int(_scalar(request, "input_lengths")): self._count_request(d, n))
             clock = RequestClock(arrival, streamed=bool(_scalar(request, "stream")))
             threading.Thread(target=self._run, args=(request, sender, decision, next(self._stream_ids), clock),
