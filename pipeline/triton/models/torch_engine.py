@@ -24,6 +24,7 @@ from pipeline.models.tokenizer import load_tokenizer
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.serving_gate import busy_message
+from pipeline.triton.stop_text import sendable
 from pipeline.triton.validate import read_engine_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -347,16 +348,9 @@ class TritonPythonModel:
         return text[:-1] if text.endswith("\ufffd") else text
 
     def _safe_end(self, req) -> int:
-        """Output tokens a stream may send now: with stop strings, not the tail whose text could still begin one
-        (its last longest-1 characters), since the answer may yet be cut there."""
-        if not req.params.stop:
-            return len(req.output_ids)
-        hold = max(len(s) for s in req.params.stop) - 1
-        limit = len(self.decode(req.output_ids)) - hold
-        end = len(req.output_ids)
-        while end > 0 and len(self.decode(req.output_ids[:end])) > limit:
-            end -= 1
-        return end
+        """Output tokens a stream may send now: with stop strings, not those whose text a stop string could still
+        start in, since the answer may yet be cut there (pipeline.triton.stop_text)."""
+        return sendable(req.output_ids, req.params.stop or (), self.decode)
 
     def _keepalive(self, req, state: Stream):
         """An empty response for a stream waiting in the queue, so a client that left is noticed (KEEPALIVE_S).
