@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from pipeline.compiler import CompileOptions, compile_model
-from serving_checks import (expected_text, expected_texts, inputs, metrics, ngram_engine, responses,  # noqa: E402
-                            served_engine, soak_script, tensor)
+from serving_checks import (ensemble_results, expected_text, expected_texts, inputs, metrics,  # noqa: E402
+                            ngram_engine, responses, served_engine, soak_script, tensor)
 
 import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
 
@@ -623,30 +623,6 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
 
 # ---- stop strings, log probs and penalties through the ensemble (issue 29) ----------------------------------
 
-def ensemble_results(c, prompt: str, max_tokens: int, stream: bool, **values) -> list:
-    """Every response (an InferResult) to one ensemble request with extra inputs by name; an error raises."""
-    import queue
-
-    from tritonclient.utils import np_to_triton_dtype
-
-    extra = [tensor(name, v, np_to_triton_dtype(v.dtype)) for name, v in values.items()]
-    got: queue.Queue = queue.Queue()
-    c.start_stream(callback=lambda result, error: got.put((result, error)))
-    try:
-        c.async_stream_infer("ensemble", inputs(prompt, max_tokens, stream) + extra, enable_empty_final_response=True)
-        results = []
-        while True:
-            result, error = got.get(timeout=60)
-            if error is not None:
-                raise error
-            if result.get_response().outputs:
-                results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return results
-    finally:
-        c.stop_stream()
-
-
 def engine_answer(engine_dir: Path, prompt: str, max_tokens: int, **params):
     """The in-process engine's request for a prompt, as the repository's preprocessing would send it."""
     from pipeline.engine import load_engine
@@ -683,18 +659,45 @@ def test_a_stop_word_of_several_tokens_cuts_the_text_just_before_it(server, engi
         c.close()
 
 
-def test_a_stop_word_over_http_generate(server, engine_dir):
-    import json
+def http_generate(server, body: dict, stream: bool) -> list[dict]:
+    """Triton's HTTP generate (one JSON answer) or generate_stream (server-sent events, one per response)."""
     import urllib.request
 
+    url = f"{server.endpoints.http}/v2/models/ensemble/generate{'_stream' if stream else ''}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        text = answer.read().decode()
+    if not stream:
+        return [json.loads(text)]
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_word_over_http_generate_and_generate_stream(server, engine_dir, stream):
     prompt = "tell me about stop words"
     whole = expected_text(engine_dir, prompt, 40)
     stop = whole[12:19]
-    body = json.dumps({"text_input": prompt, "max_tokens": 40, "stop_words": [stop]}).encode()
-    request = urllib.request.Request(f"{server.endpoints.http}/v2/models/ensemble/generate", body,
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as answer:
-        assert json.loads(answer.read())["text_output"] == whole[:whole.find(stop)]
+    events = http_generate(server, {"text_input": prompt, "max_tokens": 40, "stop_words": [stop], "stream": stream},
+                           stream)
+    assert len(events) > 1 if stream else len(events) == 1
+    assert "".join(e["text_output"] for e in events) == whole[:whole.find(stop)]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"repetition_penalty": -1.0}, "repetition_penalty must be a finite number > 0 (got -1.0); use 1 for none"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2] (got 2.5); use 0 for none"),
+    ({"num_logprobs": 3}, "num_logprobs 3 needs return_log_probs true; send both"),
+    ({"stop_words": ["x" * 300]}, "is 300 characters; send at most 256"),
+])
+def test_a_bad_value_over_http_is_a_one_line_400_and_the_server_serves_the_next(server, engine_dir, body, message):
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as err:
+        http_generate(server, {"text_input": "hi", "max_tokens": 8, **body}, False)
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and message in error and "\n" not in error
+    [answer] = http_generate(server, {"text_input": "hi", "max_tokens": 8}, False)
+    assert answer["text_output"] == expected_text(engine_dir, "hi", 8)
 
 
 def test_log_probs_and_penalties_are_the_engines_own(server, engine_dir):
