@@ -220,6 +220,12 @@ def test_log_probs_in_openais_shapes_streamed_or_not(client):
     assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+    pieces = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt="Count: 1, 2,", max_tokens=10, temperature=0, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens] == lp.tokens  # the offsets run on across the pieces
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+    assert [x for p in pieces for x in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
 def test_an_unknown_model_is_a_404_naming_the_served_one(client):

@@ -185,6 +185,7 @@ def create_app(settings: FrontendSettings):
                     outcome.stopped_by_string = True
                     kept = len(tokenizer(stops.text[:stops.sent], add_special_tokens=False).input_ids) + 1
                     outcome.completion_tokens = min(outcome.completion_tokens, kept)
+                    del outcome.logprobs[outcome.completion_tokens:]  # as many as the tokens counted
                     return
             if out := stops.flush():
                 yield out
