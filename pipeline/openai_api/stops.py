@@ -7,6 +7,8 @@ next chunk says whether it does; everything before it goes out at once.
 
 from __future__ import annotations
 
+from pipeline.triton.stop_text import partial_stop
+
 
 class StopMatcher:
     def __init__(self, stops: tuple[str, ...] = ()):
@@ -29,19 +31,12 @@ class StopMatcher:
         if found:
             self.stopped = True
             return self._release(max(min(found), self.sent))
-        return self._release(len(self.text) - self._partial_tail())
+        # The longest unreleased tail that a stop string starts with waits for the next chunk.
+        return self._release(len(self.text) - partial_stop(self.text[self.sent:], self.stops))
 
     def flush(self) -> str:
         """The answer ended: release what was held back (it never became a stop string)."""
         return "" if self.stopped else self._release(len(self.text))
-
-    def _partial_tail(self) -> int:
-        """Length of the longest unreleased tail that a stop string starts with."""
-        for k in range(min(self.longest - 1, len(self.text) - self.sent), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
 
     def _release(self, end: int) -> str:
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
