@@ -1,24 +1,31 @@
-"""Which TensorRT-LLM: the release our commands, YAML and repositories follow, and the one installed here.
+"""Which TensorRT-LLM: the releases our commands, YAML and repositories are written for, and the one installed here.
 
-Names changed between releases: the LLM API's decoding_type strings differ across 1.2 release candidates
-and main (DraftTarget/Eagle in 1.2.1, Draft_Target/Eagle3 on later main), trtllm-build's flags move, and an
-engine only loads in the TensorRT-LLM that built it. So `pipeline compile` records the version it wrote
-for, and `compile`/`serve` refuse, in one line naming both versions, a TensorRT-LLM that differs in a way
-that matters. tensorrtllm_backend's Dockerfile pins its own TensorRT-LLM (TENSORRTLLM_VER), which need not
-be the one that built the engines: serve checks the engines' version against the container's.
+Names change between releases: the LLM API's decoding_type strings (DraftTarget/Eagle in 1.2.1, Draft_Target/Eagle3
+in the 1.3/1.4 pre-releases), its speculative_config fields, and from 1.3.0rc21 on the whole TensorRT engine route
+(trtllm-build, the tensorrtllm C++ backend, examples/run.py) is gone. An engine only loads in the TensorRT-LLM that
+built it. So every release we write for is a `Release` here, with its tables in pipeline.compiler.reference
+(LLM API, trtllm-build) and pipeline.triton.upstream (the Triton backend); `pipeline compile` records the version it
+wrote for, and `compile`/`serve` refuse, in one line naming both versions, a TensorRT-LLM that differs in a way that
+matters.
+
+Where each fact comes from (read for issue 30; docs/trtllm.md has the table):
+- Which Triton container ships which TensorRT-LLM: triton-inference-server/server docs/introduction/compatibility.md
+  @e1db8a60 ("| 26.07 | nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3 | ... | 1.2.1 |"; 25.12-26.02 ship
+  1.1.0, 26.03 1.2.0, 26.04-26.07 1.2.1, and no row ships a 1.3 or 1.4). tensorrtllm_backend's Dockerfile names
+  nvcr.io/nvidia/tritonserver:25.12-py3-min only as the image it builds *from*.
+- Stable vs pre-release: PyPI's tensorrt-llm index (1.2.1 the newest non-pre release; 1.3.0rc0-rc29, 1.4.0rc0-rc1
+  pre-releases) and NVIDIA's docs builds (nvidia.github.io/TensorRT-LLM/1.4.0rc4/).
+- The engine route's removal: NVIDIA/TensorRT-LLM release notes v1.3.0rc20 ("This RC version will be the last one
+  supporting the TensorRT backend"), PRs #15907 (the Triton C++ backend and its inflight_batcher_llm templates; the
+  llmapi model and launch_triton_server.py kept), #15918 (commands/build.py, plugin.py) and #16610 (examples/run.py).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import dataclass
 
 from pipeline.errors import ConfigError
-
-# The release the tables in pipeline.triton.upstream and pipeline.compiler.reference follow, and the container that
-# serves it (triton-inference-server/tensorrtllm_backend dockerfile/Dockerfile.triton.trt_llm_backend:
-# TENSORRTLLM_VER=1.2.1, BASE_IMAGE=nvcr.io/nvidia/tritonserver:25.12-py3-min).
-TRTLLM_VERSION = "1.2.1"
-TRITON_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"  # Triton 25.12 + TensorRT-LLM 1.2.1
 
 # NVIDIA's Triton container layout (pipeline.triton.upstream.DOCKERFILE: WORKDIR /app; COPY triton_backend/...)
 CONTAINER_APP = "/app"
@@ -29,8 +36,48 @@ CONTAINER_RUN_PY = "examples/run.py"  # under /app (DOCKERFILE copies examples/)
 CONTAINER_LLMAPI_MODEL = "all_models/llmapi/tensorrt_llm"  # under /app: config.pbtxt, 1/model.py, 1/helpers.py
 CONTAINER_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # upstream.LAUNCH_SCRIPT parse_arguments --tritonserver default
 
-# The releases this pipeline's commands and YAML are written for, by major.minor.
-SUPPORTED = ("1.2",)
+
+def release(version: str) -> str:
+    """'1.2.1' -> '1.2'; '1.2.0rc8' -> '1.2'."""
+    parts = version.split(".")
+    return ".".join(parts[:2])
+
+
+def _key(version: str) -> tuple:
+    import re
+
+    nums = [int(x) for x in re.findall(r"\d+", version)]
+    return tuple(nums) + ((1 << 30,) if "rc" not in version else ())  # 1.2.1 after 1.2.1rc9
+
+
+@dataclass(frozen=True)
+class Release:
+    """One TensorRT-LLM release this pipeline writes for."""
+
+    version: str  # the version the tables were read at
+    stable: bool  # a release PyPI lists without --pre; pre-releases are picked only by name
+    container: str | None  # NVIDIA's Triton container that ships it; None: none does (a self-built image)
+    triton: str | None  # the Triton server inside that container
+    engine_route: bool  # trtllm-build and the tensorrtllm C++ backend exist
+
+    @property
+    def key(self) -> str:
+        return release(self.version)
+
+
+RELEASES: dict[str, Release] = {r.key: r for r in (
+    # 26.04-26.07 ship 1.2.1; 26.07 is the newest Triton container with TensorRT-LLM in it.
+    Release("1.2.1", stable=True, container="nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3", triton="2.71.0",
+            engine_route=True),
+    # The newest TensorRT-LLM whose LLM-API reference was readable (nvidia.github.io/TensorRT-LLM/1.4.0rc4/). No
+    # Triton container ships it; the Triton llmapi model it serves through is kept upstream (PR #15907).
+    Release("1.4.0rc4", stable=False, container=None, triton=None, engine_route=False),
+)}
+# The default for dry runs and manifests: the newest stable release, the one NVIDIA's newest Triton + TensorRT-LLM
+# container ships. A pre-release is written for only when asked (--trtllm-version) or installed.
+DEFAULT = max((r for r in RELEASES.values() if r.stable), key=lambda r: _key(r.version))
+TRTLLM_VERSION = DEFAULT.version
+TRITON_CONTAINER = DEFAULT.container  # Triton 26.07 + TensorRT-LLM 1.2.1
 
 
 def installed() -> str | None:
@@ -44,18 +91,38 @@ def installed() -> str | None:
     return None
 
 
-def release(version: str) -> str:
-    """'1.2.1' -> '1.2'; '1.2.0rc8' -> '1.2'."""
-    parts = version.split(".")
-    return ".".join(parts[:2])
+def supported_versions() -> str:
+    return ", ".join(f"{r.version}{'' if r.stable else ' (pre-release)'}" for r in RELEASES.values())
 
 
-def check_supported(version: str, what: str) -> None:
-    """Refuse a TensorRT-LLM whose names this pipeline doesn't know."""
-    if release(version) not in SUPPORTED:
-        raise ConfigError(f"{what}: TensorRT-LLM {version} is installed, but this pipeline writes for "
-                          f"{TRTLLM_VERSION} (its flags and decoding_type names differ across releases); "
-                          f"run in {TRITON_CONTAINER}")
+def check_supported(version: str, what: str) -> Release:
+    """The Release whose names this version takes; a one-line refusal for one this pipeline doesn't know."""
+    r = RELEASES.get(release(version))
+    if r is None:
+        raise ConfigError(f"{what}: TensorRT-LLM {version} is not one this pipeline writes for (its flags and "
+                          f"speculative_config names differ across releases); supported: {supported_versions()}. "
+                          f"Run in {TRITON_CONTAINER}, or pass --trtllm-version")
+    return r
+
+
+def pick(requested: str | None, found: str | None, what: str) -> str:
+    """The version to write for: the installed one (NVIDIA's container), which --trtllm-version must agree with,
+    else --trtllm-version, else the default release. A bare "1.4" means that release's recorded version."""
+    if requested is not None:
+        wanted = check_supported(requested, what)
+        requested = wanted.version if requested == wanted.key else requested
+        if found is not None and release(found) != wanted.key:
+            raise ConfigError(f"{what}: --trtllm-version {requested} but TensorRT-LLM {found} is installed here; "
+                              f"drop --trtllm-version, or run where {requested} is installed")
+    if found is not None:
+        check_supported(found, what)
+        return found
+    return requested or TRTLLM_VERSION
+
+
+def for_version(version: str | None) -> Release:
+    """The Release of a recorded version (a manifest's tensorrt_llm_version); the default when none is recorded."""
+    return DEFAULT if version is None else check_supported(version, "TensorRT-LLM")
 
 
 def check_same(made_with: str | None, running: str | None, what: str, *, exact: bool) -> None:
@@ -67,6 +134,8 @@ def check_same(made_with: str | None, running: str | None, what: str, *, exact: 
         return
     same = made_with == running if exact else release(made_with) == release(running)
     if not same:
+        container = for_version(made_with).container if release(made_with) in RELEASES else None
         fix = ("rebuild them here with `pipeline compile` (or `pipeline build`), or serve in the container "
-               "that built them" if exact else f"recompile with `pipeline compile` here, or serve in {TRITON_CONTAINER}")
+               "that built them" if exact else
+               f"recompile with `pipeline compile` here, or serve in {container or 'an image with TensorRT-LLM ' + made_with}")
         raise ConfigError(f"{what} were made with TensorRT-LLM {made_with} but this container has {running}; {fix}")

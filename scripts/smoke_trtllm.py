@@ -1,6 +1,6 @@
 """Smoke check for NVIDIA's TensorRT-LLM Triton container: build, serve and call a draft-target pair on one GPU.
 
-Run it first in nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 (TensorRT-LLM 1.2.1), through
+Run it first in nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3 (TensorRT-LLM 1.2.1), through
 scripts/smoke_trtllm.sh, which installs this project into the container's Python if needed. Nothing is
 downloaded: the models are a seeded tiny Llama pair written here (or --target/--draft local folders).
 

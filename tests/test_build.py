@@ -159,6 +159,39 @@ def test_dry_run_shows_the_trtllm_commands_yaml_and_launch_exactly_as_compile_an
     assert list(tmp_path.iterdir()) in ([tmp_path / "home"], [])  # a dry run writes nothing
 
 
+def test_dry_run_for_the_1_4_pre_release_gates_one_model_eagle3_with_a_draft_len_schedule(tmp_path, monkeypatch):
+    """--trtllm-version 1.4: Eagle3 one-model with the schedule the H100 roofline gives (no two-model keys), and
+    a draft model goes the LLM-API route (1.4 has no trtllm-build)."""
+    from pipeline.compiler import reference as ref
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    eagle = json.loads(runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "eagle3", "--dry-run",
+                                            "--trtllm-version", "1.4", "--json"]).output)
+    trt = eagle["trtllm"]
+    assert trt["tensorrt_llm_version"] == "1.4.0rc4" and eagle["settings"]["trtllm_version"] == "1.4.0rc4"
+    options = yaml.safe_load(trt["files"]["extra_llm_api_options.yaml"])
+    spec = options["speculative_config"]
+    table = ref.LLM_API_TABLES["1.4"]
+    assert set(spec) <= table.speculative_config_keys and set(options) <= table.llm_api_keys
+    assert spec["decoding_type"] == "Eagle3" and "eagle3_one_model" not in spec and "max_concurrency" not in spec
+    schedule = spec["draft_len_schedule"]
+    bounds = sorted(schedule)
+    assert schedule[bounds[0]] == spec["max_draft_len"] == 4 and bounds[-1] <= 32  # the gate's ceiling at most
+    assert [schedule[b] for b in bounds] == sorted(schedule.values(), reverse=True)  # shorter drafts as load grows
+    assert "disable_overlap_scheduler" not in options
+    assert any(n.startswith("draft_len_schedule {") for n in trt["notes"])
+    compile_cmd = shlex.split([s for s in eagle["stages"] if s["name"] == "compile"][0]["command"])
+    assert compile_cmd[compile_cmd.index("--trtllm-version") + 1] == "1.4.0rc4"
+    dt = json.loads(runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "llama-3.2-1b", "--dry-run",
+                                         "--trtllm-version", "1.4", "--json"]).output)["trtllm"]
+    assert dt["route"] == "llmapi"
+    assert yaml.safe_load(dt["files"]["extra_llm_api_options.yaml"])["speculative_config"]["decoding_type"] == \
+        "Draft_Target"
+    text = runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "eagle3", "--dry-run"]).output
+    assert "trtllm    1.2.1  (1.2.1: the newest stable release" in text  # the default, and why
+
+
 def test_an_int4_draft_keeps_a_bf16_kv_cache_beside_an_fp8_target(tmp_path, monkeypatch):
     """trtllm-build refuses an FP8 KV cache beside INT4-AWQ weights: only the FP8 target's quantize gets it."""
     monkeypatch.chdir(tmp_path)

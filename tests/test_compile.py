@@ -143,27 +143,92 @@ def test_tp_and_pp_come_from_a_real_quantize_export(tmp_path_factory):
 # ---- LLM-API YAML (pure) ------------------------------------------------------------------------
 
 
-# TensorRT-LLM 1.2.1's DecodingBaseConfig.from_dict (llm_args.py): "Eagle" (EagleDecodingConfig serves EAGLE-3),
-# "DraftTarget", "NGram"; "Eagle3" and "Draft_Target" raise "Invalid decoding type" there.
-@pytest.mark.parametrize("kind,decoding_type", [("model", "DraftTarget"), ("eagle3", "Eagle"), ("ngram", "NGram")])
-def test_llm_api_yaml_uses_only_known_keys_with_the_right_values(kind, decoding_type):
+# Each release's decoding_type strings: 1.2.1's DecodingBaseConfig.from_dict takes "Eagle" (EagleDecodingConfig
+# serves EAGLE-3), "DraftTarget", "NGram" and raises "Invalid decoding type" for "Eagle3"/"Draft_Target"; the 1.4
+# pre-release's pydantic discriminator takes "Draft_Target", "Eagle3", "NGram".
+RELEASE_KINDS = [("1.2.1", "model", "DraftTarget"), ("1.2.1", "eagle3", "Eagle"), ("1.2.1", "ngram", "NGram"),
+                 ("1.4.0rc4", "model", "Draft_Target"), ("1.4.0rc4", "eagle3", "Eagle3"), ("1.4.0rc4", "ngram", "NGram")]
+
+
+@pytest.mark.parametrize("version,kind,decoding_type", RELEASE_KINDS)
+def test_llm_api_yaml_uses_only_its_releases_keys_with_the_right_values(version, kind, decoding_type):
+    """Checked against the release's own table, not the union of all releases: 1.2.1's speculative_model_dir in
+    a 1.4 YAML (or 1.4's speculative_model in a 1.2.1 one) fails here."""
+    table = ref.llm_api_table(version)
     draft = DraftSpec(kind, "" if kind == "ngram" else "/ckpt/draft")
     sizes = derive_sizes(64, 3, 4096)
     options = llm_api_options(draft, sizes, LlmApiSettings(gate_batch_size=32, kv_cache_dtype="fp8",
-                                                            free_gpu_memory_fraction=0.85))
+                                                            free_gpu_memory_fraction=0.85, tensorrt_llm_version=version))
     options = yaml.safe_load(yaml.safe_dump(options))  # what TensorRT-LLM will read
-    assert set(options) <= ref.LLM_API_KEYS
+    assert set(options) <= table.llm_api_keys, set(options) - table.llm_api_keys
     spec, kv = options["speculative_config"], options["kv_cache_config"]
-    assert set(spec) <= ref.SPECULATIVE_CONFIG_KEYS, set(spec) - ref.SPECULATIVE_CONFIG_KEYS
-    assert set(kv) <= ref.KV_CACHE_CONFIG_KEYS
-    assert spec["decoding_type"] == decoding_type and decoding_type in ref.DECODING_TYPES
+    assert set(spec) <= table.speculative_config_keys, set(spec) - table.speculative_config_keys
+    assert set(kv) <= table.kv_cache_config_keys
+    assert spec["decoding_type"] == decoding_type == table.decoding_types[kind]
     assert spec["max_draft_len"] == 3
-    assert spec["max_concurrency"] == 32  # the gate, in TensorRT-LLM's own terms
+    if kind != "eagle3" or table.eagle3_gate == "two-model":
+        assert spec["max_concurrency"] == 32  # the gate, in TensorRT-LLM's own terms
     assert kv == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True, "dtype": "fp8"}
     assert options["enable_chunked_prefill"] is True
     if kind != "ngram":
-        assert spec["speculative_model_dir"] == "/ckpt/draft"
-    assert decoding_type in ref.DECODING_TYPES_BY_RELEASE["1.2"].values()
+        assert spec[table.model_key] == "/ckpt/draft"
+
+
+def test_the_release_tables_differ_exactly_where_upstream_changed_them():
+    """Computed field by field from the two tables; each difference must be one DIFFERENCES_1_2_TO_1_4 names with
+    its upstream file and symbol, and each named one must be real."""
+    from dataclasses import fields
+
+    old, new = ref.LLM_API_TABLES["1.2"], ref.LLM_API_TABLES["1.4"]
+    found: dict[str, tuple] = {}
+    for f in fields(ref.LlmApiTable):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if f.name == "version" or a == b:
+            continue
+        if isinstance(a, frozenset):
+            found[f.name] = (a - b, b - a)
+        elif isinstance(a, dict):
+            for key in a.keys() | b.keys():
+                if a.get(key) != b.get(key):
+                    found[f"{f.name}.{key}"] = (a.get(key), b.get(key))
+        else:
+            found[f.name] = (a, b)
+    listed: dict[str, tuple] = {}
+    for d in ref.DIFFERENCES_1_2_TO_1_4:
+        assert d.where.path in ref.SOURCES and d.where.symbol, d.field
+        if isinstance(d.old, frozenset):
+            was_old, was_new = listed.get(d.field, (frozenset(), frozenset()))
+            listed[d.field] = (was_old | d.old, was_new | d.new)
+        else:
+            assert d.field not in listed, d.field
+            listed[d.field] = (d.old, d.new)
+    assert listed == found
+
+
+def test_eagle3_on_1_4_stays_one_model_and_gates_by_a_draft_len_schedule_upstream_accepts():
+    """PR #10860: the one-model path reads draft_len_schedule; upstream's validators (reference.DRAFT_LEN_SCHEDULE):
+    keys >= 1, the smallest key's value == max_draft_len, values in 0..max_draft_len, never beside
+    max_concurrency. No two-model keys: 1.4 has no two-model EAGLE-3."""
+    from pipeline.compiler.llmapi import gate_note, speculation_mode
+
+    head = DraftSpec("eagle3", "/heads/eagle3")
+    schedule = {8: 4, 16: 3, 32: 2}
+    options = llm_api_options(head, derive_sizes(64, 4, 4096),
+                              LlmApiSettings(32, "auto", 0.9, tensorrt_llm_version="1.4.0rc4",
+                                             draft_len_schedule=schedule))
+    spec = yaml.safe_load(yaml.safe_dump(options))["speculative_config"]
+    assert spec["draft_len_schedule"] == schedule and "max_concurrency" not in spec
+    assert "eagle3_one_model" not in spec and "disable_overlap_scheduler" not in options
+    keys = sorted(spec["draft_len_schedule"])
+    assert keys[0] >= 1 and spec["draft_len_schedule"][keys[0]] == spec["max_draft_len"]
+    assert all(0 <= v <= spec["max_draft_len"] for v in spec["draft_len_schedule"].values())
+    assert speculation_mode(head, 32, "1.4.0rc4") == "eagle3:one-model"
+    assert speculation_mode(head, 32, "1.2.1") == "eagle3:two-model"
+    assert "#16888" in gate_note(head, 32, "1.4.0rc4")
+    # No cost model (no GPU named): max_concurrency, which the one-model path turns into {32: max_draft_len}.
+    bare = llm_api_options(head, derive_sizes(64, 4, 4096), LlmApiSettings(32, "auto", 0.9,
+                                                                            tensorrt_llm_version="1.4.0rc4"))
+    assert bare["speculative_config"]["max_concurrency"] == 32
 
 
 # Every speculation mode the LLM-API route writes: (draft, gate) -> its mode in SPECULATION_COMBINATIONS.
@@ -279,10 +344,39 @@ def test_decoding_type_names_follow_the_installed_release_and_an_unknown_one_is_
     from pipeline.compiler.llmapi import decoding_type
 
     assert decoding_type("eagle3", "1.2.1") == decoding_type("eagle3", "1.2.0rc8") == "Eagle"
+    assert decoding_type("eagle3", "1.4.0rc1") == "Eagle3"
     monkeypatch.setattr(trtllm_version, "installed", lambda: "1.3.0rc2")
-    with pytest.raises(ConfigError, match=r"TensorRT-LLM 1\.3\.0rc2 is installed.*writes for 1\.2\.1.*"
-                                          r"tritonserver:25\.12-trtllm-python-py3"):
+    with pytest.raises(ConfigError, match=r"TensorRT-LLM 1\.3\.0rc2 is not one this pipeline writes for.*"
+                                          r"supported: 1\.2\.1, 1\.4\.0rc4 \(pre-release\).*"
+                                          r"tritonserver:26\.07-trtllm-python-py3"):
         trtllm_version.check_supported(trtllm_version.installed(), "pipeline compile")
+
+
+def test_trtllm_version_picks_the_release_and_must_agree_with_the_installed_one(monkeypatch, tiny_target, tmp_path):
+    from pipeline import trtllm_version
+
+    assert trtllm_version.pick(None, None, "x") == "1.2.1"  # the newest stable release
+    assert trtllm_version.pick("1.4", None, "x") == "1.4.0rc4"  # a release's recorded version
+    assert trtllm_version.pick(None, "1.4.0rc1", "x") == "1.4.0rc1"  # the installed one wins
+    out = tmp_path / "e"
+    result = run("-b", "trtllm", "-t", str(tiny_target), "-d", "ngram", "--trtllm-version", "1.4", "--dry-run",
+                 "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "compile.json").read_text())["tensorrt_llm_version"] == "1.4.0rc4"
+    assert json.loads((out / "compile.json").read_text())["container"] is None  # no Triton container ships it
+    assert_one_line_error(run("-b", "trtllm", "-t", str(tiny_target), "--trtllm-version", "0.9", "--dry-run",
+                              "-o", str(tmp_path / "x")), "TensorRT-LLM 0.9 is not one this pipeline writes for")
+    monkeypatch.setattr(trtllm_version, "installed", lambda: "1.2.1")
+    assert_one_line_error(run("-b", "trtllm", "-t", str(tiny_target), "--trtllm-version", "1.4", "--dry-run",
+                              "-o", str(tmp_path / "y")), "--trtllm-version 1.4.0rc4 but TensorRT-LLM 1.2.1 is installed")
+
+
+def test_the_engine_route_is_refused_on_a_release_without_trtllm_build(trt, tmp_path):
+    """TensorRT-LLM removed trtllm-build and the tensorrtllm backend after 1.3.0rc20 (PRs #15907, #15918)."""
+    assert_one_line_error(run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "--trtllm-version", "1.4",
+                              "--dry-run", "-o", str(tmp_path / "dt")),
+                          "TensorRT-LLM 1.4.0rc4 has no TensorRT engine route", "--route llmapi",
+                          "--trtllm-version 1.2.1")
 
 
 def test_llm_api_yaml_without_a_draft_or_gate():

@@ -148,7 +148,7 @@ def test_70b_eagle3_on_two_h100s(tmp_path):
     assert (settings["backend"], settings["tp_size"], settings["target_qformat"], settings["gate_batch_size"]) == \
         ("trtllm", 2, "fp8", 32)
     dockerfile = (out / "Dockerfile").read_text()
-    assert "FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3" in dockerfile and "--no-deps" in dockerfile
+    assert "FROM nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3" in dockerfile and "--no-deps" in dockerfile
     # --no-deps keeps the container's torch; the OpenAI frontend's web stack is added, as pyproject pins it.
     import tomllib
 
@@ -290,6 +290,21 @@ def test_a_multi_node_replica_that_cant_be_launched_is_refused_in_one_line(tmp_p
                                        "-o", str(tmp_path / "d")])
     assert_one_line_error(result, *needles)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_release_no_triton_container_ships_needs_a_base_image(tmp_path):
+    """No NVIDIA Triton container ships the 1.4 pre-release (server docs/introduction/compatibility.md): refused in
+    one line naming both fixes; with --base-image the Dockerfile starts from it and the Job builds for 1.4."""
+    result = CliRunner().invoke(main, ["deploy", "kubernetes", "--target", "llama-70b", "--draft", "eagle3", "--gpu",
+                                       "h100", "--trtllm-version", "1.4", "-o", str(tmp_path / "d")])
+    assert_one_line_error(result, "no NVIDIA Triton container ships TensorRT-LLM 1.4.0rc4", "--base-image",
+                          "--trtllm-version 1.2.1")
+    assert not (tmp_path / "d").exists()
+    out, docs = deploy(tmp_path, "--target", "llama-70b", "--draft", "eagle3", "--gpu", "h100", "--trtllm-version",
+                       "1.4", "--base-image", "registry.example/triton-trtllm:1.4.0rc4")
+    assert "FROM registry.example/triton-trtllm:1.4.0rc4" in (out / "Dockerfile").read_text()
+    build = docs["build-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert build[build.index("--trtllm-version") + 1] == "1.4.0rc4"
 
 
 def test_cpu_default_serves_the_portable_engine_without_gpus(tmp_path):

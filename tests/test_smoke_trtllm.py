@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -232,3 +233,15 @@ def test_the_shell_wrapper_parses_and_is_executable():
     assert script.stat().st_mode & 0o111
     text = script.read_text()
     assert "set -euo pipefail" in text and "--no-deps --no-build-isolation -e ." in text
+
+
+def test_the_smoke_scripts_name_the_container_the_release_table_does():
+    """The container a user is told to run in is the one pipeline.trtllm_version records for 1.2.1 (26.07, the
+    newest Triton container shipping it; 25.12 shipped 1.1.0), and the shell script reads it from there."""
+    from pipeline.trtllm_version import TRITON_CONTAINER
+
+    for name in ("smoke_trtllm.sh", "smoke_trtllm.py"):
+        text = (ROOT / "scripts" / name).read_text()
+        named = set(re.findall(r"nvcr\.io/nvidia/tritonserver:[\w.-]+", text))
+        assert named == {TRITON_CONTAINER}, (name, named)
+    assert "from pipeline.trtllm_version import TRITON_CONTAINER" in (ROOT / "scripts" / "smoke_trtllm.sh").read_text()

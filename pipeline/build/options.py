@@ -39,6 +39,7 @@ class BuildOptions:
     repo: Path = Path("triton_repo")
     calib_size: int = 32  # quantize stages: calibration samples of 256 tokens
     draft_budget_minutes: float = 10.0  # train_draft stage (EAGLE-3 on the portable engine without a head)
+    trtllm_version: str | None = None  # trtllm: the release to write for; None: installed, else newest stable
     force: bool = False  # rebuild every stage, and build even if the memory plan doesn't fit
 
 

@@ -193,7 +193,7 @@ def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path,
         max_batch_size=s.max_batch_size, max_input_len=s.max_input_len, max_seq_len=s.max_seq_len,
         gate_batch_size=gate, kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else "auto",
         tp_size=s.tp_size if trt and s.export == "hf" else None, dtype="auto" if trt else s.engine_dtype,
-        gpu=s.gpu if trt else None, force=True)
+        gpu=s.gpu if trt else None, trtllm_version=s.trtllm_version if trt else None, force=True)
     cmd = ["pipeline", "compile", "-b", s.backend, "-t", str(target_ckpt), "-d", draft_arg,
            "-k", str(s.num_draft_tokens), "--max-batch-size", str(s.max_batch_size)]
     cmd += ["--max-input-len", str(s.max_input_len)] if s.max_input_len else []
@@ -202,6 +202,7 @@ def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path,
     cmd += ["--kv-cache-dtype", copts.kv_cache_dtype, "--dtype", copts.dtype]
     cmd += ["--tp-size", str(copts.tp_size)] if copts.tp_size else []
     cmd += ["--gpu", s.gpu] if trt and s.gpu else []
+    cmd += ["--trtllm-version", s.trtllm_version] if trt and s.trtllm_version else []
     cmd += ["-o", str(engine), "--force"]
     return Stage("compile", "compile", copts, tuple(cmd), engine, deps, models)
 
@@ -243,14 +244,17 @@ def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:
 
 
 def _missing(s: Settings, env: Environment) -> tuple[str, ...]:
-    from pipeline.compiler.reference import TRTLLM_CONTAINER
+    from pipeline.trtllm_version import for_version
 
     out = []
     if s.backend == "trtllm":
         if env.gpu is None:
             out.append("an NVIDIA GPU (TensorRT-LLM builds and runs on one; use a GPU machine)")
         if not env.trtllm:
-            out.append(f"TensorRT-LLM (run the build inside NVIDIA's container {TRTLLM_CONTAINER})")
+            container = for_version(s.trtllm_version).container
+            out.append(f"TensorRT-LLM (run the build inside NVIDIA's container {container})" if container else
+                       f"TensorRT-LLM {s.trtllm_version} (a pre-release no NVIDIA Triton container ships: build "
+                       f"the image with it, or use --trtllm-version {for_version(None).version})")
     flags = {s.target: "--target DIR"}
     if s.draft.ref:
         flags[s.draft.ref] = "--draft eagle3:DIR" if s.draft.kind == EAGLE3 else "--draft DIR"

@@ -71,7 +71,7 @@ def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_k
         draft_ckpt = describe_checkpoint(draft.path, target_shape, layout="hf", qformat="none", kv_fp8=False, tp=1,
                                          max_position_embeddings=max_pos, is_eagle3=True)
     r = resolve(o, target, draft, draft_ckpt)
-    generated = route_files(o, Path(o.output).absolute(), target, draft, draft_ckpt, r)
+    generated = route_files(o, Path(o.output).absolute(), target, draft, draft_ckpt, r, target_shape)
     models = (TRTLLM_TARGET, TRTLLM_DRAFT) if r.route == "engine" and draft.kind == "model" else (TRTLLM_TARGET,)
     launch = plan_launch(r.route, world_size=r.tp * r.pp, trtllm_models=models if r.route == "engine" else (),
                          tensorrt_llm_version=r.tensorrt_llm_version)

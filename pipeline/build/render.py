@@ -27,7 +27,8 @@ def render_plan(plan: BuildPlan) -> str:
     lines += [line("sizes", f"{sizes}, K={s.num_draft_tokens}, kv cache {s.kv_cache_dtype}"),
               line("gate", f"speculate at batch <= {s.gate_batch_size}", "gate_batch_size")]
     if s.backend == "trtllm":
-        lines += [line("gpu", f"{s.gpu}", "gpu"), line("tp", str(s.tp_size), "tp_size")]
+        lines += [line("gpu", f"{s.gpu}", "gpu"), line("tp", str(s.tp_size), "tp_size"),
+                  line("trtllm", str(s.trtllm_version), "trtllm_version")]
     else:
         lines.append(line("dtype", s.engine_dtype, "engine_dtype"))
     lines.append("")

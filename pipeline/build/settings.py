@@ -18,6 +18,7 @@ from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_dra
 from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import ConfigError
 from pipeline.plan.gpus import GPU, get_gpu
+from pipeline.trtllm_version import for_version
 
 PLAN_GPU = "h100-80gb"  # what a trtllm plan assumes when there is no GPU here and no --gpu
 # Per backend: (max batch size, max sequence length, gate batch size).
@@ -55,11 +56,29 @@ class Settings:
     gpu: str | None  # GPU kind planned for (trtllm)
     export: str  # hf | trtllm
     engine_dtype: str = "bf16"  # the portable engine's compute dtype (Environment.engine_dtype)
+    trtllm_version: str | None = None  # trtllm: the TensorRT-LLM release written for
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def draft_label(self) -> str:
         return self.draft.kind if self.draft.kind in ("none", NGRAM) else f"{self.draft.kind} {self.draft.ref}"
+
+
+def _trtllm_version(o: BuildOptions, backend: str, reasons: dict[str, str]) -> str | None:
+    """The TensorRT-LLM release a trtllm build writes for (pipeline.trtllm_version.pick)."""
+    from pipeline import trtllm_version
+
+    if backend != "trtllm":
+        if o.trtllm_version is not None:
+            raise ConfigError("--trtllm-version is for --backend trtllm; drop it for the portable engine")
+        return None
+    found = trtllm_version.installed()
+    version = trtllm_version.pick(o.trtllm_version, found, "pipeline build")
+    if o.trtllm_version is None:
+        reasons["trtllm_version"] = (f"{version}: " + ("installed here" if found else
+                                     "the newest stable release, the one NVIDIA's newest Triton container ships; "
+                                     "--trtllm-version picks another"))
+    return version
 
 
 def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
@@ -84,6 +103,7 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     max_seq = o.max_seq_len
     if max_seq is None:  # the backend's default, at most the model's own limit where its config.json is here
         max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
+    version = _trtllm_version(o, backend, reasons)
     settings = Settings(
         backend=backend, target=o.target, draft=draft, target_qformat=target_q,
         draft_qformat=draft_q, kv_cache_dtype=kv, num_draft_tokens=o.num_draft_tokens,
@@ -91,12 +111,13 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
         max_batch_size=o.max_batch_size if o.max_batch_size is not None else batch,
         max_input_len=o.max_input_len, max_seq_len=max_seq, tp_size=o.tp_size or 1,
         gpu=gpu.key if gpu is not None else None,
-        export="trtllm" if backend == "trtllm" and draft.kind == MODEL else "hf", engine_dtype=env.engine_dtype[0],
-        reasons=reasons)
+        export="trtllm" if backend == "trtllm" and draft.kind == MODEL and for_version(version).engine_route else "hf",
+        engine_dtype=env.engine_dtype[0], trtllm_version=version, reasons=reasons)
     if o.gate_batch_size is None:
         reasons["gate_batch_size"] = (f"{settings.gate_batch_size}: " + (
             "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 (0.87x)"
-            if backend == "torch" else "the gate's default (TensorRT-LLM's max_concurrency): above it decoding is compute-bound"))
+            if backend == "torch" else "the gate's default (TensorRT-LLM's max_concurrency, or its draft_len_schedule's "
+                                     "last bound): above it decoding is compute-bound"))
     if backend == "torch":
         reasons["engine_dtype"] = env.engine_dtype[1]
         if (o.tp_size or 1) > 1:

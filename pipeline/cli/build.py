@@ -23,7 +23,8 @@ from pipeline.cli.build_flags import build_flags, build_options
 @click.option("json_", "--json", is_flag=True, help="Print the plan or the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars (they show only when stderr is a terminal).")
 def build(target, draft, draft_budget_minutes, target_qformat, draft_qformat, kv_cache_dtype, num_draft_tokens, gate_batch_size, backend,
-          max_batch_size, max_input_len, max_seq_len, tp_size, gpu, engines_dir, repo, dry_run, force, json_, quiet):
+          max_batch_size, max_input_len, max_seq_len, tp_size, gpu, trtllm_version, engines_dir, repo, dry_run, force, json_,
+          quiet):
     """Build everything `pipeline serve` needs: quantize -> compile -> assemble, for target and draft.
 
     A second run reuses every finished stage; a changed option reruns only the stages that depend on it

@@ -42,6 +42,10 @@ BUILD_FLAGS = (
     click.option("tp_size", "--tp-size", type=int,
                  help="Tensor parallel GPUs [default: the smallest the memory plan fits; 1 on torch]."),
     click.option("--gpu", help="Plan for this GPU kind (see `pipeline plan`) [default: the one here, else h100-80gb]."),
+    click.option("trtllm_version", "--trtllm-version",
+                 help="TensorRT-LLM release to write for: 1.2.1, or the 1.4 pre-release (LLM-API route only; its "
+                      "one-model EAGLE-3 gates by batch size) [default: the installed one, else 1.2.1, the newest "
+                      "stable]."),
 )
 
 
@@ -58,6 +62,6 @@ def build_options(**flags):
 
     names = ("target", "draft", "target_qformat", "draft_qformat", "kv_cache_dtype", "num_draft_tokens",
              "gate_batch_size", "backend", "max_batch_size", "max_input_len", "max_seq_len", "tp_size", "gpu",
-             "draft_budget_minutes")
+             "draft_budget_minutes", "trtllm_version")
     where = {n: flags[n] for n in ("engines_dir", "repo") if flags.get(n) is not None}
     return BuildOptions(**{n: flags[n] for n in names}, **where, force=flags.get("force", False))

@@ -49,6 +49,9 @@ import click
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="torch backend with a draft: measure this machine's step costs (up to a minute) for the draft "
                    "planner, stored in the engine folder.")
+@click.option("trtllm_version", "--trtllm-version",
+              help="trtllm: the TensorRT-LLM release to write for: 1.2.1, or the 1.4 pre-release (LLM-API route only) "
+                   "[default: the installed one, else 1.2.1, the newest stable].")
 @click.option("dry_run", "--dry-run", is_flag=True, help="Write the configs and print the commands; build nothing.")
 @click.option("--force", "-f", is_flag=True, help="Replace the output folder if it exists, and build even if the GPU plan doesn't fit.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
@@ -56,7 +59,7 @@ import click
               help="Output folder [default: engines/<target folder name>-<backend>].")
 def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
             max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, kv_cache_bytes, prefill_chunk,
-            prefix_caching, tp_size, pp_size, dtype, gpu, calibrate, dry_run, force, json_, output):
+            prefix_caching, tp_size, pp_size, dtype, gpu, calibrate, trtllm_version, dry_run, force, json_, output):
     """Turn quantized checkpoints into what TensorRT-LLM serves, or the portable engine folder.
 
     Without TensorRT-LLM installed (it runs in NVIDIA's container), use --dry-run: it writes the
@@ -87,5 +90,5 @@ def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_s
         max_num_tokens=max_num_tokens, gate_batch_size=gate_batch_size, kv_cache_dtype=kv_cache_dtype,
         free_gpu_memory_fraction=free_gpu_memory_fraction, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
         prefix_caching=prefix_caching, tp_size=tp_size, pp_size=pp_size, dtype=dtype, gpu=gpu,
-        calibrate=calibrate, dry_run=dry_run, force=force))
+        calibrate=calibrate, trtllm_version=trtllm_version, dry_run=dry_run, force=force))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else result.render())

@@ -18,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline import trtllm_version
 from pipeline.compiler import engine_folder, llmapi
 from pipeline.compiler.checkpoint import Checkpoint, read_checkpoint
-from pipeline.compiler.reference import TRTLLM_CONTAINER, TRTLLM_VERSION
+from pipeline.compiler.reference import TRTLLM_CONTAINER
 from pipeline.compiler.trtllm_build import BuildSizes, build_command, derive_sizes, feature_notes, run_command
 from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan, pick_route
 from pipeline.draft_spec import DraftSpec, parse_draft
@@ -58,6 +59,9 @@ class CompileOptions:
     gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
     # torch backend with a draft: measure the cost model the draft planner reads (engine/calibrate.py)
     calibrate: bool = True
+    # trtllm: the TensorRT-LLM release to write for (pipeline.trtllm_version.RELEASES); None: the installed one in
+    # NVIDIA's container, else the newest stable release
+    trtllm_version: str | None = None
     dry_run: bool = False
     force: bool = False
 
@@ -119,7 +123,13 @@ def resolve(options: CompileOptions, target: Checkpoint, draft: DraftSpec, draft
         # An engine's KV dtype comes from its own checkpoint; the LLM API's kv_cache_config covers both models.
         _kv_cache_dtype(options.kv_cache_dtype if route == "llmapi" else "auto", draft_ckpt, route, role="draft")
     tp, pp = _parallel(options, target, route)
-    return Resolved(route, sizes, kv_dtype, tp, pp, _tensorrt_llm_version(route))
+    version = _tensorrt_llm_version(route, options.trtllm_version)
+    if route == "engine" and not trtllm_version.for_version(version).engine_route:
+        raise ConfigError(f"TensorRT-LLM {version} has no TensorRT engine route (trtllm-build and the tensorrtllm "
+                          f"backend were removed after 1.3.0rc20, NVIDIA/TensorRT-LLM PRs #15907 and #15918); use "
+                          f"--route llmapi with a Hugging Face checkpoint, or --trtllm-version "
+                          f"{trtllm_version.TRTLLM_VERSION}")
+    return Resolved(route, sizes, kv_dtype, tp, pp, version)
 
 
 @dataclass
@@ -133,10 +143,13 @@ class RouteFiles:
 
 
 def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft: DraftSpec,
-             draft_ckpt: Checkpoint | None, r: Resolved) -> RouteFiles:
-    """The engine route's trtllm-build commands and build.sh, or the LLM-API route's YAML and serve line. Pure."""
+                draft_ckpt: Checkpoint | None, r: Resolved, target_shape=None) -> RouteFiles:
+    """The engine route's trtllm-build commands and build.sh, or the LLM-API route's YAML and serve line. Pure.
+    target_shape (a ModelShape): sizes the cost model behind one-model EAGLE-3's draft_len_schedule."""
     out = RouteFiles()
-    header = f"#!/usr/bin/env bash\n# TensorRT-LLM {r.tensorrt_llm_version} ({TRTLLM_CONTAINER})\n"
+    release = trtllm_version.for_version(r.tensorrt_llm_version)
+    where = release.container or "an image you build with it: no Triton container ships it"
+    header = f"#!/usr/bin/env bash\n# TensorRT-LLM {r.tensorrt_llm_version} ({where})\n"
     if r.route == "engine":
         out.commands["build_target"] = build_command(target, output / "target", r.sizes, role="target")
         if draft_ckpt is not None:
@@ -148,10 +161,19 @@ def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft
         out.files["build.sh"] = header + "set -euo pipefail\n" + "\n".join(shlex.join(c) for c in builds) + "\n"
         out.notes += feature_notes(draft_ckpt is not None)  # chunked context / KV reuse upstream refuses, if any
         return out
+    schedule = None
+    if (draft.kind == "eagle3" and options.gate_batch_size is not None
+            and llmapi.one_model_gates(r.tensorrt_llm_version)):
+        schedule = eagle3_schedule(options, target, target_shape, r)
+        out.notes.append(schedule.note(options.gate_batch_size) if schedule else
+                         f"no GPU named (--gpu) for the cost model: max_concurrency {options.gate_batch_size}, which "
+                         f"TensorRT-LLM turns into draft_len_schedule {{{options.gate_batch_size}: "
+                         f"{r.sizes.max_draft_len}}}")
     settings = llmapi.LlmApiSettings(options.gate_batch_size, r.kv_cache_dtype, options.free_gpu_memory_fraction,
-                                     r.tp, r.pp, r.tensorrt_llm_version)
-    out.notes += [n for n in (llmapi.gate_note(draft, options.gate_batch_size),) if n]
-    out.notes += llmapi.feature_notes(draft, options.gate_batch_size)
+                                     r.tp, r.pp, r.tensorrt_llm_version,
+                                     schedule.lengths if schedule is not None else None)
+    out.notes += [n for n in (llmapi.gate_note(draft, options.gate_batch_size, r.tensorrt_llm_version),) if n]
+    out.notes += llmapi.feature_notes(draft, options.gate_batch_size, r.tensorrt_llm_version)
     config = llmapi.llm_api_options(draft, r.sizes, settings)
     out.files[llmapi.OPTIONS_FILE] = llmapi.to_yaml(config)
     serve = llmapi.serve_command(target.path, output / llmapi.OPTIONS_FILE, r.sizes, settings)
@@ -161,6 +183,26 @@ def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft
     out.files["serve.sh"] = header + f"exec {shlex.join(serve)}\n"
     out.configs[llmapi.OPTIONS_FILE] = config
     return out
+
+
+def eagle3_schedule(options: CompileOptions, target: Checkpoint, shape, r: Resolved):
+    """One-model EAGLE-3's draft_len_schedule from the roofline of the GPU the plan names (--gpu, else the one
+    nvidia-smi reports); None without one. Pure but for nvidia-smi."""
+    from pipeline.compiler.draft_schedule import draft_len_schedule, roofline
+    from pipeline.compiler.validate import qformat_of
+    from pipeline.plan.gpus import detect_gpu, get_gpu
+    from pipeline.plan.memory import PlanDraft, PlanInputs, plan_memory
+
+    gpu = get_gpu(options.gpu) if options.gpu is not None else detect_gpu()
+    if gpu is None or shape is None:
+        return None
+    qformat = qformat_of(target)
+    plan = plan_memory(PlanInputs(target.path.name, shape, gpu, tp=r.tp, target_qformat=qformat,
+                                  draft=PlanDraft("eagle3", "eagle3")))
+    tflops = gpu.fp8_tflops if qformat == "fp8" and gpu.fp8 else gpu.bf16_tflops
+    cost = roofline(plan.target_weights_per_gpu + plan.draft_weights_per_gpu, shape.param_count, r.tp,
+                    gpu.bandwidth_tb_s, tflops, r.sizes.max_draft_len)
+    return draft_len_schedule(cost, r.sizes.max_draft_len, options.gate_batch_size)
 
 
 def compile_model(options: CompileOptions) -> CompileResult:
@@ -186,7 +228,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
 
     result = CompileResult(options.backend, r.route, str(output), options.dry_run)
     manifest = {
-        "tensorrt_llm_version": r.tensorrt_llm_version, "container": TRTLLM_CONTAINER,
+        "tensorrt_llm_version": r.tensorrt_llm_version,
+        "container": trtllm_version.for_version(r.tensorrt_llm_version).container,
         "backend": options.backend, "route": r.route, "dry_run": options.dry_run,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "target": _describe(target), "draft": {"kind": draft.kind, **(_describe(draft_ckpt) if draft_ckpt else {})},
@@ -197,7 +240,9 @@ def compile_model(options: CompileOptions) -> CompileResult:
         if r.route == "torch":
             _torch_route(stage, target, draft, draft_ckpt, r.sizes, options, result, manifest)
         else:
-            generated = route_files(options, output, target, draft, draft_ckpt, r)
+            from pipeline.compiler.validate import model_shape
+
+            generated = route_files(options, output, target, draft, draft_ckpt, r, model_shape(target))
             for name, text in generated.files.items():
                 (stage / name).write_text(text)
             result.commands, result.files, result.notes = generated.commands, list(generated.files), generated.notes
@@ -305,15 +350,13 @@ def _kv_cache_dtype(requested: str, ckpt: Checkpoint, route: str, role: str = "t
     return "fp8" if requested == "fp8" or quantized else "auto"
 
 
-def _tensorrt_llm_version(route: str) -> str:
+def _tensorrt_llm_version(route: str, requested: str | None) -> str:
     """The TensorRT-LLM the output is for: the installed one in NVIDIA's container (refused unless its names are
-    the ones this pipeline writes), else the release the tables follow."""
-    from pipeline import trtllm_version
-
-    found = trtllm_version.installed() if route != "torch" else None
-    if found is not None:
-        trtllm_version.check_supported(found, "pipeline compile")
-    return found or TRTLLM_VERSION
+    the ones this pipeline writes, and unless --trtllm-version names another), else --trtllm-version, else the
+    newest stable release."""
+    if route == "torch":
+        return trtllm_version.pick(requested, None, "pipeline compile")
+    return trtllm_version.pick(requested, trtllm_version.installed(), "pipeline compile")
 
 
 def _parallel(options: CompileOptions, target: Checkpoint, route: str) -> tuple[int, int]:

@@ -1,12 +1,15 @@
 """The LLM-API route (PyTorch backend): an extra_llm_api_options YAML plus the trtllm-serve line that uses it.
 
-Keys follow TensorRT-LLM 1.2.1's tensorrt_llm/llmapi/llm_args.py (see reference.py). The batch-size gate
-is TensorRT-LLM's own: speculative_config.max_concurrency turns speculation off above that batch size,
-for the speculation modes that have a Drafter. One-model EAGLE-3 (eagle3_one_model: true, TensorRT-LLM's
-default) has none, so in 1.2 nothing turns it off under load; whenever a gate is asked for, EAGLE-3 is
-written two-model (eagle3_one_model: false), which max_concurrency does gate. The cost, said in the plan:
-a separate draft engine and draft KV cache, a draft loop driven from Python, no overlap scheduler, and
-TensorRT-LLM finds one-model faster at low latency. Without a gate (--gate-batch-size none) one-model it is.
+Keys follow the release's table (reference.LLM_API_TABLES). The batch-size gate is TensorRT-LLM's own:
+- 1.2.1: speculative_config.max_concurrency turns speculation off above that batch size, for the speculation modes
+  that have a Drafter. One-model EAGLE-3 (eagle3_one_model: true, TensorRT-LLM's default) has none, so nothing
+  turns it off under load; whenever a gate is asked for, EAGLE-3 is written two-model (eagle3_one_model: false),
+  which max_concurrency does gate. The cost, said in compile's output: a separate draft engine and draft KV cache,
+  a draft loop driven from Python, no overlap scheduler, and TensorRT-LLM finds one-model faster at low latency.
+  Without a gate (--gate-batch-size none) one-model it is.
+- 1.4: the one-model path reads draft_len_schedule (PR #10860), so EAGLE-3 stays one-model and gets a schedule
+  from the cost model (draft_schedule.py): long drafts at small batches, shorter ones as the batch grows, none
+  above the ceiling. Two-model EAGLE-3 is gone there (PRs #17366, #18721).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.compiler.reference import DECODING_TYPES_BY_RELEASE, TRTLLM_VERSION, combination, refusal_notes
+from pipeline.compiler.reference import TRTLLM_VERSION, combination, llm_api_table, refusal_notes
 from pipeline.compiler.trtllm_build import BuildSizes
 from pipeline.draft_spec import DraftSpec
 
@@ -23,9 +26,10 @@ OPTIONS_FILE = "extra_llm_api_options.yaml"
 # chunked prefill keeps a long prompt from stalling the decode steps of the batch beside it, and block reuse lets a
 # resent conversation skip its cached prefix.
 FEATURES = ("enable_chunked_prefill", "kv_cache_config.enable_block_reuse")
-EAGLE3_TWO_MODEL_COST = ("two-model EAGLE-3, so max_concurrency can turn it off (1.2's one-model EAGLE-3 has no "
-                         "Drafter and never turns off): a separate draft engine and KV cache, a Python-driven draft "
-                         "loop and no overlap scheduler; TensorRT-LLM finds one-model faster at low latency")
+EAGLE3_TWO_MODEL_COST = ("two-model EAGLE-3, so max_concurrency can turn it off (1.2.1's one-model EAGLE-3 has no "
+                         "Drafter and never turns off; --trtllm-version 1.4 gates one-model): a separate draft "
+                         "engine and KV cache, a Python-driven draft loop and no overlap scheduler; TensorRT-LLM "
+                         "finds one-model faster at low latency")
 
 
 @dataclass(frozen=True)
@@ -35,28 +39,33 @@ class LlmApiSettings:
     free_gpu_memory_fraction: float
     tp_size: int = 1
     pp_size: int = 1
-    tensorrt_llm_version: str = TRTLLM_VERSION  # whose decoding_type names to write
+    tensorrt_llm_version: str = TRTLLM_VERSION  # whose names to write
+    # One-model EAGLE-3's gate where the release reads it (draft_schedule.py); None: max_concurrency alone
+    draft_len_schedule: dict[int, int] | None = None
 
 
 def decoding_type(kind: str, version: str) -> str:
-    from pipeline.trtllm_version import release
-
-    return DECODING_TYPES_BY_RELEASE[release(version)][kind]
+    return llm_api_table(version).decoding_types[kind]
 
 
-def speculation_mode(draft: DraftSpec, gate_batch_size: int | None) -> str:
+def one_model_gates(version: str) -> bool:
+    return llm_api_table(version).eagle3_gate == "one-model"
+
+
+def speculation_mode(draft: DraftSpec, gate_batch_size: int | None, version: str = TRTLLM_VERSION) -> str:
     """The mode reference.SPECULATION_COMBINATIONS knows this route by: none, model, ngram, or EAGLE-3 one-model
-    (no gate) / two-model (gated; see the module docstring)."""
+    (no gate, or a release whose one-model path gates) / two-model (gated on 1.2.1; see the module docstring)."""
     if not draft.speculates:
         return "none"
     if draft.kind == "eagle3":
-        return "eagle3:one-model" if gate_batch_size is None else "eagle3:two-model"
+        return "eagle3:one-model" if gate_batch_size is None or one_model_gates(version) else "eagle3:two-model"
     return draft.kind
 
 
 def llm_api_options(draft: DraftSpec, sizes: BuildSizes, settings: LlmApiSettings) -> dict:
     """The extra_llm_api_options mapping (written as YAML)."""
-    mode = speculation_mode(draft, settings.gate_batch_size)
+    table = llm_api_table(settings.tensorrt_llm_version)
+    mode = speculation_mode(draft, settings.gate_batch_size, settings.tensorrt_llm_version)
     # Written either way: KvCacheConfig.enable_block_reuse defaults to True, so leaving it out would not turn it off.
     kv: dict = {"free_gpu_memory_fraction": settings.free_gpu_memory_fraction,
                 "enable_block_reuse": combination("kv_cache_config.enable_block_reuse", mode).allowed}
@@ -66,36 +75,43 @@ def llm_api_options(draft: DraftSpec, sizes: BuildSizes, settings: LlmApiSetting
     if combination("enable_chunked_prefill", mode).allowed:
         options["enable_chunked_prefill"] = True  # BaseLlmArgs default False
     if draft.speculates:
-        spec: dict = {"decoding_type": decoding_type(draft.kind, settings.tensorrt_llm_version),
-                      "max_draft_len": sizes.max_draft_len}
+        spec: dict = {"decoding_type": table.decoding_types[draft.kind], "max_draft_len": sizes.max_draft_len}
         if draft.path is not None:
-            spec["speculative_model_dir"] = str(draft.path)
+            spec[table.model_key] = str(draft.path)
         if draft.kind == "ngram":
             spec["max_matching_ngram_size"] = 2  # NGramDecodingConfig's default, written out
-        if draft.kind == "eagle3":
-            spec["eagle3_one_model"] = settings.gate_batch_size is None
-            if settings.gate_batch_size is not None:
+        if draft.kind == "eagle3" and table.eagle3_gate == "two-model":
+            spec["eagle3_one_model"] = mode == "eagle3:one-model"
+            if mode == "eagle3:two-model":
                 options["disable_overlap_scheduler"] = True
         if settings.gate_batch_size is not None:
-            spec["max_concurrency"] = settings.gate_batch_size
+            if draft.kind == "eagle3" and table.eagle3_gate == "one-model" and settings.draft_len_schedule:
+                # Upstream refuses it beside max_concurrency; its largest bound is the ceiling.
+                spec["draft_len_schedule"] = dict(settings.draft_len_schedule)
+            else:
+                spec["max_concurrency"] = settings.gate_batch_size
         options["speculative_config"] = spec
     return options
 
 
-def gate_note(draft: DraftSpec, gate_batch_size: int | None) -> str:
+def gate_note(draft: DraftSpec, gate_batch_size: int | None, version: str = TRTLLM_VERSION) -> str:
     """What the LLM-API route does under load, for the plan and compile's output."""
     if not draft.speculates:
         return ""
     if gate_batch_size is None:
         what = "one-model EAGLE-3" if draft.kind == "eagle3" else "speculation"
         return f"gate: none (--gate-batch-size none): {what} stays on at every batch size"
+    if draft.kind == "eagle3" and one_model_gates(version):
+        return (f"gate: one-model EAGLE-3, which TensorRT-LLM {version} turns off above its draft_len_schedule's "
+                f"largest bound (PR #10860); upstream's open NVIDIA/TensorRT-LLM#16888 reports acceptance staying "
+                f"low for requests that ran through a spell above it")
     gate = f"gate: TensorRT-LLM turns speculation off above {gate_batch_size} active requests (max_concurrency)"
     return f"{gate}; {EAGLE3_TWO_MODEL_COST}" if draft.kind == "eagle3" else gate
 
 
-def feature_notes(draft: DraftSpec, gate_batch_size: int | None) -> list[str]:
+def feature_notes(draft: DraftSpec, gate_batch_size: int | None, version: str = TRTLLM_VERSION) -> list[str]:
     """One line for each of FEATURES left off because upstream refuses it beside this speculation mode."""
-    return refusal_notes(FEATURES, (speculation_mode(draft, gate_batch_size),))
+    return refusal_notes(FEATURES, (speculation_mode(draft, gate_batch_size, version),))
 
 
 def to_yaml(options: dict) -> str:

@@ -1,8 +1,9 @@
 """What TensorRT-LLM accepts, copied from its source, so generated commands and configs can be checked.
 
-Reference version: TensorRT-LLM 1.2.1, the release in NVIDIA's Triton container that serves it
-(pipeline.trtllm_version: TRTLLM_VERSION, TRITON_CONTAINER); build and serve in that one container, so
-the engines are built by the TensorRT-LLM that loads them. TensorRT-LLM can't be installed on the machines
+Releases (pipeline.trtllm_version.RELEASES): the LLM API's names have one table per release (LLM_API_TABLES, with
+DIFFERENCES_1_2_TO_1_4 naming where upstream changed each); the engine route's (trtllm-build, run.py) exist only for
+1.2.1, since 1.3.0rc21 removed that route. Build and serve in one container, so the engines are built by the
+TensorRT-LLM that loads them. TensorRT-LLM can't be installed on the machines
 this is developed on (no GPU, and no wheel for them), so tests check every generated flag and key against
 these tables: a typo'd flag fails a test instead of a build in the container.
 Sources (NVIDIA/TensorRT-LLM):
@@ -31,6 +32,7 @@ from pipeline.trtllm_version import TRITON_CONTAINER, TRTLLM_VERSION  # noqa: F4
 
 TRTLLM_CONTAINER = TRITON_CONTAINER
 
+# ---- the engine route: TensorRT-LLM 1.2.1 only (RELEASES[...].engine_route) ------------------------------------------
 # trtllm-build flags we may emit (a subset of build.py's parser plus plugin.py's cli_plugin_args).
 TRTLLM_BUILD_FLAGS = frozenset({
     # build.py
@@ -48,45 +50,6 @@ SPECULATIVE_DECODING_MODES = frozenset({
 # plugin.py PluginConfig.gemm_plugin: Optional[Literal["auto", "float16", "float32", "bfloat16", "int32",
 # "fp8", "nvfp4", None]]; "auto" takes the checkpoint's dtype.
 GEMM_PLUGIN_CHOICES = frozenset({"auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4", "disable"})
-
-# llm_args.py DecodingBaseConfig.from_dict: the decoding_type strings, by release. They changed: 1.2.1 maps
-# "Eagle" (EagleDecodingConfig, used for EAGLE-3), "DraftTarget" and "NGram", and raises "Invalid decoding
-# type" for anything else; later main has Eagle3DecodingConfig ("Eagle3", "Eagle" an alias) and
-# "Draft_Target". pipeline.trtllm_version refuses a release not listed here.
-DECODING_TYPES_BY_RELEASE = {
-    "1.2": {"model": "DraftTarget", "eagle3": "Eagle", "ngram": "NGram"},
-}
-DECODING_TYPES = frozenset(t for names in DECODING_TYPES_BY_RELEASE.values() for t in names.values())
-# llm_args.py DecodingBaseConfig fields (plus each subclass's own). `speculative_model_dir` is the
-# older name; newer releases keep it as a validation alias of `speculative_model`
-# (AliasChoices("speculative_model", "speculative_model_dir")), so it is the spelling every 1.x accepts.
-# max_concurrency: "When specified, speculation will be disabled at batch sizes above this value." It is read
-# only by Drafter.should_use_spec_decode, and get_spec_drafter gives one-model EAGLE-3 (eagle3_one_model: true,
-# the default) no Drafter: "for one engine mode, we are not able to turn off spec decode at runtime"
-# (_torch/pyexecutor/model_engine.py). Two-model EAGLE-3 (eagle3_one_model: false) gets a ModelDrafter, so
-# max_concurrency gates it; the 1.2.1 docs list two-model EAGLE-3 for Llama 3.1 8B and 3.3 70B.
-SPECULATIVE_CONFIG_KEYS = frozenset({
-    "decoding_type", "max_draft_len", "max_total_draft_tokens", "speculative_model_dir", "max_concurrency",
-    "draft_len_schedule", "load_format", "acceptance_window", "acceptance_length_threshold",
-    # Eagle3DecodingConfig / EagleDecodingConfig
-    "eagle3_one_model", "eagle3_layers_to_capture", "eagle_choices", "greedy_sampling", "use_dynamic_tree",
-    # NGramDecodingConfig
-    "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool",
-})
-# llm_args.py KvCacheConfig fields we may emit; dtype is "a pure python field ... only for the Pytorch backend".
-KV_CACHE_CONFIG_KEYS = frozenset({
-    "enable_block_reuse", "max_tokens", "free_gpu_memory_fraction", "dtype", "tokens_per_block"})
-# llm_args.py BaseLlmArgs / TorchLlmArgs top-level fields we may emit in extra_llm_api_options.
-LLM_API_KEYS = frozenset({
-    "speculative_config", "kv_cache_config", "max_batch_size", "max_num_tokens", "max_seq_len",
-    "max_input_len", "enable_chunked_prefill", "tensor_parallel_size", "pipeline_parallel_size",
-    # TorchLlmArgs; the 1.2.1 speculative-decoding docs set it for two-model EAGLE-3 ("Two-model based
-    # speculation implementations do not support overlap scheduler").
-    "disable_overlap_scheduler"})
-# serve.py click options of `trtllm-serve MODEL ...` we may emit.
-TRTLLM_SERVE_FLAGS = frozenset({
-    "--backend", "--tp_size", "--pp_size", "--max_batch_size", "--max_num_tokens", "--max_seq_len",
-    "--kv_cache_free_gpu_memory_fraction", "--extra_llm_api_options", "--host", "--port", "--tokenizer"})
 
 # builder.py build(): paged context FMHA with an FP8 KV cache needs the FP8 quantization workflow (the old
 # builder raises "FP8 Paged Context FMHA only works with fp8 quantization workflow currently"; 1.x builders
@@ -116,8 +79,14 @@ TRT_GPT_MODEL = "cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp"
 MICRO_BATCH_SCHEDULER = "cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp"  # @0a949d31
 PLUGIN = "tensorrt_llm/plugin/plugin.py"  # 1.2.1, gh-pages 1.2.1/_modules
 EXAMPLES_UTILS = "examples/utils.py"
+RELEASE_NOTES = "release notes (github.com/NVIDIA/TensorRT-LLM/releases)"
+MODEL_ENGINE = "tensorrt_llm/_torch/pyexecutor/model_engine.py"
+DRAFTER = "tensorrt_llm/_torch/speculative/drafter.py"
+SPEC_UTILS = "tensorrt_llm/_torch/speculative/utils.py"
+DOCS_1_4 = "nvidia.github.io/TensorRT-LLM/1.4.0rc4/llm-api/reference"
 SOURCES = frozenset({LLM_ARGS, FEATURE_MATRIX, PY_EXECUTOR_CREATOR, PY_EXECUTOR_UTIL, MODEL_DRAFTER, NGRAM_DRAFTER,
-                     TRT_GPT_MODEL, MICRO_BATCH_SCHEDULER, PLUGIN, EXAMPLES_UTILS})
+                     TRT_GPT_MODEL, MICRO_BATCH_SCHEDULER, PLUGIN, EXAMPLES_UTILS, RELEASE_NOTES, MODEL_ENGINE,
+                     DRAFTER, SPEC_UTILS, DOCS_1_4})
 
 
 @dataclass(frozen=True)
@@ -127,6 +96,125 @@ class Pin:
     path: str
     symbol: str
 
+
+# ---- the LLM API (PyTorch backend), one table per release ------------------------------------------------------
+# 1.2.1: llm_args.py as rendered in the 1.2.1 docs build (gh-pages 1.2.1/_modules, @58fb435e), _torch/speculative
+# drafter.py and utils.py. 1.4.0rc4: the LLM-API reference of the 1.4.0rc4 docs build
+# (nvidia.github.io/TensorRT-LLM/1.4.0rc4/llm-api/reference/*DecodingConfig.html), and main's llm_args.py and
+# _torch/pyexecutor/model_engine.py as of PR #10860 (fb7c6341fe, first tagged in v1.3.0rc8). The pre-release wheels
+# come from pypi.nvidia.com, which isn't reachable here, so 1.4.0rc4's source was not read at its tag.
+
+@dataclass(frozen=True)
+class LlmApiTable:
+    """What one release's LLM API takes: the names llmapi.py writes into extra_llm_api_options and trtllm-serve."""
+
+    version: str
+    decoding_types: dict[str, str]  # draft kind -> decoding_type
+    model_key: str  # the speculative_config field naming the draft's folder
+    speculative_config_keys: frozenset[str]
+    kv_cache_config_keys: frozenset[str]
+    llm_api_keys: frozenset[str]
+    serve_flags: frozenset[str]
+    # How EAGLE-3 is gated by load: "two-model" (max_concurrency needs a Drafter, which one-model EAGLE-3 lacks) or
+    # "one-model" (the one-model path reads draft_len_schedule, a draft length per batch-size bound).
+    eagle3_gate: str
+
+
+_SPEC_1_2 = frozenset({
+    "decoding_type", "max_draft_len", "max_total_draft_tokens", "speculative_model_dir", "max_concurrency",
+    "draft_len_schedule", "load_format", "acceptance_window", "acceptance_length_threshold",
+    # Eagle3DecodingConfig / EagleDecodingConfig
+    "eagle3_one_model", "eagle3_layers_to_capture", "eagle_choices", "greedy_sampling", "use_dynamic_tree",
+    # NGramDecodingConfig
+    "max_matching_ngram_size", "is_keep_all", "is_use_oldest", "is_public_pool",
+})
+_KV = frozenset({"enable_block_reuse", "max_tokens", "free_gpu_memory_fraction", "dtype", "tokens_per_block"})
+_LLM_API_1_2 = frozenset({
+    "speculative_config", "kv_cache_config", "max_batch_size", "max_num_tokens", "max_seq_len",
+    "max_input_len", "enable_chunked_prefill", "tensor_parallel_size", "pipeline_parallel_size",
+    # TorchLlmArgs; the 1.2.1 speculative-decoding docs set it for two-model EAGLE-3 ("Two-model based
+    # speculation implementations do not support overlap scheduler").
+    "disable_overlap_scheduler"})
+_SERVE = frozenset({
+    "--backend", "--tp_size", "--pp_size", "--max_batch_size", "--max_num_tokens", "--max_seq_len",
+    "--kv_cache_free_gpu_memory_fraction", "--extra_llm_api_options", "--host", "--port", "--tokenizer"})
+
+LLM_API_TABLES: dict[str, LlmApiTable] = {
+    # DecodingBaseConfig.from_dict maps "Eagle" (EagleDecodingConfig, used for EAGLE-3), "DraftTarget" and "NGram"
+    # and raises "Invalid decoding type" for anything else. max_concurrency: "When specified, speculation will be
+    # disabled at batch sizes above this value", read only by Drafter.should_use_spec_decode; get_spec_drafter gives
+    # one-model EAGLE-3 (eagle3_one_model: true, the default) no Drafter ("for one engine mode, we are not able to
+    # turn off spec decode at runtime", model_engine.py), so a gated EAGLE-3 is written two-model.
+    "1.2": LlmApiTable("1.2.1", {"model": "DraftTarget", "eagle3": "Eagle", "ngram": "NGram"},
+                       "speculative_model_dir", _SPEC_1_2, _KV, _LLM_API_1_2, _SERVE, eagle3_gate="two-model"),
+    "1.4": LlmApiTable(
+        "1.4.0rc4", {"model": "Draft_Target", "eagle3": "Eagle3", "ngram": "NGram"}, "speculative_model",
+        (_SPEC_1_2 - {"speculative_model_dir", "acceptance_window", "acceptance_length_threshold",
+                      "eagle3_one_model", "greedy_sampling", "eagle_choices"})
+        | {"speculative_model", "acceptance_rate_window_size", "acceptance_rate_threshold"},
+        _KV, _LLM_API_1_2, _SERVE, eagle3_gate="one-model"),
+}
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Names one LlmApiTable field lost (old) and gained (new) from one release to the next, and where upstream
+    changed them. A set field's old/new hold only the names removed/added; a dict field is named per key
+    ("decoding_types.eagle3")."""
+
+    field: str
+    old: frozenset[str] | str
+    new: frozenset[str] | str
+    where: Pin
+
+
+def _names(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+# Every difference between LLM_API_TABLES["1.2"] and ["1.4"]. tests/test_compile.py computes the two tables'
+# difference field by field and checks it is exactly this list, so a table edit without its upstream reference fails.
+DIFFERENCES_1_2_TO_1_4: tuple[Difference, ...] = (
+    Difference("decoding_types.model", "DraftTarget", "Draft_Target",
+               Pin(LLM_ARGS, "DraftTargetDecodingConfig.decoding_type: Literal['Draft_Target'] (the pydantic "
+                             "discriminator of SpeculativeConfig replaces from_dict)")),
+    Difference("decoding_types.eagle3", "Eagle", "Eagle3",
+               Pin(LLM_ARGS, "Eagle3DecodingConfig.decoding_type: Literal['Eagle3'] (PR #10124 deprecates 'Eagle')")),
+    Difference("model_key", "speculative_model_dir", "speculative_model",
+               Pin(LLM_ARGS, "DecodingBaseConfig.speculative_model (speculative_model_dir a validation alias)")),
+    Difference("speculative_config_keys", _names("speculative_model_dir"), _names("speculative_model"),
+               Pin(LLM_ARGS, "DecodingBaseConfig.speculative_model")),
+    Difference("speculative_config_keys", _names("acceptance_window", "acceptance_length_threshold"),
+               _names("acceptance_rate_window_size", "acceptance_rate_threshold"),
+               Pin(LLM_ARGS, "DecodingBaseConfig.acceptance_rate_threshold (accepted / drafted tokens, 0-1)")),
+    Difference("speculative_config_keys", _names("eagle3_one_model"), _names(),
+               Pin(RELEASE_NOTES, "PR #17366 forces two-model speculation to one-model; PR #18721 removes it")),
+    Difference("speculative_config_keys", _names("greedy_sampling", "eagle_choices"), _names(),
+               Pin(DOCS_1_4, "Eagle3DecodingConfig (neither field in its signature)")),
+    Difference("eagle3_gate", "two-model", "one-model",
+               Pin(MODEL_ENGINE, "PyTorchModelEngine._compute_dynamic_draft_len_mapping (PR #10860, v1.3.0rc8)")),
+)
+
+
+def llm_api_table(version: str) -> LlmApiTable:
+    from pipeline.trtllm_version import check_supported
+
+    return LLM_API_TABLES[check_supported(version, "TensorRT-LLM").key]
+
+
+# The names every supported release takes, for checks that don't know the release.
+DECODING_TYPES = frozenset(t for table in LLM_API_TABLES.values() for t in table.decoding_types.values())
+SPECULATIVE_CONFIG_KEYS = frozenset().union(*(t.speculative_config_keys for t in LLM_API_TABLES.values()))
+KV_CACHE_CONFIG_KEYS = _KV
+LLM_API_KEYS = frozenset().union(*(t.llm_api_keys for t in LLM_API_TABLES.values()))
+TRTLLM_SERVE_FLAGS = _SERVE
+
+# draft_len_schedule on the one-model path (1.4 table; main's llm_args.py DecodingBaseConfig validators, PR #10860):
+# {bound: draft_len, ...}, each key the largest batch size its draft length serves, past the largest key 0 (no
+# speculation); keys >= 1, values 0..max_draft_len, the smallest key's value == max_draft_len; it may not be set
+# with max_concurrency, which the one-model path turns into {max_concurrency: max_draft_len}.
+DRAFT_LEN_SCHEDULE = Pin(LLM_ARGS, "DecodingBaseConfig.draft_len_schedule (validate_draft_len_schedule_and_sort, "
+                                   "validate_max_concurrency_and_draft_len_schedule_mutually_exclusive)")
 
 # The settings compile writes for these features, each where it is defined. The tensorrtllm backend's parameters
 # enable_chunked_context and enable_kv_cache_reuse are pinned with the backend's other parameters

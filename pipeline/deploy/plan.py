@@ -152,7 +152,7 @@ def dns_label(text: str) -> str:
 def plan_deploy(build, options: DeployOptions) -> DeployPlan:
     """build: the pipeline.build.BuildPlan `pipeline build` makes for the same flags."""
     from pipeline import __version__
-    from pipeline.trtllm_version import TRITON_CONTAINER, TRTLLM_VERSION
+    from pipeline.trtllm_version import for_version
 
     options.validate()
     s = build.settings
@@ -161,8 +161,14 @@ def plan_deploy(build, options: DeployOptions) -> DeployPlan:
     route = build.preview.route if trt else "torch"
     gpus = _gpus(build) if trt else 0
     pods = _pods_per_replica(build.name, gpus, options.gpus_per_node)
-    version = TRTLLM_VERSION if trt else __version__
-    base = options.base_image or (TRITON_CONTAINER if trt else CPU_BASE_IMAGE)
+    version = s.trtllm_version if trt else __version__
+    container = for_version(s.trtllm_version).container if trt else CPU_BASE_IMAGE
+    if options.base_image is None and container is None:
+        # No NVIDIA Triton container ships a pre-release (server docs/introduction/compatibility.md).
+        raise ConfigError(f"no NVIDIA Triton container ships TensorRT-LLM {version}; pass --base-image with a "
+                          f"Triton + TensorRT-LLM {version} image you built, or --trtllm-version "
+                          f"{for_version(None).version} ({for_version(None).container})")
+    base = options.base_image or container
     image = options.image or f"specdec-pipeline-{'trtllm' if trt else 'cpu'}:{version}"
     command, env, line = _serve_command(build, trt, pods, gpus // pods)
     weight_bytes = _weight_bytes(build)
@@ -264,6 +270,7 @@ def _build_command(build) -> list[str]:
     argv += ["--max-input-len", str(s.max_input_len)] if s.max_input_len else []
     argv += ["--max-seq-len", str(s.max_seq_len)] if s.max_seq_len else []
     argv += ["--gpu", s.gpu] if s.gpu else []
+    argv += ["--trtllm-version", s.trtllm_version] if s.trtllm_version else []
     argv += ["--draft-budget-minutes", f"{o.draft_budget_minutes:g}"] if s.draft.kind == "eagle3" else []
     return argv + ["--engines-dir", ENGINES_DIR, "--repo", REPO_DIR, "--quiet"]
 

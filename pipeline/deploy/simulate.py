@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.engine.cost_model import CostModel
+from pipeline.engine.cost_model import CostModel, gpu_profile  # noqa: F401  (the replica a GPU profile gives)
 from pipeline.engine.draft_plan import expected_tokens
 
 DAY_S = 86_400
@@ -168,21 +168,3 @@ def _weighted_quantile(values: list[float], weights: list[float], q: float) -> f
     v, w = np.asarray(values)[order], np.asarray(weights, dtype=float)[order]
     cum = np.cumsum(w)
     return float(v[np.searchsorted(cum, q * cum[-1])]) if cum[-1] > 0 else float(v[-1])
-
-
-def gpu_profile(weight_bytes_per_gpu: float, params: float, tp: int, bandwidth_tb_s: float, tflops: float, *,
-                max_drafts: int = 4, max_rows: int = 128, bandwidth_efficiency: float = 0.8,
-                compute_efficiency: float = 0.5, overhead_s: float = 0.002) -> CostModel:
-    """A roofline step time for a GPU nobody measured here: the weight reads of one GPU at a share of its
-    bandwidth, or 2 x params FLOPs per token over tp GPUs at a share of their dense peak, whichever is longer,
-    plus a fixed launch overhead. The same table `pipeline bench` measures, so both feed the simulation."""
-    rows = tuple(r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= max_rows)
-    widths = tuple(range(1, max_drafts + 2))
-    memory_s = weight_bytes_per_gpu / (bandwidth_tb_s * 1e12 * bandwidth_efficiency)
-
-    def step(tokens: int) -> float:
-        return max(memory_s, 2 * params * tokens / (tp * tflops * 1e12 * compute_efficiency)) + overhead_s
-
-    target = tuple(tuple(step(r * w) for w in widths) for r in rows)
-    zeros = tuple(0.0 for _ in rows)  # an EAGLE-3 head's cost rides inside the target's step on TensorRT-LLM
-    return CostModel(rows, widths, target, zeros, zeros, proposer="eagle3", source="roofline profile (not measured)")

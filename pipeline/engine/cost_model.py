@@ -127,6 +127,24 @@ def default_cost_model(max_drafts: int, max_rows: int = 64, proposer: str = "") 
     return CostModel(rows, widths, target, fixed, per_token, proposer=proposer, source=DEFAULT_SOURCE)
 
 
+def gpu_profile(weight_bytes_per_gpu: float, params: float, tp: int, bandwidth_tb_s: float, tflops: float, *,
+                max_drafts: int = 4, max_rows: int = 128, bandwidth_efficiency: float = 0.8,
+                compute_efficiency: float = 0.5, overhead_s: float = 0.002) -> CostModel:
+    """A roofline step time for a GPU nobody measured here: the weight reads of one GPU at a share of its
+    bandwidth, or 2 x params FLOPs per token over tp GPUs at a share of their dense peak, whichever is longer,
+    plus a fixed launch overhead. The same table `pipeline bench` measures, so both feed the simulation."""
+    rows = tuple(r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= max_rows)
+    widths = tuple(range(1, max_drafts + 2))
+    memory_s = weight_bytes_per_gpu / (bandwidth_tb_s * 1e12 * bandwidth_efficiency)
+
+    def step(tokens: int) -> float:
+        return max(memory_s, 2 * params * tokens / (tp * tflops * 1e12 * compute_efficiency)) + overhead_s
+
+    target = tuple(tuple(step(r * w) for w in widths) for r in rows)
+    zeros = tuple(0.0 for _ in rows)  # an EAGLE-3 head's cost rides inside the target's step on TensorRT-LLM
+    return CostModel(rows, widths, target, zeros, zeros, proposer="eagle3", source="roofline profile (not measured)")
+
+
 def _interpolate(xs: tuple[int, ...], ys: list[float] | tuple[float, ...], x: float) -> float:
     """Piecewise linear through (xs, ys); past either end, the line through the two nearest points
     (held at or above 0)."""

@@ -19,6 +19,10 @@ class GPU:
     arch: str
     sm: int
     aliases: tuple[str, ...] = ()
+    # Dense tensor-core peaks from the datasheets (SXM parts; without sparsity), for the roofline cost model that
+    # sizes TensorRT-LLM's draft_len_schedule (pipeline.compiler.draft_schedule); 0 where the part has no FP8.
+    bf16_tflops: float = 0.0
+    fp8_tflops: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
@@ -26,12 +30,12 @@ class GPU:
 
 
 GPUS: dict[str, GPU] = {g.key: g for g in (
-    GPU("a100-40gb", "A100 40GB", 40960, 1.555, False, "Ampere", 80, ("a100-40",)),
-    GPU("a100-80gb", "A100 80GB", 81920, 2.039, False, "Ampere", 80, ("a100", "a100-80")),
-    GPU("l40s", "L40S", 46068, 0.864, True, "Ada Lovelace", 89, ("l40s-48gb",)),
-    GPU("h100-80gb", "H100 80GB", 81559, 3.35, True, "Hopper", 90, ("h100", "h100-sxm")),
-    GPU("h200-141gb", "H200 141GB", 143771, 4.8, True, "Hopper", 90, ("h200",)),
-    GPU("b200-180gb", "B200 180GB", 183359, 8.0, True, "Blackwell", 100, ("b200",)),
+    GPU("a100-40gb", "A100 40GB", 40960, 1.555, False, "Ampere", 80, ("a100-40",), 312.0, 0.0),
+    GPU("a100-80gb", "A100 80GB", 81920, 2.039, False, "Ampere", 80, ("a100", "a100-80"), 312.0, 0.0),
+    GPU("l40s", "L40S", 46068, 0.864, True, "Ada Lovelace", 89, ("l40s-48gb",), 362.0, 733.0),
+    GPU("h100-80gb", "H100 80GB", 81559, 3.35, True, "Hopper", 90, ("h100", "h100-sxm"), 989.0, 1979.0),
+    GPU("h200-141gb", "H200 141GB", 143771, 4.8, True, "Hopper", 90, ("h200",), 989.0, 1979.0),
+    GPU("b200-180gb", "B200 180GB", 183359, 8.0, True, "Blackwell", 100, ("b200",), 2250.0, 4500.0),
 )}
 _BY_ALIAS: dict[str, GPU] = {alias: g for g in GPUS.values() for alias in (g.key, *g.aliases)}
 

@@ -259,9 +259,11 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
              f"llmapi model.py from {options.llmapi_model_dir}"]
     spec_cfg = extra.get("speculative_config")
     if spec_cfg:
+        schedule = spec_cfg.get("draft_len_schedule")
+        ceiling = (f"the draft_len_schedule's last bound, {max(int(b) for b in schedule)} ({schedule})" if schedule
+                   else f"speculative_config.max_concurrency={spec_cfg.get('max_concurrency', 'unset (always)')}")
         notes.append(f"speculation is TensorRT-LLM's ({spec_cfg.get('decoding_type')}): on at batch sizes up to "
-                     f"speculative_config.max_concurrency={spec_cfg.get('max_concurrency', 'unset (always)')}; "
-                     f"requests can't switch it per request on this route")
+                     f"{ceiling}; requests can't switch it per request on this route")
     launch = plan_launch("llmapi", world_size=int(manifest.get("tp_size", 1)) * int(manifest.get("pp_size", 1)),
                          tensorrt_llm_version=manifest.get("tensorrt_llm_version"))
     notes.append(_launch_note(launch))

@@ -7,10 +7,17 @@ it was read from; tests/test_upstream.py checks every emitted name against these
 
 Version. The tables follow TensorRT-LLM 1.2.1, the release tensorrtllm_backend's Dockerfile builds the
 Triton container from (triton-inference-server/tensorrtllm_backend@0b9d7d5
-dockerfile/Dockerfile.triton.trt_llm_backend: TENSORRTLLM_REPO_TAG=release/1.2.1, TENSORRTLLM_VER=1.2.1,
-BASE_IMAGE=nvcr.io/nvidia/tritonserver:25.12-py3-min). release/1.2.1 itself was not readable here; the
-files were read at NVIDIA/TensorRT-LLM@0c8de69a (tensorrt_llm/version.py: 1.2.0rc8, after PR #10018
-"Expose enable_trt_overlap in Triton_backend"), the newest snapshot of triton_backend/ we could read.
+dockerfile/Dockerfile.triton.trt_llm_backend: TENSORRTLLM_REPO_TAG=release/1.2.1, TENSORRTLLM_VER=1.2.1, built
+FROM nvcr.io/nvidia/tritonserver:25.12-py3-min; the published containers with it are 26.04-26.07, see
+pipeline.trtllm_version). release/1.2.1 itself was not readable here; the files were read at
+NVIDIA/TensorRT-LLM@0c8de69a (tensorrt_llm/version.py: 1.2.0rc8, after PR #10018 "Expose enable_trt_overlap in
+Triton_backend"), the newest snapshot of triton_backend/ we could read.
+
+Per release: everything for the tensorrtllm C++ backend and its inflight_batcher_llm templates (TEMPLATE_*,
+TENSORRT_LLM_*, ENSEMBLE_*, the leader/orchestrator LAUNCH_FACTS) exists only on releases with the engine route
+(1.2.1): NVIDIA/TensorRT-LLM PR #15907 removed them after 1.3.0rc20, keeping all_models/llmapi and
+scripts/launch_triton_server.py. The llmapi model's tensors (LLMAPI_*) were read again at c8c6df08, after that
+PR, and are unchanged, so they serve every release in pipeline.trtllm_version.RELEASES.
 Inside NVIDIA's container `pipeline assemble` doesn't use these tables for the model config at all: it
 copies the container's own template and fills it with the container's own fill_template.py
 (pipeline.triton.trtllm_template), so the repository matches the backend that serves it.
