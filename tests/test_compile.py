@@ -444,6 +444,29 @@ def test_an_eagle3_head_passed_as_a_draft_model_is_refused(tiny_target, tmp_path
     assert result.manifest["configs"]["extra_llm_api_options.yaml"]["speculative_config"]["decoding_type"] == "Eagle"
 
 
+def test_compile_for_1_4_writes_a_schedule_for_the_named_gpu_and_max_concurrency_without_one(tiny_target, tmp_path):
+    """The real compile reads the target's config.json for the roofline; the schedule depends on the GPU."""
+    head = tmp_path / "eagle3-head"
+    shutil.copytree(tiny_target, head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMEagle3"]}))
+
+    def spec(out: str, *extra: str) -> tuple[dict, str]:
+        result = run("-b", "trtllm", "-t", str(tiny_target), "-d", f"eagle3:{head}", "--trtllm-version", "1.4",
+                     "--dry-run", "-o", str(tmp_path / out), *extra)
+        assert result.exit_code == 0, result.output
+        return yaml.safe_load((tmp_path / out / "extra_llm_api_options.yaml").read_text())["speculative_config"], \
+            result.output
+
+    named, text = spec("h100", "--gpu", "h100", "--force")
+    assert named["decoding_type"] == "Eagle3" and named["speculative_model"] == str(head)
+    assert named["draft_len_schedule"] and "max_concurrency" not in named and "note: draft_len_schedule {" in text
+    bare, text = spec("none")  # no --gpu, and no nvidia-smi here
+    assert bare["max_concurrency"] == 32 and "draft_len_schedule" not in bare and "no GPU named" in text
+    assert_one_line_error(run("-b", "torch", "-t", str(tiny_target), "--trtllm-version", "1.4", "--dry-run", "-o",
+                              str(tmp_path / "t")), "--trtllm-version is for --backend trtllm")
+
+
 def test_zero_draft_tokens_is_refused_quoting_trtllms_error(trt, tmp_path):
     result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-k", "0", "--dry-run",
                  "-o", str(tmp_path / "e"))

@@ -144,8 +144,9 @@ class RouteFiles:
 
 def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft: DraftSpec,
                 draft_ckpt: Checkpoint | None, r: Resolved, target_shape=None) -> RouteFiles:
-    """The engine route's trtllm-build commands and build.sh, or the LLM-API route's YAML and serve line. Pure.
-    target_shape (a ModelShape): sizes the cost model behind one-model EAGLE-3's draft_len_schedule."""
+    """The engine route's trtllm-build commands and build.sh, or the LLM-API route's YAML and serve line. Pure, but
+    for asking nvidia-smi which GPU this is when a one-model EAGLE-3 schedule needs one and --gpu names none.
+    target_shape (a ModelShape): sizes the cost model behind that schedule."""
     out = RouteFiles()
     release = trtllm_version.for_version(r.tensorrt_llm_version)
     where = release.container or "an image you build with it: no Triton container ships it"
@@ -242,7 +243,9 @@ def compile_model(options: CompileOptions) -> CompileResult:
         else:
             from pipeline.compiler.validate import model_shape
 
-            generated = route_files(options, output, target, draft, draft_ckpt, r, model_shape(target))
+            # Read only where a one-model EAGLE-3 schedule needs it (an HF checkpoint, the LLM-API route).
+            shape = model_shape(target) if draft.kind == "eagle3" and target.layout == "hf" else None
+            generated = route_files(options, output, target, draft, draft_ckpt, r, shape)
             for name, text in generated.files.items():
                 (stage / name).write_text(text)
             result.commands, result.files, result.notes = generated.commands, list(generated.files), generated.notes
@@ -321,6 +324,8 @@ def _check_options(o: CompileOptions) -> None:
     for flag, value in (("--tp-size", o.tp_size), ("--pp-size", o.pp_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if o.backend == "torch" and o.trtllm_version is not None:
+        raise ConfigError("--trtllm-version is for --backend trtllm; drop it for the portable engine")
     if o.dtype not in ("auto", "fp32", "bf16", "fp16"):
         raise ConfigError(f"unknown --dtype {o.dtype!r}; pick one of auto, fp32, bf16, fp16")
 
