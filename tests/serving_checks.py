@@ -125,6 +125,66 @@ def ensemble_results(client, prompt: str, max_tokens: int, stream: bool, **value
         client.stop_stream()
 
 
+TRANSPORTS = ("grpc stream", "grpc whole", "http generate", "http generate_stream")
+REQUIRED = ("text_input", "max_tokens")  # upstream's ensemble requires these two; a client must send both
+
+
+def missing_input_answers(server, name: str) -> dict[str, str]:
+    """transport -> what the ensemble answers to a request without the required input `name`: the error's one
+    line, or "" where it answers without one. The request still carries two inputs (the other required one and
+    stream): tritonserver 2.51 counts a request's inputs, so two was enough to pass its check before."""
+    import json
+    import urllib.error
+
+    answers = {}
+    for transport in TRANSPORTS:
+        stream = transport in ("grpc stream", "http generate_stream")
+        values = {"text_input": "hi", "max_tokens": 8, "stream": stream}
+        del values[name]
+        if transport.startswith("grpc"):
+            import tritonclient.grpc as grpcclient
+
+            kinds = {"text_input": (np.object_, "BYTES"), "max_tokens": (np.int32, "INT32"), "stream": (bool, "BOOL")}
+            tensors = [tensor(k, np.array([[v.encode() if isinstance(v, str) else v]], kinds[k][0]), kinds[k][1])
+                       for k, v in values.items()]
+            client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+            got: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: got.put((result, error)))
+            try:
+                client.async_stream_infer("ensemble", tensors, enable_empty_final_response=True)
+                while True:
+                    result, error = got.get(timeout=60)
+                    if error is not None:
+                        answers[transport] = str(error)
+                        break
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        answers[transport] = ""
+                        break
+            finally:
+                client.stop_stream()
+                client.close()
+        else:
+            url = f"{server.endpoints.http}/v2/models/ensemble/{transport.split()[1]}"
+            request = urllib.request.Request(url, json.dumps(values).encode(), {"Content-Type": "application/json"})
+            try:  # 2.51 answered these 200, with no text (generate_stream) or a complaint about the response count
+                with urllib.request.urlopen(request, timeout=60):
+                    answers[transport] = ""
+            except urllib.error.HTTPError as err:
+                body = err.read().decode().strip()
+                body = body[len("data: "):] if body.startswith("data: ") else body  # generate_stream: one event
+                answers[transport] = json.loads(body)["error"] if err.code == 400 else f"HTTP {err.code}: {body}"
+    return answers
+
+
+def assert_missing_inputs_refused(server) -> None:
+    """Each required input left out, on each transport: an error naming it and the fix, in one line."""
+    for name in REQUIRED:
+        message = f"{name} is required; send text_input and max_tokens"
+        answers = missing_input_answers(server, name)
+        assert {t: message in a and "\n" not in a for t, a in answers.items()} == dict.fromkeys(TRANSPORTS, True), \
+            answers
+
+
 def metrics(url: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} for our own families (pipeline_*)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()

@@ -541,6 +541,15 @@ def test_an_engine_error_mid_stream_reaches_the_client_in_one_line_and_others_go
 
 
 @pytest.mark.slow
+def test_a_request_without_a_required_input_is_refused_naming_it_on_every_transport(served, reference):
+    from serving_checks import assert_missing_inputs_refused
+
+    _, server = served
+    assert_missing_inputs_refused(server)
+    assert "".join(t for t, _, _ in ask(server.endpoints.grpc, "after", 8)) == reference("after", 8)
+
+
+@pytest.mark.slow
 def test_the_server_stops_in_seconds_after_cancelled_failed_and_early_stopped_streams(tiny_target, reference,
                                                                                        tmp_path):
     """A BLS stream left unread, an error followed by a separate final, or a CANCELLED error from a step each

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from pipeline.compiler import CompileOptions, compile_model
-from serving_checks import (ensemble_results, expected_text, expected_texts, inputs, metrics,  # noqa: E402
-                            ngram_engine, responses, served_engine, soak_script, tensor)
+from serving_checks import (assert_missing_inputs_refused, ensemble_results, expected_text,  # noqa: E402
+                            expected_texts, inputs, metrics, ngram_engine, responses, served_engine, soak_script,
+                            tensor)
 
 import tritonclient.grpc  # noqa: E402,F401  (required by pyproject: a missing one fails, never skips)
 
@@ -355,6 +356,20 @@ def test_preprocessing_called_without_max_tokens_is_an_error_not_an_empty_answer
             c.infer("preprocessing", [tensor("text_input", np.array([[b"hi"]], np.object_), "BYTES")])
     finally:
         c.close()
+
+
+def test_a_request_without_a_required_input_is_refused_naming_it_on_every_transport(server, engine_dir):
+    """Through the ensemble, as clients call it: 2.51 let such a request through and ended it with an empty final
+    response, no error (docs/reliability.md). A request with no input at all is refused by the python backend
+    before preprocessing runs: an error too, if not ours."""
+    import urllib.error
+
+    assert_missing_inputs_refused(server)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        http_generate(server, {}, False)
+    assert err.value.code == 400 and "request has 0 inputs" in json.loads(err.value.read())["error"]
+    [answer] = http_generate(server, {"text_input": "hi", "max_tokens": 8}, False)
+    assert answer["text_output"] == expected_text(engine_dir, "hi", 8)
 
 
 @pytest.mark.slow

@@ -82,7 +82,8 @@ def test_ensemble_interface_matches_the_table_and_tensorrt_llm_names(spec):
                for t in getattr(ensemble, kind)]
         assert got == [(t.name, t.config_dtype, t.dims, t.optional) for t in table]
     inputs = tensors(ensemble, "input")
-    assert {n for n, t in inputs.items() if not t.optional} == {"text_input", "max_tokens"}
+    # Every input declared optional: preprocessing requires text_input and max_tokens by name (REQUIRED_INPUTS).
+    assert all(t.optional for t in inputs.values()) and interface.REQUIRED_INPUTS == ("text_input", "max_tokens")
     assert inputs["speculation"].data_type == pb.TYPE_STRING
     assert inputs["num_draft_tokens"].data_type == pb.TYPE_INT32
     outputs = tensors(ensemble, "output")
@@ -103,7 +104,7 @@ def test_ensemble_is_a_superset_of_tensorrt_llms_name_for_name_and_dtype_for_dty
         assert ours is not None, f"upstream input {theirs.name} missing"
         assert pb.DataType.Name(ours.data_type) == theirs.config_dtype, theirs.name
         assert tuple(ours.dims) == theirs.dims, theirs.name
-        assert ours.optional == theirs.optional, theirs.name
+        assert ours.optional and (theirs.name in interface.REQUIRED_INPUTS) == (not theirs.optional), theirs.name
     for theirs in upstream.ENSEMBLE_OUTPUTS:
         if theirs.name in interface.UPSTREAM_OUTPUTS_NOT_PRODUCED:
             assert theirs.name not in outputs
@@ -557,23 +558,32 @@ def stream_call(url: str, inputs: list, timeout: float = 30) -> tuple[list[dict]
     return responses, error
 
 
-@pytest.mark.slow
-def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft, tmp_path):
-    """Through the ensemble with the same inputs as the other routes: our loader finds the llmapi model
-    where the container keeps it (here a stand-in with upstream's contract: model.yaml from its own folder,
-    the running text in every streamed response), and the frontend answers with deltas and token counts."""
-    import json
+@pytest.fixture(scope="module")
+def llmapi_served(tiny_target, tiny_draft, tmp_path_factory):
+    """The llmapi repository served with a stand-in for TensorRT-LLM's llmapi model where the container keeps it
+    (upstream's contract: model.yaml from its own folder, the running text in every streamed response)."""
     import shutil
     from pathlib import Path
+
+    folder = tmp_path_factory.mktemp("llmapi")
+    upstream_dir = folder / "container" / "llmapi" / "tensorrt_llm" / "1"
+    upstream_dir.mkdir(parents=True)
+    shutil.copyfile(Path(__file__).parent / "trtllm_standin_llmapi.py", upstream_dir / "model.py")
+    (upstream_dir / "helpers.py").write_text(LLMAPI_HELPERS)
+    with llmapi_server(folder, tiny_target, tiny_draft, upstream_dir) as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_llmapi_route_speaks_the_engine_routes_interface(llmapi_served, tiny_target):
+    """Through the ensemble with the same inputs as the other routes: our loader finds the llmapi model
+    where the container keeps it, and the frontend answers with deltas and token counts."""
+    import json
 
     import numpy as np
 
     from pipeline.models.tokenizer import load_tokenizer, prompt_text
 
-    upstream_dir = tmp_path / "container" / "llmapi" / "tensorrt_llm" / "1"
-    upstream_dir.mkdir(parents=True)
-    shutil.copyfile(Path(__file__).parent / "trtllm_standin_llmapi.py", upstream_dir / "model.py")
-    (upstream_dir / "helpers.py").write_text(LLMAPI_HELPERS)
     tokenizer = load_tokenizer(tiny_target)
 
     def request(stream: bool, **extra):
@@ -582,23 +592,23 @@ def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft
                    grpc_input("stream", np.array([[stream]]), "BOOL")]
         return tensors + [grpc_input(name, *value) for name, value in extra.items()]
 
-    with llmapi_server(tmp_path, tiny_target, tiny_draft, upstream_dir) as server:
-        url = server.endpoints.grpc
-        streamed, error = stream_call(url, request(True, seed=(np.array([[7]], np.uint64), "UINT64")))
-        assert error is None, error
-        whole, error = stream_call(url, request(False))
-        assert error is None, error
-        refused, error = stream_call(url, request(True, speculation=(np.array([[b"off"]], np.object_), "BYTES")))
-        assert refused == [] and "can't be set per request on the LLM-API route" in error
-        beams, error = stream_call(url, request(True, beam_width=(np.array([[2]], np.int32), "INT32")))
-        assert beams == [] and "beam_width 2" in error
-        penalised, error = stream_call(url, request(True, repetition_penalty=(np.array([[1.2]], np.float32), "FP32")))
-        assert penalised == [] and "repetition_penalty 1.2 isn't served on the LLM-API route" in error
-        assert "\n" not in error
-        after, error = stream_call(url, request(False))  # the server serves on after bad requests
-        assert error is None and after
-        # The autoscaler's per-pod metric (pipeline deploy kubernetes) exists on this route too, back at 0.
-        assert scrape(server.endpoints.metrics).get('pipeline_gate_in_flight{model="llmapi_frontend"}') == 0.0
+    server = llmapi_served
+    url = server.endpoints.grpc
+    streamed, error = stream_call(url, request(True, seed=(np.array([[7]], np.uint64), "UINT64")))
+    assert error is None, error
+    whole, error = stream_call(url, request(False))
+    assert error is None, error
+    refused, error = stream_call(url, request(True, speculation=(np.array([[b"off"]], np.object_), "BYTES")))
+    assert refused == [] and "can't be set per request on the LLM-API route" in error
+    beams, error = stream_call(url, request(True, beam_width=(np.array([[2]], np.int32), "INT32")))
+    assert beams == [] and "beam_width 2" in error
+    penalised, error = stream_call(url, request(True, repetition_penalty=(np.array([[1.2]], np.float32), "FP32")))
+    assert penalised == [] and "repetition_penalty 1.2 isn't served on the LLM-API route" in error
+    assert "\n" not in error
+    after, error = stream_call(url, request(False))  # the server serves on after bad requests
+    assert error is None and after
+    # The autoscaler's per-pod metric (pipeline deploy kubernetes) exists on this route too, back at 0.
+    assert scrape(server.endpoints.metrics).get('pipeline_gate_in_flight{model="llmapi_frontend"}') == 0.0
 
     texts = [r["text_output"].reshape(-1)[0].decode() for r in streamed]
     assert len(texts) == 3 and texts[1:] == [" second", " third"]  # deltas of the stand-in's running text
@@ -611,6 +621,18 @@ def test_llmapi_route_speaks_the_engine_routes_interface(tiny_target, tiny_draft
     assert echoed["max_tokens"] == 12 and echoed["top_k"] == 1 and echoed["temperature"] is None  # greedy
     assert echoed["exclude_input_from_output"] is True
     assert echoed["model"] == str(tiny_target) and echoed["speculative_config"]["max_concurrency"] == 6
+
+
+@pytest.mark.slow
+def test_llmapi_route_refuses_a_request_without_a_required_input_naming_it_on_every_transport(llmapi_served):
+    import numpy as np
+    from serving_checks import assert_missing_inputs_refused
+
+    assert_missing_inputs_refused(llmapi_served)
+    answer, error = stream_call(llmapi_served.endpoints.grpc, [
+        grpc_input("text_input", np.array([[b"hello"]], np.object_), "BYTES"),
+        grpc_input("max_tokens", np.array([[12]], np.int32), "INT32")])
+    assert error is None and answer
 
 
 @pytest.mark.slow

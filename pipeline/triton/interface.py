@@ -30,8 +30,14 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # top_log_probs. The portable engine's; the TensorRT-LLM routes refuse N > 0.
     TensorSpec("num_logprobs", "INT32", (1,), optional=True),
 )
+# What a request must carry: upstream's required inputs. They are declared optional all the same, and the model
+# that reads the request (pipeline.triton.validate.read_request) requires them by name. tritonserver 2.51 only
+# counts a request's inputs against the required ones (InferenceRequest::ValidateRequestInputs), so a request
+# with max_tokens and stream but no text_input passes; the ensemble's first step then never becomes ready, and a
+# decoupled ensemble ends such a request with an empty final response, an empty success (docs/reliability.md).
+REQUIRED_INPUTS: tuple[str, ...] = tuple(t.name for t in upstream.ENSEMBLE_INPUTS if not t.optional)
 ENSEMBLE_INPUTS: tuple[TensorSpec, ...] = tuple(
-    TensorSpec(t.name, t.dtype, t.dims, optional=t.optional) for t in upstream.ENSEMBLE_INPUTS) + OUR_INPUTS
+    TensorSpec(t.name, t.dtype, t.dims, optional=True) for t in upstream.ENSEMBLE_INPUTS) + OUR_INPUTS
 
 # Upstream inputs this pipeline doesn't implement: the value that means "off" (a request may send it, as
 # upstream clients often send every field), and the one line a request sending anything else gets back.

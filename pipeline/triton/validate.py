@@ -16,10 +16,19 @@ import numpy as np
 from pipeline.engine.sampling_limits import (check_logprobs, check_penalty_values, check_sampling_values,
                                              check_stop_strings)
 from pipeline.errors import RequestError
-from pipeline.triton.interface import IGNORED_INPUTS, UNSUPPORTED_INPUTS
+from pipeline.triton.interface import IGNORED_INPUTS, REQUIRED_INPUTS, UNSUPPORTED_INPUTS
 
 Get = Callable[[str], "np.ndarray | None"]
 SPECULATION = ("auto", "on", "off")
+
+
+def check_required(get: Get) -> None:
+    """The inputs every request needs, by name: the configs declare them optional (interface.REQUIRED_INPUTS says
+    why), so this is the only check that a request without one gets."""
+    missing = [name for name in REQUIRED_INPUTS if get(name) is None]
+    if missing:
+        raise RequestError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required; send "
+                           f"{' and '.join(REQUIRED_INPUTS)}")
 
 
 def check_unsupported(get: Get) -> None:
@@ -116,8 +125,7 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
             raise RequestError(f"send one request per call (got a batch of {value.shape[0]} in {name})")
         return value.reshape(-1)[0]
 
-    if get("text_input") is None or get("max_tokens") is None:
-        raise RequestError("text_input and max_tokens are required; send both")
+    check_required(get)
     text = text_of(scalar("text_input", b""), "text_input", max_input_bytes)
     check_unsupported(get)
     if not text.strip():
