@@ -104,6 +104,7 @@ class Pin:
 # _torch/pyexecutor/model_engine.py as of PR #10860 (fb7c6341fe, first tagged in v1.3.0rc8). The pre-release wheels
 # come from pypi.nvidia.com, which isn't reachable here, so 1.4.0rc4's source was not read at its tag.
 
+
 @dataclass(frozen=True)
 class LlmApiTable:
     """What one release's LLM API takes: the names llmapi.py writes into extra_llm_api_options and trtllm-serve."""
