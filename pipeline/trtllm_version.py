@@ -57,7 +57,6 @@ class Release:
     version: str  # the version the tables were read at
     stable: bool  # a release PyPI lists without --pre; pre-releases are picked only by name
     container: str | None  # NVIDIA's Triton container that ships it; None: none does (a self-built image)
-    triton: str | None  # the Triton server inside that container
     engine_route: bool  # trtllm-build and the tensorrtllm C++ backend exist
 
     @property
@@ -66,12 +65,11 @@ class Release:
 
 
 RELEASES: dict[str, Release] = {r.key: r for r in (
-    # 26.04-26.07 ship 1.2.1; 26.07 is the newest Triton container with TensorRT-LLM in it.
-    Release("1.2.1", stable=True, container="nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3", triton="2.71.0",
-            engine_route=True),
+    # 26.04-26.07 ship 1.2.1; 26.07 (Triton 2.71.0) is the newest Triton container with TensorRT-LLM in it.
+    Release("1.2.1", stable=True, container="nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3", engine_route=True),
     # The newest TensorRT-LLM whose LLM-API reference was readable (nvidia.github.io/TensorRT-LLM/1.4.0rc4/). No
     # Triton container ships it; the Triton llmapi model it serves through is kept upstream (PR #15907).
-    Release("1.4.0rc4", stable=False, container=None, triton=None, engine_route=False),
+    Release("1.4.0rc4", stable=False, container=None, engine_route=False),
 )}
 # The default for dry runs and manifests: the newest stable release, the one NVIDIA's newest Triton + TensorRT-LLM
 # container ships. A pre-release is written for only when asked (--trtllm-version) or installed.

@@ -117,8 +117,10 @@ class LlmApiTable:
     llm_api_keys: frozenset[str]
     serve_flags: frozenset[str]
     # How EAGLE-3 is gated by load: "two-model" (max_concurrency needs a Drafter, which one-model EAGLE-3 lacks) or
-    # "one-model" (the one-model path reads draft_len_schedule, a draft length per batch-size bound).
+    # "one-model" (the one-model path reads draft_len_schedule, a draft length per batch-size bound), and the
+    # upstream symbols that decide it.
     eagle3_gate: str
+    eagle3_gate_where: tuple[Pin, ...]
 
 
 _SPEC_1_2 = frozenset({
@@ -147,13 +149,17 @@ LLM_API_TABLES: dict[str, LlmApiTable] = {
     # one-model EAGLE-3 (eagle3_one_model: true, the default) no Drafter ("for one engine mode, we are not able to
     # turn off spec decode at runtime", model_engine.py), so a gated EAGLE-3 is written two-model.
     "1.2": LlmApiTable("1.2.1", {"model": "DraftTarget", "eagle3": "Eagle", "ngram": "NGram"},
-                       "speculative_model_dir", _SPEC_1_2, _KV, _LLM_API_1_2, _SERVE, eagle3_gate="two-model"),
+                       "speculative_model_dir", _SPEC_1_2, _KV, _LLM_API_1_2, _SERVE, eagle3_gate="two-model",
+                       eagle3_gate_where=(Pin(DRAFTER, "Drafter.should_use_spec_decode"),
+                                          Pin(SPEC_UTILS, "get_spec_drafter"))),
     "1.4": LlmApiTable(
         "1.4.0rc4", {"model": "Draft_Target", "eagle3": "Eagle3", "ngram": "NGram"}, "speculative_model",
         (_SPEC_1_2 - {"speculative_model_dir", "acceptance_window", "acceptance_length_threshold",
                       "eagle3_one_model", "greedy_sampling", "eagle_choices"})
         | {"speculative_model", "acceptance_rate_window_size", "acceptance_rate_threshold"},
-        _KV, _LLM_API_1_2, _SERVE, eagle3_gate="one-model"),
+        _KV, _LLM_API_1_2, _SERVE, eagle3_gate="one-model",
+        eagle3_gate_where=(Pin(MODEL_ENGINE, "PyTorchModelEngine._compute_dynamic_draft_len_mapping"),
+                           Pin(LLM_ARGS, "DecodingBaseConfig.draft_len_schedule"))),
 }
 
 
