@@ -59,6 +59,9 @@ BAD_REQUESTS = {
     "top_k past the vocabulary": (dict(top_k=("INT32", 10_000_000)), "over the vocabulary"),
     "nan penalty": (dict(repetition_penalty=("FP32", float("nan"))), "repetition_penalty"),
     "beam search": (dict(beam_width=("INT32", 4)), "beam_width 4"),
+    # Bounded by the engine, never clamped: an unbounded k once sized a 10^9-entry histogram (issue 39).
+    "drafts past the engine's k": (dict(num_draft_tokens=("INT32", 1_000_000)), "num_draft_tokens 1000000 is more than"),
+    "huge repetition penalty": (dict(repetition_penalty=("FP32", 1e6)), "repetition_penalty 1e+06 is over"),
 }
 
 # The greedy reference pool: answers that copy from the prompt (where n-gram drafts pay) and free-form ones.

@@ -438,8 +438,12 @@ def test_served_answers_equal_target_only_greedy_streamed_or_not_speculating_or_
     assert text == expected and 0 <= accepted <= drafted and drafted > 0
     if kind == "same_draft":
         assert accepted == drafted
-    # More drafts than the engine was built for: clamped to its max_draft_len (3), not refused.
-    [(text, _, _)] = ask(server.endpoints.grpc, prompt, MAX_TOKENS, stream=False, num_draft_tokens=10)
+    # More drafts than the engine was built for (its max_draft_len, 3): refused in one line, never clamped.
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match="num_draft_tokens 10 is more than the 3 drafts"):
+        ask(server.endpoints.grpc, prompt, MAX_TOKENS, stream=False, num_draft_tokens=10)
+    [(text, _, _)] = ask(server.endpoints.grpc, prompt, MAX_TOKENS, stream=False, num_draft_tokens=3)
     assert text == expected
     for speculation in ("auto", "off"):
         chunks = ask(server.endpoints.grpc, prompt, MAX_TOKENS, speculation=speculation)

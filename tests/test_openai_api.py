@@ -5,14 +5,27 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from pipeline.openai_api.protocol import ProtocolError, parse_chat, parse_completion
+from pipeline.openai_api.protocol import Limits, ProtocolError
+from pipeline.openai_api.protocol import parse_chat as parse_chat_within
+from pipeline.openai_api.protocol import parse_completion as parse_completion_within
 from pipeline.openai_api.stops import StopMatcher
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+LIMITS = Limits(max_seq_len=256, num_draft_tokens=3, vocab_size=1000, max_input_bytes=8192)
+
+
+def parse_chat(body):
+    return parse_chat_within(body, LIMITS)
+
+
+def parse_completion(body):
+    return parse_completion_within(body, LIMITS)
 
 
 # ---- the request rules -----------------------------------------------------------------------------
@@ -466,3 +479,135 @@ def test_tritons_own_openai_frontend_can_sit_in_front_of_the_ensemble(served, cl
     ours = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
                                           stop=[stop])
     assert "".join(text for text, _, _ in chunks) == ours.choices[0].message.content
+
+
+# ---- bounds and strict types (issue 39) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, param, said", [
+    ({**CHAT, "max_tokens": "8"}, "max_tokens", "valid integer (got '8')"),
+    ({**CHAT, "max_tokens": True}, "max_tokens", "valid integer (got True)"),
+    ({**CHAT, "max_tokens": 8.0}, "max_tokens", "valid integer (got 8.0)"),
+    ({**CHAT, "stream": "yes"}, "stream", "valid boolean (got 'yes')"),
+    ({**CHAT, "stream": 1}, "stream", "valid boolean (got 1)"),
+    ({**CHAT, "temperature": "0.5"}, "temperature", "valid number (got '0.5')"),
+    ({**CHAT, "temperature": float("inf")}, "temperature", "finite number"),
+    ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages", "messages.0.content"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages", "messages.0.content: Field required"),
+    ({**CHAT, "top_k": 10**12}, "top_k", "top_k 1000000000000 is over the vocabulary's 1000"),
+    ({**CHAT, "num_draft_tokens": 10**9}, "num_draft_tokens", "num_draft_tokens 1000000000 is more than the 3"),
+    ({**CHAT, "max_tokens": 256}, "max_tokens", "max_tokens 256 is beyond the model's 256-token context"),
+    ({**CHAT, "max_completion_tokens": 10**30}, "max_completion_tokens", f"max_completion_tokens {10**30} is beyond"),
+    ({**CHAT, "seed": 2**64}, "seed", "less than 18446744073709551616"),
+    ({**CHAT, "stop": ["x" * 300]}, "stop", "send at most 256"),
+    ({**CHAT, "stop": [str(i) for i in range(17)]}, "stop", "at most 16 items"),
+    ({**CHAT, "repetition_penalty": 1e6}, "repetition_penalty", "less than or equal to 10000"),
+    ({**CHAT, "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 items"),
+    ({**CHAT, "user": "u" * 513}, "user", "at most 512 characters"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x" * 9000}]}, "messages", "9000 bytes of text"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}] * 257}, "messages", "257 turns"),
+])
+def test_every_number_count_and_length_is_bounded_strictly_typed_and_named_with_the_value_sent(body, param, said):
+    with pytest.raises(ProtocolError) as err:
+        parse_chat(body)
+    assert err.value.status == 400 and err.value.param == param and said in err.value.message, err.value.message
+
+
+def test_a_completion_prompt_is_bounded_in_bytes_before_it_is_tokenized():
+    assert parse_completion({"model": "m", "prompt": "é" * 4096}).prompt_text()  # 8192 bytes: at the limit
+    with pytest.raises(ProtocolError, match="prompt is 8194 bytes, over this server's 8192"):
+        parse_completion({"model": "m", "prompt": "é" * 4097})
+
+
+def test_an_error_message_never_grows_with_the_request():
+    for body in ({**CHAT, "x" * 100_000: 1}, {**CHAT, "n": "y" * 100_000}, {**CHAT, "max_tokens": "z" * 100_000},
+                 {**CHAT, "metadata": {"k" * 100_000: "v"}}):
+        with pytest.raises(ProtocolError) as err:
+            parse_chat(body)
+        assert len(err.value.message) < 300 and len(err.value.param or "") < 60, err.value.message
+
+
+def test_the_published_schema_holds_the_bounds_the_parser_enforces():
+    """/openapi.json tells a client (and the fuzzer) this server's limits; each is the parser's: the bound
+    passes, one past it is refused."""
+    from pipeline.openai_api.protocol import request_schemas
+
+    schemas = request_schemas(LIMITS, "m")
+    fields = schemas["ChatRequest"]["properties"]
+
+    def maximum(name):
+        [branch] = [b for b in fields[name]["anyOf"] if b["type"] == "integer"]
+        return branch["maximum"]
+
+    assert (maximum("num_draft_tokens"), maximum("top_k"), maximum("max_tokens")) == (3, 1000, 255)
+    for name in ("num_draft_tokens", "top_k", "max_tokens", "max_completion_tokens"):
+        parse_chat({**CHAT, name: maximum(name)})
+        with pytest.raises(ProtocolError) as err:
+            parse_chat({**CHAT, name: maximum(name) + 1})
+        assert err.value.param == name
+    assert fields["messages"]["maxItems"] == LIMITS.max_seq_len and fields["model"]["enum"] == ["m"]
+    assert schemas["ChatRequest"]["additionalProperties"] is False
+
+
+# The issue's hostile requests, against the real stack: each a 4xx in OpenAI's shape, the next request served.
+HOSTILE = [
+    ("application/json", b'{"model": "tiny", "prompt": "hi", "num_draft_tokens": 1000000000}', 400, "num_draft_tokens"),
+    ("application/json", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+    ("application/json", b'{"model": "tiny", "prompt": "hi", "stop": ["\\udfff"], "stream": true}', 400, None),
+    ("application/json", b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ("application/json", b'{"model": "tiny", "prompt": "' + b"x" * (2 << 20) + b'"}', 413, None),
+    ("text/plain", b'{"model": "tiny", "prompt": "hi"}', 415, None),
+    ("application/json", b'{"model": "tiny", "prompt": "hi", "max_tokens": "8"}', 400, "max_tokens"),
+    ("application/json", b'{"model": "tiny", "prompt": "hi", "max_tokens": true}', 400, "max_tokens"),
+    ("application/json", b'{"model": "tiny", "prompt": "hi", "stream": "yes"}', 400, "stream"),
+    ("application/json", b'{"model": "tiny", "messages": [{"role": "user", "content": null}]}', 400, "messages"),
+    ("application/json", b'{"model": "tiny", "messages": [{"role": "user"}]}', 400, "messages"),
+    ("application/json", b'{"model": "tiny", "prompt": "hi", "top_k": 1000000000000}', 400, "top_k"),
+    ("application/json", b'{"model": "gpt-4o", "prompt": "hi"}', 404, "model"),
+]
+
+
+@pytest.mark.parametrize("content_type, raw, status, param", HOSTILE)
+def test_a_hostile_request_gets_a_typed_4xx_and_the_next_one_its_usual_answer(served, client, content_type, raw,
+                                                                               status, param):
+    request = urllib.request.Request(f"{served[1].url}/v1/completions" if b"prompt" in raw else
+                                     f"{served[1].url}/v1/chat/completions", raw, {"Content-Type": content_type})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == status and err.value.headers["content-type"] == "application/json"
+    error = json.loads(err.value.read())["error"]
+    assert error["param"] == param and error["message"] and len(error["message"]) < 400
+    usual = client.completions.create(model="tiny", prompt="Count: 1, 2,", max_tokens=8, temperature=0)
+    assert usual.choices[0].text == grpc_text_raw(served[0], "Count: 1, 2,", 8)
+
+
+def grpc_text_raw(server, prompt: str, max_tokens: int) -> str:
+    """The ensemble's greedy answer to a prompt taken as it is (what /v1/completions sends)."""
+    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+
+    return run_request(ClientOptions(url=f"127.0.0.1:{server.options.grpc_port}"), prompt,
+                       RequestOptions(max_tokens=max_tokens, speculation="off", apply_chat_template=False)).text
+
+
+def test_schemathesis_fuzzing_the_published_api_finds_no_5xx_no_reset_and_no_lasting_harm(served, tmp_path):
+    """Schemathesis (positive and negative cases from /openapi.json, its coverage and fuzzing phases) against
+    the served frontend: every answer is documented, in its documented type and schema, never a 5xx or a
+    dropped connection, and after each a normal request still gets its usual text (fuzz_hooks.serves_on)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    prompt = "one two three"
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks", "FUZZ_MODEL": "tiny", "FUZZ_PROMPT": prompt,
+           "FUZZ_EXPECTED_TEXT": grpc_text_raw(served[0], prompt, 8),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    st = shutil.which("st", path=str(Path(sys.executable).parent)) or "st"
+    run = subprocess.run([st, "run", f"{served[1].url}/openapi.json", "--checks",
+                          "not_a_server_error,status_code_conformance,content_type_conformance,"
+                          "response_schema_conformance,serves_on", "--max-examples", "40", "--seed", "39",
+                          "--workers", "2", "--request-retries", "0", "--request-timeout", "60", "--no-color",
+                          "--generation-database", "none", "--report-dir", str(tmp_path)],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "serves_on" not in run.stdout and "No issues found" in run.stdout, run.stdout[-2000:]

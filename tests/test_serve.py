@@ -225,6 +225,16 @@ def test_cli_missing_repo_is_a_one_line_error(tmp_path):
     assert "pipeline assemble" in result.output and "pipeline build" in result.output
 
 
+def test_cli_body_limit_without_the_openai_api_is_a_one_line_error(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--repo", str(tmp_path), "--openai-max-body-bytes", "65536"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "pass --openai-port too" in result.output
+    assert "FrontendOptions(" not in result.output
+    from pipeline.openai_api.process import FrontendOptions, frontend_argv
+
+    argv = frontend_argv(FrontendOptions(port=9000, max_body_bytes=65536), tmp_path, "127.0.0.1:8001", None)
+    assert argv[-2:] == ["--max-body-bytes", "65536"]
+
+
 def test_cli_empty_repo_is_a_one_line_error(tmp_path):
     (tmp_path / "README.md").write_text("models go here\n")
     result = CliRunner().invoke(main, ["serve", "--repo", str(tmp_path)])

@@ -372,6 +372,21 @@ def test_a_request_without_a_required_input_is_refused_naming_it_on_every_transp
     assert answer["text_output"] == expected_text(engine_dir, "hi", 8)
 
 
+def test_http_generate_bounds_every_number_by_the_engine(server, engine_dir):
+    """The bounds the gRPC route checks hold on Triton's HTTP generate too: k above the engine's is refused in one
+    line naming the value (never clamped), and the next request gets its usual answer."""
+    import urllib.error
+
+    for body, message in (({"num_draft_tokens": 10**6}, "num_draft_tokens 1000000 is more than the 3 drafts"),
+                          ({"top_k": 10**6}, "top_k 1000000 is over the vocabulary"),
+                          ({"stop_words": [f"w{i}" for i in range(17)]}, "17 stop words; send at most 16")):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            http_generate(server, {"text_input": "hi", "max_tokens": 8, **body}, False)
+        assert err.value.code == 400 and message in json.loads(err.value.read())["error"]
+    [answer] = http_generate(server, {"text_input": "hi", "max_tokens": 8, "num_draft_tokens": 3}, False)
+    assert answer["text_output"] == expected_text(engine_dir, "hi", 8)
+
+
 @pytest.mark.slow
 def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(engine_dir, tmp_path):
     """kill -9 of the torch_engine stub mid-load, under `pipeline serve`: every client in flight gets an error
@@ -511,7 +526,9 @@ def test_an_answer_that_stops_at_its_first_token_is_an_empty_answer_not_an_error
         c.close()
 
 
-LONG_TOKENS = 2000  # with the chat template the prompt is 34 tokens; max_seq_len is 2048
+# With the chat template the prompt is 34 tokens; max_seq_len is 8192. 2000 tokens took 0.5 s in-process on an AMD
+# EPYC, so the blocker freed its slot before the queue test's five requests were in.
+LONG_TOKENS = 8000
 # (980 of 1024 could run out on a quiet machine before the queued clients had left, and one of them decoded)
 
 
@@ -523,10 +540,10 @@ def one_slot(tmp_path_factory) -> tuple[Path, str]:
     from pipeline.models.tiny import make_tiny_llama
     from pipeline.models.tokenizer import encode_prompt, load_tokenizer
 
-    target = make_tiny_llama(tmp_path_factory.mktemp("long-target"), seed=0, layers=3, max_positions=2048)
+    target = make_tiny_llama(tmp_path_factory.mktemp("long-target"), seed=0, layers=3, max_positions=8192)
     engine_dir = tmp_path_factory.mktemp("one-slot") / "engine"
     compile_model(CompileOptions("torch", target, engine_dir, draft="ngram", num_draft_tokens=3,
-                                 max_batch_size=1, max_seq_len=2048, gate_batch_size=1))
+                                 max_batch_size=1, max_seq_len=8192, gate_batch_size=1))
     tokenizer, engine = load_tokenizer(engine_dir / "target"), load_engine(engine_dir)
     candidates = [f"hold the slot {i}" for i in range(6)]
     reqs = engine.generate([encode_prompt(tokenizer, p, raw=False) for p in candidates],

@@ -28,10 +28,13 @@ import click
               help="Key the OpenAI API asks for (Authorization: Bearer KEY) [default: none on loopback].")
 @click.option("served_model_name", "--served-model-name", default=None,
               help="The model name the OpenAI API lists and requests send [default: the model folder's name].")
+@click.option("max_body_bytes", "--openai-max-body-bytes", type=click.IntRange(min=1024), default=None, metavar="BYTES",
+              help="The largest request body the OpenAI API reads; a larger one is refused with a 413 as it streams "
+                   "in [default: 4x the repository's max_input_bytes, at least 1 MiB].")
 @click.option("dry_run", "--dry-run", is_flag=True,
               help="Print the launch command and exit (works on any machine, e.g. for a TensorRT-LLM repository).")
 def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log_verbose, openai_port, api_key,
-          served_model_name, dry_run):
+          served_model_name, max_body_bytes, dry_run):
     """Serve a model repository on Triton Inference Server until Ctrl-C or SIGTERM.
 
     Uses `tritonserver` on PATH (NVIDIA's containers), else the CPU server bundled in nvidia-pytriton.
@@ -65,10 +68,13 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             raise ConfigError(f"the OpenAI API on {host} would answer anyone on the network without a key; pass "
                               "--api-key (or set PIPELINE_OPENAI_API_KEY), or keep --host 127.0.0.1")
-        frontend = FrontendOptions(port=openai_port, host=host, api_key=api_key, model_name=served_model_name)
+        frontend = FrontendOptions(port=openai_port, host=host, api_key=api_key, model_name=served_model_name,
+                                   max_body_bytes=max_body_bytes)
         if port_in_use(host, openai_port):
             raise ConfigError(f"OpenAI port {openai_port} on {host} is already in use; stop what holds it or pass "
                               "another --openai-port")
+    elif max_body_bytes is not None:
+        raise ConfigError("--openai-max-body-bytes is the OpenAI API's limit; pass --openai-port too")
     if dry_run:
         click.echo(planned_command(options))
         return

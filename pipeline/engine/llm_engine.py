@@ -127,6 +127,9 @@ class LLMEngine:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens but the KV cache holds "
                                f"{self.blocks.num_blocks * self.cache.block_size}; shorten the prompt or raise "
                                f"kv_cache_bytes")
+        if num_draft_tokens is not None and num_draft_tokens > self.config.num_draft_tokens:
+            raise RequestError(f"num_draft_tokens {num_draft_tokens} is more than the engine's "
+                               f"{self.config.num_draft_tokens}; send at most that")
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
@@ -255,7 +258,7 @@ class LLMEngine:
         """Drafts this row may take: a step emits up to k+1 tokens, within max_tokens and max_seq_len."""
         room = min(req.remaining, self.config.max_seq_len - req.num_tokens) - 1
         k = self.config.num_draft_tokens
-        if req.num_draft_tokens is not None:  # a request may ask for fewer, never more (cache sizing)
+        if req.num_draft_tokens is not None:  # a request may ask for fewer, never more (add_request)
             k = min(k, req.num_draft_tokens)
         return max(0, min(k, room))
 

@@ -15,6 +15,9 @@ from pipeline.errors import RequestError
 
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4  # uniform long before this; refuses typos like 1e9
+# A penalised token's logit is divided (or multiplied) by it: past this it is as good as banned, and near
+# float32's limits a multiplied logit overflows to -inf, and a row of them to NaN.
+MAX_REPETITION_PENALTY = 1e4
 
 
 def check_sampling_values(temperature: float, top_p: float, top_k: int, vocab_size: int | None = None) -> None:
@@ -43,6 +46,9 @@ def check_penalty_values(repetition_penalty: float, presence_penalty: float, fre
     [-2, 2] (0 = off), OpenAI's and vLLM's ranges."""
     if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
         raise RequestError(f"repetition_penalty must be a finite number > 0 (got {repetition_penalty}); use 1 for none")
+    if repetition_penalty > MAX_REPETITION_PENALTY:
+        raise RequestError(f"repetition_penalty {repetition_penalty:g} is over {MAX_REPETITION_PENALTY:g}; send a "
+                           "smaller one (1 for none)")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
         if not math.isfinite(value) or not -2 <= value <= 2:
             raise RequestError(f"{name} must be in [-2, 2] (got {value}); use 0 for none")

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import click
 
+HEAD_BYTES = 16 * 1024  # a request line and its headers (h11's own default, named so it is one decision)
 
-def settings_from_repo(repo: Path, grpc_url: str, model_name: str | None, metrics_url: str | None):
+
+def settings_from_repo(repo: Path, grpc_url: str, model_name: str | None, metrics_url: str | None,
+                       max_body_bytes: int | None = None):
     """The frontend's settings from the repository's request-reading model (its tokenizer, context and k)."""
     from pipeline.errors import ConfigError
     from pipeline.openai_api.app import FrontendSettings
@@ -32,7 +35,8 @@ def settings_from_repo(repo: Path, grpc_url: str, model_name: str | None, metric
     return FrontendSettings(grpc_url=grpc_url, tokenizer_dir=tokenizer_dir,
                             model_name=model_name or default_model_name(tokenizer_dir),
                             max_seq_len=int(params["max_seq_len"]), num_draft_tokens=int(params["num_draft_tokens"]),
-                            metrics_url=metrics_url, api_key=os.environ.get(API_KEY_ENV) or None)
+                            max_input_bytes=int(params["max_input_bytes"]), metrics_url=metrics_url,
+                            api_key=os.environ.get(API_KEY_ENV) or None, max_body_bytes=max_body_bytes)
 
 
 def default_model_name(tokenizer_dir: Path) -> str:
@@ -55,19 +59,26 @@ def default_model_name(tokenizer_dir: Path) -> str:
 @click.option("--port", type=int, default=9000, show_default=True)
 @click.option("metrics_url", "--metrics-url", default=None)
 @click.option("model_name", "--served-model-name", default=None)
-def main(repo, grpc_url, host, port, metrics_url, model_name):
+@click.option("max_body_bytes", "--max-body-bytes", type=click.IntRange(min=1024), default=None)
+def main(repo, grpc_url, host, port, metrics_url, model_name, max_body_bytes):
+    import logging
+
     import uvicorn
 
     from pipeline.errors import PipelineError
     from pipeline.openai_api.app import create_app
 
     try:
-        app = create_app(settings_from_repo(repo, grpc_url, model_name, metrics_url))
+        app = create_app(settings_from_repo(repo, grpc_url, model_name, metrics_url, max_body_bytes))
     except PipelineError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
-    # No per-request access log: one line per request at 64 streams drowns the server's own log.
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # No per-request access log: one line per request at 64 streams drowns the server's own log. h11, named
+    # rather than picked (uvicorn takes httptools where it is installed), bounds a request's head at
+    # HEAD_BYTES: unbounded headers were vLLM's CVE-2025-48956.
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                http="h11", h11_max_incomplete_event_size=HEAD_BYTES)
 
 
 if __name__ == "__main__":

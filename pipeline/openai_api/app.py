@@ -14,28 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 import secrets
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
+from pipeline.openai_api import edge
 from pipeline.openai_api.ensemble import Ensemble, EnsembleError
-from pipeline.openai_api.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessage, ChatRequest,
-                                          ChunkChoice, Completion, CompletionChoice, CompletionRequest, Delta,
-                                          API_KEY_ENV, ModelCard, ModelList, ProtocolError, ResponseMetrics, SamplingFields,
-                                          PromptTokensDetails, SpecDecoding, Usage, parse_chat,
-                                          parse_completion, ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob)
+from pipeline.openai_api.protocol import (API_KEY_ENV, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs,
+                                          ChatMessage, ChatRequest, ChunkChoice, Completion, CompletionChoice,
+                                          CompletionLogprobs, CompletionRequest, Delta, ErrorResponse, Limits, ModelCard,
+                                          ModelList, PromptTokensDetails, ProtocolError, ResponseMetrics,
+                                          SamplingFields, SpecDecoding, TokenLogprob, TopLogprob, Usage, parse_chat,
+                                          parse_completion, request_schemas)
 from pipeline.openai_api.stops import StopMatcher
 from pipeline.triton.client import Chunk, RequestOptions
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, as vLLM's where the model ships no generation_config
+TOKENIZING_THREADS = 4
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 
 
 @dataclass(frozen=True)
@@ -45,8 +51,14 @@ class FrontendSettings:
     model_name: str  # what /v1/models lists and requests must name
     max_seq_len: int  # prompt + answer; an answer without max_tokens may fill the rest
     num_draft_tokens: int  # the repository's k: the histogram's last bucket
+    max_input_bytes: int  # the repository's: the most UTF-8 bytes of prompt text it takes
     metrics_url: str | None = None  # tritonserver's /metrics, passed through
     api_key: str | None = None  # None: no key asked
+    max_body_bytes: int | None = None  # None: edge.default_max_body_bytes(max_input_bytes)
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_body_bytes or edge.default_max_body_bytes(self.max_input_bytes)
 
 
 @dataclass
@@ -105,11 +117,33 @@ class Outcome:
             num_spec_tokens=len(histogram) - 1, skipped_steps=skipped))
 
 
+def body(schema: str) -> dict:
+    """A route's request body in /openapi.json: the route reads it itself (edge.read_json), so FastAPI can't."""
+    return {"requestBody": {"required": True, "content": {
+        edge.JSON_TYPE: {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}}
+
+
+def answers(model) -> dict:
+    """A route's responses in /openapi.json: the answer, whole or as server-sent events, and every refusal."""
+    errors = {status: {"model": ErrorResponse, "description": what} for status, what in (
+        (400, "a bad request, named in the message"), (401, "no or a wrong API key"), (404, "another model"),
+        (413, "a body over the limit"), (415, "a body that is not JSON"), (500, "the server failed this request"),
+        (502, "tritonserver failed the request"), (503, "the server is busy; retry"))}
+    return {200: {"model": model, "content": {"text/event-stream": {}}}, **errors}
+
+
 def create_app(settings: FrontendSettings):
     from pipeline.models.tokenizer import encode_prompt, load_tokenizer, render_chat, template_opening
 
     tokenizer = load_tokenizer(settings.tokenizer_dir)
     opening = template_opening(tokenizer)
+    limits = Limits(max_seq_len=settings.max_seq_len, num_draft_tokens=settings.num_draft_tokens,
+                    vocab_size=len(tokenizer), max_input_bytes=settings.max_input_bytes)
+    # Rendering and tokenizing run here, off the event loop: an 8 MB prompt once held every other request for
+    # 4 s. Several threads, so one long prompt doesn't queue the short ones behind it (the Rust tokenizer lets
+    # go of the GIL). They share the tokenizer safely because no call sets padding or truncation: a call that
+    # changed them would fail a concurrent one with "Already borrowed".
+    tokenizing = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
     state: dict = {}
 
     @asynccontextmanager
@@ -117,12 +151,22 @@ def create_app(settings: FrontendSettings):
         state["ensemble"] = Ensemble(settings.grpc_url)
         yield
         await state["ensemble"].close()
+        tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdec-pipeline OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    @app.exception_handler(ProtocolError)
-    async def refused(request, err: ProtocolError):
-        return JSONResponse(err.body(), status_code=err.status)
+    edge.install(app)
+    schemas = request_schemas(limits, settings.model_name)
+
+    def openapi() -> dict:
+        """FastAPI's document, with the request bodies the routes read themselves (and their bounds)."""
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     async def authorized(request: Request) -> None:
         if settings.api_key is None:
@@ -133,11 +177,8 @@ def create_app(settings: FrontendSettings):
                                 f"`pipeline serve` was given with --api-key or ${API_KEY_ENV})", status=401,
                                 code="invalid_api_key")
 
-    async def body_of(request: Request):
-        try:
-            return json.loads(await request.body())
-        except ValueError as err:
-            raise ProtocolError(f"the request body is not JSON ({err})") from None
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
 
     def check_model(name: str) -> None:
         if name != settings.model_name:
@@ -183,7 +224,7 @@ def create_app(settings: FrontendSettings):
                     # The tokens past the stop string were made but aren't the answer: count the kept text's
                     # tokens, plus the one the stop string began in, as vLLM counts up to the stopping token.
                     outcome.stopped_by_string = True
-                    kept = len(tokenizer(stops.text[:stops.sent], add_special_tokens=False).input_ids) + 1
+                    kept = await off_loop(count_tokens, stops.text[:stops.sent]) + 1
                     outcome.completion_tokens = min(outcome.completion_tokens, kept)
                     del outcome.logprobs[outcome.completion_tokens:]  # as many as the tokens counted
                     return
@@ -198,6 +239,9 @@ def create_app(settings: FrontendSettings):
         if err.refused:
             return ProtocolError(err.message)
         return ProtocolError(err.message, status=502, type="upstream_error")
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
 
     def token_text(token: int) -> str:
         return tokenizer.decode([token], skip_special_tokens=True)
@@ -284,8 +328,13 @@ def create_app(settings: FrontendSettings):
                 try:
                     async for piece in answer:
                         yield chunk(piece)
-                except EnsembleError as err:  # mid-stream: OpenAI's error object as an event, then the end
-                    yield format_sse_event(data_str=json.dumps(error_of(err).body()))
+                except Exception as err:  # noqa: BLE001  mid-stream: OpenAI's error object as an event, then the end
+                    if isinstance(err, EnsembleError):
+                        error = error_of(err)
+                    else:  # unforeseen: logged in one line, as the edge logs a whole request's
+                        edge.log_failure("POST", CHAT_PATH if chat else COMPLETIONS_PATH, err)
+                        error = edge.internal_error()
+                    yield format_sse_event(data_str=json.dumps(error.body()))
                     yield format_sse_event(data_str="[DONE]")
                     return
                 yield chunk(finish=outcome.finish_reason)
@@ -297,36 +346,52 @@ def create_app(settings: FrontendSettings):
 
         return EventSourceResponse(events())
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(request: Request):
-        req: ChatRequest = parse_chat(await body_of(request))
-        check_model(req.model)
+    def rendered(req: ChatRequest) -> str:
+        """The conversation as the model's template writes it."""
         try:
             text = render_chat(tokenizer, req.conversation())
         except Exception as err:  # noqa: BLE001  the template's own refusal (e.g. roles out of order)
-            raise ProtocolError(f"the model's chat template refused these messages: {err}", "messages") from None
-        ids = encode_prompt(tokenizer, text, raw=False, opening=opening)
-        return await respond(req, text, len(ids), None, chat=True)
+            raise ProtocolError(f"the model's chat template refused these messages: {edge.shown_error(err)}",
+                                "messages") from None
+        size = len(text.encode("utf-8"))
+        if size > settings.max_input_bytes:  # the template's own text came on top of the messages'
+            raise ProtocolError(f"the conversation is {size} bytes as the model's template writes it, over this "
+                                f"server's {settings.max_input_bytes}; shorten the messages", "messages")
+        return text
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    def prompt_length(text: str, raw: bool) -> int:
+        """The prompt's tokens as the ensemble will count them (a rendered conversation is never templated again)."""
+        return len(encode_prompt(tokenizer, text, raw=raw, opening="" if raw else opening))
+
+    @app.post(CHAT_PATH, dependencies=[Depends(authorized)], openapi_extra=body("ChatRequest"),
+              responses=answers(ChatCompletion))
+    async def chat_completions(request: Request):
+        req: ChatRequest = parse_chat(await edge.read_json(request, settings.body_limit), limits)
+        check_model(req.model)
+        text = await off_loop(rendered, req)
+        return await respond(req, text, await off_loop(prompt_length, text, False), None, chat=True)
+
+    @app.post(COMPLETIONS_PATH, dependencies=[Depends(authorized)], openapi_extra=body("CompletionRequest"),
+              responses=answers(Completion))
     async def completions(request: Request):
-        req: CompletionRequest = parse_completion(await body_of(request))
+        req: CompletionRequest = parse_completion(await edge.read_json(request, settings.body_limit), limits)
         check_model(req.model)
         text = req.prompt_text()
-        ids = encode_prompt(tokenizer, text, raw=True, opening="")
-        return await respond(req, text, len(ids), False, chat=False)
+        return await respond(req, text, await off_loop(prompt_length, text, True), False, chat=False)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models", dependencies=[Depends(authorized)], response_model=ModelList,
+             responses={401: {"model": ErrorResponse}})
     async def models():
         return ModelList(data=[ModelCard(id=settings.model_name, created=int(state.setdefault("created",
                                                                                              time.time())))])
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the ensemble is not ready yet"}})
     async def health():
         ready = await state["ensemble"].ready()
         return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={404: {"model": ErrorResponse}, 502: {"model": ErrorResponse}})
     async def metrics():
         if settings.metrics_url is None:
             raise ProtocolError("no metrics endpoint was given to this frontend", status=404)

@@ -28,6 +28,7 @@ class FrontendOptions:
     host: str = "127.0.0.1"
     api_key: str | None = None  # None: $PIPELINE_OPENAI_API_KEY, else no key
     model_name: str | None = None  # None: the tokenizer folder's name
+    max_body_bytes: int | None = None  # None: the frontend's default, from the repository's max_input_bytes
 
     def key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None
@@ -41,6 +42,8 @@ def frontend_argv(options: FrontendOptions, repo: Path, grpc_url: str, metrics_u
         argv += ["--metrics-url", metrics_url]
     if options.model_name:
         argv += ["--served-model-name", options.model_name]
+    if options.max_body_bytes:
+        argv += ["--max-body-bytes", str(options.max_body_bytes)]
     return argv
 
 

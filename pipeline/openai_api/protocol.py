@@ -13,14 +13,45 @@ vLLM's extensions.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.engine.sampling_limits import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                             check_stop_strings)
+from pipeline.errors import RequestError
+
 SPECULATION = ("auto", "on", "off")
 API_KEY_ENV = "PIPELINE_OPENAI_API_KEY"  # the key the API asks for, when set
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20  # top-N alternatives per token (pipeline.engine.sampling_limits.MAX_LOGPROBS)
+# Fields that change nothing here but are stored by the caller's side: OpenAI's own bounds for metadata (16
+# pairs, keys of 64 characters, values of 512), and the same 512 for `user` and a message's `name`.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_NAME = 16, 64, 512, 512
+UNION_TAGS = {"str", "int", "float", "bool"}
+SHOWN = 40  # characters of a refused value or name an error message quotes: an error never grows with the request
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served engine can do, read from its repository. Every count, length and number a request
+    sends is checked against these before anything is built from it, and refused (never clamped) above them:
+    an unbounded `num_draft_tokens` once sized a 10^9-entry histogram and took the machine's memory."""
+
+    max_seq_len: int  # prompt + answer, in tokens
+    num_draft_tokens: int  # the repository's k: a request may ask for fewer drafts, never more
+    vocab_size: int  # top_k's ceiling
+    max_input_bytes: int  # a prompt's (or a whole conversation's) UTF-8 bytes, checked before any tokenizing
+
+
+def shown(value: Any) -> str:
+    """A value as an error message quotes it: its repr, cut to SHOWN characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else text[:SHOWN] + "..."
+
+
+def shown_name(name: str) -> str:
+    """A field's name as an error message quotes it: as it is, unless it is long or unprintable."""
+    return name if len(name) <= SHOWN and name.isprintable() else shown(name)
 
 
 class ProtocolError(Exception):
@@ -80,63 +111,87 @@ COMPLETION_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) isn't supported; leave it out"),
 }
 
+# OpenAI's own types are strict: "8" is not a number, 1 is not a boolean, 8.0 is not an integer. Floats
+# are finite (a JSON body can't say NaN, but 1e999 parses as infinity).
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(STRICT, extra="forbid")
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """What chat and completions share: the fields this server honours."""
 
-    model_config = ConfigDict(extra="allow")  # checked by _check_extra, so each gets its own message
+    model_config = ConfigDict(STRICT, extra="allow")  # checked by _check_extra, so each gets its own message
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: str = Field(max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1)  # and below the context: check_limits
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1 or 0 means off
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1 or 0 means off; at most the vocabulary
     seed: int | None = Field(default=None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # an end-user id for the caller's records; it changes nothing here
-    metadata: dict[str, str] | None = None  # the same
+    user: str | None = Field(default=None, max_length=MAX_NAME)  # an end-user id for the caller's records
+    metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)],
+                   Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = Field(
+        default=None, max_length=MAX_METADATA_PAIRS)  # the same
     speculation: Literal["auto", "on", "off"] = "auto"  # ours: as the ensemble's speculation input
-    num_draft_tokens: int | None = Field(default=None, ge=1)  # ours: k for this request
+    num_draft_tokens: int | None = Field(default=None, ge=1)  # ours: k for this request, at most the repository's
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's extension
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extension
 
     def stop_strings(self) -> tuple[str, ...]:
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ProtocolError(f"stop holds {len(stops)} strings; send at most {MAX_STOP_STRINGS}", "stop")
-        if any(s == "" for s in stops):
-            raise ProtocolError("stop holds an empty string; remove it", "stop")
-        return stops
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def check_limits(self, limits: Limits) -> None:
+        """The engine's own bounds, each refused with the value sent (the model's constraints are the rest)."""
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name, None)
+            if value is not None and value >= limits.max_seq_len:
+                raise ProtocolError(f"{name} {value} is beyond the model's {limits.max_seq_len}-token context; send "
+                                    f"at most {limits.max_seq_len - 1}", name)
+        if self.num_draft_tokens is not None and self.num_draft_tokens > limits.num_draft_tokens:
+            raise ProtocolError(f"num_draft_tokens {self.num_draft_tokens} is more than the {limits.num_draft_tokens} "
+                                f"drafts this server's engine makes per step; send at most {limits.num_draft_tokens}, "
+                                "or leave it out", "num_draft_tokens")
+        if self.top_k is not None and self.top_k > limits.vocab_size:
+            raise ProtocolError(f"top_k {self.top_k} is over the vocabulary's {limits.vocab_size} tokens; send at most "
+                                "that, or 0 (or -1) for none", "top_k")
+        try:
+            check_stop_strings(self.stop_strings())
+        except RequestError as err:
+            raise ProtocolError(str(err), "stop") from None
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(STRICT, extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(STRICT, extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    # Required, as OpenAI requires it (only an assistant turn with tool calls may leave it out, and tool calls
+    # aren't served here): a null or missing content was once served as an empty turn.
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)]
+    name: str | None = Field(default=None, max_length=MAX_NAME)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content
 
 
 class ChatRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
+    # fail_fast: the first bad turn is the answer; collecting an error for each of 10^5 bad turns took 0.4 s
+    # of the event loop's time (and parse_chat bounds their number before any is validated).
+    messages: list[Message] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -156,9 +211,18 @@ class ChatRequest(SamplingFields):
     def new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
 
+    def check_limits(self, limits: Limits) -> None:
+        super().check_limits(limits)
+        # A bound on what rendering and tokenizing will cost, known before either runs: the rendered text holds
+        # every turn's.
+        size = sum(len(m.text().encode("utf-8")) for m in self.messages)
+        if size > limits.max_input_bytes:
+            raise ProtocolError(f"the messages are {size} bytes of text, over this server's {limits.max_input_bytes} "
+                                "(what the model's context can hold); shorten them", "messages")
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: str | Annotated[list[str], Field(fail_fast=True)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # OpenAI allows up to 5, vLLM 20
 
     def num_logprobs(self) -> int | None:
@@ -174,44 +238,113 @@ class CompletionRequest(SamplingFields):
     def new_tokens(self, default: int) -> int:
         return self.max_tokens or default
 
+    def check_limits(self, limits: Limits) -> None:
+        super().check_limits(limits)
+        size = len(self.prompt_text().encode("utf-8"))
+        if size > limits.max_input_bytes:
+            raise ProtocolError(f"prompt is {size} bytes, over this server's {limits.max_input_bytes} (what the "
+                                "model's context can hold); shorten it", "prompt")
+
 
 def _check_extra(request: SamplingFields, unsupported: dict[str, tuple[Any, str]]) -> None:
     for name, value in (request.model_extra or {}).items():
         if name not in unsupported:
-            raise ProtocolError(f"Unrecognized request argument supplied: {name}", name)
+            raise ProtocolError(f"Unrecognized request argument supplied: {shown_name(name)}", shown_name(name))
         passes, message = unsupported[name]
         if isinstance(value, float) and not math.isfinite(value) or not passes(value):
-            raise ProtocolError(f"{name} {value!r}: {message}", name)
+            raise ProtocolError(f"{name} {shown(value)}: {message}", name)
 
 
-def _parse(model: type[SamplingFields], body: Any, unsupported: dict) -> SamplingFields:
+def _parse(model: type[SamplingFields], body: Any, unsupported: dict, limits: Limits) -> SamplingFields:
     if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
+        raise ProtocolError(f"the request body must be a JSON object (got {type(body).__name__})")
     try:
         request = model.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        errors = err.errors(include_url=False)
+        # Of a union's errors, the one from the member whose type matched (a list too long, not "not a string").
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+        # pydantic names the member of a union it tried ("content.str"): the client's field is the rest.
+        where = ".".join(shown_name(p) if isinstance(p, str) else str(p) for p in first["loc"]
+                         if not (isinstance(p, str) and (p in UNION_TAGS or "[" in p)))
         if first["type"] == "extra_forbidden":
             raise ProtocolError(f"Unrecognized request argument supplied: {where}", where) from None
-        raise ProtocolError(f"{where}: {first['msg']}", where.split(".")[0] or None) from None
+        got = "" if first["type"] == "missing" else f" (got {shown(first['input'])})"
+        raise ProtocolError(f"{where}: {first['msg']}{got}", where.split(".")[0] or None) from None
     _check_extra(request, {**COMMON_UNSUPPORTED, **unsupported})
-    request.stop_strings()
+    request.check_limits(limits)
     return request
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    request = _parse(ChatRequest, body, CHAT_UNSUPPORTED)
+def parse_chat(body: Any, limits: Limits) -> ChatRequest:
+    turns = body.get("messages") if isinstance(body, dict) else None
+    if isinstance(turns, list) and len(turns) > limits.max_seq_len:  # every turn renders to a token at least
+        raise ProtocolError(f"messages holds {len(turns)} turns; the model's {limits.max_seq_len}-token context "
+                            "can't hold them; send fewer", "messages")
+    request = _parse(ChatRequest, body, CHAT_UNSUPPORTED, limits)
     if request.messages[-1].role == "assistant" and len(request.messages) == 1:
         raise ProtocolError("messages holds only an assistant turn; start with a user (or system) turn", "messages")
     return request
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    request = _parse(CompletionRequest, body, COMPLETION_UNSUPPORTED)
+def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
+    request = _parse(CompletionRequest, body, COMPLETION_UNSUPPORTED, limits)
     if not request.prompt_text().strip():
         raise ProtocolError("prompt is empty; send a prompt", "prompt")
     return request
+
+
+def request_schemas(limits: Limits, model_name: str) -> dict[str, dict]:
+    """The request bodies as /openapi.json publishes them (components/schemas by name), with this server's
+    bounds written in: what a client, or a fuzzer driven by the document, may send."""
+    schemas: dict[str, dict] = {}
+    for model in (ChatRequest, CompletionRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    for name in ("ChatRequest", "CompletionRequest"):
+        fields = schemas[name]["properties"]
+        schemas[name]["additionalProperties"] = False  # the extras are OpenAI's neutral values, or refused
+        fields["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+        for field in ("max_tokens", "max_completion_tokens"):
+            _bound(fields.get(field), maximum=limits.max_seq_len - 1)
+        _bound(fields["num_draft_tokens"], maximum=limits.num_draft_tokens)
+        _bound(fields["top_k"], maximum=limits.vocab_size)
+        stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+        fields["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS},
+                                    {"type": "null"}], "default": None, "title": "Stop"}
+    _bound(schemas["ChatRequest"]["properties"]["messages"], maxItems=limits.max_seq_len)
+    prompt = {"type": "string", "minLength": 1, "maxLength": limits.max_input_bytes, "pattern": r"\S"}
+    schemas["CompletionRequest"]["properties"]["prompt"] = {  # one prompt, not only white space
+        "anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}], "title": "Prompt"}
+    return schemas
+
+
+def _bound(schema: dict | None, **keywords) -> None:
+    """Write JSON-schema keywords into a field's schema, or into each non-null branch of its anyOf."""
+    if schema is None:
+        return
+    for branch in schema.get("anyOf", [schema]):
+        kind = branch.get("type")
+        if kind == "null":
+            continue
+        for keyword, value in keywords.items():
+            if keyword.endswith("Length") and kind != "string" or keyword.endswith("Items") and kind != "array":
+                continue
+            branch[keyword] = value
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every refusal and failure is one."""
+
+    error: ErrorObject
 
 
 # ---- responses ------------------------------------------------------------------------------------

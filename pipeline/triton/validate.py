@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.engine.sampling_limits import (check_logprobs, check_penalty_values, check_sampling_values,
+from pipeline.engine.sampling_limits import (MAX_STOP_STRINGS, check_logprobs, check_penalty_values, check_sampling_values,
                                              check_stop_strings)
 from pipeline.errors import RequestError
 from pipeline.triton.interface import IGNORED_INPUTS, REQUIRED_INPUTS, UNSUPPORTED_INPUTS
@@ -53,11 +53,15 @@ def check_unsupported(get: Get) -> None:
             raise RequestError(f"{name} must be a finite number")
 
 
-def check_speculation(speculation: str, num_draft_tokens: int) -> None:
+def check_speculation(speculation: str, num_draft_tokens: int, max_draft_tokens: int) -> None:
+    """`max_draft_tokens`: the repository's k, what its engine was built to draft and verify per step."""
     if speculation not in SPECULATION:
-        raise RequestError(f"speculation must be auto, on or off (got {speculation!r})")
+        raise RequestError(f"speculation must be auto, on or off (got {speculation[:40]!r})")
     if num_draft_tokens < 1:
         raise RequestError(f"num_draft_tokens must be >= 1 (got {num_draft_tokens}); send speculation=off instead")
+    if num_draft_tokens > max_draft_tokens:
+        raise RequestError(f"num_draft_tokens {num_draft_tokens} is more than the {max_draft_tokens} drafts this "
+                           f"server's engine makes per step; send at most {max_draft_tokens}, or leave it out")
 
 
 def check_max_tokens(max_tokens: int, max_seq_len: int) -> None:
@@ -132,15 +136,18 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
         raise RequestError("text_input is empty; send a prompt")
     max_tokens = int(scalar("max_tokens", 0))
     check_max_tokens(max_tokens, max_seq_len)
-    speculation = text_of(scalar("speculation", b"auto"), "speculation")
+    speculation = text_of(scalar("speculation", b"auto"), "speculation", max_input_bytes)
     num_draft = int(scalar("num_draft_tokens", num_draft_tokens))
-    check_speculation(speculation, num_draft)
+    check_speculation(speculation, num_draft, num_draft_tokens)
     temperature, top_p, top_k = float(scalar("temperature", 0.0)), float(scalar("top_p", 1.0)), int(scalar("top_k", 0))
     check_sampling_values(temperature, top_p, top_k, vocab_size)
     end_id = scalar("end_id", None)
     words = get("stop_words")
-    stop_words = tuple(text_of(w, "stop_words", max_input_bytes) for w in ([] if words is None else words.reshape(-1)))
-    stop_words = tuple(w for w in stop_words if w)  # upstream clients pad the list with empty words
+    # Upstream clients pad the list with empty words; the rest are counted before any is decoded.
+    words = [w for w in ([] if words is None else words.reshape(-1)) if len(w)]
+    if len(words) > MAX_STOP_STRINGS:
+        raise RequestError(f"{len(words)} stop words; send at most {MAX_STOP_STRINGS}")
+    stop_words = tuple(text_of(w, "stop_words", max_input_bytes) for w in words)
     check_stop_strings(stop_words)
     penalties = (float(scalar("repetition_penalty", 1.0)), float(scalar("presence_penalty", 0.0)),
                  float(scalar("frequency_penalty", 0.0)))

@@ -1,0 +1,197 @@
+"""The OpenAI frontend's edge, on its own process with no tritonserver behind it: everything here is refused or
+answered before the ensemble is called. Its repository takes prompts of up to 3 MB (max_input_bytes), so large
+requests reach the tokenizer, and its body limit is 4 MiB (--max-body-bytes)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+MAX_INPUT_BYTES = 3_000_000
+BODY_LIMIT = 4 << 20
+MODEL = "tiny"
+
+
+class Frontend:
+    def __init__(self, process: subprocess.Popen, port: int, log: Path):
+        self.process, self.url, self.port, self.log = process, f"http://127.0.0.1:{port}", port, log
+
+    def rss_mb(self) -> float:
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+    def post(self, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, str, dict]:
+        """(status, Content-Type, JSON body) of one POST."""
+        request = urllib.request.Request(self.url + path, body, {"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as answer:
+                return answer.status, answer.headers["content-type"], json.loads(answer.read())
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers["content-type"], json.loads(err.read())
+
+
+def completion(prompt: str, **fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, **fields}).encode()
+
+
+@pytest.fixture(scope="module")
+def frontend(tiny_target, tmp_path_factory):
+    from serving_checks import ngram_engine
+
+    from pipeline.triton.assemble import AssembleOptions, assemble
+    from pipeline.triton.ports import free_ports
+
+    folder = tmp_path_factory.mktemp("edge")
+    engine = ngram_engine(tiny_target, folder, slots=2)
+    repo = assemble(AssembleOptions(engine=engine, repo=folder / "repo", max_input_bytes=MAX_INPUT_BYTES)).repo
+    port, nobody = free_ports(2)  # nothing listens on the gRPC port: no request here may get that far
+    log = folder / "openai.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "pipeline.openai_api", "--repo", str(repo), "--grpc-url",
+                                    f"127.0.0.1:{nobody}", "--port", str(port), "--served-model-name", MODEL,
+                                    "--max-body-bytes", str(BODY_LIMIT)], stdout=out, stderr=subprocess.STDOUT)
+    edge = Frontend(process, port, log)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(edge.url + "/v1/models", timeout=1).read()
+            break
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    yield edge
+    process.terminate()
+    process.wait(10)
+
+
+def raw_exchange(port: int, head: str, body_parts: list[bytes]) -> bytes:
+    """Send a request head and body parts on a socket of our own; return what the server answers, without
+    ever finishing a chunked body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        try:
+            for part in body_parts:
+                sock.sendall(part)
+        except (BrokenPipeError, ConnectionResetError):  # the server answered and closed: what we want
+            pass
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) == 0:
+            got = sock.recv(65536)
+            if not got:
+                break
+            answer += got
+        return answer
+
+
+def test_a_body_over_the_limit_is_refused_while_it_streams_in(frontend):
+    """A declared length over the limit is refused before any of the body is read; a chunked body, which declares
+    none, as soon as the bytes read pass the limit: the rest is never sent, and the 413 still comes."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {20 << 20}\r\n\r\n")
+    answer = raw_exchange(frontend.port, head, [])  # not one byte of the 20 MB body
+    assert answer.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in answer
+
+    chunk = b"x" * 65536
+    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (BODY_LIMIT // len(chunk) + 1)  # one chunk past the limit
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n")
+    answer = raw_exchange(frontend.port, head, parts)  # ...and no terminating chunk
+    assert answer.startswith(b"HTTP/1.1 413") and b"over this server's limit of 4194304" in answer
+    status, _, body = frontend.post("/v1/completions", completion("hi", max_tokens=10**6))
+    assert status == 400 and body["error"]["param"] == "max_tokens"  # and it serves on
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_a_body_that_is_not_json_is_a_415(frontend, content_type):
+    """text/plain and form bodies are what a web page may POST cross-site without asking: never served."""
+    status, kind, body = frontend.post("/v1/completions", completion("hi"), content_type)
+    assert status == 415 and kind == "application/json" and body["error"]["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("raw, said", [
+    (b'{"model": "tiny", "prompt": "a \\ud800 b"}', "hex escape"),  # a lone surrogate
+    (b'{"model": "tiny", "prompt": ' + b"[" * 60_000 + b"]" * 60_000 + b"}", "recursion limit"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', "expected value"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "number out of range"),
+    (b'{"model": "tiny", "prompt": "caf\xe9"}', "invalid unicode"),  # Latin-1, not UTF-8
+    (b"[1, 2]", "must be a JSON object"),
+])
+def test_json_that_pythons_parser_takes_or_chokes_on_is_a_400(frontend, raw, said):
+    status, _, body = frontend.post("/v1/completions", raw)
+    assert status == 400 and said in body["error"]["message"], body
+    assert len(body["error"]["message"]) < 400  # the request's own text is never echoed whole
+
+
+def test_routing_errors_are_in_openais_shape(frontend):
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("DELETE", "/v1/models", 405)):
+        request = urllib.request.Request(frontend.url + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
+        assert err.value.code == status
+        assert set(json.loads(err.value.read())["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop_and_its_memory_goes_back(frontend):
+    """A 2 MB prompt (2 M tokens for the byte tokenizer: seconds to tokenize, then refused for the 256-token
+    context) holds up no other request, and the frontend's RSS comes back to near where it was: glibc kept
+    about 550 MB of what tokenizing freed until the frontend trimmed its heap."""
+    frontend.post("/v1/completions", completion("warm up " * 1000))
+    before = frontend.rss_mb()
+    big = completion("word " * 400_000)
+    outcome: dict = {}
+
+    def send():
+        start = time.monotonic()
+        outcome["answer"] = frontend.post("/v1/completions", big)
+        outcome["seconds"] = time.monotonic() - start
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    waits = []
+    while sender.is_alive():
+        start = time.monotonic()
+        # tokenized too, then refused: 255 new tokens after the prompt's are over the 256-token context
+        assert frontend.post("/v1/completions", completion("hi", max_tokens=255))[0] == 400
+        waits.append(time.monotonic() - start)
+        time.sleep(0.05)
+    sender.join()
+    status, _, body = outcome["answer"]
+    assert status == 400 and "the model's whole 256-token context" in body["error"]["message"]
+    assert len(waits) >= 3 and max(waits) < outcome["seconds"] / 3, (waits, outcome["seconds"])
+    for _ in range(3):
+        frontend.post("/v1/completions", big)
+    # The heap is trimmed once the answer is out (edge.Guard): give it a moment.
+    deadline = time.monotonic() + 10
+    while frontend.rss_mb() - before >= 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert frontend.rss_mb() - before < 200
+
+
+def test_prompts_over_the_repositorys_bytes_are_refused_before_tokenizing(frontend):
+    start = time.monotonic()
+    status, _, body = frontend.post("/v1/completions", completion("x" * (MAX_INPUT_BYTES + 1)))
+    assert status == 400 and f"prompt is {MAX_INPUT_BYTES + 1} bytes" in body["error"]["message"]
+    assert time.monotonic() - start < 2  # tokenizing it would take seconds
+    messages = [{"role": "user", "content": "x" * (MAX_INPUT_BYTES // 2 + 1)}] * 2
+    status, _, body = frontend.post("/v1/chat/completions", json.dumps({"model": MODEL, "messages": messages}).encode())
+    assert status == 400 and body["error"]["param"] == "messages" and "bytes of text" in body["error"]["message"]
+
+
+def test_no_refusal_leaves_a_traceback_or_the_requests_text_in_the_log(frontend):
+    marker = "SECRET-PROMPT-TEXT"
+    for raw in (b'{"model": "tiny", "prompt": "' + marker.encode() + b' \\ud800"}',
+                b'{"model": "tiny", "prompt": "' + marker.encode() + b'", "max_tokens": "8"}',
+                b'{"model": "tiny", "prompt": ' + b"[" * 60_000 + marker.encode() + b"}"):
+        assert frontend.post("/v1/completions", raw)[0] == 400
+    log = frontend.log.read_text()
+    assert "Traceback" not in log and marker not in log
