@@ -17,6 +17,7 @@ from pipeline.engine.draft_plan import speculation_summary
 from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import ConfigError, RequestError
 from pipeline.models.presets import DEFAULT_MODEL
+from pipeline.models.tokenizer import answer_text
 from pipeline.records import read_records
 
 
@@ -116,7 +117,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
             which = f"prompt {i + 1}" if len(prompts) > 1 else "the prompt"
             raise RequestError(f"{which} failed in the engine: {r.error}")
     outputs = [
-        Output(prompt=p, text=tokenizer.decode(r.output_ids, skip_special_tokens=True),
+        Output(prompt=p, text=answer_text(tokenizer, r.output_ids),
                token_ids=list(r.output_ids), finish_reason=r.finish_reason.value, draft_steps=r.num_verify_steps,
                skipped_steps=dict(sorted(r.skip_reasons.items())))
         for p, r in zip(prompts, requests)

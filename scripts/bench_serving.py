@@ -35,6 +35,7 @@ import numpy as np
 from bench_engine import CODE  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from bench_engine import PROMPTS as ENGINE_PROMPTS  # noqa: E402
 from bench_engine import print_markdown  # noqa: E402
+from pipeline.models.tokenizer import answer_text
 from pipeline.triton.ports import free_ports
 
 # bench_engine's prompts (answers that copy from the prompt, where n-gram lookup pays, and free-form ones)
@@ -189,7 +190,7 @@ class InProcess:
             fresh.clear()
             for req in [r for r in sent if r.finished]:
                 trace, _ = sent.pop(req)
-                trace.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+                trace.text = answer_text(self.tokenizer, req.output_ids)  # as the served answer is written
                 trace.accepted, trace.drafted = req.num_accepted, req.num_drafted
                 if (i := next(queued, None)) is not None:
                     send(i)

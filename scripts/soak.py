@@ -60,7 +60,8 @@ BAD_REQUESTS = {
     "nan penalty": (dict(repetition_penalty=("FP32", float("nan"))), "repetition_penalty"),
     "beam search": (dict(beam_width=("INT32", 4)), "beam_width 4"),
     # Bounded by the engine, never clamped: an unbounded k once sized a 10^9-entry histogram (issue 39).
-    "drafts past the engine's k": (dict(num_draft_tokens=("INT32", 1_000_000)), "num_draft_tokens 1000000 is more than"),
+    "drafts past the engine's k": (dict(num_draft_tokens=("INT32", 1_000_000)),
+                                   "num_draft_tokens 1000000 is more than"),
     "huge repetition penalty": (dict(repetition_penalty=("FP32", 1e6)), "repetition_penalty 1e+06 is over"),
 }
 

@@ -41,7 +41,7 @@ def expected_texts(engine_dir: Path, prompts: list[str], max_tokens: int) -> lis
     """expected_text for each prompt, alone (speculation off: greedy output is the target's either way)."""
     from pipeline.engine.config import ModelConfig
     from pipeline.engine.sampling import SamplingParams
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from pipeline.models.tokenizer import answer_text, encode_prompt, load_tokenizer, stop_token_ids
 
     tokenizer = load_tokenizer(engine_dir / "target")
     stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
@@ -50,7 +50,7 @@ def expected_texts(engine_dir: Path, prompts: list[str], max_tokens: int) -> lis
     for prompt in prompts:
         [req] = engine.generate([encode_prompt(tokenizer, prompt, raw=False)],
                                 SamplingParams(max_tokens=max_tokens, stop_token_ids=stops), speculation="off")
-        texts.append(tokenizer.decode(req.output_ids, skip_special_tokens=True))
+        texts.append(answer_text(tokenizer, req.output_ids))
     return texts
 
 

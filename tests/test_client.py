@@ -34,7 +34,7 @@ def expected(engine_dir) -> dict[str, tuple[str, int]]:
     """prompt -> (text, new tokens) from the in-process engine (greedy), decoded as the server decodes it."""
     from pipeline.engine.config import ModelConfig
     from pipeline.engine.sampling import SamplingParams
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from pipeline.models.tokenizer import answer_text, encode_prompt, load_tokenizer, stop_token_ids
 
     tokenizer = load_tokenizer(engine_dir / "target")
     stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
@@ -42,7 +42,7 @@ def expected(engine_dir) -> dict[str, tuple[str, int]]:
                                             SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=stops))
     out = {}
     for prompt, req in zip(PROMPTS, reqs):
-        out[prompt] = (tokenizer.decode(req.output_ids, skip_special_tokens=True), len(req.output_ids))
+        out[prompt] = (answer_text(tokenizer, req.output_ids), len(req.output_ids))
     return out
 
 

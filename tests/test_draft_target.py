@@ -180,9 +180,8 @@ def test_speculation_off_and_sampled_requests_call_the_target_alone():
     expected = ToyEngines(target, target)._greedy(target, PROMPT, 20)
     engines = ToyEngines(target, toy(8), stream_chunk=3)
     sent = run(engines, request_tensors(PROMPT, 20, stream=True), speculate=False)
-    # 20 tokens in chunks of 3: 7 chunks, then the final response (nothing new, `final` set).
-    assert tokens_of(sent) == expected and counts(sent) == (0, 0, 0) and len(sent) == 8
-    assert [bool(r["final"][0, 0]) for r in sent] == [False] * 7 + [True]
+    # 20 tokens in chunks of 3: 7 chunks, and nothing after the last (the gate sends the FINAL flag alone).
+    assert tokens_of(sent) == expected and counts(sent) == (0, 0, 0) and len(sent) == 7
     assert engines.calls == [("decode", 20)]
     sampled = ToyEngines(target, toy(8))
     run(sampled, request_tensors(PROMPT, 20, temperature=0.8))
@@ -264,9 +263,9 @@ def test_cancellation_stops_between_iterations():
 def test_streamed_chunks_resend_a_prefix_for_split_characters():
     target = toy(7)
     sent = run(ToyEngines(target, target), request_tensors(PROMPT, 20, stream=True))
-    # The final response resends only the prefix: all of its ids are already-sent ones.
-    assert [int(r["prefix_length"][0, 0]) for r in sent] == [0, 5, 6, 6, 6]
-    assert sent[-1]["output_ids"].shape[1] == 6
+    # Each chunk after the first resends up to PREFIX_TOKENS (6) already-sent ids, and brings new ones.
+    assert [int(r["prefix_length"][0, 0]) for r in sent] == [0, 5, 6, 6]
+    assert all(r["output_ids"].shape[1] > int(r["prefix_length"][0, 0]) for r in sent)
 
 
 def test_the_prefix_counts_only_text_tokens():
@@ -396,7 +395,7 @@ def reference(tiny_target):
     from trtllm_standin import greedy_generate, load_model
 
     from pipeline.engine.config import ModelConfig
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from pipeline.models.tokenizer import answer_text, encode_prompt, load_tokenizer, stop_token_ids
 
     model, tokenizer = load_model(str(tiny_target)), load_tokenizer(tiny_target)
     stops = stop_token_ids(tokenizer, ModelConfig.from_folder(tiny_target).eos_token_ids)
@@ -410,8 +409,7 @@ def reference(tiny_target):
                 break
         if as_ids:
             return ids, out
-        # The final response releases any trailing U+FFFD postprocessing held back, so the text is whole.
-        return tokenizer.decode(out, skip_special_tokens=True)
+        return answer_text(tokenizer, out)  # as every route sends it
     return text
 
 
@@ -465,7 +463,7 @@ def test_penalties_and_log_probs_are_tensorrt_llms_own_and_top_n_is_refused_in_o
     from trtllm_standin import load_model, penalised_next
 
     from pipeline.engine.config import ModelConfig
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+    from pipeline.models.tokenizer import answer_text, encode_prompt, load_tokenizer, stop_token_ids
 
     _, server = served
     prompt, n = "abcabcabc hello", 24
@@ -476,14 +474,13 @@ def test_penalties_and_log_probs_are_tensorrt_llms_own_and_top_n_is_refused_in_o
         token, logprob = penalised_next(model, ids + out, len(ids), 1.2)
         out.append(token)
         logprobs.append(logprob)
-    assert tokenizer.decode(out, skip_special_tokens=True) != reference(prompt, n)  # the penalty changed the answer
+    assert answer_text(tokenizer, out) != reference(prompt, n)  # the penalty changed the answer
     client = grpcclient.InferenceServerClient(server.endpoints.grpc)
     try:
         for stream in (False, True):
             results = ensemble_results(client, prompt, n, stream, repetition_penalty=np.array([[1.2]], np.float32),
                                        return_log_probs=np.array([[True]]))
-            assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in results) == \
-                tokenizer.decode(out, skip_special_tokens=True)
+            assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in results) == answer_text(tokenizer, out)
             got = [float(v) for r in results for v in r.as_numpy("output_log_probs").reshape(-1)]
             assert got == pytest.approx(logprobs, abs=1e-5)
             assert sum(float(r.as_numpy("cum_log_probs").reshape(-1)[0]) for r in results) == \

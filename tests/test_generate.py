@@ -23,11 +23,11 @@ def test_generate_returns_one_output_per_prompt_with_decoded_text(tiny_target):
 
 
 def test_text_skips_special_tokens(tiny_target):
-    from pipeline.models.tokenizer import load_tokenizer
+    from pipeline.models.tokenizer import answer_text, load_tokenizer
 
     tok = load_tokenizer(tiny_target)
     out = generate(opts(tiny_target, max_tokens=30)).outputs[0]
-    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text == answer_text(tok, out.token_ids)
 
 
 def test_generation_stops_at_the_chat_end_token(tiny_target):

@@ -119,7 +119,7 @@ def served(tiny_target, tmp_path_factory):
                                    tmp_path_factory.mktemp("frontend") / "openai.log")
         frontend.start().wait_ready()
         try:
-            yield server, frontend
+            yield server, frontend, engine
         finally:
             frontend.stop()
 
@@ -214,12 +214,15 @@ def test_penalties_reach_the_engine_and_a_resent_prompt_is_served_from_the_prefi
 
 
 def test_log_probs_in_openais_shapes_streamed_or_not(client):
+    from pipeline.models.tokenizer import visible_text
+
     messages = [{"role": "user", "content": "List some numbers."}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
                                            logprobs=True, top_logprobs=3)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens
-    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    # Each token's own text; the answer drops a character max_tokens cut in two (visible_text).
+    assert visible_text("".join(t.token for t in content)) == whole.choices[0].message.content
     for t in content:  # greedy: the chosen token is the most likely one
         assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob <= 0
         assert bytes(t.bytes).decode() == t.token
@@ -230,7 +233,7 @@ def test_log_probs_in_openais_shapes_streamed_or_not(client):
     completion = client.completions.create(model="tiny", prompt="Count: 1, 2,", max_tokens=10, temperature=0,
                                            logprobs=2)
     lp = completion.choices[0].logprobs
-    assert "".join(lp.tokens) == completion.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert visible_text("".join(lp.tokens)) == completion.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(len(top) <= 2 for top in lp.top_logprobs)
     pieces = [c.choices[0].logprobs for c in client.completions.create(
@@ -611,3 +614,30 @@ def test_schemathesis_fuzzing_the_published_api_finds_no_5xx_no_reset_and_no_las
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "serves_on" not in run.stdout and "No issues found" in run.stdout, run.stdout[-2000:]
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it(served, client):
+    """The tiny model writes bytes, so max_tokens can cut a character in two: the answer ends before it, on the
+    OpenAI API and over gRPC alike, never in the U+FFFD a lossy decode writes for the missing bytes."""
+    from pipeline.engine import load_engine
+    from pipeline.engine.config import ModelConfig
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
+
+    engine_dir = served[2]
+    tokenizer, engine = load_tokenizer(engine_dir / "target"), load_engine(engine_dir)
+    stops = stop_token_ids(tokenizer, ModelConfig.from_folder(engine_dir / "target").eos_token_ids)
+    cuts = []
+    for prompt in (f"Dites quelque chose, {i}" for i in range(30)):
+        [req] = engine.generate([encode_prompt(tokenizer, prompt, raw=True)],
+                                SamplingParams(max_tokens=40, stop_token_ids=stops), speculation="off")
+        cuts += [(prompt, n, req.output_ids[:n]) for n in range(1, len(req.output_ids) + 1)
+                 if tokenizer.decode(req.output_ids[:n], skip_special_tokens=True).endswith("\ufffd")]
+        if cuts:
+            break
+    prompt, n, ids = cuts[0]
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0)
+    text = answer.choices[0].text
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)[:-1] and not text.endswith("\ufffd")
+    assert answer.usage.completion_tokens == n and answer.choices[0].finish_reason == "length"
+    assert grpc_text_raw(served[0], prompt, n) == text

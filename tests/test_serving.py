@@ -267,7 +267,6 @@ def test_internal_models_called_directly_refuse_bad_inputs_in_one_line(server, e
                 tensor("verify_steps", np.array([[0]], np.int32), "INT32"),
                 tensor("skipped_steps", np.array([[b"{}"]], np.object_), "BYTES"),
                 tensor("acceptance_histogram", np.array([[b"{}"]], np.object_), "BYTES"),
-                tensor("final", np.array([[True]]), "BOOL"),
                 tensor("stream_id", np.array([[0]], np.uint64), "UINT64")]
 
     c = client(server)
@@ -733,6 +732,8 @@ def test_a_bad_value_over_http_is_a_one_line_400_and_the_server_serves_the_next(
 
 
 def test_log_probs_and_penalties_are_the_engines_own(server, engine_dir):
+    from pipeline.models.tokenizer import answer_text
+
     prompt = "count the words in this sentence please"
     req, tokenizer = engine_answer(engine_dir, prompt, 24, repetition_penalty=1.2, logprobs=2)
     plain, _ = engine_answer(engine_dir, prompt, 24)
@@ -751,7 +752,7 @@ def test_log_probs_and_penalties_are_the_engines_own(server, engine_dir):
             assert [[tuple(p) for p in t[2]] for t in top] == [list(lp.top) for lp in req.logprobs]
         [(text, _, _)] = responses(c, prompt, 24, stream=False,
                                    extra=[tensor("repetition_penalty", np.array([[1.2]], np.float32), "FP32")])
-        assert text == tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        assert text == answer_text(tokenizer, req.output_ids)
     finally:
         c.close()
 

@@ -33,6 +33,22 @@ def load_tokenizer(path: Path):
         ) from None
 
 
+REPLACEMENT = "\ufffd"
+
+
+def visible_text(text: str) -> str:
+    """Decoded answer text as it is sent, without one trailing U+FFFD. A lossy UTF-8 decode writes exactly one
+    U+FFFD for a character whose bytes haven't all come, and changes nothing before it when more come: mid-answer
+    the rest may follow, and at its end (max_tokens cut a character in two) none will, so it is never sent. (A run
+    of U+FFFD can't be stripped whole: its first ones may be bytes that were never a character.)"""
+    return text[:-1] if text.endswith(REPLACEMENT) else text
+
+
+def answer_text(tokenizer, ids: list[int]) -> str:
+    """An answer's text, as every route sends it: special tokens skipped, no unfinished character at the end."""
+    return visible_text(tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def uses_chat_template(tokenizer, raw: bool) -> bool:
     return not raw and bool(getattr(tokenizer, "chat_template", None))
 

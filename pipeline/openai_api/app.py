@@ -32,8 +32,8 @@ from pipeline.openai_api import edge
 from pipeline.openai_api.ensemble import Ensemble, EnsembleError
 from pipeline.openai_api.protocol import (API_KEY_ENV, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs,
                                           ChatMessage, ChatRequest, ChunkChoice, Completion, CompletionChoice,
-                                          CompletionLogprobs, CompletionRequest, Delta, ErrorResponse, Limits, ModelCard,
-                                          ModelList, PromptTokensDetails, ProtocolError, ResponseMetrics,
+                                          CompletionLogprobs, CompletionRequest, Delta, ErrorResponse, Limits,
+                                          ModelCard, ModelList, PromptTokensDetails, ProtocolError, ResponseMetrics,
                                           SamplingFields, SpecDecoding, TokenLogprob, TopLogprob, Usage, parse_chat,
                                           parse_completion, request_schemas)
 from pipeline.openai_api.stops import StopMatcher

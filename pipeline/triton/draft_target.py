@@ -220,11 +220,10 @@ class Emitter:
         if self.request.stream:
             self.flush()
 
-    def flush(self, final: bool = False) -> None:
-        """Send what is new; the final response goes out even with nothing new (postprocessing then
-        releases a trailing U+FFFD it held back)."""
+    def flush(self) -> None:
+        """Send what is new: a stream's new tokens, or the whole answer once."""
         end = len(self.tokens)
-        if self.request.stream and end == self.sent and not final:
+        if self.request.stream and end == self.sent:
             return
         start = self._prefix_start() if self.request.stream else 0
         row = np.array([self.tokens[start:end]], np.int32).reshape(1, -1)
@@ -240,8 +239,7 @@ class Emitter:
                    "drafted_tokens": np.array([[self.counts[1]]], np.int32),
                    "verify_steps": np.array([[self.counts[2]]], np.int32),
                    "skipped_steps": np.array([[json.dumps(self.skipped).encode()]], np.object_),
-                   "acceptance_histogram": np.array([[json.dumps(self.histogram).encode()]], np.object_),
-                   "final": np.array([[final]], np.bool_)})
+                   "acceptance_histogram": np.array([[json.dumps(self.histogram).encode()]], np.object_)})
         self.sent, self.counts, self.skipped, self.histogram = end, [0, 0, 0], {}, {}
 
     def _prefix_start(self) -> int:
@@ -405,7 +403,7 @@ def serve_request(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_
     forced: the client asked for speculation on.
 
     Streaming: one response per iteration with new tokens; otherwise one response with the whole
-    answer. The last response has `final` set; the caller sends Triton's FINAL flag. Raises
+    answer. The caller sends Triton's FINAL flag after the last one. Raises
     EngineCallError (one line) if a model fails.
     is_text: `text_token_filter(tokenizer_dir)`; without it every token but end_id counts as text.
     """
@@ -417,4 +415,4 @@ def serve_request(tensors: dict[str, np.ndarray], *, speculate: bool, num_draft_
     else:
         plain_loop(request, engines, emit, cancelled, reason=request.plain_reason or reason)
     if not cancelled():
-        emit.flush(final=True)
+        emit.flush()

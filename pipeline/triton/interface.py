@@ -160,9 +160,6 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # Steps in this response that didn't draft: a JSON object, reason -> count (engine/draft_plan.py).
     TensorSpec("skipped_steps", "BYTES", (1,)),
     TensorSpec("acceptance_histogram", "BYTES", (1,)),  # verify steps by drafts accepted (ENSEMBLE_OUTPUTS')
-    # The request's last response: postprocessing stops holding back a trailing U+FFFD (no more
-    # bytes can complete it). Engines that don't send it leave the gate to say False.
-    TensorSpec("final", "BOOL", (1,)),
     # output_ids' log probs, one per id (prefix included; 0 where none were asked for), and the new tokens' ids,
     # log probs and top-N alternatives as ENSEMBLE_OUTPUTS' top_log_probs ("[]" for none). These four are optional
     # for a client calling postprocessing directly; the gate always sends them.

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.engine.sampling_limits import (MAX_STOP_STRINGS, check_logprobs, check_penalty_values, check_sampling_values,
-                                             check_stop_strings)
+from pipeline.engine.sampling_limits import (MAX_STOP_STRINGS, check_logprobs, check_penalty_values,
+                                             check_sampling_values, check_stop_strings)
 from pipeline.errors import RequestError
 from pipeline.triton.interface import IGNORED_INPUTS, REQUIRED_INPUTS, UNSUPPORTED_INPUTS
 
@@ -222,8 +222,8 @@ def stop_word_ids(flat: np.ndarray) -> list[tuple[int, ...]]:
     return [w for w in words if w]
 
 
-def read_generation_output(get: Get) -> tuple[list[int], int, bool]:
-    """postprocessing's inputs: (output_ids, prefix_length, final), with the prefix inside the ids."""
+def read_generation_output(get: Get) -> tuple[list[int], int]:
+    """postprocessing's inputs: (output_ids, prefix_length), with the prefix inside the ids."""
     ids = _required(get, "output_ids")
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise RequestError(f"output_ids must be [1, N] (got shape {list(ids.shape)}); send one response per call")
@@ -233,5 +233,4 @@ def read_generation_output(get: Get) -> tuple[list[int], int, bool]:
     start = int(_required(get, "prefix_length").reshape(-1)[0])
     if not 0 <= start <= len(tokens):
         raise RequestError(f"prefix_length {start} is outside 0..{len(tokens)} (the ids sent)")
-    final = get("final")
-    return tokens, start, bool(final is not None and final.size and final.reshape(-1)[0])
+    return tokens, start

@@ -1,11 +1,9 @@
 """Triton python model `postprocessing`: one generation response -> its text.
 
 output_ids = prefix_length tokens already sent + the new ones (pipeline.triton.interface). The text
-is decode(all) minus decode(prefix), each without ONE trailing U+FFFD: a lossy UTF-8 decode turns an
-unfinished character at the end into exactly one U+FFFD and changes nothing before it when more bytes
-come, so holding back that one character keeps every chunk whole with no per-request state here.
-(A run of U+FFFD can't be stripped whole: its first ones may be older than the resent prefix.)
-The request's final response (`final`) keeps its trailing U+FFFD: no more bytes will come.
+is decode(all) minus decode(prefix), each without one trailing U+FFFD (pipeline.models.tokenizer.visible_text):
+an unfinished character waits for its bytes, which keeps every chunk whole with no per-request state here,
+and an answer cut inside one (by max_tokens) ends before it.
 """
 
 import json
@@ -13,12 +11,10 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.models.tokenizer import load_tokenizer
+from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.validate import read_generation_output
-
-REPLACEMENT = "\ufffd"
 
 
 class TritonPythonModel:
@@ -41,9 +37,8 @@ class TritonPythonModel:
                 pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_)),
                 pb_utils.Tensor("prefix_cache_hit_tokens", zero)]
 
-    def _visible(self, ids, final: bool = False) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
-        return text[:-1] if text.endswith(REPLACEMENT) and not final else text
+    def _visible(self, ids) -> str:
+        return visible_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
 
     def execute(self, requests):
         responses = []
@@ -68,8 +63,8 @@ class TritonPythonModel:
             # drops the gate's later final response and keeps the request in flight until its 30 s exit
             # timeout at unload. The client is gone, so nobody reads this.
             return pb_utils.InferenceResponse(output_tensors=self._empty())
-        ids, start, final = read_generation_output(get)
-        full, prefix = self._visible(ids, final=final), self._visible(ids[:start])
+        ids, start = read_generation_output(get)
+        full, prefix = self._visible(ids), self._visible(ids[:start])
         text = full[len(prefix):] if full.startswith(prefix) else full
         limit = get("text_limit")
         if limit is not None and int(limit.reshape(-1)[0]) >= 0:  # a stop string ends the answer in this response

@@ -50,7 +50,7 @@ from pipeline.triton.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
 ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps", "skipped_steps",
-                  "acceptance_histogram", "final", "output_log_probs", "top_log_probs", "text_limit", "cached_tokens"]
+                  "acceptance_histogram", "output_log_probs", "top_log_probs", "text_limit", "cached_tokens"]
 GENERATION_OUTPUTS = ENGINE_OUTPUTS + ["stream_id"]
 METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather than send one per token
 
@@ -59,7 +59,7 @@ def _defaults(outputs: dict) -> dict:
     """The generation tensors an engine left out (the TensorRT-LLM loop sends log probs only where they were asked
     for, and no stop-string cut or prefix-cache count), at their neutral values: postprocessing always gets every
     input."""
-    return {"final": np.array([[False]]), "output_log_probs": np.zeros(outputs["output_ids"].shape, np.float32),
+    return {"output_log_probs": np.zeros(outputs["output_ids"].shape, np.float32),
             "top_log_probs": np.array([[b"[]"]], np.object_), "text_limit": np.array([[-1]], np.int32),
             "cached_tokens": np.array([[0]], np.int32), **outputs}
 

@@ -20,7 +20,7 @@ from pipeline.engine.folder import load_engine, read_engine_manifest
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.engine.request import RequestStatus
 from pipeline.engine.sampling import SamplingParams
-from pipeline.models.tokenizer import load_tokenizer
+from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.serving_gate import busy_message
@@ -141,7 +141,7 @@ def _since(counts: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def _generation_response(ids: list[int], prefix_length: int, accepted: int, drafted: int, verify_steps: int,
-                         final: bool, skipped: dict | None = None, histogram: dict | None = None,
+                         skipped: dict | None = None, histogram: dict | None = None,
                          logprobs: list[float] | None = None, top: list | None = None, text_limit: int = -1,
                          cached_tokens: int = 0):
     """One response in the engine's output tensors (pipeline.triton.interface GENERATION_TENSORS, less stream_id)."""
@@ -163,7 +163,6 @@ def _generation_response(ids: list[int], prefix_length: int, accepted: int, draf
         pb_utils.Tensor("verify_steps", scalar(verify_steps)),
         pb_utils.Tensor("skipped_steps", scalar(json.dumps(skipped or {}).encode(), np.object_)),
         pb_utils.Tensor("acceptance_histogram", scalar(json.dumps(histogram or {}).encode(), np.object_)),
-        pb_utils.Tensor("final", scalar(final, np.bool_)),
         *extras,
     ])
 
@@ -314,8 +313,8 @@ class TritonPythonModel:
         # Streaming: the new tokens after up to PREFIX_TOKENS already sent. Not streaming: the whole answer.
         start = self._prefix_start(req.output_ids, state.sent) if state.stream else 0
         end = len(req.output_ids) if final else self._safe_end(req)
-        # A stream's final response goes out even with no new tokens: it resends the prefix, so
-        # postprocessing releases a trailing U+FFFD it held back.
+        # A stream's final response goes out even with no new tokens: it carries the FINAL flag, the last counts
+        # and a stop string's cut (its ids are the resent prefix, which postprocessing turns into no text).
         if start == end and final:
             # No token at all (the first one was a stop token): Triton's ensemble takes a [1, 0] output_ids for a
             # missing input and fails the request, so the answer ends with a bare final flag instead.
@@ -333,7 +332,7 @@ class TritonPythonModel:
                 limit = max(0, req.stop_text_len - len(self._visible(req.output_ids[:sent])))
             response = _generation_response(req.output_ids[start:end], sent - start,
                                             req.num_accepted - state.accepted, req.num_drafted - state.drafted,
-                                            req.num_verify_steps - state.verify_steps, final, skipped,
+                                            req.num_verify_steps - state.verify_steps, skipped,
                                             _since(req.accepted_per_step, state.histogram), logprobs, top, limit,
                                             req.num_cached_tokens)
             state.skipped, state.histogram = dict(req.skip_reasons), dict(req.accepted_per_step)
@@ -343,9 +342,8 @@ class TritonPythonModel:
         state.accepted, state.drafted, state.verify_steps = req.num_accepted, req.num_drafted, req.num_verify_steps
 
     def _visible(self, ids) -> str:
-        """The text postprocessing has written for `ids` (it holds back one trailing U+FFFD until the end)."""
-        text = self.decode(ids)
-        return text[:-1] if text.endswith("\ufffd") else text
+        """The text postprocessing has written for `ids`."""
+        return visible_text(self.decode(ids))
 
     def _safe_end(self, req) -> int:
         """Output tokens a stream may send now: with stop strings, not those whose text a stop string could still
@@ -358,7 +356,7 @@ class TritonPythonModel:
         now = time.monotonic()
         if now - state.probed_at < KEEPALIVE_S:
             return
-        state.sender.send(_generation_response(req.prompt_ids[-1:], 1, 0, 0, 0, final=False))
+        state.sender.send(_generation_response(req.prompt_ids[-1:], 1, 0, 0, 0))
         state.probed_at = now
 
     def _count_finish(self, reason: str):
