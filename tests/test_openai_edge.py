@@ -110,6 +110,20 @@ def test_a_body_over_the_limit_is_refused_while_it_streams_in(frontend):
     assert status == 400 and body["error"]["param"] == "max_tokens"  # and it serves on
 
 
+def test_headers_over_the_limit_are_a_431_whether_they_arrive_whole_or_in_pieces(frontend):
+    """uvicorn's h11 refuses a head still arriving past 16 KiB, but took a 200 KB one that came in one read."""
+    big = "x" * 100_000
+    request = urllib.request.Request(frontend.url + "/v1/models", headers={"X-Big": big})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 431 and json.loads(err.value.read())["error"]["code"] == "request_header_fields_too_large"
+    many = {f"X-{i}": "y" * 100 for i in range(300)}  # 30 KB in many headers
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(frontend.url + "/v1/models", headers=many), timeout=30)
+    assert err.value.code == 431
+    urllib.request.urlopen(frontend.url + "/v1/models", timeout=30).read()  # and it serves on
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
 def test_a_body_that_is_not_json_is_a_415(frontend, content_type):
     """text/plain and form bodies are what a web page may POST cross-site without asking: never served."""

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import click
 
-HEAD_BYTES = 16 * 1024  # a request line and its headers (h11's own default, named so it is one decision)
-
 
 def settings_from_repo(repo: Path, grpc_url: str, model_name: str | None, metrics_url: str | None,
                        max_body_bytes: int | None = None):
@@ -67,6 +65,7 @@ def main(repo, grpc_url, host, port, metrics_url, model_name, max_body_bytes):
 
     from pipeline.errors import PipelineError
     from pipeline.openai_api.app import create_app
+    from pipeline.openai_api.edge import HEAD_BYTES
 
     try:
         app = create_app(settings_from_repo(repo, grpc_url, model_name, metrics_url, max_body_bytes))
@@ -75,8 +74,8 @@ def main(repo, grpc_url, host, port, metrics_url, model_name, max_body_bytes):
         sys.exit(2)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # No per-request access log: one line per request at 64 streams drowns the server's own log. h11, named
-    # rather than picked (uvicorn takes httptools where it is installed), bounds a request's head at
-    # HEAD_BYTES: unbounded headers were vLLM's CVE-2025-48956.
+    # rather than picked (uvicorn takes httptools where it is installed), bounds a head still arriving at
+    # HEAD_BYTES; edge.Guard bounds one that came whole.
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                 http="h11", h11_max_incomplete_event_size=HEAD_BYTES)
 

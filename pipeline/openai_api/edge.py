@@ -30,6 +30,10 @@ from pipeline.openai_api.protocol import ProtocolError
 
 log = logging.getLogger("pipeline.openai_api")
 JSON_TYPE = "application/json"
+# A request line and its headers. uvicorn's h11 refuses a head still incomplete past this (h11's own default), but
+# takes one that arrives whole in a single read (200 KB did on loopback): Guard refuses that one. Unbounded
+# headers were vLLM's CVE-2025-48956.
+HEAD_BYTES = 16 * 1024
 MIN_BODY_BYTES = 1 << 20
 BODY_PER_INPUT_BYTE = 4  # JSON escapes make a body longer than the text it carries (\u00e9 is 6 bytes for 2)
 TRIM_AFTER_BYTES = 1 << 16  # a body this large leaves enough freed heap behind to hand back (release_memory)
@@ -66,7 +70,7 @@ async def read_json(request: Request, max_body_bytes: int):
 
 
 def _too_large(size: int, limit: int, more: bool = False) -> ProtocolError:
-    return ProtocolError(f"the request body is {'over ' if more else ''}{size} bytes, over this server's limit of "
+    return ProtocolError(f"the request body is {'at least ' if more else ''}{size} bytes, over this server's limit of "
                          f"{limit} (`pipeline serve --openai-max-body-bytes`); shorten the request", status=413,
                          code="request_too_large")
 
@@ -97,10 +101,10 @@ def log_failure(method: str, path: str, err: BaseException) -> None:
 
 
 class Guard:
-    """ASGI middleware around every request. An exception no handler took becomes a 500 in OpenAI's shape and
-    one log line (it sits inside Starlette's ServerErrorMiddleware, which would answer in plain text and
-    re-raise to uvicorn, which logs the whole traceback). After a request whose body was large, what parsing
-    and tokenizing it freed goes back to the system."""
+    """ASGI middleware around every request. A head over HEAD_BYTES is a 431. An exception no handler took
+    becomes a 500 in OpenAI's shape and one log line (it sits inside Starlette's ServerErrorMiddleware, which
+    would answer in plain text and re-raise to uvicorn, which logs the whole traceback). After a request whose
+    body was large, what parsing and tokenizing it freed goes back to the system."""
 
     def __init__(self, app):
         self.app = app
@@ -108,6 +112,11 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        head = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > HEAD_BYTES:
+            error = ProtocolError(f"the request's headers are {head} bytes, over this server's limit of {HEAD_BYTES}; "
+                                  "send fewer or shorter ones", status=431, code="request_header_fields_too_large")
+            return await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
         started, received = False, 0
 
         async def counted():
