@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pipeline.openai_api.protocol import ProtocolError
+from pipeline.openai_api.protocol import ProtocolError, shown_name
 
 log = logging.getLogger("pipeline.openai_api")
 JSON_TYPE = "application/json"
@@ -151,8 +151,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def routing(request, err: HTTPException):  # 404 no such route, 405 wrong method
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        error = ProtocolError(f"{request.method} {request.url.path}: {err.detail}", status=err.status_code,
-                              type=kind)
+        error = ProtocolError(f"{request.method} {shown_name(request.url.path)}: {err.detail}",
+                              status=err.status_code, type=kind)
         return JSONResponse(error.body(), status_code=err.status_code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(RequestValidationError)
