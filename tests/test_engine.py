@@ -193,6 +193,9 @@ def test_bad_requests_raise_one_line_errors(tiny_target):
         engine.add_request([10**6], SamplingParams())
     with pytest.raises(RequestError, match="empty"):
         engine.add_request([], SamplingParams())
+    k = engine.config.num_draft_tokens  # more drafts than the engine makes: refused, never clamped
+    with pytest.raises(RequestError, match=f"num_draft_tokens {k + 1} is more than the {k} drafts"):
+        engine.add_request([1, 2], SamplingParams(), num_draft_tokens=k + 1)
     with pytest.raises(RequestError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ConfigError, match="num_draft_tokens"):

@@ -32,6 +32,7 @@ from pipeline.engine.penalties import penalize
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
 from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
+from pipeline.engine.sampling_limits import check_num_draft_tokens
 from pipeline.engine.speculative import accept_greedy, accept_sampled
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.stop_strings import Detokenize, StopStrings
@@ -127,9 +128,8 @@ class LLMEngine:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens but the KV cache holds "
                                f"{self.blocks.num_blocks * self.cache.block_size}; shorten the prompt or raise "
                                f"kv_cache_bytes")
-        if num_draft_tokens is not None and num_draft_tokens > self.config.num_draft_tokens:
-            raise RequestError(f"num_draft_tokens {num_draft_tokens} is more than the engine's "
-                               f"{self.config.num_draft_tokens}; send at most that")
+        if num_draft_tokens is not None:
+            check_num_draft_tokens(num_draft_tokens, self.config.num_draft_tokens)
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")

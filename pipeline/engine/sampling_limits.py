@@ -31,10 +31,22 @@ def check_sampling_values(temperature: float, top_p: float, top_k: int, vocab_si
         raise RequestError(f"temperature {temperature:g} is over {MAX_TEMPERATURE:g}; send a smaller one")
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1] (got {top_p})")
+    check_top_k(top_k, vocab_size)
+
+
+def check_top_k(top_k: int, vocab_size: int | None = None) -> None:
     if top_k < 0:
         raise RequestError(f"top_k must be >= 0 (got {top_k}); use 0 to disable")
     if vocab_size is not None and top_k > vocab_size:
         raise RequestError(f"top_k {top_k} is over the vocabulary's {vocab_size} tokens; send at most that, or 0")
+
+
+def check_num_draft_tokens(num_draft_tokens: int, max_draft_tokens: int) -> None:
+    """A request may ask for fewer drafts per step than the engine was built for (`max_draft_tokens`, its k),
+    never more: refused, not clamped. An unbounded one once sized a 10^9-entry histogram."""
+    if num_draft_tokens > max_draft_tokens:
+        raise RequestError(f"num_draft_tokens {num_draft_tokens} is more than the {max_draft_tokens} drafts this "
+                           f"server's engine makes per step; send at most {max_draft_tokens}, or leave it out")
 
 MAX_LOGPROBS = 20  # top-N log probs per token, as OpenAI's top_logprobs allows
 MAX_STOP_STRINGS = 16

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.engine.sampling_limits import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                             check_stop_strings)
+                                             check_num_draft_tokens, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
 
 SPECULATION = ("auto", "on", "off")
@@ -155,17 +155,18 @@ class SamplingFields(BaseModel):
             if value is not None and value >= limits.max_seq_len:
                 raise ProtocolError(f"{name} {value} is beyond the model's {limits.max_seq_len}-token context; send "
                                     f"at most {limits.max_seq_len - 1}", name)
-        if self.num_draft_tokens is not None and self.num_draft_tokens > limits.num_draft_tokens:
-            raise ProtocolError(f"num_draft_tokens {self.num_draft_tokens} is more than the {limits.num_draft_tokens} "
-                                f"drafts this server's engine makes per step; send at most {limits.num_draft_tokens}, "
-                                "or leave it out", "num_draft_tokens")
-        if self.top_k is not None and self.top_k > limits.vocab_size:
-            raise ProtocolError(f"top_k {self.top_k} is over the vocabulary's {limits.vocab_size} tokens; send at most "
-                                "that, or 0 (or -1) for none", "top_k")
-        try:
-            check_stop_strings(self.stop_strings())
-        except RequestError as err:
-            raise ProtocolError(str(err), "stop") from None
+        # The engine's own rules (pipeline.engine.sampling_limits), each named by its field.
+        checks = []
+        if self.num_draft_tokens is not None:
+            checks.append(("num_draft_tokens", check_num_draft_tokens, self.num_draft_tokens, limits.num_draft_tokens))
+        if self.top_k is not None:  # vLLM's -1 is the engine's 0: off
+            checks.append(("top_k", check_top_k, max(self.top_k, 0), limits.vocab_size))
+        checks.append(("stop", check_stop_strings, self.stop_strings()))
+        for param, check, *values in checks:
+            try:
+                check(*values)
+            except RequestError as err:
+                raise ProtocolError(str(err), param) from None
 
 
 class ContentPart(BaseModel):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.engine.sampling_limits import (MAX_STOP_STRINGS, check_logprobs, check_penalty_values,
-                                             check_sampling_values, check_stop_strings)
+from pipeline.engine.sampling_limits import (MAX_STOP_STRINGS, check_logprobs, check_num_draft_tokens,
+                                             check_penalty_values, check_sampling_values, check_stop_strings)
 from pipeline.errors import RequestError
 from pipeline.triton.interface import IGNORED_INPUTS, REQUIRED_INPUTS, UNSUPPORTED_INPUTS
 
@@ -59,9 +59,7 @@ def check_speculation(speculation: str, num_draft_tokens: int, max_draft_tokens:
         raise RequestError(f"speculation must be auto, on or off (got {speculation[:40]!r})")
     if num_draft_tokens < 1:
         raise RequestError(f"num_draft_tokens must be >= 1 (got {num_draft_tokens}); send speculation=off instead")
-    if num_draft_tokens > max_draft_tokens:
-        raise RequestError(f"num_draft_tokens {num_draft_tokens} is more than the {max_draft_tokens} drafts this "
-                           f"server's engine makes per step; send at most {max_draft_tokens}, or leave it out")
+    check_num_draft_tokens(num_draft_tokens, max_draft_tokens)
 
 
 def check_max_tokens(max_tokens: int, max_seq_len: int) -> None:
