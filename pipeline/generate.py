@@ -32,7 +32,8 @@ class GenerateOptions:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    dtype: str = "auto"  # auto: the fastest lossless one on this CPU (cpu_kernels.fast_lossless_dtype) | bf16 | fp32
+    dtype: str = "auto"  # auto: the fastest lossless one on this CPU (cpu_kernels.fast_lossless_dtype), bf16 on a GPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (pipeline.engine.device.choose_device)
     raw: bool = False  # skip the chat template
     max_seq_len: int = 2048
     max_batch_size: int = 1  # raised to the number of prompts: all of them decode as one batch
@@ -62,6 +63,8 @@ class RunInfo:
     draft_path: str | None
     dtype: str
     dtype_reason: str  # why this dtype: asked for, the engine folder's, or --dtype auto's pick and its reason
+    device: str  # cpu or cuda:N
+    device_line: str  # what --device picked and why: "device: cpu (auto: torch sees no GPU)"
     num_draft_tokens: int
     max_batch_size: int
     max_seq_len: int
@@ -101,7 +104,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
     prompts = list(options.prompts)
     if not prompts:
         raise RequestError("no prompt given; pass PROMPT or --prompts-file FILE")
-    config, dtype_reason = _checked_config(options, len(prompts))  # cheap checks first: fails before any load
+    config, dtype_reason, device_line = _checked_config(options, len(prompts))  # cheap checks: before any load
     target, draft, draft_name, built = _models(options, config, len(prompts))
     if built is not config:
         config, dtype_reason = built, "the engine folder's (engine.json)"
@@ -125,6 +128,7 @@ def generate(options: GenerateOptions) -> GenerateResult:
     info = RunInfo(
         model=target.name, model_path=str(target.path), draft=draft_name,
         draft_path=str(draft.path) if draft.path else None, dtype=config.dtype, dtype_reason=dtype_reason,
+        device=config.device, device_line=device_line,
         num_draft_tokens=config.num_draft_tokens, max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len, gate_batch_size=config.gate.max_batch_size,
         min_spec_tokens=config.gate.min_tokens, chat_template=chat, load_time_s=round(load_time, 3),
@@ -134,13 +138,17 @@ def generate(options: GenerateOptions) -> GenerateResult:
 
 
 def _checked_config(options: GenerateOptions, n_prompts: int):
-    """(the engine's config from the options, why its dtype), and the sampling settings checked, before anything
-    loads."""
+    """(the engine's config from the options, why its dtype, the device's line), and the sampling settings checked,
+    before anything loads."""
     from pipeline.engine.config import EngineConfig, GatePolicy
+    from pipeline.engine.device import choose_device, is_cuda
     from pipeline.engine.sampling import SamplingParams
 
+    device, device_line = choose_device(options.device)
     dtype, dtype_reason = options.dtype, "asked for (--dtype)"
-    if dtype == "auto":
+    if dtype == "auto" and is_cuda(device):
+        dtype, dtype_reason = "bf16", "auto: bf16 on a GPU (its tensor cores' dtype)"
+    elif dtype == "auto":
         from pipeline.engine.cpu_kernels import fast_lossless_dtype
 
         dtype, dtype_reason = fast_lossless_dtype()
@@ -148,12 +156,13 @@ def _checked_config(options: GenerateOptions, n_prompts: int):
         max_batch_size=max(n_prompts, options.max_batch_size),
         max_seq_len=options.max_seq_len,
         dtype=dtype,
+        device=device,
         num_draft_tokens=options.num_draft_tokens,
         gate=GatePolicy.with_ceiling(options.gate_batch_size, options.gate_hysteresis, options.min_spec_tokens),
     )
     SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
                    top_k=options.top_k, seed=options.seed)
-    return config, dtype_reason
+    return config, dtype_reason, device_line
 
 
 def _models(options: GenerateOptions, config, n_prompts: int):
@@ -168,7 +177,7 @@ def _models(options: GenerateOptions, config, n_prompts: int):
         from pipeline.engine.folder import engine_config, manifest_draft, read_engine_manifest
 
         manifest = read_engine_manifest(engine_dir)
-        built = engine_config(manifest)
+        built = engine_config(manifest, device=config.device)
         config = replace(built, max_batch_size=max(n_prompts, built.max_batch_size))
         target = ResolvedModel(options.model, engine_dir.resolve().name, engine_dir / manifest["target"]["path"],
                                "engine")

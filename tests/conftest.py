@@ -1,8 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # The engine's GPU kernels run here through Triton's interpreter (tests/test_gpu_kernels.py). Triton reads
+    # this when it is first imported, so it is set before anything imports it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_tiny_llama  # noqa: E402

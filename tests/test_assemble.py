@@ -65,6 +65,19 @@ def test_assemble_cli_prints_the_repo_and_refuses_a_folder_without_an_engine(eng
     assert again.exit_code != 0 and "--force" in again.output
 
 
+def test_assemble_writes_the_device_the_served_engine_loads_on(engine_dir, tmp_path):
+    """No GPU check here: the repository may be served on another machine; the model picks auto as it loads."""
+    default = assemble(AssembleOptions(engine=engine_dir, repo=tmp_path / "a"))
+    assert default.device == "auto"
+    assert read_config(Path(default.repo) / "torch_engine").parameters["device"].string_value == "auto"
+    runner = CliRunner()
+    ok = runner.invoke(main, ["assemble", "--engine", str(engine_dir), "--repo", str(tmp_path / "g"),
+                              "--device", "cuda", "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["device"] == "cuda:0"
+    assert read_config(tmp_path / "g" / "torch_engine").parameters["device"].string_value == "cuda:0"
+
+
 # ---- served by a real tritonserver ------------------------------------------------------------
 
 

@@ -257,7 +257,50 @@ def test_an_unknown_model_is_an_error_listing_the_presets_even_for_a_dry_run(tmp
     assert not (tmp_path / "e").exists()
 
 
+def test_plan_threads_the_device_to_compile_and_assemble_and_keys_on_it(tiny_target, tmp_path):
+    """The plan keeps --device as given (a dry run, or deploy's pods, pick it where they run): compile calibrates
+    there and the repository's engine loads there, and a new device rebuilds both (a CPU's cost model prices
+    nothing on a GPU)."""
+    from pipeline.build.render import render_plan
+
+    plans = {d: plan_build(tiny_options(tiny_target, tmp_path, device=d), cpu_env(tiny_target))
+             for d in ("auto", "cpu", "cuda:1")}
+    gpu = plans["cuda:1"]
+    assert gpu.stage("compile").options.device == "cuda:1" and gpu.stage("assemble").options.device == "cuda:1"
+    assert "--device cuda:1" in shlex.join(gpu.stage("compile").command)
+    assert "--device cuda:1" in shlex.join(gpu.stage("assemble").command)
+    assert gpu.settings.engine_dtype == "bf16" and "on a GPU" in gpu.settings.reasons["engine_dtype"]
+    assert "device    cuda:1" in render_plan(gpu)
+    for stage in ("compile", "assemble"):
+        assert len({p.stage(stage).config_key for p in plans.values()}) == 3, stage
+    with pytest.raises(ConfigError, match="unknown device 'gpu'"):
+        plan_build(tiny_options(tiny_target, tmp_path, device="gpu"), cpu_env(tiny_target))
+
+
+def test_a_device_builds_the_portable_engine_and_tensorrt_llm_refuses_one(tmp_path):
+    auto = plan_build(BuildOptions(target="llama-70b", device="cuda", engines_dir=tmp_path), h100_env())
+    assert auto.settings.backend == "torch" and auto.settings.device == "cuda:0"
+    assert "--device cuda" in auto.settings.reasons["backend"]
+    with pytest.raises(ConfigError, match="--device cuda places the portable engine.*drop --device"):
+        plan_build(BuildOptions(target="llama-70b", backend="trtllm", device="cuda", engines_dir=tmp_path), h100_env())
+
+
 # ---- real builds of a tiny target -------------------------------------------------------------------------------
+
+
+def test_build_picks_the_device_here_and_the_repository_names_it(tiny_target, tmp_path, monkeypatch):
+    import torch
+
+    from pipeline.build.render import render_summary
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    result = run_build(tiny_options(tiny_target, tmp_path, draft="none"), cpu_env(tiny_target))
+    assert result.device_line == "device: cpu (auto: torch sees no GPU; this torch is a CPU-only build)"
+    assert "device    cpu (auto: torch sees no GPU" in render_summary(result)
+    assert read_config(tmp_path / "repo" / "torch_engine").parameters["device"].string_value == "cpu"
+    compiled = json.loads((Path(result.engine) / "compile.json").read_text())
+    assert compiled["device"] == "cpu"
 
 
 def test_build_writes_a_loadable_engine_a_triton_repo_and_the_manifest(tiny_target, tmp_path):

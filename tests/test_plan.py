@@ -214,3 +214,94 @@ def test_cli_bad_input_is_one_line(args, needle, status):
     result = run(*args)
     assert result.exit_code == status
     assert_one_line_error(result, needle)
+
+
+# ---- the portable engine on one GPU (--backend torch) -----------------------------------------------------------
+
+
+def portable(fraction=0.9, **kw):
+    from pipeline.plan import plan_portable
+
+    kw.setdefault("target", "llama-8b")
+    kw.setdefault("gpu", "h100-80gb")
+    return plan_portable(plan_inputs(**kw), fraction)
+
+
+def test_portable_plan_block_size_is_the_engines():
+    from pipeline.engine.kv_cache import BLOCK_SIZE
+    from pipeline.plan.portable import KV_BLOCK_TOKENS
+
+    assert KV_BLOCK_TOKENS == BLOCK_SIZE
+
+
+def test_portable_plan_by_hand_bf16_weights_then_the_capped_kv_pool():
+    p = portable()  # llama-3.1-8b, 16 x 4096 tokens, on an H100 (81559 MiB)
+    weights = 2 * LLAMA_8B.param_count  # bf16, the tied-or-not head as Hugging Face counts it
+    assert p.target_weights == weights and p.draft_weights == p.draft_cache == 0
+    assert p.kv_bytes_per_block == 16 * 131072  # 16 tokens x (2 x 32 layers x 8 kv heads x 128 x 2 bytes)
+    free = 81559 * 2**20 - 2**30 - weights
+    assert p.free_for_kv == free
+    assert p.blocks_free_memory_holds == int(free * 0.9) // (16 * 131072)
+    assert p.kv_blocks == 16 * 256 and p.capped and p.requests_that_fit == 16 and p.fits  # 4096 tokens: 256 blocks
+    assert p.kv_pool_bytes / GB == pytest.approx(8.59, abs=0.01)
+
+
+def test_portable_plan_past_the_cap_holds_what_the_fraction_of_free_memory_holds():
+    p = portable(max_batch_size=1024)
+    assert not p.capped and p.kv_blocks == p.blocks_free_memory_holds
+    assert p.requests_that_fit == p.kv_blocks // 256 < 1024
+    half = portable(fraction=0.45, max_batch_size=1024)
+    assert half.kv_blocks == int(p.free_for_kv * 0.45) // p.kv_bytes_per_block  # the fraction is what moves it
+
+
+def test_portable_plan_counts_a_draft_models_weights_and_cache_and_eagle3_states_per_block():
+    model = portable(draft="llama-1b")
+    draft = PRESETS["llama-3.2-1b"].shape
+    assert model.draft_weights == 2 * draft.param_count
+    assert model.draft_cache == kv_bytes_per_token(draft, draft.num_layers, "bf16") * 16 * 4096
+    assert model.free_for_kv == portable().free_for_kv - model.draft_weights - model.draft_cache
+    eagle = portable(draft="eagle3")
+    assert eagle.kv_bytes_per_block - portable().kv_bytes_per_block == 16 * 3 * LLAMA_8B.hidden_size * 2
+    assert eagle.draft_weights == eagle3_weight_bytes(LLAMA_8B, "none").total
+
+
+def test_portable_plan_that_holds_no_request_does_not_fit_and_names_fixes():
+    too_big = portable(target="llama-70b")  # 141 GB of bf16 weights on an 80 GB GPU
+    assert not too_big.fits and too_big.free_for_kv < 0 and too_big.kv_blocks == 0
+    assert too_big.fixes()[0].startswith("--backend trtllm")
+    long = portable(gpu="a100-40gb", max_batch_size=1, max_seq_len=200_000)
+    assert not long.fits and long.requests_that_fit == 0
+    fix = next(f for f in long.fixes() if f.startswith("--max-seq-len"))
+    assert portable(gpu="a100-40gb", max_batch_size=1, max_seq_len=int(fix.split()[1])).fits
+    assert not portable(gpu="a100-40gb", max_batch_size=1, max_seq_len=int(fix.split()[1]) + 16).fits
+
+
+def test_portable_plan_refuses_tp_and_an_fp8_kv_cache():
+    with pytest.raises(PlanError, match="one GPU; drop --tp-size 2"):
+        portable(tp=2)
+    with pytest.raises(PlanError, match="compute dtype"):
+        portable(kv_cache_dtype="fp8")
+    with pytest.raises(PlanError, match="--free-gpu-memory-fraction must be in"):
+        portable(fraction=1.5)
+
+
+def test_cli_backend_torch_prints_the_weights_the_kv_pool_and_the_requests_that_fit():
+    result = run("--target", "llama-8b", "--gpu", "h200", "--backend", "torch")
+    assert result.exit_code == 0, result.output
+    for needle in ("portable engine (--backend torch) on cuda", "target weights", "16.1 GB", "4096 blocks: 0.9 of free",
+                   "capped at 16 x 4096 tokens", "verdict: FITS on 1 x H200 141GB: 16 requests of 4096 tokens"):
+        assert needle in result.output, needle
+    data = json.loads(run("--target", "llama-8b", "--gpu", "h200", "-b", "torch", "--free-gpu-memory-fraction", "0.5",
+                          "--max-batch-size", "4096", "--json").stdout)
+    assert (data["backend"], data["device"], data["free_gpu_memory_fraction"]) == ("torch", "cuda", 0.5)
+    assert data["kv_blocks"] == data["blocks_free_memory_holds"] and not data["kv_capped_at_max_batch"]
+    assert data["requests_of_max_seq_len"] == data["kv_blocks"] // 256
+    assert data["target_weight_bytes"] == 2 * LLAMA_8B.param_count
+    too_big = run("--target", "llama-70b", "--gpu", "h100", "--backend", "torch")
+    assert too_big.exit_code == 1 and "DOES NOT FIT on 1 x H100 80GB" in too_big.output
+
+
+def test_cli_fraction_is_for_the_portable_engine_only():
+    result = run("--target", "llama-8b", "--gpu", "h100", "--free-gpu-memory-fraction", "0.5")
+    assert result.exit_code == 2
+    assert_one_line_error(result, "--free-gpu-memory-fraction", "--backend torch")

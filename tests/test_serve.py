@@ -106,10 +106,10 @@ def test_the_portable_route_runs_with_two_malloc_arenas_unless_the_user_chose(mo
 
     binary, options = ServerBinary(Path("/opt/tritonserver/bin/tritonserver")), ServeOptions(repo=Path("/m"))
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    assert launch_argv(options, binary)[1] == {"MALLOC_ARENA_MAX": "2"}
+    assert launch_argv(options, binary)[1] == {"MALLOC_ARENA_MAX": "2", "PIPELINE_DEVICE": "auto"}
     assert launch_argv(options, binary, launch=Launch("engine", "plain"))[1] == {}
     monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
-    assert launch_argv(options, binary)[1] == {}
+    assert launch_argv(options, binary)[1] == {"PIPELINE_DEVICE": "auto"}
 
 
 def test_bundled_server_has_the_stub_for_this_python():
@@ -378,3 +378,45 @@ def test_what_died_names_a_dead_stub_and_the_server_it_took_down():
     assert what_died(down, [alive]) == "tritonserver exited with code 1"
     assert what_died(down, [Stub(gone.pid, "torch_engine")]) == \
         f"the python stub of torch_engine (pid {gone.pid}) died; tritonserver exited with code 1"
+
+
+# ---- the portable engine's device -------------------------------------------------------------------------------
+
+
+def test_serve_hands_the_portable_engine_its_device_in_the_servers_environment():
+    from pipeline.triton.launch import Launch
+    from pipeline.triton.server import launch_argv
+
+    binary = ServerBinary(Path("/opt/tritonserver/bin/tritonserver"))
+    for device, env in (("cuda:1", "cuda:1"), ("cuda", "cuda:0"), ("cpu", "cpu"), ("auto", "auto")):
+        assert launch_argv(ServeOptions(repo=Path("/m"), device=device), binary)[1]["PIPELINE_DEVICE"] == env
+    engine = Launch("engine", "leader", 1, 1, ("tensorrt_llm",))
+    assert "PIPELINE_DEVICE" not in launch_argv(ServeOptions(repo=Path("/m")), binary, launch=engine)[1]
+
+
+def test_serve_picks_the_device_as_it_starts_and_refuses_one_for_tensorrt_llm(monkeypatch):
+    import torch
+
+    from pipeline.errors import ConfigError
+    from pipeline.triton.launch import Launch
+    from pipeline.triton.server import engine_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    torch_repo, engine = Launch("torch", "plain"), Launch("engine", "leader", 1, 1, ("tensorrt_llm",))
+    assert engine_device(ServeOptions(), torch_repo) == (
+        "cpu", "device: cpu (auto: torch sees no GPU; this torch is a CPU-only build)")
+    assert engine_device(ServeOptions(device="cuda:1"), torch_repo, check=False) == ("cuda:1", "")  # a dry run
+    with pytest.raises(ConfigError, match="torch sees no GPU"):
+        engine_device(ServeOptions(device="cuda"), torch_repo)
+    assert engine_device(ServeOptions(), engine) == ("", "")
+    with pytest.raises(ConfigError, match="serves TensorRT-LLM .* drop --device"):
+        engine_device(ServeOptions(device="cuda:0"), engine, check=False)
+
+
+def test_cli_dry_run_shows_the_device_and_checks_only_its_spelling(echo_repo):
+    result = CliRunner().invoke(main, ["serve", "--repo", str(echo_repo), "--dry-run", "--device", "cuda:3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("PIPELINE_DEVICE=cuda:3 ")  # for the machine it will run on: no GPU needed here
+    bad = CliRunner().invoke(main, ["serve", "--repo", str(echo_repo), "--dry-run", "--device", "tpu"])
+    assert bad.exit_code == 2 and "unknown device 'tpu'" in bad.output

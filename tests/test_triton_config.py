@@ -15,6 +15,7 @@ from pipeline.triton.config import (
     TRTLLM_DRAFT,
     TRTLLM_TARGET,
     RepoSpec,
+    config_text,
     read_config,
     repository_configs,
     write_config,
@@ -648,3 +649,33 @@ def test_llmapi_repository_without_tensorrt_llm_fails_to_load_naming_the_contain
     finally:
         server.stop()
     assert "\n" not in str(err.value)
+
+
+def test_torch_engine_config_carries_the_device_and_stays_one_cpu_instance():
+    """The repository's own device (assemble's --device, auto by default) is a torch_engine parameter; the engine
+    places itself there, so the instance group stays one KIND_CPU instance (config.torch_engine_config says why)."""
+    for device, written in (("auto", "auto"), ("cpu", "cpu"), ("cuda", "cuda:0"), ("CUDA:1", "cuda:1")):
+        configs = repository_configs(replace(TORCH, device=device))
+        engine = configs[TORCH_ENGINE]
+        assert engine.parameters["device"].string_value == written, device
+        assert [(g.kind, g.count) for g in engine.instance_group] == [(pb.ModelInstanceGroup.KIND_CPU, 1)]
+        assert all("device" not in c.parameters for name, c in configs.items() if name != TORCH_ENGINE)
+    assert 'key: "device"' in config_text(repository_configs(replace(TORCH, device="cuda:1"))[TORCH_ENGINE])
+
+
+def test_repo_spec_refuses_a_bad_device_and_a_device_for_tensorrt_llm():
+    with pytest.raises(ConfigError, match="unknown device 'gpu'"):
+        replace(TORCH, device="gpu")
+    with pytest.raises(ConfigError, match="is for the portable engine"):
+        replace(TRTLLM, device="cuda:0")
+    assert replace(TRTLLM, device="auto").device == "auto"
+
+
+def test_serves_device_wins_over_the_repositorys_and_auto_is_the_default():
+    from pipeline.triton.config import DEVICE_ENV, served_device
+
+    params = {"device": {"string_value": "cuda:1"}}
+    assert served_device(params, {}) == "cuda:1"
+    assert served_device(params, {DEVICE_ENV: "cpu"}) == "cpu"
+    assert served_device({}, {}) == "auto"  # a repository assembled before the parameter existed
+    assert served_device({}, {DEVICE_ENV: "cuda:0"}) == "cuda:0"

@@ -154,7 +154,7 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
     stages.append(_keyed(_compile_stage(s, target_ckpt, draft_arg, engine, tuple(deps), tuple(models)), stages))
     aopts, note = _assemble_options(s, engine, repo)
     cmd = ("pipeline", "assemble", "--engine", str(engine), "--repo", str(repo), "--gate-batch-size",
-           str(s.gate_batch_size), "--force")
+           str(s.gate_batch_size), *(("--device", s.device) if s.backend == "torch" else ()), "--force")
     stages.append(_keyed(Stage("assemble", "assemble", aopts, cmd, repo, ("compile",), note=note), stages))
     return stages, skipped
 
@@ -188,12 +188,13 @@ def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path,
     # folder keeps compile's default gate (used only by `pipeline generate --model engines/...`) and the gate
     # lives in the assemble stage alone: changing --gate-batch-size rebuilds only the repository.
     gate = s.gate_batch_size if trt else CompileOptions.gate_batch_size
+    # The device is in the key: a cost model measured on a CPU prices nothing on a GPU.
     copts = CompileOptions(
         backend=s.backend, target=target_ckpt, output=engine, draft=draft_arg, num_draft_tokens=s.num_draft_tokens,
         max_batch_size=s.max_batch_size, max_input_len=s.max_input_len, max_seq_len=s.max_seq_len,
         gate_batch_size=gate, kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else "auto",
         tp_size=s.tp_size if trt and s.export == "hf" else None, dtype="auto" if trt else s.engine_dtype,
-        gpu=s.gpu if trt else None, trtllm_version=s.trtllm_version if trt else None, force=True)
+        gpu=s.gpu if trt else None, trtllm_version=s.trtllm_version if trt else None, device=s.device, force=True)
     cmd = ["pipeline", "compile", "-b", s.backend, "-t", str(target_ckpt), "-d", draft_arg,
            "-k", str(s.num_draft_tokens), "--max-batch-size", str(s.max_batch_size)]
     cmd += ["--max-input-len", str(s.max_input_len)] if s.max_input_len else []
@@ -201,6 +202,7 @@ def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path,
     cmd += ["--gate-batch-size", str(gate)] if trt else []
     cmd += ["--kv-cache-dtype", copts.kv_cache_dtype, "--dtype", copts.dtype]
     cmd += ["--tp-size", str(copts.tp_size)] if copts.tp_size else []
+    cmd += ["--device", s.device] if not trt else []
     cmd += ["--gpu", s.gpu] if trt and s.gpu else []
     cmd += ["--trtllm-version", s.trtllm_version] if trt and s.trtllm_version else []
     cmd += ["-o", str(engine), "--force"]
@@ -227,7 +229,7 @@ def _assemble_options(s: Settings, engine: Path, repo: Path):
     from pipeline.triton.assemble import AssembleOptions
 
     return AssembleOptions(engine=engine, repo=repo, backend=s.backend, gate_batch_size=s.gate_batch_size,
-                           force=True), ""
+                           device=s.device, force=True), ""
 
 
 def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:

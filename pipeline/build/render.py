@@ -30,7 +30,7 @@ def render_plan(plan: BuildPlan) -> str:
         lines += [line("gpu", f"{s.gpu}", "gpu"), line("tp", str(s.tp_size), "tp_size"),
                   line("trtllm", str(s.trtllm_version), "trtllm_version")]
     else:
-        lines.append(line("dtype", s.engine_dtype, "engine_dtype"))
+        lines += [line("dtype", s.engine_dtype, "engine_dtype"), line("device", s.device)]  # picked when it runs
     lines.append("")
     for i, stage in enumerate(plan.stages, 1):
         note = f"  [{stage.note}]" if stage.note else ""
@@ -52,7 +52,8 @@ def render_plan(plan: BuildPlan) -> str:
 
         lines += ["", "memory plan:", render_table(plan.memory_plan)]
     else:
-        lines += ["", "memory plan: none (the portable engine runs on this machine's CPU)"]
+        lines += ["", "memory plan: none (the portable engine sizes its KV pool as it loads; `pipeline plan --backend "
+                      "torch --gpu KIND` plans it on a GPU)"]
     if plan.missing:
         lines += ["", f"this machine lacks: {'; '.join(plan.missing)}. A build without --dry-run stops here."]
     return "\n".join(lines)
@@ -94,6 +95,8 @@ def render_summary(result: BuildResult) -> str:
                                 r[3].rjust(widths[3]), r[4])).rstrip())
     if any(st.status == "reused" for st in result.stages):
         lines.append("(a reused stage's time is what it took when built)")
+    if result.device_line:
+        lines.append(f"device    {result.device_line.removeprefix('device: ')}")
     if result.dtype_line:
         lines.append(f"dtype     {result.dtype_line}")
     lines += [f"note      {note}" for note in result.notes]

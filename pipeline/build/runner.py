@@ -58,6 +58,7 @@ class BuildResult:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # cached sources found damaged and made again
     dtype_line: str = ""  # the portable engine's dtype and why (empty on TensorRT-LLM)
+    device_line: str = ""  # the portable engine's device and why (empty on TensorRT-LLM)
     prepare_s: float = 0.0  # resolving (maybe converting) and hashing the models
     total_s: float = 0.0
 
@@ -82,6 +83,11 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
     t_start = time.perf_counter()
     env = env if env is not None else detect_environment(options)
     plan = plan_build(options, env)
+    if plan.settings.backend == "torch" and env.device is None:  # before anything converts: the stages take it
+        from pipeline.engine.device import choose_device
+
+        env = dataclasses.replace(env, device=choose_device(options.device))
+        plan = plan_build(options, env)
     if plan.missing:
         raise MissingDependencyError(plan.missing_line())
     previous = mf.read_manifest(plan.manifest_file)
@@ -114,7 +120,7 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
 
     result = BuildResult(plan.name, plan.settings.backend, plan.settings.draft_label, str(plan.build_dir),
                          str(plan.manifest_file), str(plan.engine_dir), str(plan.repo), skipped=list(plan.skipped),
-                         notes=notes, prepare_s=prepare_s,
+                         notes=notes, prepare_s=prepare_s, device_line=plan.settings.reasons.get("device", ""),
                          dtype_line=(f"{plan.settings.engine_dtype}: {plan.settings.reasons['engine_dtype']}"
                                      if plan.settings.backend == "torch" else ""))
     keys: dict[str, str] = {}

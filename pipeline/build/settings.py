@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment
 from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_draft
+from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import ConfigError
 from pipeline.plan.gpus import GPU, get_gpu
@@ -57,6 +58,7 @@ class Settings:
     export: str  # hf | trtllm
     engine_dtype: str = "bf16"  # the portable engine's compute dtype (Environment.engine_dtype)
     trtllm_version: str | None = None  # trtllm: the TensorRT-LLM release written for
+    device: str = "auto"  # torch: auto, cpu or cuda:N (pipeline.engine.device.parse_device); trtllm: auto
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -104,6 +106,10 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     if max_seq is None:  # the backend's default, at most the model's own limit where its config.json is here
         max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
     version = _trtllm_version(o, backend, reasons)
+    device = env.device[0] if env.device is not None and backend == "torch" else parse_device(o.device)
+    if backend == "trtllm" and device != "auto":
+        raise ConfigError(f"--device {o.device} places the portable engine; TensorRT-LLM places its engines on the "
+                          f"GPUs of its tp/pp mapping: drop --device, or build with --backend torch")
     settings = Settings(
         backend=backend, target=o.target, draft=draft, target_qformat=target_q,
         draft_qformat=draft_q, kv_cache_dtype=kv, num_draft_tokens=o.num_draft_tokens,
@@ -112,14 +118,18 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
         max_input_len=o.max_input_len, max_seq_len=max_seq, tp_size=o.tp_size or 1,
         gpu=gpu.key if gpu is not None else None,
         export="trtllm" if backend == "trtllm" and draft.kind == MODEL and for_version(version).engine_route else "hf",
-        engine_dtype=env.engine_dtype[0], trtllm_version=version, reasons=reasons)
+        engine_dtype="bf16" if device.startswith("cuda") else env.engine_dtype[0], trtllm_version=version,
+        device=device, reasons=reasons)
     if o.gate_batch_size is None:
         reasons["gate_batch_size"] = (f"{settings.gate_batch_size}: " + (
             "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 (0.87x)"
             if backend == "torch" else "the gate's default (TensorRT-LLM's max_concurrency, or its draft_len_schedule's "
                                      "last bound): above it decoding is compute-bound"))
     if backend == "torch":
-        reasons["engine_dtype"] = env.engine_dtype[1]
+        if env.device is not None:
+            reasons["device"] = env.device[1]
+        reasons["engine_dtype"] = "bf16 on a GPU (its tensor cores' dtype)" if device.startswith("cuda") else \
+            env.engine_dtype[1]
         if (o.tp_size or 1) > 1:
             raise ConfigError("the portable engine runs on one device; drop --tp-size (or build with --backend trtllm)")
         return settings, None
@@ -153,6 +163,9 @@ def _with_memory_plan(s: Settings, o: BuildOptions, shape, gpu: GPU, reasons: di
 def _backend(o: BuildOptions, env: Environment, shape, reasons: dict) -> str:
     if o.backend != "auto":
         return o.backend
+    if parse_device(o.device) != "auto":
+        reasons["backend"] = f"torch: --device {o.device} places the portable engine"
+        return "torch"
     if env.gpu is not None and env.trtllm:
         reasons["backend"] = f"trtllm: a {env.gpu.name} and TensorRT-LLM are here"
         return "trtllm"
@@ -224,6 +237,7 @@ def _qformat(requested: str, backend: str, role: str, gpu: GPU | None, reasons: 
 def check_options(o: BuildOptions) -> None:
     if o.draft_budget_minutes <= 0:
         raise ConfigError(f"--draft-budget-minutes must be > 0 (got {o.draft_budget_minutes:g})")
+    parse_device(o.device)
     if o.backend not in BACKENDS:
         raise ConfigError(f"unknown --backend {o.backend!r}; pick one of {', '.join(BACKENDS)}")
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:

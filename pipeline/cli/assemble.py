@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.device import device_option
+
 
 @click.command()
 @click.option("--engine", "-e", required=True, type=click.Path(path_type=Path),
@@ -36,10 +38,12 @@ import click
               help="Portable engine: how many requests may wait for a free slot; past that a request is refused "
                    "at once as busy (UNAVAILABLE, retry later) instead of queueing; 0 = no bound [default: 4 per "
                    "slot].")
+@device_option("Portable engine: where the served engine loads when tritonserver starts without `pipeline serve "
+               "--device` (which decides for its own runs); picked as it loads.")
 @click.option("--force", "-f", is_flag=True, help="Replace an existing repository.")
 @click.option("json_", "--json", is_flag=True, help="Print the result as JSON.")
 def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size, gate_hysteresis, min_spec_tokens,
-             max_input_bytes, max_queue_size, force, json_):
+             max_input_bytes, max_queue_size, device, force, json_):
     """Write a Triton model repository for an engine folder.
 
     \b
@@ -63,7 +67,7 @@ def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size
                                  gate_batch_size=gate_batch_size, gate_hysteresis=gate_hysteresis,
                                  min_spec_tokens=min_spec_tokens,
                                  max_input_bytes=max_input_bytes,
-                                 max_queue_size=max_queue_size, force=force))
+                                 max_queue_size=max_queue_size, device=device, force=force))
     if json_:
         click.echo(json.dumps(asdict(result), indent=2))
     else:

@@ -63,5 +63,6 @@ def build_options(**flags):
     names = ("target", "draft", "target_qformat", "draft_qformat", "kv_cache_dtype", "num_draft_tokens",
              "gate_batch_size", "backend", "max_batch_size", "max_input_len", "max_seq_len", "tp_size", "gpu",
              "draft_budget_minutes", "trtllm_version")
-    where = {n: flags[n] for n in ("engines_dir", "repo") if flags.get(n) is not None}
+    # The command's own flags that BuildOptions takes (build's --device: deploy's pods pick theirs when they load).
+    where = {n: flags[n] for n in ("engines_dir", "repo", "device") if flags.get(n) is not None}
     return BuildOptions(**{n: flags[n] for n in names}, **where, force=flags.get("force", False))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.device import device_option
+
 
 @click.command("compile")
 @click.option("--backend", "-b", required=True, type=click.Choice(["trtllm", "torch"]),
@@ -32,7 +34,8 @@ import click
 @click.option("kv_cache_dtype", "--kv-cache-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp8"]), help="auto: the checkpoint's.")
 @click.option("free_gpu_memory_fraction", "--free-gpu-memory-fraction", type=float, default=0.9, show_default=True,
-              help="Free GPU memory the KV cache may take (TensorRT-LLM).")
+              help="The share of the GPU memory free after the weights load that the KV cache may take (TensorRT-LLM; "
+                   "and the portable engine on a GPU without --kv-cache-bytes, up to max-batch-size x max-seq-len).")
 @click.option("kv_cache_bytes", "--kv-cache-bytes", type=int,
               help="torch backend: the target's KV cache, a pool of 16-token blocks shared by all requests "
                    "[default: room for max-batch-size requests of max-seq-len tokens].")
@@ -45,6 +48,7 @@ import click
 @click.option("pp_size", "--pp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
               help="torch backend compute dtype (auto: the checkpoint's).")
+@device_option("torch backend: where compile loads the engine to measure its step costs (--calibrate).")
 @click.option("--gpu", help="Check the sizes fit this GPU's memory plan (see `pipeline plan`); default: the GPU nvidia-smi reports, if any.")
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True,
               help="torch backend with a draft: measure this machine's step costs (up to a minute) for the draft "
@@ -59,7 +63,8 @@ import click
               help="Output folder [default: engines/<target folder name>-<backend>].")
 def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
             max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, kv_cache_bytes, prefill_chunk,
-            prefix_caching, tp_size, pp_size, dtype, gpu, calibrate, trtllm_version, dry_run, force, json_, output):
+            prefix_caching, tp_size, pp_size, dtype, device, gpu, calibrate, trtllm_version, dry_run, force, json_,
+            output):
     """Turn quantized checkpoints into what TensorRT-LLM serves, or the portable engine folder.
 
     Without TensorRT-LLM installed (it runs in NVIDIA's container), use --dry-run: it writes the
@@ -89,6 +94,6 @@ def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_s
         max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
         max_num_tokens=max_num_tokens, gate_batch_size=gate_batch_size, kv_cache_dtype=kv_cache_dtype,
         free_gpu_memory_fraction=free_gpu_memory_fraction, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
-        prefix_caching=prefix_caching, tp_size=tp_size, pp_size=pp_size, dtype=dtype, gpu=gpu,
+        prefix_caching=prefix_caching, tp_size=tp_size, pp_size=pp_size, dtype=dtype, device=device, gpu=gpu,
         calibrate=calibrate, trtllm_version=trtllm_version, dry_run=dry_run, force=force))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else result.render())

@@ -9,13 +9,14 @@ import click
 from click.core import ParameterSource
 
 from pipeline.cli.aliased import Aliased
+from pipeline.cli.device import device_option
 from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import RequestError
 from pipeline.generate import GenerateOptions
 from pipeline.models.presets import DEFAULT_MODEL
 
 # Settings of the in-process engine: a served repository fixes them at `pipeline compile` / `assemble`.
-IN_PROCESS_ONLY = ("model", "draft", "dtype", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",
+IN_PROCESS_ONLY = ("model", "draft", "dtype", "device", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",
                    "min_spec_tokens")
 URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 
@@ -38,7 +39,9 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 @click.option("top_k", "--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (temperature > 0).")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-              help="auto: the fastest lossless dtype on this CPU (bf16 on the engine's C kernels), said in one line.")
+              help="auto: the fastest lossless dtype on this CPU (bf16 on the engine's C kernels), bf16 on a GPU; said "
+                   "in one line.")
+@device_option("Where the engine runs in process (a served repository runs where `pipeline serve --device` says).")
 @click.option("--raw", is_flag=True, help="Feed prompts as they are, without the chat template.")
 @click.option("max_seq_len", "--max-seq-len", type=int, default=2048, show_default=True,
               help="Prompt + new tokens per request.")
@@ -62,8 +65,8 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 @click.option("json_", "--json", is_flag=True, help="Print outputs and stats as JSON.")
 @click.pass_context
 def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
-             dtype, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, url, speculation, no_stream,
-             timeout, wait, json_):
+             dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, url, speculation,
+             no_stream, timeout, wait, json_):
     """Generate text for PROMPT (and/or every prompt in --prompts-file).
 
     Several prompts are decoded together as one in-flight batch. Greedy by default; with
@@ -71,7 +74,7 @@ def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_toke
 
     With --url HOST:PORT the prompts go to a served repository over gRPC instead, all at once. One
     prompt streams: its text prints as it arrives. The served engine fixes the model, draft, dtype,
-    chat template, sizes and gate, so --model, --draft, --dtype, --raw, --max-seq-len,
+    chat template, sizes, gate and device, so --model, --draft, --dtype, --device, --raw, --max-seq-len,
     --max-batch-size, --gate-batch-size and --min-spec-tokens are refused with --url; -k is sent
     only when given (else the repository's own). --speculation, --no-stream and --timeout need --url.
 
@@ -107,19 +110,19 @@ def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_toke
         raise RequestError(f"{', '.join(misplaced)} only apply with --url HOST:PORT; add --url, or drop them "
                            "(in process, --draft picks the proposer)")
     _generate_in_process(prompts, model=model, draft=draft, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
-                         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype, raw=raw,
-                         max_seq_len=max_seq_len, max_batch_size=max_batch_size, gate_batch_size=gate_batch_size,
-                         min_spec_tokens=min_spec_tokens, json_=json_)
+                         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype, device=device,
+                         raw=raw, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                         gate_batch_size=gate_batch_size, min_spec_tokens=min_spec_tokens, json_=json_)
 
 
 def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
-                         dtype, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, json_):
+                         dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, json_):
     from pipeline.generate import dtype_line, generate as run_generate, stats_line
 
     result = run_generate(GenerateOptions(
         prompts=tuple(prompts), model=model, draft=draft, num_draft_tokens=num_draft_tokens,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
-        raw=raw, max_seq_len=max_seq_len, max_batch_size=max_batch_size, gate_batch_size=gate_batch_size,
+        device=device, raw=raw, max_seq_len=max_seq_len, max_batch_size=max_batch_size, gate_batch_size=gate_batch_size,
         min_spec_tokens=min_spec_tokens,
     ))
     if json_:
@@ -133,6 +136,7 @@ def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens,
         click.echo(out.text)
         if many and i < len(result.outputs):
             click.echo()
+    click.echo(result.info.device_line, err=True)
     click.echo(dtype_line(result), err=True)
     click.echo(stats_line(result), err=True)
 

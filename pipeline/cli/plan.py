@@ -28,21 +28,41 @@ from pipeline.plan.weights import WEIGHT_FORMATS
               help="Requests decoding at once.")
 @click.option("max_seq_len", "--max-seq-len", type=int, default=4096, show_default=True,
               help="Prompt + generated tokens per request.")
+@click.option("--backend", "-b", default="trtllm", show_default=True, type=click.Choice(["trtllm", "torch"]),
+              help="trtllm: TensorRT-LLM's engines on tp GPUs; torch: the portable engine on one GPU (--device "
+                   "cuda): its weights, the KV pool it sizes from the free memory, and the --max-seq-len requests it "
+                   "holds.")
+@click.option("free_gpu_memory_fraction", "--free-gpu-memory-fraction", type=float, default=None,
+              help="torch: the share of the memory free after the weights the KV pool may take, as `pipeline "
+                   "compile`'s [default: 0.9].")
 @click.option("json_", "--json", is_flag=True, help="Print the plan as JSON (bytes).")
-def plan(target, draft, gpu, tp, target_qformat, draft_qformat, kv_cache_dtype, max_batch_size, max_seq_len, json_):
+def plan(target, draft, gpu, tp, target_qformat, draft_qformat, kv_cache_dtype, max_batch_size, max_seq_len, backend,
+         free_gpu_memory_fraction, json_):
     """Plan GPU memory: weights per format, KV cache per dtype, reserve, headroom, verdict and smallest TP.
 
     Needs no GPU and no weights: presets carry their architecture. Exits 1 when the verdict is DOES NOT FIT.
+    With --backend torch it plans the portable engine on one GPU instead: bf16 weights, then the KV pool the
+    engine sizes as it loads, and how many requests of --max-seq-len that pool holds at once.
 
     \b
-    Example:
+    Examples:
       pipeline plan --target llama-70b --draft eagle3 --gpu h100-80gb --target-qformat fp8
+      pipeline plan --target llama-3.1-8b --draft ngram --gpu h200 --backend torch
     """
-    from pipeline.plan import plan_inputs, plan_memory, render_table
+    from pipeline.errors import PlanError
+    from pipeline.plan import plan_inputs, plan_memory, plan_portable, render_portable, render_table
 
-    result = plan_memory(plan_inputs(
+    inputs = plan_inputs(
         target=target, gpu=gpu, draft=draft, tp=tp, target_qformat=target_qformat, draft_qformat=draft_qformat,
-        kv_cache_dtype=kv_cache_dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len))
-    click.echo(json.dumps(result.to_dict(), indent=2) if json_ else render_table(result))
+        kv_cache_dtype=kv_cache_dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    if backend == "torch":
+        result = plan_portable(inputs, 0.9 if free_gpu_memory_fraction is None else free_gpu_memory_fraction)
+        click.echo(json.dumps(result.to_dict(), indent=2) if json_ else render_portable(result))
+    else:
+        if free_gpu_memory_fraction is not None:
+            raise PlanError("--free-gpu-memory-fraction plans the portable engine's KV pool (--backend torch); the "
+                            "TensorRT-LLM plan reserves max(2 GiB, 10%) per GPU: drop it")
+        result = plan_memory(inputs)
+        click.echo(json.dumps(result.to_dict(), indent=2) if json_ else render_table(result))
     if not result.fits:  # scripts can branch on it: 1, as a failed check
         raise click.exceptions.Exit(1)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.device import device_option
+
 
 @click.command()
 @click.option("--repo", "-r", type=click.Path(path_type=Path), default=Path("triton_repo"), show_default=True,
@@ -31,10 +33,12 @@ import click
 @click.option("max_body_bytes", "--openai-max-body-bytes", type=click.IntRange(min=1024), default=None, metavar="BYTES",
               help="The largest request body the OpenAI API reads; a larger one is refused with a 413 as it streams "
                    "in [default: 4x the repository's max_input_bytes, at least 1 MiB].")
+@device_option("Portable-engine repository: where the served engine runs, over the repository's own (assemble's); "
+               "passed to it as $PIPELINE_DEVICE.")
 @click.option("dry_run", "--dry-run", is_flag=True,
               help="Print the launch command and exit (works on any machine, e.g. for a TensorRT-LLM repository).")
 def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log_verbose, openai_port, api_key,
-          served_model_name, max_body_bytes, dry_run):
+          served_model_name, max_body_bytes, device, dry_run):
     """Serve a model repository on Triton Inference Server until Ctrl-C or SIGTERM.
 
     Uses `tritonserver` on PATH (NVIDIA's containers), else the CPU server bundled in nvidia-pytriton.
@@ -45,6 +49,8 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
     model repository, shared memory, model config); the key itself is never printed. With --openai-port it
     also serves the OpenAI API (chat and completions, streaming, /v1/models) in front of the ensemble. It
     restarts the server when it or a model's process dies, saying so in one line. Stopping also reaps the python backend stubs and their shared memory.
+    A portable-engine repository's engine runs on --device (auto: cuda:0 where torch sees a GPU, else the
+    CPU), said in one line before the launch command.
 
     \b
     Example:
@@ -58,7 +64,7 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
                                         serve as run_server)
 
     options = ServeOptions(repo=repo, host=host, grpc_port=grpc_port, http_port=http_port,
-                           metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose)
+                           metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose, device=device)
     frontend = None
     if openai_port is not None:
         if not 0 < openai_port < 65536:

@@ -57,6 +57,8 @@ class CompileOptions:
     prefill_chunk: int = 256
     prefix_caching: bool = True
     gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
+    # torch backend: where compile loads the engine to calibrate (auto|cpu|cuda|cuda:N; pipeline.engine.device)
+    device: str = "auto"
     # torch backend with a draft: measure the cost model the draft planner reads (engine/calibrate.py)
     calibrate: bool = True
     # trtllm: the TensorRT-LLM release to write for (pipeline.trtllm_version.RELEASES); None: the installed one in
@@ -76,6 +78,8 @@ class CompileResult:
     files: list[str] = field(default_factory=list)
     manifest: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # choices worth knowing (the gate, its cost)
+    device: str | None = None  # torch backend: where the engine loads to calibrate; None on TensorRT-LLM
+    device_line: str = ""  # what was picked and why (pipeline.engine.device.choose_device)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +87,7 @@ class CompileResult:
     def render(self) -> str:
         what = "dry run: nothing built" if self.dry_run else "compiled"
         lines = [f"{what}; {self.backend}/{self.route} -> {self.output}"]
+        lines += [self.device_line] if self.device_line else []
         lines += [f"  wrote {f}" for f in self.files]
         lines += [f"note: {n}" for n in self.notes]
         for name, cmd in self.commands.items():
@@ -210,6 +215,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
     from pipeline.staging import check_output, staged_output
 
     _check_options(options)
+    device, device_line = _device(options)
     output = Path(options.output).expanduser().absolute()
     check_output(output, options.force, ConfigError, "-o")
     target = read_checkpoint(options.target)
@@ -227,7 +233,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
             f"trtllm-build is not installed here (TensorRT-LLM needs NVIDIA's own build); run this in "
             f"NVIDIA's TensorRT-LLM container {TRTLLM_CONTAINER}, or add --dry-run to write the commands only")
 
-    result = CompileResult(options.backend, r.route, str(output), options.dry_run)
+    result = CompileResult(options.backend, r.route, str(output), options.dry_run, device=device,
+                           device_line=device_line)
     manifest = {
         "tensorrt_llm_version": r.tensorrt_llm_version,
         "container": trtllm_version.for_version(r.tensorrt_llm_version).container,
@@ -237,6 +244,8 @@ def compile_model(options: CompileOptions) -> CompileResult:
         "sizes": asdict(r.sizes), "gate_batch_size": options.gate_batch_size, "kv_cache_dtype": r.kv_cache_dtype,
         "tp_size": r.tp, "pp_size": r.pp, "plan": plan,
     }
+    if device is not None:
+        manifest["device"] = device
     with staged_output(output, options.force, ConfigError, "-o") as stage:
         if r.route == "torch":
             _torch_route(stage, target, draft, draft_ckpt, r.sizes, options, result, manifest)
@@ -280,32 +289,48 @@ def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: 
         target, draft, draft_ckpt, max_batch_size=sizes.max_batch_size, max_seq_len=sizes.max_seq_len,
         num_draft_tokens=sizes.max_draft_len, dtype=engine_folder.runtime_dtype(target, options.dtype),
         gate_batch_size=options.gate_batch_size, kv_cache_bytes=options.kv_cache_bytes,
-        prefill_chunk=options.prefill_chunk, prefix_caching=options.prefix_caching)
+        prefill_chunk=options.prefill_chunk, prefix_caching=options.prefix_caching,
+        gpu_memory_fraction=options.free_gpu_memory_fraction)
     if options.dry_run:
         write_engine_manifest(stage, engine)
     else:
         engine_folder.write_engine_dir(stage, engine, target, draft_ckpt)
         result.files += ["target/"] + (["draft/"] if draft_ckpt is not None else [])
         if options.calibrate and draft.speculates:
-            _calibrate(stage, result, manifest)
+            _calibrate(stage, result, manifest, result.device or "cpu")
     result.files.insert(0, ENGINE_FILE)
     result.commands["load"] = ["python", "-c", f'from pipeline.engine import load_engine; '
                                                f'engine = load_engine("{result.output}")']
     manifest["configs"] = {ENGINE_FILE: engine}
 
 
-def _calibrate(stage: Path, result: CompileResult, manifest: dict) -> None:
-    """Measure the staged engine's cost model on this machine and store it with the engine."""
+def _calibrate(stage: Path, result: CompileResult, manifest: dict, device: str) -> None:
+    """Measure the staged engine's cost model on this machine's device and store it with the engine."""
     from pipeline.engine.calibrate import calibrate
     from pipeline.engine.cost_model import FILENAME
     from pipeline.engine.folder import load_engine
 
-    cal = calibrate(load_engine(stage))
+    cal = calibrate(load_engine(stage, device=device))
     cal.cost.save(stage)
     result.files.append(FILENAME)
     result.notes.append(f"cost model measured in {cal.seconds:.0f} s ({cal.cost.source})"
                         + (f"; {cal.note}" if cal.note else ""))
     manifest["cost_model"] = {"seconds": round(cal.seconds, 1), "source": cal.cost.source, "note": cal.note}
+
+
+def _device(o: CompileOptions) -> tuple[str | None, str]:
+    """(device, its line) where the portable engine loads to calibrate: checked against this machine, but for a dry
+    run (nothing loads; the spelling only). TensorRT-LLM places its engines by its own mapping: (None, "")."""
+    from pipeline.engine.device import choose_device, parse_device
+
+    if o.backend != "torch":
+        if parse_device(o.device) != "auto":
+            raise ConfigError(f"--device {o.device} is for --backend torch; TensorRT-LLM places its engines on the "
+                              f"GPUs of its tp/pp mapping: drop --device")
+        return None, ""
+    if o.dry_run:
+        return parse_device(o.device), ""
+    return choose_device(o.device)
 
 
 def _check_options(o: CompileOptions) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.engine.device import check_fraction, parse_device
 from pipeline.engine.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.errors import ConfigError, ModelFormatError
 from pipeline.models.shape import ModelShape, read_config
@@ -14,6 +15,12 @@ from pipeline.models.shape import ModelShape, read_config
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "mistral"}
 
 LM_HEAD_CHOICES = ("auto", "checkpoint", "int8")
+
+# The kernels of a forward on a GPU: "invariant" (the default) runs the engine's own Triton kernels, whose result
+# for a row depends on nothing but that row (the lossless contract: see gpu_kernels.py); "vendor" runs cuBLAS and
+# SDPA, which pick a kernel and a reduction split by shape, so a row's bits move with the batch, a verify's width
+# and a prefix-cache hit: an explicit opt-out, named in describe(), the metrics and every answer.
+GPU_KERNEL_CHOICES = ("invariant", "vendor")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -101,6 +108,7 @@ class EngineConfig:
     max_batch_size: int = 64  # KV-cache slots: the most requests decoding at once
     max_seq_len: int = 2048  # prompt + generated tokens per request
     dtype: str = "fp32"
+    # cpu, cuda or cuda:N; "auto" is resolved before the config is made (pipeline.engine.device.resolve_device)
     device: str = "cpu"
     num_draft_tokens: int = 4  # k: tokens the proposer drafts per step
     gate: GatePolicy = field(default_factory=GatePolicy)
@@ -109,15 +117,27 @@ class EngineConfig:
     # ModelOpt export leaves the (tied) head in bf16: half the bytes a decode step reads (see quant.Int8Head).
     lm_head: str = "auto"
     # The target's KV cache: a pool of 16-token blocks, this many bytes (None: room for max_batch_size requests of
-    # max_seq_len tokens each). Requests hold only the blocks their tokens fill.
+    # max_seq_len tokens each; on a GPU, at most gpu_memory_fraction of the memory free once the weights are
+    # loaded). Requests hold only the blocks their tokens fill.
     kv_cache_bytes: int | None = None
+    # On a GPU with kv_cache_bytes None: the share of the free memory the KV pool may take (TensorRT-LLM's
+    # free_gpu_memory_fraction); the rest is left for activations. A CPU ignores it.
+    gpu_memory_fraction: float = 0.9
     prefix_caching: bool = True  # reuse full blocks of a prompt prefix another request already computed
     # Prompt tokens prefilled per step, at most (chunked prefill): a long prompt is prefilled over several steps,
     # each also decoding the running requests, so it never stalls their tokens for its whole prefill.
     prefill_chunk: int = 256
+    gpu_kernels: str = "invariant"  # GPU_KERNEL_CHOICES; a CPU ignores it (its own kernels are row-invariant)
 
     def __post_init__(self):
         parse_dtype(self.dtype)
+        if parse_device(self.device) == "auto":
+            raise ConfigError(f"EngineConfig needs a device (cpu, cuda or cuda:N), got {self.device!r}; resolve a "
+                              f"choice first: pipeline.engine.device.resolve_device({self.device!r})")
+        check_fraction(self.gpu_memory_fraction)
+        if self.gpu_kernels not in GPU_KERNEL_CHOICES:
+            raise ConfigError(f"gpu_kernels {self.gpu_kernels!r} is not a choice; use one of "
+                              f"{', '.join(GPU_KERNEL_CHOICES)}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"kv_cache_bytes must be > 0 (got {self.kv_cache_bytes})")
         if self.prefill_chunk < 1:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.engine import gpu_kernels
 from pipeline.errors import ConfigError
 from pipeline.home import pipeline_home
 
@@ -402,6 +403,8 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The kernels when they apply to a forward on x: a dtype they take (DTYPES), on a CPU, no autograd, not
     switched off."""
     if not _enabled or x.dtype not in DTYPES or x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    if gpu_kernels.runs_here(x):  # a test running the GPU kernels on a CPU, under Triton's interpreter
         return None
     return load()
 

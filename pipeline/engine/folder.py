@@ -50,15 +50,18 @@ def write_engine_manifest(folder: str | Path, manifest: dict) -> Path:
 
 
 def engine_config(manifest: dict, device: str | None = None, dtype: str | None = None):
-    """The EngineConfig engine.json describes (device and dtype may be overridden)."""
+    """The EngineConfig engine.json describes (device and dtype may be overridden). device: cpu (None), cuda,
+    cuda:N, or auto (pipeline.engine.device.resolve_device: cuda:0 where torch sees a GPU, else cpu)."""
     from pipeline.engine.config import EngineConfig
+    from pipeline.engine.device import DEFAULT_GPU_MEMORY_FRACTION, resolve_device
 
     gate = manifest.get("gate_batch_size")
     policy = GatePolicy() if gate is None else GatePolicy.with_ceiling(gate)
     return EngineConfig(max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
-                        dtype=dtype or manifest["dtype"], device=device or "cpu",
+                        dtype=dtype or manifest["dtype"], device=resolve_device(device) if device else "cpu",
                         num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=policy,
                         lm_head=manifest.get("lm_head", "auto"), kv_cache_bytes=manifest.get("kv_cache_bytes"),
+                        gpu_memory_fraction=manifest.get("gpu_memory_fraction", DEFAULT_GPU_MEMORY_FRACTION),
                         prefill_chunk=manifest.get("prefill_chunk", 256),
                         prefix_caching=manifest.get("prefix_caching", True))
 
@@ -66,7 +69,9 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
 def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None,
                 max_batch_size: int | None = None, gate: GatePolicy | None = None):
     """The LLMEngine an engine folder describes (device, dtype, the KV-cache slots and the gate's GatePolicy may
-    be overridden at load)."""
+    be overridden at load). device: auto, cpu, cuda or cuda:N (None: cpu); a GPU torch doesn't see raises
+    ConfigError. On a GPU the KV pool takes engine.json's gpu_memory_fraction of the memory free after the weights,
+    up to max_batch_size requests of max_seq_len."""
     from pipeline.engine.cost_model import CostModel
     from pipeline.engine.llm_engine import LLMEngine
 

@@ -12,7 +12,7 @@ query at position p only sees keys at <= p), so they are simply overwritten late
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +67,7 @@ class ForwardBatch:
     kv_len: int  # L: keys 0..L-1 are read from the cache
     block_size: int
     trash_block: int
+    _write_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], cache: KVCache,
@@ -104,11 +105,14 @@ class ForwardBatch:
                    block_size=cache.block_size, trash_block=trash)
 
     def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) [B, T] where each token's K/V goes; pads go to the trash block."""
-        pos = self.write_pos.clamp(min=0)
-        block = self.block_table.gather(1, pos // self.block_size)
-        block = torch.where(self.write_pos < 0, torch.full_like(block, self.trash_block), block)
-        return block, pos % self.block_size
+        """(block, offset) [B, T] where each token's K/V goes; pads go to the trash block. Worked out once a
+        forward, not once a layer (on a GPU each op is a kernel launch)."""
+        if self._write_index is None:
+            pos = self.write_pos.clamp(min=0)
+            block = self.block_table.gather(1, pos // self.block_size)
+            block = torch.where(self.write_pos < 0, torch.full_like(block, self.trash_block), block)
+            self._write_index = (block, pos % self.block_size)
+        return self._write_index
 
     def keys(self, layer_cache: torch.Tensor, row: int | None, width: int) -> torch.Tensor:
         """layer_cache [NB + 1, KV, BS, D] -> positions 0..width-1 of one row ([1, KV, width, D]) or of every row

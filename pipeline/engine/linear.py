@@ -14,7 +14,8 @@ count, so their calls are padded and split to a range of row counts (ONEDNN_ROWS
 row_invariance checks at load that the range gives each row its bits on this CPU; where it doesn't, the layer
 calls the kernel one row at a time (layout "rowwise").
 
-Elsewhere (CUDA) nothing changes: `F.linear` on the plain weight. The plain `weight` parameter is kept (the
+On a GPU the plain weight runs on the engine's Triton kernel (gpu_kernels.linear: tiles and K-slices fixed by
+the weight's shape), or on `F.linear` (cuBLAS) where gpu_kernels="vendor" opts out of invariance. The plain `weight` parameter is kept (the
 checkpoint layout, state_dict, `.to()`); packing is a derived copy, rebuilt by calling `pack_linears` again
 after moving or casting the model.
 """
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.engine import cpu_kernels, row_invariance
+from pipeline.engine import cpu_kernels, gpu_kernels, row_invariance
 
 # PIPELINE_LINEAR: "auto" (the default): the engine's C kernels on a CPU where they are built, else a checked
 # vendor kernel; "onednn": oneDNN for every weight (tests), checked; "torch": F.linear, checked.
@@ -64,6 +65,8 @@ def _onednn_reorder(w: torch.Tensor) -> torch.Tensor | None:
 class Linear(nn.Module):
     """nn.Linear's parameters and semantics, plus an optional device-specific packed weight."""
 
+    gpu_kernels = "invariant"  # config.GPU_KERNEL_CHOICES, per model (model.use_gpu_kernels)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -75,6 +78,8 @@ class Linear(nn.Module):
         self._vendor: row_invariance.CheckedKernel | None = None  # a VENDOR_LAYOUTS kernel, checked at pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x) and not self.weight.is_meta:
+            return gpu_kernels.linear(x, self.weight, self.bias)
         if x.device.type != "cpu" or self.layout is None:
             return F.linear(x, self.weight, self.bias)
         p = self.packed
@@ -123,7 +128,7 @@ class Linear(nn.Module):
             raise ValueError("this linear's plain weight was released (load_transformer(keep_plain=False)); "
                              "load the model again to pack it another way")
         self.packed, self.layout, self.why, self._vendor = None, None, None, None
-        if w.device.type != "cpu" or w.is_meta:
+        if w.device.type != "cpu" or w.is_meta or gpu_kernels.runs_here(w):
             return
         with torch.no_grad():
             if backend == "auto" and cpu_kernels.usable() and w.dtype in cpu_kernels.DTYPES:
@@ -171,6 +176,8 @@ class Linear(nn.Module):
                  "onednn": "mkldnn._linear_pointwise on oneDNN-packed weights", "torch": "F.linear",
                  "rowwise": "oneDNN one row a call" if self.packed is not None else "F.linear one row a call",
                  None: "F.linear"}
+        if self.layout is None and gpu_kernels.runs_here(self.weight):
+            return "gpu_kernels.linear (Triton)" if self.gpu_kernels == "invariant" else "F.linear (cuBLAS)"
         return names[self.layout]
 
     def extra_repr(self) -> str:

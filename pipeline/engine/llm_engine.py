@@ -22,12 +22,13 @@ import torch
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.cost_model import CostModel, default_cost_model
+from pipeline.engine.device import is_cuda, kv_pool_blocks
 from pipeline.engine.draft_plan import EMPTY, MEMORY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
-from pipeline.engine.model import Transformer
+from pipeline.engine.model import Transformer, use_gpu_kernels
 from pipeline.engine.penalties import penalize
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
@@ -43,6 +44,9 @@ class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, proposer: Proposer | None = None,
                  eos_token_ids: tuple[int, ...] = (), cost_model: CostModel | None = None):
         self.model, self.config, self.proposer = model, config, proposer
+        for module in (model, getattr(proposer, "model", None), getattr(proposer, "head", None)):
+            if module is not None:  # the target, a draft model, an EAGLE-3 head: one kernel choice for all
+                use_gpu_kernels(module, config.gpu_kernels)
         # A model measured for fewer drafts than this engine may take can't price them: use the default.
         if cost_model is None or cost_model.max_drafts < config.num_draft_tokens:
             cost_model = default_cost_model(config.num_draft_tokens, config.max_batch_size,
@@ -50,16 +54,13 @@ class LLMEngine:
         self.cost_model = cost_model
         self.eos_token_ids = tuple(eos_token_ids)
         probe = model.new_cache(0, config.max_seq_len, num_blocks=0)  # a block's size, before sizing the pool
-        num_blocks = (config.max_batch_size * blocks_for(config.max_seq_len) if config.kv_cache_bytes is None
-                      else config.kv_cache_bytes // probe.bytes_per_block())
-        if num_blocks < 1:
-            raise ConfigError(f"kv_cache_bytes {config.kv_cache_bytes} holds no KV block ({probe.bytes_per_block()} "
-                              f"bytes each); raise it")
-        self.cache = model.new_cache(config.max_batch_size, config.max_seq_len, num_blocks=num_blocks)
-        self.blocks = BlockManager(num_blocks, self.cache.block_size, config.prefix_caching)
         # An EAGLE-3 head reads the target's hidden states of every token. A cached prefix skips the target's
         # forward over it, so its states are kept beside its K/V, block for block.
         capture = getattr(proposer, "capture_layers", ())
+        state_bytes = probe.block_size * len(capture) * model.cfg.hidden_size * model.embed.weight.element_size()
+        num_blocks = self._pool_blocks(config, probe.bytes_per_block(), state_bytes, probe.block_size)
+        self.cache = model.new_cache(config.max_batch_size, config.max_seq_len, num_blocks=num_blocks)
+        self.blocks = BlockManager(num_blocks, self.cache.block_size, config.prefix_caching)
         self.states = (torch.zeros(num_blocks + 1, self.cache.block_size, len(capture) * model.cfg.hidden_size,
                                    dtype=model.embed.weight.dtype, device=config.device) if capture else None)
         self.gate = SpeculationGate(config.gate)
@@ -72,6 +73,26 @@ class LLMEngine:
         # Token ids -> the answer's text, as the client will see it: needed for stop strings (set by whoever
         # holds the tokenizer: the Triton model, `pipeline generate`).
         self.detokenize: Detokenize | None = None
+
+    @staticmethod
+    def _pool_blocks(config: EngineConfig, kv_bytes: int, state_bytes: int, block_size: int) -> int:
+        """The target's KV pool in blocks: kv_cache_bytes' worth; else, on a GPU, gpu_memory_fraction of the memory
+        free now that the weights (and a draft's own cache) are loaded, capped at max_batch_size requests of
+        max_seq_len; else (a CPU) exactly that many."""
+        if config.kv_cache_bytes is not None:
+            num_blocks = config.kv_cache_bytes // kv_bytes
+            if num_blocks < 1:
+                raise ConfigError(f"kv_cache_bytes {config.kv_cache_bytes} holds no KV block ({kv_bytes} bytes "
+                                  f"each); raise it")
+            return num_blocks
+        if not is_cuda(config.device):
+            return config.max_batch_size * blocks_for(config.max_seq_len)
+        torch.cuda.empty_cache()  # what loading freed into torch's allocator is free for the pool too
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        # The EAGLE-3 states of a block live and die with its K/V: the pool's blocks pay for both.
+        return kv_pool_blocks(free, kv_bytes + state_bytes, block_size=block_size,
+                              max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                              fraction=config.gpu_memory_fraction)
 
     @classmethod
     def load(cls, target: str | Path, config: EngineConfig, draft: DraftSpec | str | Path | None = None,
@@ -104,9 +125,12 @@ class LLMEngine:
         return cls(model, config, proposer, eos_token_ids or model.cfg.eos_token_ids, cost_model=cost_model)
 
     def describe(self) -> dict:
-        """What runs, for reports and `pipeline generate --json`: the target's (and a draft model's)
-        dtype, weight format and kernels, and the proposer."""
-        desc = {"target": self.model.describe(), "proposer": self.proposer.name if self.proposer else None}
+        """What runs, for reports and `pipeline generate --json`: the device, the target's (and a draft model's)
+        dtype, weight format and kernels, the proposer, and the target's KV pool (trash block included)."""
+        desc = {"device": str(self.config.device), "target": self.model.describe(),
+                "proposer": self.proposer.name if self.proposer else None,
+                "kv_cache": {"blocks": self.blocks.num_blocks, "block_size": self.cache.block_size,
+                             "bytes": self.cache.nbytes()}}
         if isinstance(self.proposer, DraftModelProposer):
             desc["draft"] = self.proposer.model.describe()
         elif getattr(self.proposer, "name", None) == "eagle3":

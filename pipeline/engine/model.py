@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.engine import cpu_kernels
+from pipeline.engine import cpu_kernels, gpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import OWN_LAYOUTS, Linear, pack_linears
 from pipeline.engine.quant import Int4Linear, QuantConfig, describe_model
+from pipeline.errors import ConfigError
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -44,6 +45,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    gpu_kernels = "invariant"  # config.GPU_KERNEL_CHOICES (use_gpu_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -52,6 +55,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as transformers does (bf16 variance loses too much), then round to the
         # model dtype *before* scaling by the weight, again as transformers does.
+        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x):
+            return gpu_kernels.rms_norm(x, self.weight, self.eps)[1]
         kernels = cpu_kernels.for_tensor(x) if self.weight.dtype == x.dtype else None
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
@@ -60,7 +65,9 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on a bf16 CPU."""
+        """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on a bf16 CPU or a GPU."""
+        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x):
+            return gpu_kernels.rms_norm(x, self.weight, self.eps, delta)
         kernels = cpu_kernels.for_tensor(x) if self.weight.dtype == x.dtype == delta.dtype else None
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps, delta)
@@ -83,6 +90,8 @@ SCORE_ALIGN = 32  # softmax rows are padded to a multiple of this many keys (see
 
 
 class Attention(nn.Module):
+    gpu_kernels = "invariant"  # config.GPU_KERNEL_CHOICES (use_gpu_kernels)
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -106,6 +115,9 @@ class Attention(nn.Module):
         block, offset = fb.write_index()
         ck[block, :, offset] = k
         cv[block, :, offset] = v
+        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(q):  # each token against its own keys
+            out = gpu_kernels.paged_attention(q, ck, cv, fb.block_table, fb.write_pos)
+            return self.o(out.view(B, T, self.n_heads * self.hd))
         q = q.transpose(1, 2)  # [B, H, T, D]
         if q.device.type == "cpu":
             out = self.token_by_token_attention(q, ck, cv, fb)
@@ -202,6 +214,24 @@ class DecoderLayer(nn.Module):
         x, normed = (x, self.input_norm(x)) if delta is None else self.input_norm.add_forward(x, delta)
         x, normed = self.post_norm.add_forward(x, self.attn(normed, cos, sin, cache, fb))
         return x, self.mlp(normed)
+
+
+def use_gpu_kernels(model: nn.Module, choice: str) -> None:
+    """Run model's forwards on a GPU with the engine's own Triton kernels ("invariant") or the vendor's ("vendor":
+    cuBLAS and SDPA, whose bits move with the batch). A CPU ignores it. On a GPU, "invariant" first checks the
+    one vendor reduction it keeps (greedy's argmax) on this GPU."""
+    weight = next(model.parameters())
+    if choice == "invariant" and weight.is_cuda:
+        if (why := gpu_kernels.available()) is not None:
+            raise ConfigError(why)
+        vocab = getattr(getattr(model, "cfg", None), "vocab_size", 32000)
+        if not gpu_kernels.argmax_invariant(weight.device, vocab):
+            raise ConfigError(f"torch's argmax on {torch.cuda.get_device_name(weight.device)} gave a row another "
+                              "token in a batch than alone; greedy output can't be kept lossless here: load the engine with "
+                              "EngineConfig(gpu_kernels='vendor') to accept that")
+    for m in model.modules():
+        if isinstance(m, (Linear, RMSNorm, Attention)):
+            m.gpu_kernels = choice
 
 
 @dataclass(frozen=True)

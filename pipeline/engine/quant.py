@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.engine import cpu_kernels, row_invariance
+from pipeline.engine import cpu_kernels, gpu_kernels, row_invariance
 from pipeline.engine.linear import Linear
 from pipeline.errors import ModelFormatError
 
@@ -459,6 +459,15 @@ def describe_model(model: nn.Module) -> dict:
     w = model.embed.weight
     if w.dtype in cpu_kernels.DTYPES and w.device.type == "cpu":
         desc["kernels"]["norm, rope, attention, silu"] = cpu_kernels.status()
+    if gpu_kernels.runs_here(w):
+        # "invariant" (the engine's Triton kernels) or "vendor" (cuBLAS and SDPA: an explicit opt-out, whose
+        # greedy output moves with the batch): named wherever the engine describes itself.
+        choice = model.norm.gpu_kernels
+        desc["gpu_kernels"] = choice
+        desc["kernels"]["norm, attention"] = (
+            "gpu_kernels.rms_norm and gpu_kernels.paged_attention (Triton): a row's bits are its own"
+            if choice == "invariant" else
+            "torch rms_norm and SDPA (vendor: a row's bits move with the batch, a verify's width and a prefix hit)")
     acts = {activation_description(m.act) for m in mods if m.act.act_format}
     if acts:
         desc["activations"] = acts.pop() if len(acts) == 1 else sorted(acts)

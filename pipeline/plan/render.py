@@ -1,8 +1,9 @@
-"""A MemoryPlan as the plain-text table `pipeline plan` prints."""
+"""A MemoryPlan (TensorRT-LLM) or a PortablePlan (the portable engine on a GPU) as the table `pipeline plan` prints."""
 
 from __future__ import annotations
 
 from pipeline.plan.memory import FP8_FORMATS, GB, MemoryPlan
+from pipeline.plan.portable import KV_BLOCK_TOKENS, PortablePlan
 from pipeline.plan.weights import KV_DTYPE_BYTES
 
 
@@ -67,3 +68,43 @@ def _verdict(plan: MemoryPlan) -> str:
         return f"verdict: FITS on {plan.tp} x {i.gpu.name} with {_gb(plan.headroom)} headroom per GPU; {smallest}"
     return (f"verdict: DOES NOT FIT on {plan.tp} x {i.gpu.name}: {_gb(-plan.headroom)} short per GPU; {smallest}; "
             f"fixes: {', '.join(plan.fixes())}")
+
+
+def render_portable(plan: PortablePlan) -> str:
+    """The portable engine's plan on one GPU: weights, reserve, the KV pool it sizes and the requests it holds."""
+    i, gpu = plan.inputs, plan.inputs.gpu
+    draft = i.draft.name if i.draft.kind != "model" else f"{i.draft.name} (draft model)"
+    tokens = f"{i.max_batch_size} x {i.max_seq_len} tokens"
+    held = plan.blocks_free_memory_holds // plan.blocks_per_request
+    rows = [
+        ("target weights", f"bf16, {i.target.param_count / 1e6:,.0f}M params", _gb(plan.target_weights)),
+        ("draft weights", draft + (" (bf16)" if i.draft.kind in ("eagle3", "model") else ""), _gb(plan.draft_weights)),
+        ("draft KV cache", f"its own, {tokens}" if plan.draft_cache else "none", _gb(plan.draft_cache)),
+        ("reserve", "CUDA context (1 GiB)", _gb(plan.cuda_context)),
+        ("free for KV", "GPU memory less the rows above", _gb(plan.free_for_kv)),
+        ("KV per block", f"{KV_BLOCK_TOKENS} tokens, {i.target.num_layers} layers, bf16",
+         f"{plan.kv_bytes_per_block / 1e6:.2f} MB"),
+        ("KV pool", f"{plan.kv_blocks} blocks: {plan.fraction:g} of free" + (f", capped at {tokens}" if plan.capped
+                                                                               else ""), _gb(plan.kv_pool_bytes)),
+        ("used", "", _gb(plan.used)),
+        ("GPU memory", gpu.name, _gb(gpu.memory_bytes)),
+    ]
+    widths = [max(len(r[c]) for r in (("item", "detail", "bytes"), *rows)) for c in range(3)]
+    fmt_row = lambda r: f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2].rjust(widths[2])}"  # noqa: E731
+    if plan.fits:
+        why = (f"the pool is capped at --max-batch-size x --max-seq-len; the free memory would hold {held}"
+               if plan.capped else f"the free memory holds that many; --max-batch-size is {i.max_batch_size}")
+        verdict = (f"verdict: FITS on 1 x {gpu.name}: {plan.requests_that_fit} requests of {i.max_seq_len} tokens at "
+                   f"once ({why})")
+    else:
+        verdict = (f"verdict: DOES NOT FIT on 1 x {gpu.name}: the KV pool holds {plan.kv_blocks} blocks, and one "
+                   f"request of {i.max_seq_len} tokens needs {plan.blocks_per_request}; "
+                   f"fixes: {', '.join(plan.fixes())}")
+    return "\n".join([
+        f"{i.target_name} + draft {draft} on 1 x {gpu.name}, portable engine (--backend torch) on cuda, "
+        f"batch {tokens}",
+        fmt_row(("item", "detail", "bytes")), fmt_row(tuple("-" * w for w in widths)), *map(fmt_row, rows), "",
+        verdict,
+        "Assumes:",
+        *(f"  - {a}" for a in plan.assumptions),
+    ])

@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
 from pipeline.staging import check_output, staged_output
@@ -56,6 +57,9 @@ class AssembleOptions:
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
     max_input_bytes: int | None = None  # text_input's byte limit, checked before tokenizing; None: from max_seq_len
     max_queue_size: int | None = None  # torch: requests waiting for a slot before more are refused; None: per slot
+    # torch: where the served engine loads when tritonserver starts without `pipeline serve --device` (auto|cpu|
+    # cuda|cuda:N, resolved by the model as it loads)
+    device: str = "auto"
     force: bool = False
 
 
@@ -68,6 +72,7 @@ class AssembleResult:
     route: str = "torch"  # torch | engine | llmapi
     notes: list[str] = field(default_factory=list)  # what still has to happen before serving
     launch: str = "plain"  # how `pipeline serve` launches it (pipeline.triton.launch)
+    device: str | None = None  # torch: the device torch_engine's config names (auto: picked as it loads)
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,9 @@ def plan_repository(options: AssembleOptions) -> Plan:
     """Read the engine folder and decide everything assemble writes (reads files, writes nothing)."""
     engine = Path(options.engine).expanduser().absolute()
     backend = detect_backend(engine, options.backend)
+    if backend != "torch" and parse_device(options.device) != "auto":
+        raise ConfigError(f"--device {options.device} places the portable engine; {engine} is a TensorRT-LLM folder, "
+                          f"whose engines run on the GPUs of their tp/pp mapping: drop --device")
     if backend == "torch":
         return Plan(_torch_spec(engine, options), "torch")
     from pipeline.compiler.compiler import MANIFEST_FILE
@@ -139,7 +147,8 @@ def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                     num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
-                    max_input_bytes=options.max_input_bytes, max_queue_size=options.max_queue_size)
+                    max_input_bytes=options.max_input_bytes, max_queue_size=options.max_queue_size,
+                    device=options.device)
 
 
 def _tokenizer(manifest: dict, options: AssembleOptions) -> Path:
@@ -312,4 +321,5 @@ def assemble(options: AssembleOptions) -> AssembleResult:
         models = write_repository(stage, plan.spec, plan.llmapi_yaml, plan.launch, container)
     engine = plan.spec.engine_dir if plan.route == "torch" else str(Path(options.engine).expanduser().absolute())
     return AssembleResult(repo=str(repo), engine=engine, models=models, backend=plan.spec.backend,
-                          route=plan.route, notes=notes, launch=plan.launch.mode)
+                          route=plan.route, notes=notes, launch=plan.launch.mode,
+                          device=parse_device(plan.spec.device) if plan.route == "torch" else None)

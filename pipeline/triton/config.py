@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Mapping
 
+from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError, MissingDependencyError
 from pipeline.triton.interface import (
@@ -57,6 +58,10 @@ LLMAPI_YAML = "model.yaml"
 QUEUE_PER_SLOT = 4
 # Generous: byte-level BPE tokens average 3-5 bytes of English or code, and a UTF-8 character is at most 4.
 BYTES_PER_TOKEN = 32
+# `pipeline serve --device` reaches torch_engine through the server's environment, which tritonserver passes on to
+# the python backend's stubs: a model's config.pbtxt is fixed when assemble writes it, and the device is the
+# serving machine's choice. Set, it wins over the config's `device` parameter.
+DEVICE_ENV = "PIPELINE_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class RepoSpec:
     draft_max_tokens: int | None = None
     gpu_device_ids: str | None = None  # trtllm, orchestrator mode: the GPUs both models use, "0,1"
     llmapi_model_dir: str = LLMAPI_MODEL_DIR  # llmapi: the folder with TensorRT-LLM's llmapi model.py
+    # torch: where torch_engine loads the engine (auto|cpu|cuda|cuda:N), resolved in the model's process as it
+    # loads; `pipeline serve --device` overrides it for its own runs through DEVICE_ENV
+    device: str = "auto"
 
     def __post_init__(self):
         if self.backend not in ("torch", "trtllm", "llmapi"):
@@ -108,6 +116,9 @@ class RepoSpec:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
         if self.draft_max_tokens is not None and self.draft_max_tokens < 1:
             raise ConfigError("draft_max_tokens must be >= 1")
+        if parse_device(self.device) != "auto" and self.backend != "torch":
+            raise ConfigError(f"device {self.device!r} is for the portable engine (backend 'torch'); TensorRT-LLM "
+                              f"places its engines by its tp/pp mapping: leave device 'auto'")
 
     @property
     def queue_limit(self) -> int:
@@ -208,7 +219,14 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
 
 
 def torch_engine_config(spec: RepoSpec) -> ModelConfig:
-    """The portable engine: continuous batching and speculation in one python model."""
+    """The portable engine: continuous batching and speculation in one python model.
+
+    Its instance group stays KIND_CPU on a GPU too; the engine puts itself on the device the `device` parameter
+    (or serve's DEVICE_ENV) names. The python backend places nothing on a GPU for KIND_GPU: it only hands the model
+    a device id, so the engine would still place its own tensors. And KIND_GPU would fix the device when assemble
+    runs, not when the server starts: on a machine without a GPU Triton refuses to load a KIND_GPU model, and without
+    a `gpus` list it starts one instance per GPU, each its own engine with its own weights and KV pool, where this
+    model is one engine with one scheduler thread."""
     return _base(TORCH_ENGINE, spec, backend="python", inputs=REQUEST_TENSORS + (STREAM_ID,),
                  outputs=GENERATION_TENSORS,
                  decoupled=True, parameters={
@@ -217,7 +235,14 @@ def torch_engine_config(spec: RepoSpec) -> ModelConfig:
                      "max_seq_len": str(spec.max_seq_len),
                      "num_draft_tokens": str(spec.num_draft_tokens),
                      "max_queue_size": str(spec.queue_limit),
+                     "device": parse_device(spec.device),
                  })
+
+
+def served_device(parameters: dict, environ: Mapping[str, str]) -> str:
+    """The device choice torch_engine loads on: serve's DEVICE_ENV, else its config's `device` parameter (a model
+    config as the python backend hands it over, parsed from JSON), else auto."""
+    return environ.get(DEVICE_ENV) or parameters.get("device", {}).get("string_value") or "auto"
 
 
 def trtllm_models(spec: RepoSpec) -> list:

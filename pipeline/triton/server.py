@@ -26,7 +26,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from pipeline.errors import ServeError
+from pipeline.engine.device import parse_device
+from pipeline.errors import ConfigError, ServeError
+from pipeline.triton.config import DEVICE_ENV
 from pipeline.triton.launch import Launch, launch_command, read_launch
 from pipeline.triton.ports import port_in_use
 from pipeline.triton.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
@@ -53,6 +55,9 @@ class ServeOptions:
     log_file: Path | None = None
     log_verbose: int = 0
     admin_key: str | None = None  # None: $PIPELINE_ADMIN_KEY, else a new random key per server
+    # A portable-engine repository: where torch_engine loads (auto|cpu|cuda|cuda:N). The server resolves it as it
+    # starts and hands it to the model in DEVICE_ENV, over the repository's own `device` parameter.
+    device: str = "auto"
 
     @property
     def ports(self) -> dict[str, int]:
@@ -212,7 +217,24 @@ def launch_argv(options: ServeOptions, binary: ServerBinary, backend_directory: 
     argv, env = launch_command(launch, str(binary.path), server_args(options, binary, backend_directory), shm_prefix)
     if launch.route == "torch" and ARENA_ENV not in os.environ:
         env = {ARENA_ENV: ARENA_MAX, **env}
+    if launch.route == "torch":
+        env = {DEVICE_ENV: parse_device(options.device), **env}
     return argv, env
+
+
+def engine_device(options: ServeOptions, launch: Launch, check: bool = True) -> tuple[str, str]:
+    """(device, the line saying what was picked and why) the portable engine serves on, checked against what torch
+    sees here (check=False, for a dry run: the spelling only, and no line); ("", "") for a TensorRT-LLM repository,
+    which refuses a --device other than auto: its engines run on the GPUs of their tp/pp mapping."""
+    from pipeline.engine.device import choose_device
+
+    if launch.route != "torch":
+        if parse_device(options.device) != "auto":
+            raise ConfigError(f"--device {options.device} places the portable engine, and this repository serves "
+                              f"TensorRT-LLM ({launch.route} route), whose engines run on the GPUs of their tp/pp "
+                              f"mapping: drop --device")
+        return "", ""
+    return choose_device(options.device) if check else (parse_device(options.device), "")
 
 
 def server_env(binary: ServerBinary, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -291,6 +313,7 @@ class TritonServer:
         self.backends: Path | None = None
         self.frontend = None  # the OpenAI frontend `serve` runs beside it (pipeline.openai_api.process)
         self.admin_key_file: Path | None = None  # where a generated admin key is kept (never printed)
+        self.device_line = ""  # a portable-engine repository: the device the engine serves on, and why
 
     @property
     def endpoints(self) -> Endpoints:
@@ -301,6 +324,9 @@ class TritonServer:
     def start(self) -> TritonServer:
         check_repository(Path(self.options.repo))
         launch = self.launch = read_launch(Path(self.options.repo))
+        device, self.device_line = engine_device(self.options, launch)
+        if device:
+            self.options = replace(self.options, device=device)
         binary = self.binary = self.binary or server_binary(launch)
         check_launchable(launch, binary)
         for name, port in self.options.ports.items():
@@ -438,6 +464,7 @@ def planned_command(options: ServeOptions, binary: ServerBinary | None = None) -
     The bundled CPU server's backend folder is made per run: shown as <workspace>/backends."""
     check_repository(Path(options.repo))
     launch = read_launch(Path(options.repo))
+    engine_device(options, launch, check=False)  # the spelling, and no --device on a TensorRT-LLM repository
     binary = binary or server_binary(launch)
     backends = Path("<workspace>") / "backends" if binary.bundled else None
     options = replace(options, admin_key=options.admin_key or "<admin-key>")  # made when the server starts
@@ -463,6 +490,8 @@ def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callabl
     previous = _raise_on_sigterm()
     try:
         server.start()
+        if server.device_line:
+            say(server.device_line)
         if on_start is not None:
             on_start(server)
         ready_timeout = timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S)

@@ -7,6 +7,7 @@ backend at 40 streams (boost lock_exception / SIGSEGV); one sender thread held.
 """
 
 import json
+import os
 import queue
 import threading
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from pipeline.engine.device import choose_device
 from pipeline.engine.folder import load_engine, read_engine_manifest
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.engine.request import RequestStatus
@@ -23,6 +25,7 @@ from pipeline.engine.sampling import SamplingParams
 from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
+from pipeline.triton.config import served_device
 from pipeline.triton.serving_gate import busy_message
 from pipeline.triton.stop_text import sendable
 from pipeline.triton.validate import read_engine_request
@@ -177,8 +180,12 @@ class TritonPythonModel:
         # repository's let through (a build with --gate-batch-size 64 skipped steps for load past 32): here
         # it never binds, and the planner still chooses each auto request's drafts step by step.
         manifest = read_engine_manifest(engine_dir)
-        self.engine = load_engine(engine_dir, gate=GatePolicy(max_batch_size=manifest["max_batch_size"], hysteresis=0,
-                                                              min_tokens=0))
+        # `pipeline serve --device` (DEVICE_ENV) wins over the repository's own `device` (assemble's); auto is picked
+        # here, in the process that runs the engine.
+        device, line = choose_device(served_device(config["parameters"], os.environ))
+        pb_utils.Logger.log_info(f"{config['name']}: {line}")
+        gate = GatePolicy(max_batch_size=manifest["max_batch_size"], hysteresis=0, min_tokens=0)
+        self.engine = load_engine(engine_dir, device=device, gate=gate)
         # Requests that may wait for a slot (0: no bound); past it a request is refused at once as busy.
         self.max_queue_size = int(config["parameters"].get("max_queue_size", {}).get("string_value", "0"))
         tokenizer = load_tokenizer(Path(engine_dir) / manifest["tokenizer"])

@@ -1,0 +1,109 @@
+"""Where the portable engine runs: a device choice (auto | cpu | cuda | cuda:N) checked against what torch sees,
+and the KV pool a GPU's free memory holds.
+
+`choose_device` is the one place a choice becomes a device. Every --device and `load_engine(device=...)` goes
+through it, and the commands print the line it returns, once, so a run always says where it ran and why. The
+module imports torch only inside the functions that ask it, so the Triton configs can check a choice's spelling
+without torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pipeline.errors import ConfigError
+
+DEVICE_CHOICES = "auto|cpu|cuda|cuda:N"
+# The share of the GPU memory left free after the weights load that the KV pool may take, as TensorRT-LLM's
+# KvCacheConfig.free_gpu_memory_fraction (default 0.9, and `pipeline compile --free-gpu-memory-fraction` on its
+# route): the rest is left for activations, the allocator's slack and whatever else shares the GPU.
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+
+_CUDA = re.compile(r"cuda(?::(\d+))?")
+
+
+def parse_device(choice: str) -> str:
+    """A choice's spelling, checked and normalized without asking torch: "auto", "cpu" or "cuda:N". A bare "cuda"
+    is cuda:0, the device torch's "cuda" means until a program picks another."""
+    name = str(choice).strip().lower()
+    if name in ("auto", "cpu"):
+        return name
+    match = _CUDA.fullmatch(name)
+    if match is None:
+        raise ConfigError(f"unknown device {choice!r}; use auto, cpu, cuda or cuda:N (N: a GPU's index, 0 first)")
+    return f"cuda:{int(match.group(1) or 0)}"
+
+
+def is_cuda(device: str) -> bool:
+    return str(device).strip().lower().startswith("cuda")
+
+
+def pick_device(choice: str, gpus: tuple[str, ...], cpu_build: bool = False) -> tuple[str, str]:
+    """(device, the line that says why) for a choice, given the names of the GPUs torch sees (cuda:0 first) and
+    whether this torch is a CPU-only build. Pure: `choose_device` asks torch."""
+    device = parse_device(choice)
+    seen = f"torch sees {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "torch sees no GPU"
+    if device == "cpu":
+        return "cpu", "device: cpu (asked for)"
+    if device == "auto":
+        if not gpus:
+            return "cpu", f"device: cpu (auto: {seen}{'; this torch is a CPU-only build' if cpu_build else ''})"
+        return "cuda:0", f"device: cuda:0 ({gpus[0]}, auto: {seen})"
+    index = int(device.split(":")[1])
+    if not gpus:
+        why = ("this torch is a CPU-only build: install a CUDA build of torch on a machine with an NVIDIA GPU"
+               if cpu_build else "no CUDA device is visible: check nvidia-smi and CUDA_VISIBLE_DEVICES")
+        raise ConfigError(f"device {choice!r} asks for a GPU but {seen} ({why}); use --device cpu or auto")
+    if index >= len(gpus):
+        raise ConfigError(f"device {choice!r} is past the GPUs here: {seen} (cuda:0 to cuda:{len(gpus) - 1}); use "
+                          f"--device cuda:0 to cuda:{len(gpus) - 1}, or auto")
+    return device, f"device: {device} ({gpus[index]}, asked for; {seen})"
+
+
+def visible_gpus() -> tuple[tuple[str, ...], bool]:
+    """(the names of the GPUs torch sees, cuda:0 first; whether this torch is a CPU-only build)."""
+    import torch
+
+    cpu_build = torch.version.cuda is None
+    if not torch.cuda.is_available():
+        return (), cpu_build
+    return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), cpu_build
+
+
+def choose_device(choice: str) -> tuple[str, str]:
+    """(device: "cpu" or "cuda:N", the one line saying what was picked and why) for auto|cpu|cuda|cuda:N; raises
+    ConfigError for a GPU torch doesn't see, or a malformed name. Asks torch only where the choice needs it."""
+    if parse_device(choice) == "cpu":
+        return pick_device(choice, ())
+    return pick_device(choice, *visible_gpus())
+
+
+def resolve_device(choice: str) -> str:
+    """The device a choice picks here: "cpu" or "cuda:N" ("auto": cuda:0 where torch sees a GPU, else cpu)."""
+    return choose_device(choice)[0]
+
+
+def check_fraction(fraction: float, name: str = "gpu_memory_fraction") -> None:
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"{name} must be in (0, 1] (got {fraction}); it is the share of the GPU memory free after "
+                          f"the weights load that the KV cache may take (default {DEFAULT_GPU_MEMORY_FRACTION})")
+
+
+def kv_pool_blocks(free_bytes: int, bytes_per_block: int, *, block_size: int, max_batch_size: int, max_seq_len: int,
+                   fraction: float = DEFAULT_GPU_MEMORY_FRACTION) -> int:
+    """The target's KV pool on a GPU, in blocks: `fraction` of the memory free once the weights are loaded
+    (torch.cuda.mem_get_info), but never more than max_batch_size requests of max_seq_len tokens need: past that
+    the blocks would only ever hold prefix-cache entries, and the GPU may be shared. Pure.
+
+    Raises ConfigError when not even one request of max_seq_len fits."""
+    check_fraction(fraction)
+    if bytes_per_block < 1 or block_size < 1:
+        raise ConfigError(f"a KV block must have bytes and tokens (got {bytes_per_block} bytes, {block_size} tokens)")
+    per_request = -(-max_seq_len // block_size)
+    fit = int(max(free_bytes, 0) * fraction) // bytes_per_block
+    if fit < per_request:
+        raise ConfigError(
+            f"the KV cache gets {fraction:g} of the {max(free_bytes, 0) / 2**30:.2f} GiB of GPU memory free after the "
+            f"weights: {fit} blocks of {bytes_per_block} bytes, and one request of max_seq_len {max_seq_len} needs "
+            f"{per_request}; lower max_seq_len, raise the fraction, or free GPU memory (or use --device cpu)")
+    return min(fit, max_batch_size * per_request)

@@ -1,0 +1,334 @@
+"""The engine's own GPU kernels, in Triton, whose result for a row depends on nothing but that row.
+
+Greedy speculation is lossless only if a token's logits come out bit for bit the same in a decode (1 row), beside
+other requests, inside a verify (k+1 rows), after a prefix-cache hit (the last prompt token computed alone) and in
+a chunked prefill. cuBLAS and SDPA don't promise that: they pick a kernel, a tile and a split of the reduction by
+the shape, and on an H200 the target as its own draft accepted 0.83-0.89 of its drafts in bf16, not 1.0
+(FACTS.md). So on a GPU every reduction of a forward runs here, in an order fixed by the weights' shapes alone:
+
+- `linear`: one tile shape and one split of K per weight, chosen from (N, K) and the GPU's SM count, never from the
+  row count M. A row's output is sum over K of its own products, in K-blocks added in order, each block by the
+  same tensor-core instruction; the split-K partials are added in split order by a second kernel, never by atomics.
+  The rows that share a tile only share the weight loads: a dot's output row reads its own input row only.
+- `rms_norm`: one program per row, the row's sum of squares by one tl.sum over a block fixed by the hidden size.
+- `paged_attention`: one program per (token, KV head): the token's keys in blocks of KEY_BLOCK, 0 up to its own
+  position, with an online softmax. What it reads and in what order follows from the token's position and the
+  cache's bits only, so a token costs the same arithmetic in a decode, a verify, a prefill chunk or after a
+  prefix-cache hit. Key blocks past a token's position are never read.
+Elementwise ops (rope, SiLU-and-multiply, the residual add outside the norm, casts) and gathers (the embedding,
+the cache write) stay torch's: an element's result is one rounding of its own inputs whatever the launch shape.
+Greedy's argmax over the logits stays torch's: `argmax_invariant` checks it at load, on the running GPU, and the
+engine refuses to start where it fails. Sampled rows' softmax already runs on the CPU, beside their generators.
+
+The same kernels run on a CPU under TRITON_INTERPRET=1, which is how CI (no GPU) checks the invariance: which
+blocks each sum covers and in what order, what depends on the row count, what a pad or a short row reads. Two
+things differ there (INTERPRET): the interpreter can't do bf16 arithmetic or round like a GPU, and numpy's matmul
+gives a row other bits at another place in the tile, so a tile's products are summed by hand in fp32. On a GPU a
+tile's dot is one tensor-core instruction computing every output element alike wherever its row sits: the one
+assumption the interpreter can't check, which the CUDA run of the same tests and scripts/bench_gpu.py's identity
+matrix do.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # a CPU install may have no Triton; the interpreter patches the `tl` it finds in this module's globals
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+KEY_BLOCK = 32  # keys per step of the attention's loop: two of the cache's 16-token blocks
+TILE_M = 64  # rows per linear tile, for every M: a 1-row decode pads its tile, which costs no weight traffic
+H200_SMS = 132  # the config under the interpreter (no GPU to ask): an H200's, so CI runs the configs it ships
+
+# The engine's own GPU kernels on a CPU, through Triton's interpreter: tests only (CI has no GPU).
+FORCE_ENV = "PIPELINE_GPU_KERNELS_ON_CPU"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether the engine's GPU kernels run a forward on x's device: a GPU, or a CPU under the interpreter when
+    a test asks for it."""
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get(FORCE_ENV) == "1" and interpreting())
+
+
+def available() -> str | None:
+    """None where Triton imports, else why not (one line)."""
+    if triton is None:
+        return "triton is not installed; pip install triton, or run with gpu_kernels='vendor'"
+    return None
+
+
+def _kernels():
+    return _compile(interpreting())
+
+
+@functools.cache
+def _compile(interpret: bool):
+    """The Triton kernels, made on first use (importing this module needs no Triton: a CPU install), once for the
+    GPU and once for the interpreter: triton.jit reads TRITON_INTERPRET when it wraps a function."""
+    @triton.jit(do_not_specialize=["M"])
+    def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+                      stride_os, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
+        """out[s, m, n] (SPLIT > 1: fp32 partials over K slice s) or out[m, n] = x[m, :] . w[n, :] (+ b[n])."""
+        pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        k0 = pid_s * k_per_split
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k0, k0 + k_per_split, BLOCK_K):
+            kk = k + rk
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)
+            w = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+                        other=0.0)
+            if INTERPRET:  # numpy's matmul gives a row other bits at another place in the tile: sum by hand
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+            elif IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        keep = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT > 1:
+            tl.store(out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=keep)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit(do_not_specialize=["M"])
+    def split_sum_kernel(part_ptr, b_ptr, out_ptr, M, N, stride_ps, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """out[m, n] = sum over s in order of part[s, m, n] (+ b[n]): split-K's partials, added in one fixed order."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = i < M * N
+        acc = tl.load(part_ptr + i, mask=keep, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * stride_ps + i, mask=keep, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + i % N, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, H, eps, stride, HAS_RESIDUAL: tl.constexpr,
+                        FP32: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: total = x (+ r, rounded to the model's dtype); out = norm(total) * w, as transformers rounds."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < H
+        x = tl.load(x_ptr + row * stride + cols, mask=keep, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x = x + tl.load(r_ptr + row * stride + cols, mask=keep, other=0.0).to(tl.float32)
+            x = x.to(sum_ptr.dtype.element_ty).to(tl.float32)  # the residual stream is stored in the model's dtype
+            tl.store(sum_ptr + row * stride + cols, x.to(sum_ptr.dtype.element_ty), mask=keep)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+        if FP32:
+            y = x * rstd * w
+        else:  # round the normalised row to the model's dtype before the weight, as transformers does
+            y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row * stride + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, T, scale, stride_qt, stride_qh,
+                         stride_cb, stride_ch, stride_cs, stride_tb, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                         D: tl.constexpr, BS: tl.constexpr, BLOCK_KEYS: tl.constexpr, INTERPRET: tl.constexpr,
+                         IEEE: tl.constexpr):
+        """One token's G query heads of one KV head, against keys 0..its position in its row's blocks."""
+        tok, kvh = tl.program_id(0), tl.program_id(1)
+        b = tok // T
+        wp = tl.load(pos_ptr + tok)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        heads = kvh * G + g
+        q_off = tok * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=g[:, None] < G, other=0.0)
+        m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_G, D), dtype=tl.float32)
+        keys = tl.arange(0, BLOCK_KEYS)
+        for start in range(0, wp + 1, BLOCK_KEYS):
+            kpos = start + keys
+            seen = kpos <= wp
+            block = tl.load(table_ptr + b * stride_tb + kpos // BS, mask=seen, other=0)
+            c_off = block[:, None] * stride_cb + kvh * stride_ch + (kpos % BS)[:, None] * stride_cs + d[None, :]
+            k = tl.load(k_ptr + c_off, mask=seen[:, None], other=0.0)
+            v = tl.load(v_ptr + c_off, mask=seen[:, None], other=0.0)
+            if INTERPRET:  # see linear_kernel
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            elif IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(seen[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if INTERPRET:
+                pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            elif IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        # A pad (wp = -1) reads no key: its l is 0 and its output, which nothing reads, is written as zeros.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
+
+    return linear_kernel, split_sum_kernel, rms_norm_kernel, attention_kernel
+
+
+# ---- linear -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinearTiles:
+    """How one weight's products are tiled and summed: a function of (N, K, SMs) alone, so of no row count."""
+
+    block_n: int
+    block_k: int
+    split: int  # K is cut in this many slices, summed in order by split_sum_kernel
+
+    @property
+    def describe(self) -> str:
+        return f"{TILE_M}x{self.block_n} tiles, K in {self.block_k}-blocks" + (
+            f", {self.split} K-slices summed in order" if self.split > 1 else "")
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SMS
+
+
+@functools.cache
+def linear_tiles(n: int, k: int, sms: int) -> LinearTiles:
+    """The widest tile that still gives every SM a tile of its own at batch 1 (a decode step streams the weight,
+    and needs all of them reading); where even 16-wide tiles leave SMs idle, K is split too, up to 4 ways."""
+    block_k = 64 if k % 64 == 0 or k > 256 else 32
+    for block_n in (128, 64, 32, 16):
+        if -(-n // block_n) >= sms:
+            return LinearTiles(block_n, block_k, 1)
+    tiles = -(-n // 16)
+    split = 1
+    while split < 4 and tiles * split < sms and k // (2 * split) >= 2 * block_k:
+        split *= 2
+    return LinearTiles(16, block_k, split)
+
+
+def tiles_for(x: torch.Tensor, weight: torch.Tensor) -> LinearTiles:
+    """The tiling of x @ weight.T: the weight's and the GPU's, never x's row count (a test breaks that on purpose)."""
+    return linear_tiles(weight.shape[0], weight.shape[1], sm_count(x.device))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) in x's dtype, each row's bits its own (see the module's docstring)."""
+    linear_kernel, split_sum_kernel, _, _ = _kernels()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    N = weight.shape[0]
+    tiles = tiles_for(x2, weight)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.view(*shape[:-1], N)
+    # Each K-slice a whole number of K-blocks, so the blocks a slice sums are the same for every M.
+    per_split = -(-K // (tiles.split * tiles.block_k)) * tiles.block_k
+    interpret, ieee = interpreting(), x.dtype == torch.float32
+    grid = (-(-N // tiles.block_n), -(-M // TILE_M), tiles.split)
+    has_bias = bias is not None
+    if tiles.split == 1:
+        linear_kernel[grid](x2, weight, bias if has_bias else x2, out, M, N, K, per_split, x2.stride(0),
+                            weight.stride(0), out.stride(0), 0, HAS_BIAS=has_bias, SPLIT=1, BLOCK_M=TILE_M,
+                            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee)
+    else:
+        part = torch.empty(tiles.split, M, N, dtype=torch.float32, device=x.device)
+        linear_kernel[grid](x2, weight, x2, part, M, N, K, per_split, x2.stride(0), weight.stride(0), N, M * N,
+                            HAS_BIAS=False, SPLIT=tiles.split, BLOCK_M=TILE_M, BLOCK_N=tiles.block_n,
+                            BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee)
+        block = 1024
+        split_sum_kernel[(-(-(M * N) // block),)](part, bias if has_bias else part, out, M, N, M * N,
+                                                  HAS_BIAS=has_bias, SPLIT=tiles.split, BLOCK=block)
+    return out.view(*shape[:-1], N)
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total, norm(total) * weight) with total = x (+ residual, added in the model's dtype), row by row."""
+    _, _, rms_norm_kernel, _ = _kernels()
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H).contiguous()
+    r2 = residual.reshape(-1, H).contiguous() if residual is not None else None
+    out = torch.empty_like(x2)
+    total = torch.empty_like(x2) if r2 is not None else x2
+    if x2.shape[0]:
+        rms_norm_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, total, out, H, eps, H,
+                                        HAS_RESIDUAL=r2 is not None, FP32=x.dtype == torch.float32,
+                                        BLOCK=max(16, 1 << (H - 1).bit_length()))
+    return total.view(x.shape), out.view(x.shape)
+
+
+# ---- attention over the paged cache -------------------------------------------------------------------------
+
+def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor,
+                    write_pos: torch.Tensor) -> torch.Tensor:
+    """q [B, T, H, D] (its K/V already written to the cache); cache_k/v: one layer's [NB + 1, KV, BS, D];
+    block_table [B, MB]; write_pos [B, T] (-1: a pad) -> [B, T, H, D]: each token against its own keys."""
+    _, _, _, attention_kernel = _kernels()
+    B, T, H, D = q.shape
+    KV, BS = cache_k.shape[1], cache_k.shape[2]
+    G = H // KV
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    table, pos = block_table.contiguous(), write_pos.contiguous()  # int64, read as they are: no cast per layer
+    ieee = q.dtype == torch.float32
+    attention_kernel[(B * T, KV)](q, cache_k, cache_v, table, pos, out, T, D**-0.5, q.stride(1), q.stride(2),
+                                  cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), table.stride(0),
+                                  G=G, BLOCK_G=max(16, 1 << (G - 1).bit_length()), D=D, BS=BS,
+                                  BLOCK_KEYS=KEY_BLOCK, INTERPRET=interpreting(), IEEE=ieee)
+    return out
+
+
+# ---- the logits' argmax ------------------------------------------------------------------------------------
+
+_argmax_checked: dict[tuple, bool] = {}
+
+
+@torch.inference_mode()
+def argmax_invariant(device: torch.device, vocab: int, most: int = 64) -> bool:
+    """Whether torch's argmax over [n, vocab] fp32 rows gives each row the same token alone as in calls of 2..most
+    rows on this device: the one vendor reduction a GPU forward keeps (greedy's pick; sampled rows' softmax runs on
+    the CPU, beside their generators). A max is exact in any order, so only a tie could move, and torch breaks
+    ties by the lowest index; checked once per (device, vocab) at load, with ties planted, all the same."""
+    key = (str(device), vocab, most)
+    if key not in _argmax_checked:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(most, vocab, generator=g, device=device)
+        x[::2, vocab // 3] = x[::2, vocab // 2] = 1e4  # a tie in every other row
+        alone = torch.cat([x[i:i + 1].argmax(-1) for i in range(most)])
+        _argmax_checked[key] = all(torch.equal(x[:n].argmax(-1), alone[:n]) for n in range(2, most + 1))
+    return _argmax_checked[key]
+
+
+def describe() -> dict:
+    """What runs each reduction of a forward on a GPU, for describe()."""
+    return {"linear": f"gpu_kernels.linear (Triton; {TILE_M}-row tiles, K-blocks and K-slices fixed by the weight's "
+                      "shape)",
+            "rms_norm": "gpu_kernels.rms_norm (Triton; a row a program)",
+            "attention": f"gpu_kernels.paged_attention (Triton; a token a program, keys in blocks of {KEY_BLOCK})"}
