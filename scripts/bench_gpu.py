@@ -59,7 +59,7 @@ from pipeline.engine.speculative import Proposal
 from pipeline.errors import one_line
 
 SEED = 0
-SECTIONS = ("build", "transformers_eager", "load", "plain", "verify", "identity", "speculation", "vendor")
+SECTIONS = ("build", "transformers_eager", "load", "kernels", "plain", "verify", "identity", "speculation", "vendor")
 SKIPPABLE = tuple(s for s in SECTIONS if s not in ("build", "load"))  # the others need these two
 # Share of a shape's time left (after building and loading) that each measuring section may take, in run order.
 CAPS = {"plain": 0.18, "verify": 0.07, "identity": 0.42, "speculation": 0.13, "vendor": 0.20}
@@ -392,6 +392,7 @@ class ShapeBench:
         self.section("transformers_eager", self.eager, cap=min(30.0, 0.08 * (self.deadline - self.clock.now())))
         self.drop_hf()
         self.section("load", self.load)
+        self.section("kernels", self.kernels, cap=min(20.0, 0.08 * (self.deadline - self.clock.now())))
         for name in ("plain", "verify", "identity", "speculation", "vendor"):
             left = self.deadline - self.clock.now()
             share = CAPS[name] / sum(CAPS[n] for n in list(CAPS)[list(CAPS).index(name):])
@@ -547,6 +548,59 @@ class ShapeBench:
             self.save()
         del engine
         release()
+
+    def kernels(self, rec, deadline):
+        """Each distinct linear of the target, and attention, on the engine's GPU kernels against the vendor's: whether
+        a row gets its bits alone and in calls of 3, 5, 64, 65 and 320 rows, and the time of a 1-row and a 64-row
+        call (a 1-row call's weight bytes over its time: how near the copy bandwidth a decode's linears stream)."""
+        import torch.nn.functional as F
+
+        from pipeline.engine import gpu_kernels
+
+        (target,) = self.need("target")
+        dev = self.args.device
+        if not gpu_kernels.runs_here(target.embed.weight):
+            raise Skip("the engine's GPU kernels run on a GPU only")
+        layer = target.layers[0]
+        linears = {"qkv": layer.attn.qkv, "o": layer.attn.o, "gate_up": layer.mlp.gate_up, "down": layer.mlp.down,
+                   "lm_head": target.lm_head}
+        g = torch.Generator(device=dev).manual_seed(SEED)
+
+        def invariant(fn, x):
+            alone = torch.cat([fn(x[i:i + 1]) for i in range(65)])
+            return all(torch.equal(fn(x[:n])[:65], alone[:min(n, 65)]) for n in (3, 5, 64, 65, 320))
+
+        def ms(fn, x, repeats=20):
+            fn(x)
+            if not x.is_cuda:  # a CPU under the interpreter (a check of this section, not a measurement)
+                t = time.perf_counter()
+                fn(x)
+                return (time.perf_counter() - t) * 1e3
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+            for a, b in zip(starts, ends):
+                a.record()
+                fn(x)
+                b.record()
+            torch.cuda.synchronize()
+            return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
+
+        out = rec["linears"] = {}
+        for name, lin in linears.items():
+            if self.clock.left(deadline) <= 0:
+                raise OutOfTime(f"measured {', '.join(out) or 'no linear'} before the section's cap")
+            w = lin.weight
+            N, K = w.shape
+            x = torch.randn(320, K, generator=g, device=dev).to(w.dtype)
+            ours, theirs = (lambda t: gpu_kernels.linear(t, w)), (lambda t: F.linear(t, w))
+            row = {"n": N, "k": K, "tiles": gpu_kernels.tiles_for(x, w).describe,
+                   "invariant": invariant(ours, x), "vendor_invariant": invariant(theirs, x)}
+            for m in (1, 64):
+                row[f"ms_m{m}"], row[f"vendor_ms_m{m}"] = _round(ms(ours, x[:m]), 4), _round(ms(theirs, x[:m]), 4)
+            row["gb_s_m1"] = round(N * K * w.element_size() / (row["ms_m1"] * 1e-3) / 1e9, 1)
+            row["vendor_gb_s_m1"] = round(N * K * w.element_size() / (row["vendor_ms_m1"] * 1e-3) / 1e9, 1)
+            out[name] = row
+        rec["all_invariant"] = all(r["invariant"] for r in out.values())
 
     def verify(self, rec, deadline):
         """Batch 1: decode steps of a plain engine against steps verifying k drafts (k + 1 tokens) each."""

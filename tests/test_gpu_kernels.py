@@ -106,6 +106,31 @@ def test_a_token_attends_alike_in_a_decode_a_verify_a_prefill_and_a_batch(device
     torch.testing.assert_close(decode.float(), ref, atol=1e-5 if dtype == torch.float32 else 0.02, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_the_cache_write_match_torchs_ops_and_a_pad_writes_nothing(device, dtype):
+    from pipeline.engine.model import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    B, T, NQ, NKV, D, BS, NB = 2, 3, 4, 2, 16, 16, 6
+    qkv = torch.randn(B, T, NQ + 2 * NKV, D, generator=g).to(device=device, dtype=dtype)
+    cos, sin = (torch.randn(B, T, 1, D, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    ck, cv = (torch.zeros(NB + 1, NKV, BS, D, dtype=dtype, device=device) for _ in range(2))
+    table = torch.tensor([[1, 3], [2, 5]], device=device)
+    write_pos = torch.tensor([[17, 18, -1], [4, 5, 6]], device=device)
+    q = gpu_kernels.rope_and_write(qkv, cos, sin, ck, cv, table, write_pos, NQ, NKV)
+    roped = apply_rope(qkv[:, :, :NQ + NKV], cos, sin)
+    tol = dict(atol=1e-6, rtol=0) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)  # 2 bf16 ulps: the interpreter truncates
+    torch.testing.assert_close(q.float(), roped[:, :, :NQ].float(), **tol)
+    written = torch.zeros(NB + 1, dtype=torch.bool)
+    for b, t in [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]:
+        p = int(write_pos[b, t])
+        block = int(table[b, p // BS])
+        written[block] = True
+        torch.testing.assert_close(ck[block, :, p % BS].float(), roped[b, t, NQ:].float(), **tol)
+        assert torch.equal(cv[block, :, p % BS], qkv[b, t, NQ + NKV:])
+    assert not ck[~written].any() and not cv[~written].any()  # the pad (row 0, token 2) wrote nowhere
+
+
 @pytest.fixture(scope="module")
 def two_layers(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("gpu-target"), seed=0, layers=2)
@@ -127,6 +152,7 @@ def test_greedy_output_is_the_same_alone_batched_speculated_chunked_and_cached(d
                   gate=GatePolicy(min_tokens=0))
 
     plain = LLMEngine.load(two_layers, EngineConfig(**config, prefix_caching=False))
+    assert plain.graphed is not None  # decode and verify steps go through the CUDA graphs' static buffers
     described = plain.describe()["target"]
     assert described["gpu_kernels"] == "invariant"
     assert described["kernels"]["dense"] == "gpu_kernels.linear (Triton)"

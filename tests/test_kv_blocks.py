@@ -221,3 +221,14 @@ def test_everything_in_the_mix_is_still_each_requests_own_greedy_output(tiny_tar
         assert (got.finish_reason, got.stop_text_len) == (exp.finish_reason, exp.stop_text_len)
     assert engine.blocks.hit_tokens > 0 and engine.stats.preemptions > 0
     assert engine.gate.flips >= 1 and engine.stats.drafted_tokens > 0
+
+
+def test_the_attention_mask_lets_a_query_see_keys_up_to_its_own_position_and_a_pad_key_0():
+    from pipeline.engine.kv_cache import ForwardBatch, KVCache
+
+    cache = KVCache(1, 2, 64, 1, 4, torch.float32)
+    fb = ForwardBatch.build([0, 1], [3, 1], [2, 1], cache)  # row 0: positions 3, 4; row 1: position 1, then a pad
+    assert fb.attn_mask.shape == (2, 1, 2, 5)
+    assert fb.attn_mask[0, 0].tolist() == [[True] * 4 + [False], [True] * 5]
+    assert fb.attn_mask[1, 0].tolist() == [[True, True, False, False, False], [True] + [False] * 4]
+    assert ForwardBatch.build([0, 1], [7, 7], [1, 1], cache).attn_mask is None  # every key is visible to every row

@@ -128,6 +128,9 @@ class EngineConfig:
     # each also decoding the running requests, so it never stalls their tokens for its whole prefill.
     prefill_chunk: int = 256
     gpu_kernels: str = "invariant"  # GPU_KERNEL_CHOICES; a CPU ignores it (its own kernels are row-invariant)
+    # Decode and verify steps replayed from CUDA graphs captured at load (cuda_graphs.py): on a GPU with the
+    # invariant kernels only; a CPU ignores it.
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         parse_dtype(self.dtype)

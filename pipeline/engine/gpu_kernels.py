@@ -15,8 +15,10 @@ the shape, and on an H200 the target as its own draft accepted 0.83-0.89 of its 
   position, with an online softmax. What it reads and in what order follows from the token's position and the
   cache's bits only, so a token costs the same arithmetic in a decode, a verify, a prefill chunk or after a
   prefix-cache hit. Key blocks past a token's position are never read.
-Elementwise ops (rope, SiLU-and-multiply, the residual add outside the norm, casts) and gathers (the embedding,
-the cache write) stay torch's: an element's result is one rounding of its own inputs whatever the launch shape.
+- `rope_and_write`: rope on a token's q and k heads, and its k and v into the cache: elementwise, one launch where
+  torch's ops took eight a layer.
+Other elementwise ops (SiLU-and-multiply, the final residual add, casts) and gathers (the embedding, the rope
+tables) stay torch's: an element's result is one rounding of its own inputs whatever the launch shape.
 Greedy's argmax over the logits stays torch's: `argmax_invariant` checks it at load, on the running GPU, and the
 engine refuses to start where it fails. Sampled rows' softmax already runs on the CPU, beside their generators.
 
@@ -32,16 +34,15 @@ matrix do.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 
-try:  # a CPU install may have no Triton; the interpreter patches the `tl` it finds in this module's globals
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = tl = None
+# Imported on first use (_compile): a CPU install may have no Triton, and a process that never runs these kernels
+# shouldn't pay for importing it. Module globals, because the interpreter patches the `tl` it finds in them.
+triton = tl = None
 
 KEY_BLOCK = 32  # keys per step of the attention's loop: two of the cache's 16-token blocks
 TILE_M = 64  # rows per linear tile, for every M: a 1-row decode pads its tile, which costs no weight traffic
@@ -63,7 +64,7 @@ def runs_here(x: torch.Tensor) -> bool:
 
 def available() -> str | None:
     """None where Triton imports, else why not (one line)."""
-    if triton is None:
+    if importlib.util.find_spec("triton") is None:
         return "triton is not installed; pip install triton, or run with gpu_kernels='vendor'"
     return None
 
@@ -74,8 +75,13 @@ def _kernels():
 
 @functools.cache
 def _compile(interpret: bool):
-    """The Triton kernels, made on first use (importing this module needs no Triton: a CPU install), once for the
-    GPU and once for the interpreter: triton.jit reads TRITON_INTERPRET when it wraps a function."""
+    """The Triton kernels, made on first use, for the GPU or for the interpreter. Triton reads TRITON_INTERPRET
+    when it is imported (its own library functions) and when it wraps a function, so a process picks one at start:
+    tests/conftest.py sets it before anything imports Triton."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
     @triton.jit(do_not_specialize=["M"])
     def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
                       stride_os, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -188,7 +194,41 @@ def _compile(interpret: bool):
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
 
-    return linear_kernel, split_sum_kernel, rms_norm_kernel, attention_kernel
+    @triton.jit
+    def rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, wp_ptr, table_ptr, q_ptr, k_ptr, v_ptr, T, stride_tb,
+                          stride_cb, stride_ch, stride_cs, NQ: tl.constexpr, NKV: tl.constexpr, NH: tl.constexpr,
+                          D: tl.constexpr, BS: tl.constexpr, FP32: tl.constexpr):
+        """One token: rope on its q and k heads (rotate-half: sin's first half carries the sign), q out, k and v
+        into the cache at the token's write position (a pad, -1, writes nothing). Elementwise, as torch's ops."""
+        tok = tl.program_id(0)
+        b = tok // T
+        h = tl.arange(0, NH)
+        d = tl.arange(0, D)
+        partner = (d + D // 2) % D  # roll by half: rotate_half with the sign in sin
+        base = qkv_ptr + tok * (NQ + 2 * NKV) * D
+        roped = h[:, None] < NQ + NKV
+        x = tl.load(base + h[:, None] * D + d[None, :], mask=h[:, None] < NQ + 2 * NKV, other=0.0).to(tl.float32)
+        xr = tl.load(base + h[:, None] * D + partner[None, :], mask=roped, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + tok * D + d).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + tok * D + d).to(tl.float32)[None, :]
+        if FP32:
+            y = x * c + xr * s
+        else:  # each product rounded to the model's dtype, then the sum: as transformers' bf16 ops round
+            dt = q_ptr.dtype.element_ty
+            y = (x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)
+        y = tl.where(roped, y, x)  # v heads pass through
+        tl.store(q_ptr + tok * NQ * D + h[:, None] * D + d[None, :], y.to(q_ptr.dtype.element_ty),
+                 mask=h[:, None] < NQ)
+        wp = tl.load(wp_ptr + tok)
+        block = tl.load(table_ptr + b * stride_tb + tl.maximum(wp, 0) // BS)
+        kvh = tl.where(h < NQ + NKV, h - NQ, h - NQ - NKV)
+        at = block * stride_cb + kvh[:, None] * stride_ch + (tl.maximum(wp, 0) % BS) * stride_cs + d[None, :]
+        is_k = (h[:, None] >= NQ) & roped
+        is_v = (h[:, None] >= NQ + NKV) & (h[:, None] < NQ + 2 * NKV)
+        tl.store(k_ptr + at, y.to(k_ptr.dtype.element_ty), mask=is_k & (wp >= 0))
+        tl.store(v_ptr + at, y.to(v_ptr.dtype.element_ty), mask=is_v & (wp >= 0))
+
+    return linear_kernel, split_sum_kernel, rms_norm_kernel, attention_kernel, rope_write_kernel
 
 
 # ---- linear -------------------------------------------------------------------------------------------------
@@ -235,7 +275,7 @@ def tiles_for(x: torch.Tensor, weight: torch.Tensor) -> LinearTiles:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias) in x's dtype, each row's bits its own (see the module's docstring)."""
-    linear_kernel, split_sum_kernel, _, _ = _kernels()
+    linear_kernel, split_sum_kernel, *_ = _kernels()
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not x2.is_contiguous():
@@ -271,7 +311,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(total, norm(total) * weight) with total = x (+ residual, added in the model's dtype), row by row."""
-    _, _, rms_norm_kernel, _ = _kernels()
+    rms_norm_kernel = _kernels()[2]
     H = x.shape[-1]
     x2 = x.reshape(-1, H).contiguous()
     r2 = residual.reshape(-1, H).contiguous() if residual is not None else None
@@ -290,7 +330,7 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
                     write_pos: torch.Tensor) -> torch.Tensor:
     """q [B, T, H, D] (its K/V already written to the cache); cache_k/v: one layer's [NB + 1, KV, BS, D];
     block_table [B, MB]; write_pos [B, T] (-1: a pad) -> [B, T, H, D]: each token against its own keys."""
-    _, _, _, attention_kernel = _kernels()
+    attention_kernel = _kernels()[3]
     B, T, H, D = q.shape
     KV, BS = cache_k.shape[1], cache_k.shape[2]
     G = H // KV
@@ -303,6 +343,25 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
                                   G=G, BLOCK_G=max(16, 1 << (G - 1).bit_length()), D=D, BS=BS,
                                   BLOCK_KEYS=KEY_BLOCK, INTERPRET=interpreting(), IEEE=ieee)
     return out
+
+
+# ---- rope and the cache write ---------------------------------------------------------------------------------
+
+def rope_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
+                   cache_v: torch.Tensor, block_table: torch.Tensor, write_pos: torch.Tensor, n_q: int,
+                   n_kv: int) -> torch.Tensor:
+    """qkv [B, T, NQ + 2 NKV, D]; cos/sin [B, T, 1, D] in the model's dtype (sin's first half negated) -> q
+    [B, T, NQ, D] with rope, after writing k (with rope) and v into one layer's cache at write_pos. One launch where
+    torch's ops take eight; a kernel of its own because attention reads keys the same forward writes."""
+    B, T, NH, D = qkv.shape
+    q = torch.empty(B, T, n_q, D, dtype=qkv.dtype, device=qkv.device)
+    table = block_table.contiguous()
+    _kernels()[4][(B * T,)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), write_pos.contiguous(),
+                            table, q, cache_k, cache_v, T, table.stride(0),
+                            cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), NQ=n_q, NKV=n_kv,
+                            NH=max(16, 1 << (NH - 1).bit_length()), D=D, BS=cache_k.shape[2],
+                            FP32=qkv.dtype == torch.float32)
+    return q
 
 
 # ---- the logits' argmax ------------------------------------------------------------------------------------

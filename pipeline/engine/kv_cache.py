@@ -63,11 +63,24 @@ class ForwardBatch:
     block_table: torch.Tensor  # [B, MB] long: each row's blocks, trash-padded to the longest row's
     positions: torch.Tensor  # [B, T] long: rope position of each token (pads clamped into range)
     write_pos: torch.Tensor  # [B, T] long: position to write K/V, -1 for pads
-    attn_mask: torch.Tensor | None  # [B, 1, T, L] bool, True = attend; None = plain causal over L
     kv_len: int  # L: keys 0..L-1 are read from the cache
     block_size: int
     trash_block: int
+    all_keys: bool = False  # one token per row, all at the same position: every key 0..L-1 is visible (no mask)
     _write_index: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def attn_mask(self) -> torch.Tensor | None:
+        """[B, 1, T, L] bool, True = attend; None when every key is visible. Only SDPA reads it (the GPU's vendor
+        path), so it is made on the device on first use, not sent from the host every step. A query at position
+        p sees keys at <= p; a pad sees key 0 only (its output is dropped), which keeps softmax well defined."""
+        if self.all_keys:
+            return None
+        if self._mask is None:
+            key_pos = torch.arange(self.kv_len, device=self.write_pos.device)
+            self._mask = (key_pos[None, None, :] <= self.write_pos.clamp(min=0)[:, :, None])[:, None]
+        return self._mask
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], lengths: list[int], cache: KVCache,
@@ -79,7 +92,7 @@ class ForwardBatch:
     def paged(cls, tables: list[list[int]], starts: list[int], lengths: list[int], cache: KVCache,
               device: torch.device | str = "cpu") -> "ForwardBatch":
         """Row i has blocks tables[i] and feeds lengths[i] tokens at positions starts[i] .. + lengths[i] - 1."""
-        B, T = len(tables), max(lengths)
+        T = max(lengths)
         kv_len = max(s + n for s, n in zip(starts, lengths))
         width = blocks_for(kv_len, cache.block_size)
         trash = cache.trash_block
@@ -92,17 +105,8 @@ class ForwardBatch:
         write_pos = torch.where(valid, pos, torch.full_like(pos, -1))
         positions = pos.clamp(max=cache.max_seq_len - 1)
         same_shape = all(s == starts[0] for s in starts) and all(n == T for n in lengths)
-        if same_shape and T == 1:
-            mask = None  # one token per row at the same position: every key 0..L-1 is visible
-        else:
-            # Query at position p sees keys at <= p. Pad queries see key 0 only (their output is dropped),
-            # which keeps softmax well defined.
-            key_pos = torch.arange(kv_len)
-            q_pos = torch.where(valid, pos, torch.zeros_like(pos))
-            mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, T, L]
         return cls(block_table=table.to(device), positions=positions.to(device), write_pos=write_pos.to(device),
-                   attn_mask=None if mask is None else mask.to(device), kv_len=kv_len,
-                   block_size=cache.block_size, trash_block=trash)
+                   kv_len=kv_len, block_size=cache.block_size, trash_block=trash, all_keys=same_shape and T == 1)
 
     def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) [B, T] where each token's K/V goes; pads go to the trash block. Worked out once a

@@ -20,8 +20,10 @@ from typing import Callable
 import torch
 
 from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.engine import gpu_kernels
 from pipeline.engine.config import EngineConfig
 from pipeline.engine.cost_model import CostModel, default_cost_model
+from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.device import is_cuda, kv_pool_blocks
 from pipeline.engine.draft_plan import EMPTY, MEMORY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
@@ -63,6 +65,18 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, self.cache.block_size, config.prefix_caching)
         self.states = (torch.zeros(num_blocks + 1, self.cache.block_size, len(capture) * model.cfg.hidden_size,
                                    dtype=model.embed.weight.dtype, device=config.device) if capture else None)
+        # Decode and verify forwards from CUDA graphs, on a GPU running the invariant kernels: a padded replay
+        # gives a row the bits an eager forward does (cuda_graphs.py). Under a CPU test, the same static buffers
+        # run eagerly.
+        self.graphed: GraphedForward | None = None
+        if config.cuda_graphs and config.gpu_kernels == "invariant" and gpu_kernels.runs_here(model.embed.weight):
+            replay, width = model.embed.weight.is_cuda, config.num_draft_tokens + 1
+            self.graphed = GraphedForward(model, self.cache, config.max_batch_size, width, capture, replay=replay)
+            self.graphed.capture()
+            if isinstance(proposer, DraftModelProposer):  # its catch-up (up to k+1 tokens) and draft steps
+                proposer.graphed = GraphedForward(proposer.model, proposer.cache, config.max_batch_size, width,
+                                                  replay=replay)
+                proposer.graphed.capture()
         self.gate = SpeculationGate(config.gate)
         self.stats = EngineStats()
         self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
@@ -131,6 +145,9 @@ class LLMEngine:
                 "proposer": self.proposer.name if self.proposer else None,
                 "kv_cache": {"blocks": self.blocks.num_blocks, "block_size": self.cache.block_size,
                              "bytes": self.cache.nbytes()}}
+        if self.graphed is not None:  # decode and verify steps replayed from CUDA graphs (or their static path)
+            desc["cuda_graphs"] = {"batch_buckets": list(self.graphed.buckets), "widths": self.graphed.max_width,
+                                   "graphs": len(self.graphed.graphs), "replayed": self.graphed.replay}
         if isinstance(self.proposer, DraftModelProposer):
             desc["draft"] = self.proposer.model.describe()
         elif getattr(self.proposer, "name", None) == "eagle3":
@@ -431,6 +448,14 @@ class LLMEngine:
         """The target's logits, plus [B, T, A] hidden states of the layers an EAGLE-3 proposer reads
         (None for every other proposer, whose forward stays exactly as before)."""
         capture = getattr(self.proposer, "capture_layers", ())
+        graphed = self.graphed(ids, fb) if self.graphed is not None and logits_index is None else None
+        if graphed is not None:  # views of the graphs' static outputs, overwritten by the next replay
+            logits, hidden = graphed
+            if hidden is not None:
+                hidden = hidden.clone()  # the EAGLE-3 proposer keeps these past this step
+                block, offset = fb.write_index()
+                self.states[block, offset] = hidden
+            return logits, hidden
         if not capture:
             return self.model(ids, fb, self.cache, logits_index=logits_index), None
         logits, captured = self.model(ids, fb, self.cache, logits_index=logits_index, capture_layers=capture)

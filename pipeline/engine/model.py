@@ -108,6 +108,11 @@ class Attention(nn.Module):
         if kernels is not None:  # rope, the cache write and attention in one call (cpu_kernels.c)
             out = kernels.rope_attend(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads, self.n_kv)
             return self.o(out.view(B, T, self.n_heads * self.hd))
+        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(qkv):  # each token against its own keys
+            q = gpu_kernels.rope_and_write(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads,
+                                           self.n_kv)
+            out = gpu_kernels.paged_attention(q, ck, cv, fb.block_table, fb.write_pos)
+            return self.o(out.view(B, T, self.n_heads * self.hd))
         nq = self.n_heads
         qk = apply_rope(qkv[:, :, : nq + self.n_kv], cos, sin)  # q and k in one go
         q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + self.n_kv:]
@@ -115,9 +120,6 @@ class Attention(nn.Module):
         block, offset = fb.write_index()
         ck[block, :, offset] = k
         cv[block, :, offset] = v
-        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(q):  # each token against its own keys
-            out = gpu_kernels.paged_attention(q, ck, cv, fb.block_table, fb.write_pos)
-            return self.o(out.view(B, T, self.n_heads * self.hd))
         q = q.transpose(1, 2)  # [B, H, T, D]
         if q.device.type == "cpu":
             out = self.token_by_token_attention(q, ck, cv, fb)
@@ -340,7 +342,9 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers if stack is None else ()):
             if i in capture_layers:
                 if delta is not None:  # the layer's input, added here (the same bits as the fused add)
-                    x, delta = x + delta, None
+                    fused = layer.input_norm.gpu_kernels == "invariant" and gpu_kernels.runs_here(x)
+                    # The GPU kernel's own add: the same rounding by construction, not by torch agreeing with it.
+                    x, delta = (layer.input_norm.add_forward(x, delta)[0] if fused else x + delta), None
                 captured.append(x)
             x, delta = layer(x, delta, cos, sin, cache, fb)
         if delta is not None:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.model import Transformer
 from pipeline.engine.request import Request
@@ -73,12 +74,15 @@ class DraftModelProposer:
         self.model = model
         self.cache = model.new_cache(num_slots, max_seq_len)
         self.cached: dict[int, int] = {}  # request id -> tokens of its sequence with K/V in the draft cache
+        self.graphed: GraphedForward | None = None  # set by the engine where its steps replay CUDA graphs
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
         B, K = len(reqs), max(ks)
         V = self.model.cfg.vocab_size
         seqs = [r.all_ids for r in reqs]
         stochastic = frozenset(i for i, r in enumerate(reqs) if not r.params.greedy)
+        if not stochastic:
+            return Proposal(tokens=self._greedy_drafts(reqs, ks))
         probs = torch.zeros(B, K, V) if stochastic else None
         tokens: list[list[int]] = [[] for _ in reqs]
         # First forward: catch up on every token the draft hasn't seen (a whole prompt for a new
@@ -94,7 +98,7 @@ class DraftModelProposer:
             fb = ForwardBatch.build([reqs[i].slot for i in rows], [starts[i] for i in rows], lengths, self.cache, dev)
             last = torch.tensor(lengths, device=dev)[:, None] - 1
             # Sampling happens on the CPU, with each request's own CPU generator.
-            logits = self.model(ids, fb, self.cache, logits_index=last)[:, 0].cpu()  # [b, V]
+            logits = self._last_logits(ids, fb, last).cpu()  # [b, V]
             greedy_next = logits.argmax(-1).tolist()
             for n, i in enumerate(rows):
                 self.cached[reqs[i].id] = starts[i] + lengths[n]
@@ -110,6 +114,51 @@ class DraftModelProposer:
             if not rows:
                 break
         return Proposal(tokens=tokens, probs=probs, stochastic_rows=stochastic)
+
+    def _last_logits(self, ids: torch.Tensor, fb: ForwardBatch, last: torch.Tensor) -> torch.Tensor:
+        """[b, V]: each row's logits at its position `last` ([b, 1])."""
+        graphed = self.graphed(ids, fb) if self.graphed is not None else None
+        if graphed is not None:  # every position's logits, then the last: the same bits (rows are their own)
+            return graphed[0][torch.arange(ids.shape[0], device=ids.device), last[:, 0]]
+        return self.model(ids, fb, self.cache, logits_index=last)[:, 0]
+
+    def _greedy_drafts(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        """Drafts for greedy rows only. Every step's positions follow from the lengths alone, and each step feeds the
+        previous one's argmax, which stays on the device: so every step's inputs are laid out before the first
+        runs, the forwards queue back to back, and the drafts reach the host in one copy at the end. (A copy of a
+        step's logits to the host each step made a GPU wait for the host k times.)"""
+        dev = self.model.embed.weight.device
+        pos = [self.cached.get(r.id, 0) for r in reqs]
+        feeds = [r.all_ids[p:] for r, p in zip(reqs, pos)]  # catch up: the whole prompt, or what was decoded since
+        rows, plan = list(range(len(reqs))), []
+        for j in range(max(ks)):
+            lengths = [len(feeds[i]) if j == 0 else 1 for i in rows]
+            fb = ForwardBatch.build([reqs[i].slot for i in rows], [pos[i] for i in rows], lengths, self.cache, dev)
+            last = torch.tensor(lengths, device=dev)[:, None] - 1
+            going_on = [n for n, i in enumerate(rows) if ks[i] > j + 1]  # the rows whose draft feeds the next step
+            plan.append((rows, fb, last, torch.tensor(going_on, dtype=torch.long, device=dev)))
+            for n, i in enumerate(rows):
+                pos[i] += lengths[n]
+            rows = [rows[n] for n in going_on]
+            if not rows:
+                break
+        T = max(len(f) for f in feeds)
+        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
+        picks = []
+        for _, fb, last, going_on in plan:
+            nxt = self._last_logits(ids, fb, last).argmax(-1)  # [b]
+            picks.append(nxt)
+            ids = nxt[going_on][:, None]
+        picked = torch.cat(picks).tolist()  # the one wait for the device
+        tokens: list[list[int]] = [[] for _ in reqs]
+        at = 0
+        for rows, *_ in plan:
+            for i in rows:
+                tokens[i].append(picked[at])
+                at += 1
+        for r, p in zip(reqs, pos):
+            self.cached[r.id] = p
+        return tokens
 
     def on_verified(self, req, prev_len, drafted, accepted):
         # The draft was fed the sequence through its pending token (prev_len tokens) and then

@@ -1,0 +1,155 @@
+"""Decode and verify forwards replayed from CUDA graphs captured at load, over static input buffers.
+
+At batch 1 a GPU step is launch-bound: about 480 kernel launches and 190 allocations a token took 20+ ms where
+the GPU was busy 2 (FACTS.md). A graph replays a whole forward's launches in one call. It needs fixed shapes and
+fixed addresses, so each (batch bucket, width) pair gets its own graph over views of one set of static buffers
+(token ids, positions, write positions, block table), and a step copies its inputs into them and replays the
+graph of the smallest bucket that holds its rows.
+
+The padding costs nothing in the bits: the rows past the step's own are pads (write position -1), which the
+engine's GPU kernels never let into a real row's result (gpu_kernels.py: no tile, split or key loop depends on
+the row count, and a pad reads no key and writes its K/V to the trash block). So a replay gives the bits an eager
+forward of the unpadded batch gives: tests/test_cuda_graphs.py checks that with the graphs' static path run
+eagerly on a CPU, under Triton's interpreter. Only the invariant path is graphed: the vendor path's SDPA reads a
+key count that changes every step.
+
+A forward whose shape no graph holds (a prefill, a batch past the largest bucket) runs eagerly, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.engine.kv_cache import ForwardBatch, KVCache
+
+# Batch buckets: powers of two up to 64, then steps of 32; a step pads its rows up to the next one.
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKET_STEP = 32
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The bucket sizes for a model decoding at most max_batch rows (the largest is max_batch)."""
+    buckets = [b for b in SMALL_BUCKETS if b < max_batch]
+    b = SMALL_BUCKETS[-1] + BUCKET_STEP
+    while b < max_batch:
+        buckets.append(b)
+        b += BUCKET_STEP
+    return (*buckets, max_batch)
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph | None"  # None: the static path run eagerly (a CPU test)
+    bucket: int
+    width: int
+
+
+class GraphedForward:
+    """model(ids, fb, cache) for decode and verify steps of up to max_batch rows and max_width tokens a row,
+    replayed from CUDA graphs on a GPU (replay=True) or run eagerly over the same static buffers (replay=False:
+    what a CPU test checks the padding with). capture_layers: the hidden states an EAGLE-3 head reads, returned
+    beside the logits as the model returns them."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, max_batch: int, max_width: int,
+                 capture_layers: tuple[int, ...] = (), replay: bool = True):
+        self.model, self.cache, self.capture_layers = model, cache, capture_layers
+        self.max_batch, self.max_width, self.replay = max_batch, max_width, replay
+        self.buckets = batch_buckets(max_batch)
+        dev = model.embed.weight.device
+        B, T = max_batch, max_width
+        self.max_blocks = cache.blocks_per_slot  # a row never holds more blocks than max_seq_len needs
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.write_pos = torch.full((B, T), -1, dtype=torch.long, device=dev)
+        self.table = torch.full((B, self.max_blocks), cache.trash_block, dtype=torch.long, device=dev)
+        V = model.cfg.vocab_size
+        # One output buffer for every graph: each graph copies its logits into its corner of it, so the graphs'
+        # outputs don't each hold [bucket, width, V] fp32 of the pool (about 1 GB for a 128k vocabulary).
+        self.logits = torch.zeros(B, T, V, dtype=torch.float32, device=dev)
+        self.hidden = (torch.zeros(B, T, len(capture_layers) * model.cfg.hidden_size, dtype=model.embed.weight.dtype,
+                                   device=dev) if capture_layers else None)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool = None
+
+    def bucket_for(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def _batch(self, bucket: int, width: int) -> ForwardBatch:
+        """The static buffers' corner as a ForwardBatch. A new object each forward: it memoizes its write index,
+        which an eager run must work out again from the buffers' new values (a graph replays the kernels that do)."""
+        return ForwardBatch(block_table=self.table[:bucket], positions=self.positions[:bucket, :width],
+                            write_pos=self.write_pos[:bucket, :width],
+                            kv_len=self.max_blocks * self.cache.block_size, block_size=self.cache.block_size,
+                            trash_block=self.cache.trash_block)
+
+    def _forward(self, bucket: int, width: int) -> None:
+        """The forward a graph holds: model over the static corner, its outputs copied into the static outputs."""
+        fb = self._batch(bucket, width)
+        ids = self.ids[:bucket, :width]
+        if self.capture_layers:
+            logits, captured = self.model(ids, fb, self.cache, capture_layers=self.capture_layers)
+            self.hidden[:bucket, :width].copy_(torch.cat(captured, dim=-1))
+        else:
+            logits = self.model(ids, fb, self.cache)
+        self.logits[:bucket, :width].copy_(logits)
+
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Capture a graph per (bucket, width), largest first so the pool is sized by the first. Returns how many.
+        The pads' K/V go to the trash block, so capturing writes nothing a request owns."""
+        self.write_pos.fill_(-1)
+        self.table.fill_(self.cache.trash_block)
+        if not self.replay:
+            self.graphs = {(b, w): _Graph(None, b, w) for b in self.buckets for w in range(1, self.max_width + 1)}
+            return len(self.graphs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # Warm every shape up off the capture: Triton compiles a kernel on its first call with each specialization
+        # (an argument equal to 1 or a multiple of 16, say), and a compile can't happen inside a capture.
+        with torch.cuda.stream(stream):
+            for b in self.buckets:
+                for w in range(1, self.max_width + 1):
+                    self._forward(b, w)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for b in reversed(self.buckets):
+            for w in range(self.max_width, 0, -1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._forward(b, w)
+                self.pool = graph.pool()
+                self.graphs[(b, w)] = _Graph(graph, b, w)
+        torch.cuda.synchronize()
+        return len(self.graphs)
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(logits [B, T, V], hidden [B, T, A] or None) of ids [B, T] at fb, or None where no graph holds the shape
+        (the caller then runs the model eagerly). The outputs are views of the static buffers, valid until the
+        next call."""
+        B, T = ids.shape
+        bucket = self.bucket_for(B)
+        if bucket is None or T > self.max_width or fb.block_table.shape[1] > self.max_blocks:
+            return None
+        entry = self.graphs.get((bucket, T))
+        if entry is None:
+            return None
+        width = fb.block_table.shape[1]
+        self.ids[:B, :T].copy_(ids)
+        self.positions[:B, :T].copy_(fb.positions)
+        self.write_pos[:B, :T].copy_(fb.write_pos)
+        self.table[:B, :width].copy_(fb.block_table)
+        self.table[:B, width:].fill_(self.cache.trash_block)
+        if bucket > B:  # pads: no key read, K/V into the trash block
+            self.ids[B:bucket, :T].zero_()
+            self.positions[B:bucket, :T].zero_()
+            self.write_pos[B:bucket, :T].fill_(-1)
+            self.table[B:bucket].fill_(self.cache.trash_block)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            self._forward(bucket, T)
+        hidden = self.hidden[:B, :T] if self.hidden is not None else None
+        return self.logits[:B, :T], hidden
