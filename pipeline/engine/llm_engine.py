@@ -10,6 +10,7 @@ number of drafts (0 for rows that don't speculate). Rows then advance by their o
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
 import time
@@ -71,12 +72,13 @@ class LLMEngine:
         self.graphed: GraphedForward | None = None
         if config.cuda_graphs and config.gpu_kernels == "invariant" and gpu_kernels.runs_here(model.embed.weight):
             replay, width = model.embed.weight.is_cuda, config.num_draft_tokens + 1
-            self.graphed = GraphedForward(model, self.cache, config.max_batch_size, width, capture, replay=replay)
-            self.graphed.capture()
-            if isinstance(proposer, DraftModelProposer):  # its catch-up (up to k+1 tokens) and draft steps
-                proposer.graphed = GraphedForward(proposer.model, proposer.cache, config.max_batch_size, width,
-                                                  replay=replay)
-                proposer.graphed.capture()
+            with self._on_device():  # captured on the engine's GPU
+                self.graphed = GraphedForward(model, self.cache, config.max_batch_size, width, capture, replay=replay)
+                self.graphed.capture()
+                if isinstance(proposer, DraftModelProposer):  # its catch-up (up to k+1 tokens) and draft steps
+                    proposer.graphed = GraphedForward(proposer.model, proposer.cache, config.max_batch_size, width,
+                                                      replay=replay)
+                    proposer.graphed.capture()
         self.gate = SpeculationGate(config.gate)
         self.stats = EngineStats()
         self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
@@ -87,6 +89,12 @@ class LLMEngine:
         # Token ids -> the answer's text, as the client will see it: needed for stop strings (set by whoever
         # holds the tokenizer: the Triton model, `pipeline generate`).
         self.detokenize: Detokenize | None = None
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """The engine's GPU as the calling thread's current device: Triton launches its kernels, and CUDA makes
+        streams and graphs, on the current device, not on their tensors' (a thread's current device is its own)."""
+        device = torch.device(self.config.device)
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     @staticmethod
     def _pool_blocks(config: EngineConfig, kv_bytes: int, state_bytes: int, block_size: int) -> int:
@@ -213,7 +221,7 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one engine iteration; return the requests that finished in it."""
-        with self._step_lock:
+        with self._step_lock, self._on_device():
             t0 = time.perf_counter()
             finished: list[Request] = []
             decoding = [r for r in self.running if not r.prefilling]
