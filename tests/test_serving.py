@@ -435,15 +435,17 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(eng
             finally:
                 c.close()
 
+        # The stub to kill, found before the streams start: 200 tokens take well under a second here, and the
+        # search through the process table took long enough for every stream to finish before the kill.
+        [server_pid] = [int(p) for p in subprocess.run(["pgrep", "-f", f"tritonserver.*grpc-port={grpc}"],
+                                                       capture_output=True, text=True).stdout.split()]
+        [engine] = [s for s in python_stubs(os.getpgid(server_pid)) if s.model == "torch_engine"]
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
         # Some prompts stop within a few tokens on this random model; at least three run long.
         assert wait_for(lambda: value(metrics(f"http://127.0.0.1:{metrics_port}/metrics"),
                                       "pipeline_engine_requests_running") >= 3, timeout=10)
-        [server_pid] = [int(p) for p in subprocess.run(["pgrep", "-f", f"tritonserver.*grpc-port={grpc}"],
-                                                       capture_output=True, text=True).stdout.split()]
-        [engine] = [s for s in python_stubs(os.getpgid(server_pid)) if s.model == "torch_engine"]
         os.kill(engine.pid, signal.SIGKILL)
         killed = time.monotonic()
         assert wait_for(lambda: not ready(), timeout=10)
