@@ -78,3 +78,22 @@ def test_a_shape_no_graph_holds_runs_eagerly(device, tmp_path):
     assert graphed(ids, ForwardBatch.build([0], [0], [3], cache, device)) is None
     ids = torch.zeros(3, 1, dtype=torch.long, device=device)  # more rows than the largest bucket
     assert graphed(ids, ForwardBatch.build([0, 1, 1], [0, 0, 0], [1, 1, 1], cache, device)) is None
+
+
+def test_a_failed_capture_leaves_an_engine_that_runs_eagerly_and_says_why(device, tmp_path, monkeypatch, capsys):
+    from pipeline.engine import cuda_graphs
+    from pipeline.engine.config import EngineConfig
+    from pipeline.engine.llm_engine import LLMEngine
+    from pipeline.engine.sampling import SamplingParams
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs.GraphedForward, "capture", fail)
+    target = make_tiny_llama(tmp_path / "m", seed=0, layers=1)
+    engine = LLMEngine.load(target, EngineConfig(dtype="bf16", device=device, max_batch_size=2, max_seq_len=64))
+    assert engine.graphed is None
+    assert "stream is capturing" in engine.describe()["cuda_graphs"]["error"]
+    assert "CUDA graph capture failed, steps run eagerly" in capsys.readouterr().err
+    [req] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert len(req.output_ids) == 3

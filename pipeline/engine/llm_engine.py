@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import sys
 import threading
 import time
 from collections import deque
@@ -70,15 +71,24 @@ class LLMEngine:
         # gives a row the bits an eager forward does (cuda_graphs.py). Under a CPU test, the same static buffers
         # run eagerly.
         self.graphed: GraphedForward | None = None
+        self.graph_error: str | None = None  # why no step replays a graph, where a capture failed
         if config.cuda_graphs and config.gpu_kernels == "invariant" and gpu_kernels.runs_here(model.embed.weight):
             replay, width = model.embed.weight.is_cuda, config.num_draft_tokens + 1
-            with self._on_device():  # captured on the engine's GPU
-                self.graphed = GraphedForward(model, self.cache, config.max_batch_size, width, capture, replay=replay)
-                self.graphed.capture()
-                if isinstance(proposer, DraftModelProposer):  # its catch-up (up to k+1 tokens) and draft steps
-                    proposer.graphed = GraphedForward(proposer.model, proposer.cache, config.max_batch_size, width,
-                                                      replay=replay)
-                    proposer.graphed.capture()
+            try:
+                with self._on_device():  # captured on the engine's GPU
+                    self.graphed = GraphedForward(model, self.cache, config.max_batch_size, width, capture,
+                                                  replay=replay)
+                    self.graphed.capture()
+                    if isinstance(proposer, DraftModelProposer):  # its catch-up (up to k+1 tokens) and draft steps
+                        proposer.graphed = GraphedForward(proposer.model, proposer.cache, config.max_batch_size,
+                                                          width, replay=replay)
+                        proposer.graphed.capture()
+            except Exception as err:  # noqa: BLE001  slower without graphs, and as lossless: the same kernels run
+                self.graphed = None
+                if isinstance(proposer, DraftModelProposer):
+                    proposer.graphed = None
+                self.graph_error = f"CUDA graph capture failed, steps run eagerly: {one_line(err)}"
+                print(self.graph_error, file=sys.stderr)
         self.gate = SpeculationGate(config.gate)
         self.stats = EngineStats()
         self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
@@ -156,6 +166,8 @@ class LLMEngine:
         if self.graphed is not None:  # decode and verify steps replayed from CUDA graphs (or their static path)
             desc["cuda_graphs"] = {"batch_buckets": list(self.graphed.buckets), "widths": self.graphed.max_width,
                                    "graphs": len(self.graphed.graphs), "replayed": self.graphed.replay}
+        elif self.graph_error is not None:
+            desc["cuda_graphs"] = {"error": self.graph_error}
         if isinstance(self.proposer, DraftModelProposer):
             desc["draft"] = self.proposer.model.describe()
         elif getattr(self.proposer, "name", None) == "eagle3":
