@@ -35,7 +35,7 @@ from pipeline.engine.eagle3 import Eagle3Proposer, load_eagle3_head
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer
 from pipeline.engine.sampling import SamplingParams
-from pipeline.engine.weights import load_transformer
+from pipeline.engine.weights import load_transformer, weight_bytes
 from pipeline.models.resolve import resolve_model
 from pipeline.bench.prompts import MERGE_INTERVALS
 from pipeline.models.tokenizer import check_draft_compatible, encode_prompt, load_tokenizer, stop_token_ids
@@ -75,16 +75,6 @@ def copy_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() / best / 1e9
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Every parameter once (tied embeddings share storage, so they count once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
 
 
 def batch_prompts(prompt_ids: list[list[int]], batch: int) -> list[list[int]]:

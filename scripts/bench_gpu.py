@@ -56,6 +56,7 @@ from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer
 from pipeline.engine.sampling import SamplingParams
 from pipeline.engine.speculative import Proposal
+from pipeline.engine.weights import weight_bytes
 from pipeline.errors import one_line
 
 SEED = 0
@@ -229,16 +230,6 @@ def make_eagle3_head(folder: Path, shape: Shape, device: str, dtype: torch.dtype
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Every parameter once (a tied head shares the embedding's storage)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

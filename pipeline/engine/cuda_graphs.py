@@ -80,7 +80,8 @@ class GraphedForward:
         """The static buffers' corner as a ForwardBatch. A new object each forward: it memoizes its write index,
         which an eager run must work out again from the buffers' new values (a graph replays the kernels that do)."""
         return ForwardBatch(block_table=self.table[:bucket], positions=self.positions[:bucket, :width],
-                            write_pos=self.write_pos[:bucket, :width],
+                            # Contiguous once a forward (a copy the graph replays), not once a kernel a layer.
+                            write_pos=self.write_pos[:bucket, :width].contiguous(),
                             kv_len=self.max_blocks * self.cache.block_size, block_size=self.cache.block_size,
                             trash_block=self.cache.trash_block)
 

@@ -247,6 +247,7 @@ class LinearTiles:
             f", {self.split} K-slices summed in order" if self.split > 1 else "")
 
 
+@functools.cache
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

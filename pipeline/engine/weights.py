@@ -205,6 +205,17 @@ def install_quantized_linears(model: Transformer, hf: CheckpointTensors, dtype: 
     return frozenset(installed)
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of a model's parameters, each storage once (a tied head shares the embedding's): what a decode
+    step at batch 1 reads, for the benchmarks' bandwidth floor."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
 def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu", keep_plain: bool = True,
                      lm_head: str = "checkpoint") -> Transformer:
