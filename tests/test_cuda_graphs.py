@@ -18,10 +18,11 @@ pytest.importorskip("triton")
 from pipeline.engine import gpu_kernels  # noqa: E402
 from pipeline.engine.cuda_graphs import GraphedForward, batch_buckets  # noqa: E402
 from pipeline.engine.kv_cache import ForwardBatch  # noqa: E402
+from pipeline.engine.speculative import Proposal  # noqa: E402
 from pipeline.engine.weights import load_transformer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import make_tiny_llama  # noqa: E402
+from tiny_models import make_tiny_eagle3_head, make_tiny_llama  # noqa: E402
 
 NO_GPU = "torch sees no GPU: the CUDA replay is skipped (the static path's eager run is not)"
 
@@ -97,3 +98,65 @@ def test_a_failed_capture_leaves_an_engine_that_runs_eagerly_and_says_why(device
     assert "CUDA graph capture failed, steps run eagerly" in capsys.readouterr().err
     [req] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
     assert len(req.output_ids) == 3
+
+
+def test_an_eagle3_heads_graphed_forward_gives_its_eager_logits_and_cache(device, tmp_path):
+    """GraphedHead over a ragged catch-up (3, 1 and 2 tokens) and then a draft step, padded to a bucket of 4."""
+    from pipeline.engine.cuda_graphs import GraphedHead
+    from pipeline.engine.eagle3 import load_eagle3_head
+
+    folder = make_tiny_llama(tmp_path / "m", seed=0, layers=2)
+    target = load_transformer(folder, 64, torch.bfloat16, device)
+    head = load_eagle3_head(make_tiny_eagle3_head(tmp_path / "h", folder, seed=0), target.cfg, 64, torch.bfloat16,
+                            device)
+    eager_cache, graph_cache = head.new_cache(4, 64), head.new_cache(4, 64)
+    graphed = GraphedHead(head, target.embed, graph_cache, max_batch=4, max_width=3, replay=device == "cuda")
+    graphed.capture()
+    g = torch.Generator().manual_seed(0)
+    H = head.cfg.hidden_size
+    for starts, lengths in (([0, 4, 9], [3, 1, 2]), ([3, 5, 11], [1, 1, 1])):
+        T = max(lengths)
+        ids = torch.randint(3, 300, (3, T), generator=g).to(device)
+        hidden = torch.randn(3, T, H, generator=g).to(device, torch.bfloat16)
+        last = torch.tensor(lengths, device=device)[:, None] - 1
+        fb_e = ForwardBatch.build([0, 2, 3], starts, lengths, eager_cache, device)
+        fb_g = ForwardBatch.build([0, 2, 3], starts, lengths, graph_cache, device)
+        logits, out = head(target.embed(ids), hidden, fb_e, eager_cache, last)
+        g_logits, g_out = graphed(ids, hidden, fb_g, last)
+        assert torch.equal(g_logits, logits) and torch.equal(g_out, out)
+        live = slice(0, eager_cache.trash_block)
+        assert torch.equal(graph_cache.k[:, live], eager_cache.k[:, live])
+        assert torch.equal(graph_cache.v[:, live], eager_cache.v[:, live])
+
+
+def test_an_engines_eagle3_drafts_are_the_same_graphed_or_not(device, tmp_path, monkeypatch):
+    """The engine's EAGLE-3 proposer through its graphs drafts exactly what it drafts eagerly, one sync a proposal."""
+    from pipeline.engine.config import EngineConfig, GatePolicy
+    from pipeline.engine.llm_engine import LLMEngine
+    from pipeline.engine.sampling import SamplingParams
+
+    target = make_tiny_llama(tmp_path / "m", seed=0, layers=2)
+    head = make_tiny_eagle3_head(tmp_path / "h", target, seed=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (4, 9, 17)]
+    drafts, outputs, replays = {}, {}, []
+    for graphs in (False, True):
+        engine = LLMEngine.load(target, EngineConfig(dtype="bf16", device=device, max_batch_size=4, max_seq_len=128,
+                                                     num_draft_tokens=3, cuda_graphs=graphs,
+                                                     gate=GatePolicy(min_tokens=0)), draft=f"eagle3:{head}")
+        proposer = engine.proposer
+        assert (proposer.graphed is not None) == graphs
+        if graphs:
+            assert engine.describe()["cuda_graphs"]["draft_graphs"] == len(proposer.graphed.buckets) * 4
+            run = proposer.graphed._run
+            monkeypatch.setattr(proposer.graphed, "_run", lambda entry: (replays.append(entry.width), run(entry)))
+        seen = drafts[graphs] = []
+        propose = proposer.propose
+        monkeypatch.setattr(proposer, "propose", lambda reqs, ks, propose=propose, seen=seen:
+                            seen.append(propose(reqs, ks).tokens) or Proposal(tokens=seen[-1]))
+        outputs[graphs] = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=10),
+                                                                 speculation="on")]
+    assert drafts[True] == drafts[False] and len(drafts[True]) > 2
+    assert outputs[True] == outputs[False]
+    # Each proposal but the first (whose catch-up is the prompts, wider than any graph) replays its draft steps.
+    assert len(replays) >= 2 * (len(drafts[True]) - 1)

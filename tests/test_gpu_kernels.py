@@ -8,6 +8,8 @@ are compared with the kernels' own, never with torch's. Where torch sees a GPU, 
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from pipeline.engine.sampling import SamplingParams  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_tiny_eagle3_head, make_tiny_llama  # noqa: E402
 
+ROOT = Path(__file__).parent.parent
 NO_GPU = "torch sees no GPU: the CUDA run of these checks is skipped (the interpreter's run is not)"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU))]
 
@@ -63,6 +66,51 @@ def test_a_k_split_chosen_by_the_row_count_is_caught(device, monkeypatch):
     monkeypatch.setattr(gpu_kernels, "tiles_for",
                         lambda x, w: gpu_kernels.LinearTiles(16, 64, 1 if x.shape[0] < 4 else 4))
     assert not rows_alone_and_together(lambda t: gpu_kernels.linear(t, w), x)
+
+
+SHIPPED_TILES = sorted({(t.block_n, t.block_k, t.split) for f in gpu_kernels.TILES_DIR.glob("*.json")
+                        for t in gpu_kernels.tuned_tiles(json.loads(f.read_text())["gpu"]).values()})
+
+
+@pytest.mark.parametrize("block_n,block_k,split", SHIPPED_TILES)
+def test_every_shipped_tiling_keeps_a_rows_bits(device, block_n, block_k, split):
+    """The tilings timed on GPUs and shipped in gpu_tiles/, each on a weight of two N-tiles and two K-blocks a
+    slice: a row alone equals that row in a batch and a verify (an empty list where no table is shipped yet)."""
+    n, k = 2 * block_n, 2 * split * block_k
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(n, k, generator=g).to(device, torch.bfloat16), torch.randn(65, k, generator=g).to(device)
+    tiles = gpu_kernels.LinearTiles(block_n, block_k, split)
+    assert rows_alone_and_together(lambda t: gpu_kernels.linear(t, w, tiles=tiles), x.to(torch.bfloat16))
+
+
+def test_a_timed_tiling_table_round_trips_from_the_tuner_and_a_bad_one_is_refused(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("tune_gpu_kernels", ROOT / "scripts" / "tune_gpu_kernels.py")
+    tuner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuner)
+    monkeypatch.setattr(gpu_kernels, "TILES_DIR", tmp_path)
+    gpu_kernels.tuned_tiles.cache_clear()
+    pick = {"tiles": gpu_kernels.LinearTiles(64, 128, 2, 8, 4).__dict__, "us_m1": 10.0, "us_m64": 12.0}
+    report = {"gpu": "NVIDIA H200", "sms": 132, "repeats": 20, "linears": {
+        "8b.o": {"n": 4096, "k": 4096, "pick": pick, "pick_invariant": True, "vendor_us_m1": 9.0,
+                 "vendor_us_m64": 9.5},
+        "8b.down": {"n": 4096, "k": 14336, "pick": pick, "pick_invariant": False, "vendor_us_m1": 1.0,
+                    "vendor_us_m64": 1.0}}}  # a pick that moved a row's bits is never written
+    try:
+        path = tuner.write_table(report)
+        assert path == tmp_path / "NVIDIA_H200.json"
+        assert gpu_kernels.tuned_tiles("NVIDIA H200") == {(4096, 4096): gpu_kernels.LinearTiles(64, 128, 2, 8, 4)}
+        x = torch.zeros(1, 4096)
+        assert gpu_kernels.tiles_for(x, torch.zeros(4096, 4096)) == gpu_kernels.LinearTiles(64, 128, 2, 8, 4)
+        assert gpu_kernels.tiles_for(x, torch.zeros(4096 + 16, 4096)) == gpu_kernels.linear_tiles(4112, 4096, 132)
+        assert "timed on NVIDIA H200 for 1 shapes" in gpu_kernels.tilings_source(torch.device("cpu"))
+        table = json.loads(path.read_text())
+        table["tiles"]["4096x4096"]["block_n"] = 48
+        path.write_text(json.dumps(table))
+        gpu_kernels.tuned_tiles.cache_clear()
+        with pytest.raises(ValueError, match="NVIDIA_H200.json: not a tiling table .*powers of two"):
+            gpu_kernels.tuned_tiles("NVIDIA H200")
+    finally:
+        gpu_kernels.tuned_tiles.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -11,7 +11,8 @@ engine's GPU kernels never let into a real row's result (gpu_kernels.py: no tile
 the row count, and a pad reads no key and writes its K/V to the trash block). So a replay gives the bits an eager
 forward of the unpadded batch gives: tests/test_cuda_graphs.py checks that with the graphs' static path run
 eagerly on a CPU, under Triton's interpreter. Only the invariant path is graphed: the vendor path's SDPA reads a
-key count that changes every step.
+key count that changes every step. A draft model's steps and an EAGLE-3 head's (GraphedHead) are graphed the
+same way.
 
 A forward whose shape no graph holds (a prefill, a batch past the largest bucket) runs eagerly, as before.
 """
@@ -46,30 +47,20 @@ class _Graph:
     width: int
 
 
-class GraphedForward:
-    """model(ids, fb, cache) for decode and verify steps of up to max_batch rows and max_width tokens a row,
-    replayed from CUDA graphs on a GPU (replay=True) or run eagerly over the same static buffers (replay=False:
-    what a CPU test checks the padding with). capture_layers: the hidden states an EAGLE-3 head reads, returned
-    beside the logits as the model returns them."""
+class _StaticGraphs:
+    """The machinery a graphed forward shares: static token ids, positions, write positions and block table over
+    up to max_batch rows of max_width tokens, a graph per (bucket, width) captured over their corners, and a call
+    that copies a step's inputs in, pads the bucket and replays. A subclass says what its forward is."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, max_batch: int, max_width: int,
-                 capture_layers: tuple[int, ...] = (), replay: bool = True):
-        self.model, self.cache, self.capture_layers = model, cache, capture_layers
-        self.max_batch, self.max_width, self.replay = max_batch, max_width, replay
+    def __init__(self, device: torch.device, cache: KVCache, max_batch: int, max_width: int, replay: bool):
+        self.cache, self.max_batch, self.max_width, self.replay = cache, max_batch, max_width, replay
         self.buckets = batch_buckets(max_batch)
-        dev = model.embed.weight.device
         B, T = max_batch, max_width
         self.max_blocks = cache.blocks_per_slot  # a row never holds more blocks than max_seq_len needs
-        self.ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, T, dtype=torch.long, device=dev)
-        self.write_pos = torch.full((B, T), -1, dtype=torch.long, device=dev)
-        self.table = torch.full((B, self.max_blocks), cache.trash_block, dtype=torch.long, device=dev)
-        V = model.cfg.vocab_size
-        # One output buffer for every graph: each graph copies its logits into its corner of it, so the graphs'
-        # outputs don't each hold [bucket, width, V] fp32 of the pool (about 1 GB for a 128k vocabulary).
-        self.logits = torch.zeros(B, T, V, dtype=torch.float32, device=dev)
-        self.hidden = (torch.zeros(B, T, len(capture_layers) * model.cfg.hidden_size, dtype=model.embed.weight.dtype,
-                                   device=dev) if capture_layers else None)
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.write_pos = torch.full((B, T), -1, dtype=torch.long, device=device)
+        self.table = torch.full((B, self.max_blocks), cache.trash_block, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
 
@@ -86,15 +77,8 @@ class GraphedForward:
                             trash_block=self.cache.trash_block)
 
     def _forward(self, bucket: int, width: int) -> None:
-        """The forward a graph holds: model over the static corner, its outputs copied into the static outputs."""
-        fb = self._batch(bucket, width)
-        ids = self.ids[:bucket, :width]
-        if self.capture_layers:
-            logits, captured = self.model(ids, fb, self.cache, capture_layers=self.capture_layers)
-            self.hidden[:bucket, :width].copy_(torch.cat(captured, dim=-1))
-        else:
-            logits = self.model(ids, fb, self.cache)
-        self.logits[:bucket, :width].copy_(logits)
+        """The forward a graph holds, over the static corner, its outputs copied into static outputs."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def capture(self) -> int:
@@ -125,11 +109,9 @@ class GraphedForward:
         torch.cuda.synchronize()
         return len(self.graphs)
 
-    @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(logits [B, T, V], hidden [B, T, A] or None) of ids [B, T] at fb, or None where no graph holds the shape
-        (the caller then runs the model eagerly). The outputs are views of the static buffers, valid until the
-        next call."""
+    def _load(self, ids: torch.Tensor, fb: ForwardBatch) -> _Graph | None:
+        """Copy a step's ids and batch into the static buffers, pads past its rows; None where no graph holds it
+        (the caller then runs its forward eagerly)."""
         B, T = ids.shape
         bucket = self.bucket_for(B)
         if bucket is None or T > self.max_width or fb.block_table.shape[1] > self.max_blocks:
@@ -148,9 +130,93 @@ class GraphedForward:
             self.positions[B:bucket, :T].zero_()
             self.write_pos[B:bucket, :T].fill_(-1)
             self.table[B:bucket].fill_(self.cache.trash_block)
+        return entry
+
+    def _run(self, entry: _Graph) -> None:
         if entry.graph is not None:
             entry.graph.replay()
         else:
-            self._forward(bucket, T)
+            self._forward(entry.bucket, entry.width)
+
+
+class GraphedForward(_StaticGraphs):
+    """model(ids, fb, cache) for decode and verify steps of up to max_batch rows and max_width tokens a row,
+    replayed from CUDA graphs on a GPU (replay=True) or run eagerly over the same static buffers (replay=False:
+    what a CPU test checks the padding with). capture_layers: the hidden states an EAGLE-3 head reads, returned
+    beside the logits as the model returns them."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, max_batch: int, max_width: int,
+                 capture_layers: tuple[int, ...] = (), replay: bool = True):
+        dev = model.embed.weight.device
+        super().__init__(dev, cache, max_batch, max_width, replay)
+        self.model, self.capture_layers = model, capture_layers
+        B, T, V = max_batch, max_width, model.cfg.vocab_size
+        # One output buffer for every graph: each graph copies its logits into its corner of it, so the graphs'
+        # outputs don't each hold [bucket, width, V] fp32 of the pool (about 1 GB for a 128k vocabulary).
+        self.logits = torch.zeros(B, T, V, dtype=torch.float32, device=dev)
+        self.hidden = (torch.zeros(B, T, len(capture_layers) * model.cfg.hidden_size, dtype=model.embed.weight.dtype,
+                                   device=dev) if capture_layers else None)
+
+    def _forward(self, bucket: int, width: int) -> None:
+        fb = self._batch(bucket, width)
+        ids = self.ids[:bucket, :width]
+        if self.capture_layers:
+            logits, captured = self.model(ids, fb, self.cache, capture_layers=self.capture_layers)
+            self.hidden[:bucket, :width].copy_(torch.cat(captured, dim=-1))
+        else:
+            logits = self.model(ids, fb, self.cache)
+        self.logits[:bucket, :width].copy_(logits)
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(logits [B, T, V], hidden [B, T, A] or None) of ids [B, T] at fb, or None where no graph holds the shape
+        (the caller then runs the model eagerly). The outputs are views of the static buffers, valid until the
+        next call."""
+        entry = self._load(ids, fb)
+        if entry is None:
+            return None
+        self._run(entry)
+        B, T = ids.shape
         hidden = self.hidden[:B, :T] if self.hidden is not None else None
         return self.logits[:B, :T], hidden
+
+
+class GraphedHead(_StaticGraphs):
+    """An EAGLE-3 head's drafting forward, head(embed(ids), hidden, fb, cache, last), for up to max_batch rows of up
+    to max_width tokens (a catch-up after a verify, then one token a draft step), replayed like GraphedForward.
+    A pad's hidden state is zeros and its `last` 0; it reads no key and writes to the trash block."""
+
+    def __init__(self, head: torch.nn.Module, embed: torch.nn.Module, cache: KVCache, max_batch: int,
+                 max_width: int, replay: bool = True):
+        dev = head.fc.weight.device
+        super().__init__(dev, cache, max_batch, max_width, replay)
+        self.head, self.embed = head, embed
+        B, T, H = max_batch, max_width, head.cfg.hidden_size
+        self.hidden_in = torch.zeros(B, T, H, dtype=head.fc.weight.dtype, device=dev)
+        self.last = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.logits = torch.zeros(B, 1, head.cfg.draft_vocab_size, dtype=torch.float32, device=dev)
+        self.out = torch.zeros(B, 1, H, dtype=head.fc.weight.dtype, device=dev)
+
+    def _forward(self, bucket: int, width: int) -> None:
+        fb = self._batch(bucket, width)
+        logits, out = self.head(self.embed(self.ids[:bucket, :width]), self.hidden_in[:bucket, :width], fb,
+                                self.cache, self.last[:bucket])
+        self.logits[:bucket].copy_(logits)
+        self.out[:bucket].copy_(out)
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
+                 last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(draft logits [B, 1, Vd], pre-norm outputs [B, 1, H]) as the head returns them, or None where no graph
+        holds the shape. Views of the static buffers, valid until the next call."""
+        entry = self._load(ids, fb)
+        if entry is None:
+            return None
+        B, T = ids.shape
+        self.hidden_in[:B, :T].copy_(hidden)
+        self.last[:B].copy_(last)
+        if entry.bucket > B:
+            self.hidden_in[B:entry.bucket, :T].zero_()
+            self.last[B:entry.bucket].zero_()
+        self._run(entry)
+        return self.logits[:B], self.out[:B]

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipeline.engine.config import ModelConfig
+from pipeline.engine.cuda_graphs import GraphedHead
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
 from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer
@@ -130,6 +131,23 @@ class Eagle3Proposer:
         self.cache = head.new_cache(num_slots, max_seq_len)
         self.head_len: dict[int, int] = {}  # request id -> positions with head K/V from target features
         self.pending: dict[int, list[torch.Tensor]] = {}  # request id -> captured [n, A] not yet consumed
+        self.graphed: GraphedHead | None = None  # set by capture_graphs where the engine's steps replay graphs
+
+    def capture_graphs(self, max_batch: int, max_width: int, replay: bool) -> None:
+        """The head's catch-up (up to max_width tokens: a verify's accepted drafts and its bonus) and draft steps
+        from CUDA graphs; a longer catch-up (a prompt, or tokens decoded while the gate kept speculation off) runs
+        eagerly."""
+        self.graphed = GraphedHead(self.head, self.target.embed, self.cache, max_batch, max_width, replay=replay)
+        self.graphed.capture()
+
+    def _head(self, ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
+              last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [b, Vd], pre-norm outputs [b, 1, H]) at each row's position `last`, graphed where a graph
+        holds the shape. The graph's outputs are overwritten by its next replay: callers index them (a copy)."""
+        graphed = self.graphed(ids, hidden, fb, last) if self.graphed is not None else None
+        logits, out = graphed if graphed is not None else self.head(self.target.embed(ids), hidden, fb, self.cache,
+                                                                    last)
+        return logits[:, 0], out
 
     def on_target_hidden(self, req: Request, aux: torch.Tensor) -> None:
         """aux: [n, A], the target's captured states for the next n positions it has settled.
@@ -157,13 +175,14 @@ class Eagle3Proposer:
         rows = list(range(B))
         for r, s, n in zip(reqs, starts, lengths):
             self.head_len[r.id] = s + n
+        if not stochastic:
+            return Proposal(tokens=self._greedy_drafts(reqs, ks, starts, feeds, hidden))
         for j in range(K):
             ids = torch.tensor([f + [0] * (T - len(f)) for f in (feeds[i] for i in rows)], device=dev)
             fb = ForwardBatch.build([reqs[i].slot for i in rows], [starts[i] for i in rows],
                                     [len(feeds[i]) for i in rows], self.cache, dev)
             last = torch.tensor([len(feeds[i]) - 1 for i in rows], device=dev)[:, None]
-            logits, out = self.head(self.target.embed(ids), hidden, fb, self.cache, last)  # [b, 1, Vd], [b, 1, H]
-            logits = logits[:, 0]
+            logits, out = self._head(ids, hidden, fb, last)  # [b, Vd], [b, 1, H]
             greedy = self.head.draft_to_target[logits.argmax(-1)].tolist()
             for n, i in enumerate(rows):
                 if i in stochastic:
@@ -184,6 +203,41 @@ class Eagle3Proposer:
             hidden = out[keep]  # the head's own pre-norm state feeds the next position
             T = 1
         return Proposal(tokens=tokens, probs=probs, stochastic_rows=stochastic)
+
+    def _greedy_drafts(self, reqs: list[Request], ks: list[int], starts: list[int], feeds: list[list[int]],
+                       hidden: torch.Tensor) -> list[list[int]]:
+        """Drafts for greedy rows only, as DraftModelProposer._greedy_drafts lays them out: every step's positions
+        follow from the lengths, each step feeds the previous one's pick and pre-norm state, which stay on the
+        device, and the drafts reach the host in one copy."""
+        dev = self.head.fc.weight.device
+        pos, rows, plan = list(starts), list(range(len(reqs))), []
+        for j in range(max(ks)):
+            lengths = [len(feeds[i]) if j == 0 else 1 for i in rows]
+            fb = ForwardBatch.build([reqs[i].slot for i in rows], [pos[i] for i in rows], lengths, self.cache, dev)
+            last = torch.tensor(lengths, device=dev)[:, None] - 1
+            going_on = [n for n, i in enumerate(rows) if ks[i] > j + 1]  # the rows whose draft feeds the next step
+            plan.append((rows, fb, last, torch.tensor(going_on, dtype=torch.long, device=dev)))
+            for n, i in enumerate(rows):
+                pos[i] += lengths[n]
+            rows = [rows[n] for n in going_on]
+            if not rows:
+                break
+        T = max(len(f) for f in feeds)
+        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
+        picks = []
+        for _, fb, last, going_on in plan:
+            logits, out = self._head(ids, hidden, fb, last)
+            nxt = self.head.draft_to_target[logits.argmax(-1)]  # [b], target ids
+            picks.append(nxt)
+            ids, hidden = nxt[going_on][:, None], out[going_on]  # copies: the next replay rewrites out
+        picked = torch.cat(picks).tolist()  # the one wait for the device
+        tokens: list[list[int]] = [[] for _ in reqs]
+        at = 0
+        for rows, *_ in plan:
+            for i in rows:
+                tokens[i].append(picked[at])
+                at += 1
+        return tokens
 
     def on_verified(self, req, prev_len, drafted, accepted):
         # Nothing to roll back: head_len already stops at the verified prefix, and the target's states

@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,6 +50,7 @@ triton = tl = None
 KEY_BLOCK = 32  # keys per step of the attention's loop: two of the cache's 16-token blocks
 TILE_M = 64  # rows per linear tile, for every M: a 1-row decode pads its tile, which costs no weight traffic
 H200_SMS = 132  # the config under the interpreter (no GPU to ask): an H200's, so CI runs the configs it ships
+H200_NAME = "NVIDIA H200"
 
 # The engine's own GPU kernels on a CPU, through Triton's interpreter: tests only (CI has no GPU).
 FORCE_ENV = "PIPELINE_GPU_KERNELS_ON_CPU"
@@ -84,9 +88,9 @@ def _compile(interpret: bool):
 
     @triton.jit(do_not_specialize=["M"])
     def linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
-                      stride_os, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      stride_os, HAS_BIAS: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, IEEE: tl.constexpr):
-        """out[s, m, n] (SPLIT > 1: fp32 partials over K slice s) or out[m, n] = x[m, :] . w[n, :] (+ b[n])."""
+        """out[s, m, n] (PARTIALS: fp32 partials over K slice s) or out[m, n] = x[m, :] . w[n, :] (+ b[n])."""
         pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,7 +110,7 @@ def _compile(interpret: bool):
             else:
                 acc = tl.dot(x, w, acc)
         keep = (rm[:, None] < M) & (rn[None, :] < N)
-        if SPLIT > 1:
+        if PARTIALS:
             tl.store(out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc, mask=keep)
         else:
             if HAS_BIAS:
@@ -235,11 +239,14 @@ def _compile(interpret: bool):
 
 @dataclass(frozen=True)
 class LinearTiles:
-    """How one weight's products are tiled and summed: a function of (N, K, SMs) alone, so of no row count."""
+    """How one weight's products are tiled and summed: a function of (N, K, SMs) alone, so of no row count.
+    num_warps and num_stages change how fast a tile is computed, not the order of its sums."""
 
     block_n: int
     block_k: int
     split: int  # K is cut in this many slices, summed in order by split_sum_kernel
+    num_warps: int = 4
+    num_stages: int = 3
 
     @property
     def describe(self) -> str:
@@ -269,13 +276,55 @@ def linear_tiles(n: int, k: int, sms: int) -> LinearTiles:
     return LinearTiles(16, block_k, split)
 
 
+# Tilings timed on a GPU by scripts/tune_gpu_kernels.py, one file per GPU name (as vLLM ships its MoE configs).
+TILES_DIR = Path(__file__).parent / "gpu_tiles"
+
+
+def tiles_file_name(gpu_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", gpu_name).strip("_") + ".json"
+
+
+@functools.cache
+def tuned_tiles(gpu_name: str) -> dict[tuple[int, int], LinearTiles]:
+    """{(N, K): tiling} measured on this GPU kind, {} where none was. Any tiling is as lossless as the next (it is
+    the weight's and the GPU's), so a table only makes a shape faster; a malformed one is refused, naming the file."""
+    path = TILES_DIR / tiles_file_name(gpu_name)
+    if not path.exists():
+        return {}
+    try:
+        entries = json.loads(path.read_text())["tiles"]
+        table = {}
+        for shape, t in entries.items():
+            n, k = (int(v) for v in shape.split("x"))
+            tiles = LinearTiles(**{f: int(t[f]) for f in ("block_n", "block_k", "split", "num_warps", "num_stages")})
+            if not all(v > 0 and v & (v - 1) == 0 for v in (tiles.block_n, tiles.block_k, tiles.split)) \
+                    or tiles.block_n < 16 or tiles.block_k < 16:
+                raise ValueError(f"{shape}: block sizes and split must be powers of two, blocks at least 16")
+            table[(n, k)] = tiles
+        return table
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: not a tiling table ({e}); regenerate it with scripts/tune_gpu_kernels.py "
+                         "--write") from None
+
+
 def tiles_for(x: torch.Tensor, weight: torch.Tensor) -> LinearTiles:
-    """The tiling of x @ weight.T: the weight's and the GPU's, never x's row count (a test breaks that on purpose)."""
-    return linear_tiles(weight.shape[0], weight.shape[1], sm_count(x.device))
+    """The tiling of x @ weight.T: the weight's and the GPU's, never x's row count (a test breaks that on purpose).
+    A shape timed on this GPU kind takes its measured tiling; any other, linear_tiles' rule. Under the interpreter
+    the H200's table applies, so CI runs what an H200 runs."""
+    n, k = weight.shape
+    tuned = tuned_tiles(gpu_name(x.device)).get((n, k))
+    return tuned or linear_tiles(n, k, sm_count(x.device))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias) in x's dtype, each row's bits its own (see the module's docstring)."""
+@functools.cache
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else H200_NAME
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: LinearTiles | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) in x's dtype, each row's bits its own (see the module's docstring).
+    tiles: the weight's tiling (default tiles_for's); scripts/tune_gpu_kernels.py times others."""
     linear_kernel, split_sum_kernel, *_ = _kernels()
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -283,7 +332,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     M, K = x2.shape
     N = weight.shape[0]
-    tiles = tiles_for(x2, weight)
+    tiles = tiles or tiles_for(x2, weight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out.view(*shape[:-1], N)
@@ -292,15 +341,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     interpret, ieee = interpreting(), x.dtype == torch.float32
     grid = (-(-N // tiles.block_n), -(-M // TILE_M), tiles.split)
     has_bias = bias is not None
+    speed = {} if interpret else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     if tiles.split == 1:
         linear_kernel[grid](x2, weight, bias if has_bias else x2, out, M, N, K, per_split, x2.stride(0),
-                            weight.stride(0), out.stride(0), 0, HAS_BIAS=has_bias, SPLIT=1, BLOCK_M=TILE_M,
-                            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee)
+                            weight.stride(0), out.stride(0), 0, HAS_BIAS=has_bias, PARTIALS=False, BLOCK_M=TILE_M,
+                            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee, **speed)
     else:
         part = torch.empty(tiles.split, M, N, dtype=torch.float32, device=x.device)
         linear_kernel[grid](x2, weight, x2, part, M, N, K, per_split, x2.stride(0), weight.stride(0), N, M * N,
-                            HAS_BIAS=False, SPLIT=tiles.split, BLOCK_M=TILE_M, BLOCK_N=tiles.block_n,
-                            BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee)
+                            HAS_BIAS=False, PARTIALS=True, BLOCK_M=TILE_M, BLOCK_N=tiles.block_n,
+                            BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee, **speed)
         block = 1024
         split_sum_kernel[(-(-(M * N) // block),)](part, bias if has_bias else part, out, M, N, M * N,
                                                   HAS_BIAS=has_bias, SPLIT=tiles.split, BLOCK=block)
@@ -386,9 +436,10 @@ def argmax_invariant(device: torch.device, vocab: int, most: int = 64) -> bool:
     return _argmax_checked[key]
 
 
-def describe() -> dict:
-    """What runs each reduction of a forward on a GPU, for describe()."""
-    return {"linear": f"gpu_kernels.linear (Triton; {TILE_M}-row tiles, K-blocks and K-slices fixed by the weight's "
-                      "shape)",
-            "rms_norm": "gpu_kernels.rms_norm (Triton; a row a program)",
-            "attention": f"gpu_kernels.paged_attention (Triton; a token a program, keys in blocks of {KEY_BLOCK})"}
+def tilings_source(device: torch.device) -> str:
+    """Where this device's linear tilings come from, for describe()."""
+    name = gpu_name(device)
+    if tuned_tiles(name):
+        return f"timed on {name} for {len(tuned_tiles(name))} shapes (gpu_tiles/{tiles_file_name(name)}), the rule " \
+               "for the rest"
+    return f"the rule of gpu_kernels.linear_tiles ({name} has no timed table)"

@@ -79,13 +79,11 @@ class LLMEngine:
                     self.graphed = GraphedForward(model, self.cache, config.max_batch_size, width, capture,
                                                   replay=replay)
                     self.graphed.capture()
-                    if isinstance(proposer, DraftModelProposer):  # its catch-up (up to k+1 tokens) and draft steps
-                        proposer.graphed = GraphedForward(proposer.model, proposer.cache, config.max_batch_size,
-                                                          width, replay=replay)
-                        proposer.graphed.capture()
+                    if hasattr(proposer, "capture_graphs"):  # a draft model's or an EAGLE-3 head's steps
+                        proposer.capture_graphs(config.max_batch_size, width, replay)
             except Exception as err:  # noqa: BLE001  slower without graphs, and as lossless: the same kernels run
                 self.graphed = None
-                if isinstance(proposer, DraftModelProposer):
+                if hasattr(proposer, "capture_graphs"):
                     proposer.graphed = None
                 self.graph_error = f"CUDA graph capture failed, steps run eagerly: {one_line(err)}"
                 print(self.graph_error, file=sys.stderr)
@@ -166,6 +164,9 @@ class LLMEngine:
         if self.graphed is not None:  # decode and verify steps replayed from CUDA graphs (or their static path)
             desc["cuda_graphs"] = {"batch_buckets": list(self.graphed.buckets), "widths": self.graphed.max_width,
                                    "graphs": len(self.graphed.graphs), "replayed": self.graphed.replay}
+            drafting = getattr(self.proposer, "graphed", None)
+            if drafting is not None:  # a draft model's or an EAGLE-3 head's steps
+                desc["cuda_graphs"]["draft_graphs"] = len(drafting.graphs)
         elif self.graph_error is not None:
             desc["cuda_graphs"] = {"error": self.graph_error}
         if isinstance(self.proposer, DraftModelProposer):

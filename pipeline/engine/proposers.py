@@ -74,7 +74,12 @@ class DraftModelProposer:
         self.model = model
         self.cache = model.new_cache(num_slots, max_seq_len)
         self.cached: dict[int, int] = {}  # request id -> tokens of its sequence with K/V in the draft cache
-        self.graphed: GraphedForward | None = None  # set by the engine where its steps replay CUDA graphs
+        self.graphed: GraphedForward | None = None  # set by capture_graphs where the engine's steps replay graphs
+
+    def capture_graphs(self, max_batch: int, max_width: int, replay: bool) -> None:
+        """The draft's catch-up (up to max_width tokens) and draft steps from CUDA graphs."""
+        self.graphed = GraphedForward(self.model, self.cache, max_batch, max_width, replay=replay)
+        self.graphed.capture()
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
         B, K = len(reqs), max(ks)

@@ -468,6 +468,8 @@ def describe_model(model: nn.Module) -> dict:
             "gpu_kernels.rms_norm and gpu_kernels.paged_attention (Triton): a row's bits are its own"
             if choice == "invariant" else
             "torch rms_norm and SDPA (vendor: a row's bits move with the batch, a verify's width and a prefix hit)")
+        if choice == "invariant":
+            desc["kernels"]["linear tilings"] = gpu_kernels.tilings_source(w.device)
     acts = {activation_description(m.act) for m in mods if m.act.act_format}
     if acts:
         desc["activations"] = acts.pop() if len(acts) == 1 else sorted(acts)
