@@ -538,6 +538,13 @@ class ShapeBench:
             rows.append(row)
             self.clock.log(f"{self.key}: plain batch {b}: {row['tok_s']} tok/s ({row['decode_tok_s']} decoding, "
                            f"{row['step_ms']} ms a step, {row['new_tokens_per_row']} tokens a row)")
+            forward = replay_ms(engine, b)
+            if forward is not None and row.get("step_ms"):
+                # What a step spends beyond its forward on the GPU: the host's scheduling, the input copies, the
+                # argmax and the wait for it. The replay reruns the last step's inputs (its request is done, and
+                # this engine caches no prefix, so the K/V it rewrites belong to no one).
+                row["forward_graph_ms"] = round(forward, 4)
+                row["beyond_forward_ms"] = round(row["step_ms"] - forward, 4)
             self.save()
         del engine
         release()
@@ -789,6 +796,23 @@ class ShapeBench:
         release()
 
 
+def replay_ms(engine: LLMEngine, rows: int) -> float | None:
+    """Milliseconds of one replay of the graph a `rows`-row decode step runs (the mean of 10), or None where the
+    engine replays no graph (the vendor path, a CPU)."""
+    graphed = getattr(engine, "graphed", None)
+    if graphed is None or not graphed.replay or graphed.bucket_for(rows) is None:
+        return None
+    graph = graphed.graphs[(graphed.bucket_for(rows), 1)].graph
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 10
+
+
 def _ms(s):
     return None if s is None else 1e3 * s
 
@@ -906,6 +930,8 @@ def table_lines(report: dict) -> list[tuple[str, ...]]:
                 lines.append((key, f"section {name}", f"{r['status']}: {r.get('error', '')}"[:100], "", ""))
         for row in sec.get("plain", {}).get("rows", []):
             text = f"{row['tok_s']} tok/s ({row['decode_tok_s']} decoding), {row['step_ms']} ms a step"
+            if "forward_graph_ms" in row:
+                text += f" (its forward's graph {row['forward_graph_ms']} ms)"
             if row["batch"] == 1:
                 lines.append((key, "plain batch 1", f"{text}; {row.get('floor_fraction')} of the floor",
                               *judged(key, "plain")))

@@ -18,6 +18,7 @@ import argparse
 import itertools
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,8 +76,14 @@ def _compile_some(tiles: list[tuple]) -> int:
 
 
 def graph_us(fn, repeats: int) -> float:
-    """Microseconds a call, from a CUDA graph of `repeats` calls (best of 3 replays)."""
+    """Microseconds a call, from a CUDA graph of `repeats` calls (best of 3 replays). On a CPU (--smoke, under
+    Triton's interpreter: a check of this script, not a measurement) the calls' wall time."""
     fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t) * 1e6 / repeats
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -129,7 +136,7 @@ def other_kernels(repeats: int) -> dict:
     return {k: round(v, 2) for k, v in out.items()}
 
 
-def write_table(report: dict) -> Path:
+def write_table(report: dict, folder: Path | None = None) -> Path:
     """The picks (those that kept a row's bits) as gpu_kernels.tiles_for reads them, written whole or not at all."""
     name = report["gpu"]
     tiles = {}
@@ -138,98 +145,138 @@ def write_table(report: dict) -> Path:
             tiles[f"{r['n']}x{r['k']}"] = {**r["pick"]["tiles"], "us_m1": r["pick"]["us_m1"],
                                           "us_m64": r["pick"]["us_m64"], "vendor_us_m1": r["vendor_us_m1"],
                                           "vendor_us_m64": r["vendor_us_m64"]}
-    path = gpu_kernels.TILES_DIR / gpu_kernels.tiles_file_name(name)
+    path = (folder or gpu_kernels.TILES_DIR) / gpu_kernels.tiles_file_name(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"gpu": name, "sms": report["sms"], "torch": torch.__version__,
-                               "measured": f"scripts/tune_gpu_kernels.py, {time.strftime('%Y-%m-%d')}, a CUDA graph "
-                                           f"of {report['repeats']} calls, best of 3 replays", "tiles": tiles},
+                               "measured": "--smoke: the CPU under Triton's interpreter, no measurement"
+                               if report.get("smoke") else f"scripts/tune_gpu_kernels.py, {time.strftime('%Y-%m-%d')}, "
+                               f"a CUDA graph of {report['repeats']} calls, best of 3 replays", "tiles": tiles},
                               indent=1) + "\n")
     tmp.replace(path)
     gpu_kernels.tuned_tiles.cache_clear()
     return path
 
 
+SMOKE_SHAPES = {"smoke.narrow": (32, 512), "smoke.wide": (64, 256)}
+
+
+def tune_shape(n: int, k: int, dev: str, sms: int, repeats: int, tries: list[LinearTiles], deadline: float,
+               g: torch.Generator) -> dict:
+    """Every tiling in `tries` of an [n, k] bf16 weight, timed at 1 and 64 rows, and the pick (see the module)."""
+    w = (torch.randn(n, k, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+    x = torch.randn(64, k, generator=g, device=dev).to(torch.bfloat16)
+    mb = n * k * 2 / 1e6
+    rows = []
+    for t in tries:
+        if time.perf_counter() > deadline:
+            break
+        try:
+            us1 = graph_us(lambda: gpu_kernels.linear(x[:1], w, tiles=t), repeats)
+            us64 = graph_us(lambda: gpu_kernels.linear(x, w, tiles=t), repeats)
+        except Exception as e:  # noqa: BLE001  too much shared memory, say: recorded, the next one runs
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            rows.append({"tiles": t.__dict__, "error": str(e).splitlines()[0][:120] if str(e) else type(e).__name__})
+            continue
+        rows.append({"tiles": t.__dict__, "us_m1": round(us1, 2), "us_m64": round(us64, 2),
+                     "gb_s_m1": round(mb / us1 * 1e3, 1)})
+    ok = [r for r in rows if "us_m1" in r]
+    out = {"n": n, "k": k, "mb": round(mb, 1), "tried": len(rows), "of": len(tries), "failed": len(rows) - len(ok)}
+    if not ok:
+        return out
+    current = gpu_kernels.linear_tiles(n, k, sms)
+    best1 = min(ok, key=lambda r: r["us_m1"])
+    pick = min((r for r in ok if r["us_m1"] <= 1.03 * best1["us_m1"]), key=lambda r: r["us_m64"])
+    vendor1 = graph_us(lambda: torch.nn.functional.linear(x[:1], w), repeats)
+    vendor64 = graph_us(lambda: torch.nn.functional.linear(x, w), repeats)
+    out.update(current=next((r for r in ok if r["tiles"] == current.__dict__), None), best_m1=best1, pick=pick,
+               pick_invariant=invariant(w, LinearTiles(**pick["tiles"])), vendor_us_m1=round(vendor1, 2),
+               vendor_us_m64=round(vendor64, 2), vendor_gb_s_m1=round(mb / vendor1 * 1e3, 1),
+               top_m1=sorted(ok, key=lambda r: r["us_m1"])[:8])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budget-s", type=float, default=90.0)
+    ap.add_argument("--budget-s", type=float, default=100.0)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--workers", type=int, default=14, help="processes compiling the tilings first")
     ap.add_argument("--models", default="8b,1b")
     ap.add_argument("--out", help="the whole report (every tiling's times) as JSON")
-    ap.add_argument("--write", action="store_true", help="write the picks to pipeline/engine/gpu_tiles/")
+    ap.add_argument("--write", action="store_true", help="write the picks to --tiles-dir")
+    ap.add_argument("--tiles-dir", default=str(gpu_kernels.TILES_DIR))
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under Triton's interpreter: a check of this script, no measurement")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    if not torch.cuda.is_available():
-        sys.exit("tune_gpu_kernels: no GPU here; run it on one (it times CUDA graphs)")
-    shapes = {}
-    keys = [k.strip() for k in args.models.split(",")]
-    for key in keys:  # most telling first: the budget may end the list
-        shapes.update(linear_shapes(key))
-    for key in keys:
-        shapes.update(eagle3_shapes(key))
-    sms = gpu_kernels.sm_count(torch.device("cuda"))
-    every = sorted({(t.block_n, t.block_k, 1 if t.split == 1 else 2, t.num_warps, t.num_stages)
-                    for s in shapes.values() for t in candidates(*s)})
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(args.workers) as pool:
-        compiled = sum(pool.map(_compile_some, [every[i::args.workers] for i in range(args.workers)]))
-    print(f"[{time.perf_counter() - t0:5.1f}s] compiled {compiled} of {len(every)} kernels in {args.workers} "
-          "processes", file=sys.stderr, flush=True)
-    report = {"gpu": torch.cuda.get_device_name(), "sms": sms, "repeats": args.repeats, "linears": {}}
-    report["other_kernels_us"] = other_kernels(args.repeats)
-    print(f"[{time.perf_counter() - t0:5.1f}s] other kernels {report['other_kernels_us']}", file=sys.stderr,
-          flush=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    if args.smoke:  # before anything imports Triton
+        os.environ.update({"TRITON_INTERPRET": "1", gpu_kernels.FORCE_ENV: "1"})
+    elif not torch.cuda.is_available():
+        sys.exit("tune_gpu_kernels: no GPU here; run it on one (it times CUDA graphs), or --smoke to check it")
+    dev = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        shapes = dict(SMOKE_SHAPES)
+        args.repeats, args.workers = min(args.repeats, 2), 0
+    else:
+        shapes = {}
+        keys = [k.strip() for k in args.models.split(",")]
+        for key in keys:  # most telling first: the budget may end the list
+            shapes.update(linear_shapes(key))
+        for key in keys:
+            shapes.update(eagle3_shapes(key))
+    tries = {name: candidates(*s) for name, s in shapes.items()}
+    if args.smoke:  # the interpreter ignores warps and stages; a few tilings check the loop
+        tries = {name: [t for t in ts if (t.num_warps, t.num_stages) == (4, 3)][::3] for name, ts in tries.items()}
+    sms = gpu_kernels.sm_count(torch.device(dev))
+    if args.workers:
+        every = sorted({(t.block_n, t.block_k, 1 if t.split == 1 else 2, t.num_warps, t.num_stages)
+                        for ts in tries.values() for t in ts})
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            compiled = sum(pool.map(_compile_some, [every[i::args.workers] for i in range(args.workers)]))
+        log(t0, f"compiled {compiled} of {len(every)} kernels in {args.workers} processes")
+    report = {"gpu": gpu_kernels.gpu_name(torch.device(dev)), "sms": sms, "repeats": args.repeats,
+              "smoke": args.smoke, "linears": {}}
+    if not args.smoke:
+        try:
+            report["other_kernels_us"] = other_kernels(args.repeats)
+        except Exception as e:  # noqa: BLE001  the linears are what this run is for
+            report["other_kernels_us"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        log(t0, f"other kernels {report['other_kernels_us']}")
+    g = torch.Generator(device=dev).manual_seed(0)
+    deadline = t0 + args.budget_s
     for name, (n, k) in shapes.items():
-        if time.perf_counter() - t0 > args.budget_s:
-            report["linears"][name] = {"skipped": "out of time"}
+        if time.perf_counter() > deadline:
+            report["linears"][name] = {"n": n, "k": k, "skipped": "out of time"}
             continue
-        w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
-        x = torch.randn(64, k, generator=g, device="cuda").to(torch.bfloat16)
-        mb = n * k * 2 / 1e6
-        rows = []
-        for t in candidates(n, k):
-            try:
-                us1 = graph_us(lambda: gpu_kernels.linear(x[:1], w, tiles=t), args.repeats)
-                us64 = graph_us(lambda: gpu_kernels.linear(x, w, tiles=t), args.repeats)
-            except Exception as e:  # noqa: BLE001
-                torch.cuda.synchronize()
-                rows.append({"tiles": t.__dict__, "error": str(e).splitlines()[0][:120]})
-                continue
-            rows.append({"tiles": t.__dict__, "us_m1": round(us1, 2), "us_m64": round(us64, 2),
-                         "gb_s_m1": round(mb / us1 * 1e3, 1)})
-        ok = [r for r in rows if "us_m1" in r]
-        current = gpu_kernels.linear_tiles(n, k, sms)
-        cur = next((r for r in ok if r["tiles"] == current.__dict__), None)
-        best1 = min(ok, key=lambda r: r["us_m1"])
-        best_sum = min(ok, key=lambda r: r["us_m1"] + r["us_m64"])
-        pick = min((r for r in ok if r["us_m1"] <= 1.03 * best1["us_m1"]), key=lambda r: r["us_m64"])
-        vendor1 = graph_us(lambda: torch.nn.functional.linear(x[:1], w), args.repeats)
-        vendor64 = graph_us(lambda: torch.nn.functional.linear(x, w), args.repeats)
-        top = sorted(ok, key=lambda r: r["us_m1"])[:8]
-        report["linears"][name] = {
-            "n": n, "k": k, "mb": round(mb, 1), "current": cur, "best_m1": best1, "best_m1_plus_m64": best_sum,
-            "pick": pick, "pick_invariant": invariant(w, LinearTiles(**pick["tiles"])),
-            "vendor_us_m1": round(vendor1, 2),
-            "vendor_us_m64": round(vendor64, 2), "vendor_gb_s_m1": round(mb / vendor1 * 1e3, 1), "top_m1": top,
-            "tried": len(rows), "failed": len(rows) - len(ok)}
-        r = report["linears"][name]
-        print(f"[{time.perf_counter() - t0:5.1f}s] {name} {n}x{k} ({mb:.0f} MB): current "
-              f"{cur and cur['us_m1']}/{cur and cur['us_m64']} us, pick {pick['us_m1']}/{pick['us_m64']} us "
-              f"{pick['tiles']} ({pick['gb_s_m1']} GB/s); cuBLAS {r['vendor_us_m1']}/{r['vendor_us_m64']} us; "
-              f"invariant {r['pick_invariant']}", file=sys.stderr, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+        r = report["linears"][name] = tune_shape(n, k, dev, sms, args.repeats, tries[name], deadline, g)
+        if "pick" in r:
+            cur, pick = r["current"] or {}, r["pick"]
+            log(t0, f"{name} {n}x{k} ({r['mb']:.0f} MB), {r['tried']} of {r['of']} tilings: the rule's "
+                    f"{cur.get('us_m1')}/{cur.get('us_m64')} us, pick {pick['us_m1']}/{pick['us_m64']} us "
+                    f"{pick['tiles']} ({pick['gb_s_m1']} GB/s); cuBLAS {r['vendor_us_m1']}/{r['vendor_us_m64']} us; "
+                    f"a row's bits kept: {r['pick_invariant']}")
+        else:
+            log(t0, f"{name} {n}x{k}: no tiling ran ({r['failed']} failed)")
+        save(report, args.out)
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     if args.write:
-        report["wrote"] = str(write_table(report))
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text if not args.out else f"wrote {args.out}")
+        report["wrote"] = str(write_table(report, Path(args.tiles_dir)))
+        log(t0, f"wrote {report['wrote']}")
+    save(report, args.out)
+    if not args.out:
+        print(json.dumps(report, indent=1))
+
+
+def log(t0: float, msg: str) -> None:
+    print(f"[{time.perf_counter() - t0:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def save(report: dict, out: str | None) -> None:
+    if out:
+        tmp = Path(out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(out)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -109,6 +111,25 @@ def test_a_timed_tiling_table_round_trips_from_the_tuner_and_a_bad_one_is_refuse
         gpu_kernels.tuned_tiles.cache_clear()
         with pytest.raises(ValueError, match="NVIDIA_H200.json: not a tiling table .*powers of two"):
             gpu_kernels.tuned_tiles("NVIDIA H200")
+    finally:
+        gpu_kernels.tuned_tiles.cache_clear()
+
+
+def test_the_tuner_runs_end_to_end_in_smoke_mode_and_writes_a_table_the_kernels_read(tmp_path, monkeypatch):
+    """scripts/tune_gpu_kernels.py --smoke: its loop, pick, invariance check and table writer, on tiny shapes under
+    the interpreter (a GPU session has minutes; a crash there costs them)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune_gpu_kernels.py"), "--smoke", "--write",
+                           "--tiles-dir", str(tmp_path), "--out", str(tmp_path / "report.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert all(r["pick_invariant"] and r["tried"] == r["of"] > 0 for r in report["linears"].values())
+    monkeypatch.setattr(gpu_kernels, "TILES_DIR", tmp_path)
+    gpu_kernels.tuned_tiles.cache_clear()
+    try:
+        table = gpu_kernels.tuned_tiles(report["gpu"])
+        assert set(table) == {(r["n"], r["k"]) for r in report["linears"].values()}
     finally:
         gpu_kernels.tuned_tiles.cache_clear()
 

@@ -30,6 +30,7 @@ from pipeline.engine.cuda_graphs import GraphedHead
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
 from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer
+from pipeline.engine.proposers import GuidedDrafts
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import probs_from_logits, sample
 from pipeline.engine.speculative import Proposal
@@ -157,11 +158,8 @@ class Eagle3Proposer:
         self.pending.setdefault(req.id, []).append(aux.clone())  # a row, not the whole batch's tensor
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
-        B, K = len(reqs), max(ks)
         dev = self.head.fc.weight.device
         stochastic = frozenset(i for i, r in enumerate(reqs) if not r.params.greedy)
-        probs = torch.zeros(B, K, self.target.cfg.vocab_size) if stochastic else None
-        tokens: list[list[int]] = [[] for _ in reqs]
 
         # Step 0, catch-up: positions head_len..target_len-1 with the target's states and the
         # tokens that followed them (the last one is the pending token).
@@ -172,28 +170,46 @@ class Eagle3Proposer:
         feeds = [r.all_ids[s + 1: s + 1 + n] for r, s, n in zip(reqs, starts, lengths)]
         aux = torch.stack([nn.functional.pad(a, (0, 0, 0, T - a.shape[0])) for a in auxes]).to(dev)  # [B, T, A]
         hidden = self.head.fc(aux)  # [B, T, H]
-        rows = list(range(B))
         for r, s, n in zip(reqs, starts, lengths):
             self.head_len[r.id] = s + n
-        if not stochastic:
+        if not stochastic and all(r.guide is None for r in reqs):
             return Proposal(tokens=self._greedy_drafts(reqs, ks, starts, feeds, hidden))
+        # A guided row drafts under its grammar (guide.py): each step masked by the state after its drafts so far.
+        guides = GuidedDrafts(reqs)
+        try:
+            return self._stepwise(reqs, ks, stochastic, guides, starts, feeds, hidden)
+        finally:
+            guides.pop_all()
+
+    def _stepwise(self, reqs: list[Request], ks: list[int], stochastic: frozenset[int], guides: GuidedDrafts,
+                  starts: list[int], feeds: list[list[int]], hidden: torch.Tensor) -> Proposal:
+        """Drafts one step at a time through the host: sampled rows (their generators live there) and guided
+        rows (their grammars do)."""
+        B, K = len(reqs), max(ks)
+        dev = self.head.fc.weight.device
+        probs = torch.zeros(B, K, self.target.cfg.vocab_size) if stochastic else None
+        tokens: list[list[int]] = [[] for _ in reqs]
+        to_target = self.head.draft_to_target.cpu()
+        rows, T = list(range(B)), max(len(f) for f in feeds)
         for j in range(K):
             ids = torch.tensor([f + [0] * (T - len(f)) for f in (feeds[i] for i in rows)], device=dev)
             fb = ForwardBatch.build([reqs[i].slot for i in rows], [starts[i] for i in rows],
                                     [len(feeds[i]) for i in rows], self.cache, dev)
             last = torch.tensor([len(feeds[i]) - 1 for i in rows], device=dev)[:, None]
             logits, out = self._head(ids, hidden, fb, last)  # [b, Vd], [b, 1, H]
-            greedy = self.head.draft_to_target[logits.argmax(-1)].tolist()
+            logits = guides.mask([reqs[i] for i in rows], logits.cpu(), to_target)
+            greedy = to_target[logits.argmax(-1)].tolist()
             for n, i in enumerate(rows):
                 if i in stochastic:
                     # q over the target vocabulary: zero outside the draft vocabulary.
                     full = torch.full((self.target.cfg.vocab_size,), float("-inf"))
-                    full[self.head.draft_to_target.cpu()] = logits[n].cpu()
+                    full[to_target] = logits[n]
                     q = probs_from_logits(full, reqs[i].params)
                     probs[i, j] = q
                     tokens[i].append(sample(q, reqs[i].generator))
                 else:
                     tokens[i].append(greedy[n])
+                guides.push(reqs[i], tokens[i][-1])
                 starts[i] += len(feeds[i])
                 feeds[i] = tokens[i][-1:]
             keep = [n for n, i in enumerate(rows) if ks[i] > j + 1]

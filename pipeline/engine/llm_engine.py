@@ -29,6 +29,7 @@ from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.device import is_cuda, kv_pool_blocks
 from pipeline.engine.draft_plan import EMPTY, MEMORY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
+from pipeline.engine.guide import Guide, apply_mask, tokenizer_for
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
@@ -97,6 +98,10 @@ class LLMEngine:
         # Token ids -> the answer's text, as the client will see it: needed for stop strings (set by whoever
         # holds the tokenizer: the Triton model, `pipeline generate`).
         self.detokenize: Detokenize | None = None
+        # The Hugging Face tokenizer, for guided decoding (set by whoever holds it, as detokenize is); its
+        # llguidance tokenizer is made on the first guided request and kept.
+        self.tokenizer = None
+        self._guide_tokenizer = None
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         """The engine's GPU as the calling thread's current device: Triton launches its kernels, and CUDA makes
@@ -203,9 +208,20 @@ class LLMEngine:
                 raise RequestError("stop strings need the engine's tokenizer (LLMEngine.detokenize); send stop "
                                    "token ids instead")
             req.stop_strings = StopStrings(params.stop, self.detokenize)
+        if params.guide is not None:
+            req.guide = Guide(params.guide, self.guide_tokenizer(), self.model.cfg.vocab_size)
         with self._queue_lock:
             self.waiting.append(req)
         return req
+
+    def guide_tokenizer(self):
+        """llguidance's view of the engine's tokenizer, made once (about a second)."""
+        if self._guide_tokenizer is None:
+            if self.tokenizer is None:
+                raise RequestError("guided decoding needs the engine's tokenizer (LLMEngine.tokenizer); send the "
+                                   "request without a guide, or load the engine with its tokenizer")
+            self._guide_tokenizer = tokenizer_for(self.tokenizer, self.eos_token_ids)
+        return self._guide_tokenizer
 
     def cancel(self, req: Request) -> None:
         """Stop a request and free its slot (after the step in progress, if any). Thread-safe."""
@@ -303,7 +319,12 @@ class LLMEngine:
                 if r.params.penalized:
                     row = penalize(row.cpu(), r.params, r.prompt_ids, r.output_ids)
                     greedy[i] = int(row[0].argmax())
+                if r.guide is not None:  # the grammar's tokens only, after the penalties
+                    row = apply_mask(row.cpu(), r.guide.allowed()[None])
+                    greedy[i] = int(row[0].argmax())
                 tok = greedy[i] if r.params.greedy else sample(probs_from_logits(row[0].cpu(), r.params), r.generator)
+                if r.guide is not None:
+                    r.guide.advance([tok], r.stop_ids)
                 self._emit(r, [tok], finished, self._logprobs(r, row, [tok]))
             except Exception as err:  # noqa: BLE001  one request's failure ends that request only
                 self._fail(r, err, finished)
@@ -349,6 +370,10 @@ class LLMEngine:
                         drafts[i] = prop.tokens[n][: ks[i]]
                         if n in prop.stochastic_rows:
                             q_rows[i] = prop.probs[n]
+                        elif reqs[i].guide is not None:  # cut at the first draft the grammar refuses (guide.py)
+                            drafts[i] = drafts[i][: reqs[i].guide.valid_prefix(drafts[i])]
+                            if not drafts[i] and prop.tokens[n]:  # no verify to report: roll the drafter back now
+                                self.proposer.on_verified(reqs[i], reqs[i].num_tokens, 0, 0)
                         reqs[i].acceptance.proposed(bool(drafts[i]))
                         if not drafts[i]:  # an n-gram lookup that found nothing, say
                             self._skipped(reqs[i], EMPTY)
@@ -440,10 +465,15 @@ class LLMEngine:
                 rows = logits[i, : len(d) + 1]  # [k+1, V]: row j scores the token after d_j
                 if r.params.penalized:  # each row penalised by the sequence plain decoding would have had there
                     rows = penalize(rows.cpu(), r.params, r.prompt_ids, r.output_ids, d)
+                if r.guide is not None:  # each row masked by the grammar's state after the drafts before it
+                    rows = apply_mask(rows.cpu(), r.guide.row_masks(d, r.stop_ids))
                 if r.params.greedy:
-                    m, nxt = accept_greedy(rows.argmax(-1).tolist() if r.params.penalized else argmax[i][: len(d) + 1], d)
+                    own = r.params.penalized or r.guide is not None
+                    m, nxt = accept_greedy(rows.argmax(-1).tolist() if own else argmax[i][: len(d) + 1], d)
                 else:
                     m, nxt = accept_sampled(rows.cpu(), d, q_rows.get(i), r)
+                if r.guide is not None:  # the accepted drafts and the next token; rejected ones were never taken
+                    r.guide.advance(d[:m] + [nxt], r.stop_ids)
                 prev_len = r.num_tokens
                 # The pending token and the m accepted drafts now have valid K/V; rejected entries past
                 # this length are stale and get overwritten: that is the per-sequence rollback.

@@ -67,6 +67,39 @@ class NgramProposer:
         pass
 
 
+class GuidedDrafts:
+    """The grammars of a proposal's guided rows while they draft: each step's logits masked by the state after
+    that row's drafts so far; every pushed draft popped when the proposal ends (the verify decides what stays)."""
+
+    def __init__(self, reqs: list[Request]):
+        self.pushed = {id(r): 0 for r in reqs if r.guide is not None}
+        self.lost: set[int] = set()  # rows whose grammar refused a draft: unguided for the rest of the proposal
+        self.reqs = [r for r in reqs if r.guide is not None]
+
+    def mask(self, rows: list[Request], logits: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [b, W] of `rows`, each guided row's masked at its grammar's state; index: the
+        drafter's ids' target ids, where its vocabulary is its own (an EAGLE-3 head's). A new tensor: the
+        forward's may be an inference tensor, or a graph's static output."""
+        logits = logits.clone()
+        for n, r in enumerate(rows):
+            if id(r) in self.pushed and id(r) not in self.lost:
+                mask = r.guide.draft_mask(logits.shape[-1], index)
+                if mask is not None:
+                    logits[n].masked_fill_(~mask, float("-inf"))
+        return logits
+
+    def push(self, r: Request, token: int) -> None:
+        if id(r) in self.pushed and id(r) not in self.lost:
+            if r.guide.push(token, r.stop_ids):
+                self.pushed[id(r)] += 1
+            else:
+                self.lost.add(id(r))
+
+    def pop_all(self) -> None:
+        for r in self.reqs:
+            r.guide.pop(self.pushed[id(r)])
+
+
 class DraftModelProposer:
     name = "draft"
 
@@ -82,12 +115,23 @@ class DraftModelProposer:
         self.graphed.capture()
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
+        stochastic = frozenset(i for i, r in enumerate(reqs) if not r.params.greedy)
+        if not stochastic and all(r.guide is None for r in reqs):
+            return Proposal(tokens=self._greedy_drafts(reqs, ks))
+        # A guided row drafts under its grammar (guide.py): each step masked by the state after its drafts so far.
+        guides = GuidedDrafts(reqs)
+        try:
+            return self._stepwise(reqs, ks, stochastic, guides)
+        finally:
+            guides.pop_all()
+
+    def _stepwise(self, reqs: list[Request], ks: list[int], stochastic: frozenset[int],
+                  guides: "GuidedDrafts") -> Proposal:
+        """Drafts one step at a time through the host: sampled rows (their generators live there) and guided
+        rows (their grammars do)."""
         B, K = len(reqs), max(ks)
         V = self.model.cfg.vocab_size
         seqs = [r.all_ids for r in reqs]
-        stochastic = frozenset(i for i, r in enumerate(reqs) if not r.params.greedy)
-        if not stochastic:
-            return Proposal(tokens=self._greedy_drafts(reqs, ks))
         probs = torch.zeros(B, K, V) if stochastic else None
         tokens: list[list[int]] = [[] for _ in reqs]
         # First forward: catch up on every token the draft hasn't seen (a whole prompt for a new
@@ -103,7 +147,7 @@ class DraftModelProposer:
             fb = ForwardBatch.build([reqs[i].slot for i in rows], [starts[i] for i in rows], lengths, self.cache, dev)
             last = torch.tensor(lengths, device=dev)[:, None] - 1
             # Sampling happens on the CPU, with each request's own CPU generator.
-            logits = self._last_logits(ids, fb, last).cpu()  # [b, V]
+            logits = guides.mask([reqs[i] for i in rows], self._last_logits(ids, fb, last).cpu())  # [b, V]
             greedy_next = logits.argmax(-1).tolist()
             for n, i in enumerate(rows):
                 self.cached[reqs[i].id] = starts[i] + lengths[n]
@@ -113,6 +157,7 @@ class DraftModelProposer:
                     tokens[i].append(sample(q, reqs[i].generator))
                 else:
                     tokens[i].append(greedy_next[n])
+                guides.push(reqs[i], tokens[i][-1])
                 starts[i] += lengths[n]
                 feeds[i] = tokens[i][-1:]
             rows = [i for i in rows if ks[i] > j + 1]

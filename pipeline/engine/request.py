@@ -70,6 +70,7 @@ class Request:
     # Per output token, when params.logprobs is set: its log prob and the top-N (pipeline/engine/logprobs.py).
     logprobs: list = field(default_factory=list)
     stop_strings: object | None = None  # a StopStrings, set by the engine when params.stop is
+    guide: object | None = None  # a Guide (guide.py), set by the engine when params.guide is
     # Set when a stop string ended the answer: characters of the output's text to keep, and the string.
     stop_text_len: int | None = None
     stop_reason: str | None = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.engine.guide import GuideSpec
 from pipeline.engine.sampling_limits import check_logprobs, check_penalty_values, check_sampling_values, check_stop_strings
 from pipeline.errors import RequestError
 
@@ -31,6 +32,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: - p for each token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: - p x its count in the output
     logprobs: int | None = None  # None: none; N: the chosen token's log prob and the top N (0..20)
+    # What the output must match (guide.py): a JSON schema, any JSON, a regex or a grammar. Needs an engine with
+    # a tokenizer (LLMEngine.tokenizer). Log probs are the masked distribution's.
+    guide: GuideSpec | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

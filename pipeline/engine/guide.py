@@ -1,0 +1,184 @@
+"""Guided decoding: a request's output held to a JSON schema, any JSON, a regex or an EBNF grammar (llguidance).
+
+A guide is a per-request matcher over the tokenizer's vocabulary. Before a token is chosen, every token the
+grammar can't take next gets logit -inf; after it is chosen, the matcher consumes it. With speculation:
+
+- A verify row j is masked by the grammar's state after the drafts before it: the matcher consumes d_1..d_j to
+  make row j's mask, then rolls them back; it then consumes only what was accepted (the rollback of rejected
+  drafts is that nothing else was consumed).
+- Greedy rows and deterministic drafts (n-gram, greedy draft models) are cut at their first draft the grammar
+  refuses, before the target sees them: the masked argmax could never equal it, so the cut changes no token and
+  saves the verify's work on the rest.
+- A drafter (a draft model, an EAGLE-3 head) drafts under the same grammar: each draft step's logits are masked
+  by the state after the drafts before it (push, then pop once drafting ends), so its drafts are ones the target
+  can accept; the target as its own draft still accepts every draft under a guide. Its q is then masked too.
+- A sampled row's drafts from a distribution q are not cut: rejection sampling is exact only over what q drew.
+  A refused draft meets p(d) = 0 under the masked target, so it is rejected with certainty and the residual
+  max(p - q, 0) is sampled, which keeps the output distributed as the masked target's p. (Cutting there and
+  sampling p instead would tilt it by q's mass on refused tokens.) Rows past a refused draft are never read.
+
+Greedy output with a guide and speculation is then token for token the guided output without speculation, and a
+sampled one follows the masked target's distribution (tests/test_guide.py). Guide types and their names are
+tensorrtllm_backend's (`guided_decoding_guide_type`: json, json_schema, regex, ebnf_grammar); an EBNF grammar is
+GBNF, as xgrammar and llama.cpp read it, converted by llguidance's own gbnf_to_lark.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.errors import RequestError
+
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+# A guide's text is the request's to choose, and a grammar's size is what it costs to compile and hold: bounded.
+MAX_GUIDE_BYTES = 64 * 1024
+# Any JSON value an API means by "JSON output": an object or an array (xgrammar's builtin JSON grammar's root).
+ANY_JSON = {"type": ["object", "array"]}
+# JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): no free whitespace between tokens. With it, a model can
+# pad an answer with newlines until max_tokens (seen with random models, and reported of real ones under guides);
+# a schema's own "x-guidance" options still win.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class GuideSpec:
+    """What a request's output must match: type (GUIDE_TYPES) and its text (a schema, a regex, a grammar; none
+    for json)."""
+
+    type: str
+    guide: str = ""
+
+    def __post_init__(self):
+        if self.type not in GUIDE_TYPES:
+            raise RequestError(f"guided_decoding_guide_type {self.type!r} is not one of {', '.join(GUIDE_TYPES)}")
+        if self.type != "json" and not self.guide:
+            raise RequestError(f"a {self.type} guide needs its text in guided_decoding_guide")
+        if len(self.guide.encode()) > MAX_GUIDE_BYTES:
+            raise RequestError(f"the guide is {len(self.guide.encode())} bytes; the most is {MAX_GUIDE_BYTES}")
+
+
+def grammar_text(spec: GuideSpec) -> str:
+    """The spec as an llguidance grammar (not yet checked: Guide's matcher says what is wrong with it)."""
+    import llguidance
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    if spec.type == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON, defaults=JSON_OPTIONS)
+    if spec.type == "json_schema":
+        try:
+            schema = json.loads(spec.guide)
+        except ValueError as e:
+            raise RequestError(f"the json_schema guide is not JSON ({e}); send a JSON Schema object") from None
+        if not isinstance(schema, dict):
+            raise RequestError("the json_schema guide must be a JSON object (a JSON Schema)")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if spec.type == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.guide)
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.guide))
+    except Exception as e:  # noqa: BLE001  the converter raises on GBNF it can't read; say so in one line
+        raise RequestError(f"the ebnf_grammar guide is not GBNF: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception | str) -> str:
+    """llguidance's message in one line: its first, and the `error:` line a parse error puts under its echo."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    cause = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return (lines[0] + (f" ({cause})" if cause else ""))[:300]
+
+
+def tokenizer_for(hf_tokenizer, eos_token_ids: tuple[int, ...] = ()):
+    """The llguidance tokenizer for a Hugging Face fast tokenizer (about a second: make it once per engine). The
+    end token a completed grammar allows is the model's (its first eos id), else the tokenizer's."""
+    import llguidance.hf
+
+    eos = list(eos_token_ids) or None
+    return llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos)
+
+
+class Guide:
+    """One request's matcher: the tokens allowed next, drafts checked and cut, verify rows' masks."""
+
+    def __init__(self, spec: GuideSpec, tokenizer, vocab_size: int):
+        import llguidance
+
+        self.spec, self.vocab_size = spec, vocab_size
+        self.known = tokenizer.vocab_size  # a model's vocabulary may run past its tokenizer's (padded embeddings)
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
+        if self.matcher.is_error():
+            raise RequestError(f"the {spec.type} guide doesn't compile: {_first_line(self.matcher.get_error())}")
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens the grammar takes next (a model vocabulary wider than the tokenizer's
+        has its extra ids refused)."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        n = min(self.vocab_size, bits.shape[0])
+        mask[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
+        return mask
+
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many of drafts, in order, the grammar takes from its current state. An id past the tokenizer's
+        vocabulary (a draft model may propose one) is refused here: llguidance would enter its error state."""
+        drafts = drafts[: next((n for n, t in enumerate(drafts) if not 0 <= t < self.known), len(drafts))]
+        return self.matcher.validate_tokens(drafts) if drafts else 0
+
+    def row_masks(self, drafts: list[int], stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+        """[len(drafts) + 1, vocab_size]: row j's mask is the grammar's after drafts[:j]. Rows past the first
+        refused draft are all True: nothing reads them (that draft is rejected, so no later row is used); so are
+        rows past a stop token, which ends the answer if accepted (and which llguidance's rollback doesn't undo:
+        it is never consumed here)."""
+        n = self.valid_prefix(drafts)
+        n = next((j for j in range(n) if drafts[j] in stop_ids), n)
+        masks = torch.ones(len(drafts) + 1, self.vocab_size, dtype=torch.bool)
+        masks[0] = self.allowed()
+        for j in range(n):
+            if not self.matcher.consume_token(drafts[j]):
+                raise RuntimeError(f"the guide took draft {drafts[j]} in validate_tokens but not in consume_token")
+            masks[j + 1] = self.allowed()
+        if n:
+            self.matcher.rollback(n)
+        return masks
+
+    def draft_mask(self, width: int, index: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The mask a drafter applies to its [width] logits at the grammar's current state (index: each of its
+        ids' target id, for a head with a vocabulary of its own), or None where the grammar leaves it no token (a
+        stopped or broken state: that row then drafts unguided, and its drafts are checked before the verify as
+        any others)."""
+        mask = self.allowed()
+        mask = mask[index] if index is not None else mask[:width]
+        return mask if bool(mask.any()) else None
+
+    def push(self, token: int, stop_ids: frozenset[int] = frozenset()) -> bool:
+        """A drafter's token, taken for the drafts after it (popped once drafting ends); False where the grammar
+        refuses it or it is a stop token (drafts past one are never used), and nothing is taken."""
+        if token in stop_ids or not 0 <= token < self.known or self.matcher.validate_tokens([token]) != 1:
+            return False
+        return self.matcher.consume_token(token)
+
+    def pop(self, n: int) -> None:
+        """Drop the last n pushed drafts: the grammar is back where the request's output left it."""
+        if n:
+            self.matcher.rollback(n)
+
+    def advance(self, tokens: list[int], stop_ids: frozenset[int] = frozenset()) -> None:
+        """The grammar takes the emitted tokens (each one chosen under its mask), up to a stop token: that ends
+        the answer, and a completed grammar's matcher takes nothing more."""
+        end = next((n for n, t in enumerate(tokens) if t in stop_ids), len(tokens))
+        tokens = tokens[:end]
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the guide refused emitted tokens {tokens}: {_first_line(self.matcher.get_error())}")
+
+
+def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] with every token the mask refuses at -inf (a new tensor). A row the grammar leaves no
+    token is an error for its request: its softmax would be NaN and its argmax meaningless."""
+    if not bool(mask.any(-1).all()):
+        raise RuntimeError("the guide allows no token here (the grammar is stuck); check the guide")
+    return logits.masked_fill(~mask.to(logits.device), float("-inf"))
