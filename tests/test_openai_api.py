@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.engine.guide import GuideSpec
 from pipeline.openai_api.protocol import Limits, ProtocolError
 from pipeline.openai_api.protocol import parse_chat as parse_chat_within
 from pipeline.openai_api.protocol import parse_completion as parse_completion_within
@@ -40,12 +42,27 @@ def test_openai_clients_neutral_defaults_pass():
 
 @pytest.mark.parametrize("field, value", [
     ("n", 2), ("n", True), ("top_logprobs", 30), ("frequency_penalty", 2.5), ("tools", [{"type": "function"}]),
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 5}), ("presence_penalty", float("nan")),
+    ("response_format", {"type": "xml"}), ("response_format", {"type": "json_schema"}),
+    ("guided_regex", "(ab" * 30_000), ("logit_bias", {"1": 5}), ("presence_penalty", float("nan")),
 ])
 def test_an_unsupported_field_is_a_400_naming_it(field, value):
     with pytest.raises(ProtocolError) as err:
         parse_chat({**CHAT, field: value})
     assert err.value.status == 400 and err.value.param == field and field in err.value.message
+
+
+def test_response_format_and_vllms_guided_fields_become_one_guide():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    assert parse_chat({**CHAT, "response_format": rf}).guide() == GuideSpec("json_schema", json.dumps(schema))
+    assert parse_chat({**CHAT, "response_format": {"type": "json_object"}}).guide().type == "json_schema"
+    assert parse_chat({**CHAT, "response_format": {"type": "text"}}).guide() is None
+    assert parse_chat({**CHAT, "guided_json": schema}).guide() == GuideSpec("json_schema", json.dumps(schema))
+    assert parse_chat({**CHAT, "guided_regex": "[0-9]+"}).guide() == GuideSpec("regex", "[0-9]+")
+    assert parse_chat({**CHAT, "guided_choice": ["a.b", "c"]}).guide() == GuideSpec("regex", r"a\.b|c")
+    assert parse_chat({**CHAT, "guided_grammar": 'root ::= "x"'}).guide().type == "ebnf_grammar"
+    with pytest.raises(ProtocolError, match="guided_regex and response_format each ask for a guide; send one"):
+        parse_chat({**CHAT, "guided_regex": "x", "response_format": {"type": "json_object"}})
 
 
 @pytest.mark.parametrize("body, param", [
@@ -198,6 +215,67 @@ def test_unsupported_fields_get_openais_400_and_the_server_serves_on(client, ext
                                        **extra)
     assert err.value.body["param"] == param and param in err.value.body["message"]
     ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+PET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kind", "age", "name"],
+              "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 30},
+                             "name": {"type": "string", "maxLength": 6}}}
+
+
+def test_a_guided_answer_is_the_same_speculated_or_not_over_grpc_and_the_openai_api(served, client):
+    """The guide holds the answer to its schema, and speculation changes no token of it: gRPC (upstream's
+    guided_decoding_* inputs) and the OpenAI API (response_format json_schema), each with drafts forced on and off."""
+    from pipeline.engine.guide import GuideSpec
+    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+
+    server = served[0]
+    prompt = "Describe a pet as JSON: its kind, its age and its name, then repeat it: kind, age, name."
+    guide = GuideSpec("json_schema", json.dumps(PET_SCHEMA))
+    grpc = {spec: run_request(ClientOptions(url=f"127.0.0.1:{server.options.grpc_port}"), prompt,
+                              RequestOptions(max_tokens=80, speculation=spec, guide=guide))
+            for spec in ("on", "off")}
+    assert grpc["on"].text == grpc["off"].text
+    pet = json.loads(grpc["on"].text)
+    assert set(pet) == {"kind", "age", "name"} and pet["kind"] in ("cat", "dog") and 0 <= pet["age"] <= 30
+    rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA, "strict": True}}
+    api = {spec: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=80, temperature=0, response_format=rf,
+                                                extra_body={"speculation": spec})
+           for spec in ("on", "off")}
+    assert api["on"].choices[0].message.content == api["off"].choices[0].message.content == grpc["on"].text
+    assert api["on"].choices[0].finish_reason == "stop"
+
+
+def test_the_sdks_parse_and_vllms_guided_fields_get_answers_that_match(client):
+    """The openai SDK's chat.completions.parse with a pydantic model (it sends a strict json_schema and reads the
+    answer back into the model), vLLM's guided_choice and guided_regex; a guide that doesn't compile is a 400
+    naming why, and the server answers the next request."""
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        age: int = Field(ge=0, le=30)
+        name: str = Field(max_length=6)
+
+    messages = [{"role": "user", "content": "Describe a pet."}]
+    parsed = client.chat.completions.parse(model="tiny", messages=messages, response_format=Pet, max_tokens=80,
+                                           temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, Pet)
+    choice = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].message.content in ("yes", "no")
+    year = client.completions.create(model="tiny", prompt="The year after 2024 is", max_tokens=8, temperature=0,
+                                     extra_body={"guided_regex": "[0-9]{4}"})
+    assert re.fullmatch("[0-9]{4}", year.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                       extra_body={"guided_regex": "(ab"})
+    assert "the regex guide doesn't compile" in err.value.body["message"] and "unclosed group" in err.value.body["message"]
+    ok = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 

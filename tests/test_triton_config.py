@@ -114,7 +114,8 @@ def test_ensemble_is_a_superset_of_tensorrt_llms_name_for_name_and_dtype_for_dty
     # Every upstream input we don't implement is either refused off its neutral value or harmless.
     handled = set(interface.UNSUPPORTED_INPUTS) | set(interface.IGNORED_INPUTS) | {"min_tokens"}
     implemented = {"text_input", "max_tokens", "stop_words", "end_id", "top_k", "top_p", "temperature", "seed",
-                   "stream", "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs"}
+                   "stream", "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
+                   "guided_decoding_guide_type", "guided_decoding_guide"}
     assert {t.name for t in upstream.ENSEMBLE_INPUTS} == handled | implemented
     assert "random_seed" not in inputs  # upstream's name is seed (InputFieldsNames::seed)
 

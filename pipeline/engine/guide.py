@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
+# numpy, torch and llguidance are imported where used: GuideSpec is read at the serving edge (preprocessing,
+# the clients), which never masks a logit.
 
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 # A guide's text is the request's to choose, and a grammar's size is what it costs to compile and hold: bounded.
@@ -117,6 +120,9 @@ class Guide:
     def allowed(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar takes next (a model vocabulary wider than the tokenizer's
         has its extra ids refused)."""
+        import numpy as np
+        import torch
+
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         n = min(self.vocab_size, bits.shape[0])
@@ -134,6 +140,8 @@ class Guide:
         refused draft are all True: nothing reads them (that draft is rejected, so no later row is used); so are
         rows past a stop token, which ends the answer if accepted (and which llguidance's rollback doesn't undo:
         it is never consumed here)."""
+        import torch
+
         n = self.valid_prefix(drafts)
         n = next((j for j in range(n) if drafts[j] in stop_ids), n)
         masks = torch.ones(len(drafts) + 1, self.vocab_size, dtype=torch.bool)

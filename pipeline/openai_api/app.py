@@ -206,7 +206,7 @@ def create_app(settings: FrontendSettings):
                               repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                               # the engine ends the decoding at a stop string; the matcher below cuts the text
                               # on a route that stops on token sequences instead
-                              stop=req.stop_strings(), logprobs=req.num_logprobs())
+                              stop=req.stop_strings(), logprobs=req.num_logprobs(), guide=req.guide())
 
     async def pieces(text: str, options: RequestOptions, outcome: Outcome,
                      stops: StopMatcher) -> AsyncIterator[str]:

@@ -12,12 +12,15 @@ vLLM's extensions.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.engine.guide import GuideSpec
 from pipeline.engine.sampling_limits import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                              check_num_draft_tokens, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
@@ -97,8 +100,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "parallel_tool_calls": (lambda v: v is None, "tool calling isn't supported; leave parallel_tool_calls out"),
     "functions": (_empty, "function calling isn't supported; leave functions out"),
     "function_call": (_absent_or("none"), "function calling isn't supported; leave function_call out"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured output isn't supported; send response_format {\"type\": \"text\"} or leave it out"),
     "modalities": (lambda v: v is None or v == ["text"], "text is the only modality; send [\"text\"] or leave it out"),
     "audio": (lambda v: v is None, "audio output isn't supported; leave audio out"),
     "prediction": (lambda v: v is None, "predicted outputs aren't supported; leave prediction out"),
@@ -119,6 +120,30 @@ STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(STRICT, extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(STRICT, extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=MAX_NAME)
+    description: str | None = None
+    # "schema" is a BaseModel attribute's name: the field is schema_ in Python, "schema" on the wire.
+    schema_: dict | None = Field(default=None, alias="schema")
+    # Kept to OpenAI's word: the output always matches the schema here, strict or not.
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or a JSON schema (the openai SDK's parse() and
+    LangChain's with_structured_output send json_schema)."""
+
+    model_config = ConfigDict(STRICT, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's guided-decoding extensions, and the guide type each becomes (pipeline.engine.guide).
+VLLM_GUIDES = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf_grammar",
+               "guided_choice": "regex"}
 
 
 class SamplingFields(BaseModel):
@@ -144,6 +169,40 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extension
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it on completions too
+    # vLLM's guided decoding (one guide a request; response_format is OpenAI's way to say the same). Bounded like
+    # any text a request carries: pipeline.engine.guide.MAX_GUIDE_BYTES.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=256, fail_fast=True)] | None = None
+
+    def guide(self) -> GuideSpec | None:
+        """The one guide the request asks for (response_format or a vLLM guided_* field), checked; None for none."""
+        asked = [name for name in (*VLLM_GUIDES, "response_format") if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(asked) > 1:
+            raise ProtocolError(f"{' and '.join(asked)} each ask for a guide; send one", asked[1])
+        if not asked:
+            return None
+        name = asked[0]
+        try:
+            if name == "response_format":
+                rf = self.response_format
+                if rf.type == "json_object":
+                    return GuideSpec("json_schema", json.dumps({"type": "object"}))
+                if rf.json_schema is None:
+                    raise ProtocolError("response_format json_schema needs its json_schema {name, schema}",
+                                        "response_format")
+                return GuideSpec("json_schema", json.dumps(rf.json_schema.schema_ or {"type": "object"}))
+            value = getattr(self, name)
+            if name == "guided_choice":
+                return GuideSpec("regex", "|".join(re.escape(c) for c in value))
+            if name == "guided_json" and not isinstance(value, str):
+                value = json.dumps(value)
+            return GuideSpec(VLLM_GUIDES[name], value)
+        except RequestError as err:
+            raise ProtocolError(f"{name}: {err}", name) from None
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -162,6 +221,7 @@ class SamplingFields(BaseModel):
         if self.top_k is not None:  # vLLM's -1 is the engine's 0: off
             checks.append(("top_k", check_top_k, max(self.top_k, 0), limits.vocab_size))
         checks.append(("stop", check_stop_strings, self.stop_strings()))
+        self.guide()  # the guide's own checks (one guide, its type, its size): a 400 before anything is sent
         for param, check, *values in checks:
             try:
                 check(*values)

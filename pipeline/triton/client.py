@@ -23,9 +23,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from pipeline.engine.draft_plan import add_counts, read_counts, speculation_summary
 from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
+
+if TYPE_CHECKING:
+    from pipeline.engine.guide import GuideSpec
 
 ENSEMBLE = "ensemble"
 SPECULATION_MODES = ("auto", "on", "off")
@@ -55,6 +59,7 @@ class RequestOptions:
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()  # stop strings: the answer's text ends just before the first one
     logprobs: int | None = None  # None: none; N: each token's log prob and the N most likely alternatives
+    guide: GuideSpec | None = None  # guided decoding: upstream's guided_decoding_guide_type and _guide inputs
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -261,6 +266,11 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
     if options.logprobs is not None:
         tensors.append(tensor("return_log_probs", np.array([[True]], np.bool_), "BOOL"))
         tensors.append(tensor("num_logprobs", np.array([[options.logprobs]], np.int32), "INT32"))
+    if options.guide is not None:
+        tensors.append(tensor("guided_decoding_guide_type", np.array([[options.guide.type.encode()]], np.object_),
+                              "BYTES"))
+        tensors.append(tensor("guided_decoding_guide", np.array([[options.guide.guide.encode()]], np.object_),
+                              "BYTES"))
     return tensors
 
 

@@ -65,8 +65,6 @@ UNSUPPORTED_INPUTS: dict[str, tuple[object, str]] = {
     "lora_task_id": (None, "LoRA adapters aren't served here; drop lora_task_id"),
     "lora_weights": (None, "LoRA adapters aren't served here; drop lora_weights"),
     "lora_config": (None, "LoRA adapters aren't served here; drop lora_config"),
-    "guided_decoding_guide_type": (None, "guided decoding isn't supported; drop guided_decoding_guide_type"),
-    "guided_decoding_guide": (None, "guided decoding isn't supported; drop guided_decoding_guide"),
 }
 # Accepted and honoured without changing anything: pad_id pads batched outputs, and every answer here is
 # returned unpadded; length_penalty only scores beams, and there is one; min_tokens <= 1 is always met;
@@ -143,6 +141,10 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     # Every stop word as text, a JSON list: the portable engine matches them on the answer's text, across token
     # boundaries, and cuts the text just before (stop_words_list carries them as token ids for TensorRT-LLM).
     TensorSpec("stop_strings", "BYTES", (1,)),
+    # Guided decoding, by upstream's names and values (json, json_schema, regex, ebnf_grammar; pipeline.engine.guide):
+    # "" for none. Optional, so a client calling the engine model directly needn't send them.
+    TensorSpec("guided_decoding_guide_type", "BYTES", (1,), optional=True),
+    TensorSpec("guided_decoding_guide", "BYTES", (1,), optional=True),
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.engine.guide import GuideSpec
 from pipeline.engine.sampling_limits import (MAX_STOP_STRINGS, check_logprobs, check_num_draft_tokens,
                                              check_penalty_values, check_sampling_values, check_stop_strings)
 from pipeline.errors import RequestError
@@ -109,6 +110,7 @@ class ClientRequest:
     frequency_penalty: float = 0.0
     return_log_probs: bool = False
     num_logprobs: int = 0  # top-N alternatives per token, with return_log_probs
+    guide: GuideSpec | None = None  # guided_decoding_guide_type and guided_decoding_guide, checked
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -155,10 +157,24 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
     if num_logprobs and not logprobs:
         raise RequestError(f"num_logprobs {num_logprobs} needs return_log_probs true; send both")
     template = scalar("apply_chat_template", None)
+    guide = read_guide(scalar, max_input_bytes)
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
                          None if end_id is None else int(end_id), stop_words,
-                         None if template is None else bool(template), *penalties, logprobs, num_logprobs)
+                         None if template is None else bool(template), *penalties, logprobs, num_logprobs, guide)
+
+
+def read_guide(scalar, byte_limit: int | None = None) -> GuideSpec | None:
+    """guided_decoding_guide_type and guided_decoding_guide (upstream's inputs) as a GuideSpec: None for no
+    type or an empty one; a guide without its type is refused, never dropped."""
+    kind = text_of(scalar("guided_decoding_guide_type", b""), "guided_decoding_guide_type", byte_limit)
+    text = text_of(scalar("guided_decoding_guide", b""), "guided_decoding_guide", byte_limit)
+    if not kind:
+        if text:
+            raise RequestError("guided_decoding_guide needs guided_decoding_guide_type (json, json_schema, regex or "
+                               "ebnf_grammar); send both")
+        return None
+    return GuideSpec(kind, text)
 
 
 def _required(get: Get, name: str) -> np.ndarray:
@@ -173,6 +189,10 @@ def read_engine_request(get: Get) -> dict:
     Sampling values, speculation and token ids are checked again by the engine itself."""
     def scalar(name):
         return _required(get, name).reshape(-1)[0]
+
+    def optional(name, default):
+        value = get(name)
+        return default if value is None or not value.size else value.reshape(-1)[0]
 
     ids = _required(get, "input_ids")
     if ids.ndim != 2 or ids.shape[0] != 1:
@@ -205,6 +225,7 @@ def read_engine_request(get: Get) -> dict:
         "frequency_penalty": float(scalar("frequency_penalty")),
         "logprobs": int(scalar("num_logprobs")) if bool(scalar("return_log_probs")) else None,
         "stop_strings": tuple(json.loads(text_of(scalar("stop_strings"), "stop_strings"))),
+        "guide": read_guide(optional),
     }
 
 

@@ -88,5 +88,9 @@ class TritonPythonModel:
             pb_utils.Tensor("return_log_probs", row(r.return_log_probs, np.bool_)),
             pb_utils.Tensor("num_logprobs", row(r.num_logprobs, np.int32)),
             pb_utils.Tensor("stop_strings", np.array([[json.dumps(list(r.stop_words)).encode()]], np.object_)),
+            pb_utils.Tensor("guided_decoding_guide_type", np.array([[r.guide.type.encode() if r.guide else b""]],
+                                                                   np.object_)),
+            pb_utils.Tensor("guided_decoding_guide", np.array([[r.guide.guide.encode() if r.guide else b""]],
+                                                              np.object_)),
         ]
 

@@ -67,6 +67,10 @@ def _defaults(outputs: dict) -> dict:
 def _trtllm_refusal(request) -> str | None:
     """What the TensorRT-LLM route can't serve, in one line: penalties and each token's log prob go to the
     tensorrt_llm model as its own inputs (draft_target), but it has no top-N alternatives to give."""
+    guide = pb_utils.get_input_tensor_by_name(request, "guided_decoding_guide_type")
+    if guide is not None and guide.as_numpy().size and guide.as_numpy().reshape(-1)[0]:
+        return ("guided decoding isn't passed to the TensorRT-LLM route's tensorrt_llm models yet; serve the portable "
+                "engine (pipeline build --backend torch) for guided_decoding_guide_type, or leave it out")
     n = int(_scalar(request, "num_logprobs"))
     if n:
         return (f"num_logprobs {n} isn't served on the TensorRT-LLM route (its tensorrt_llm model returns each "

@@ -192,6 +192,7 @@ class TritonPythonModel:
         # The answer's text as postprocessing writes it (skip_special_tokens), for stop strings.
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.engine.detokenize = self.decode
+        self.engine.tokenizer = tokenizer  # guided decoding's grammars read its vocabulary
         self.text_vocab = len(tokenizer)
         self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
@@ -279,7 +280,8 @@ class TritonPythonModel:
                                     stop_token_ids=stops, stop=parsed["stop_strings"],
                                     repetition_penalty=parsed["repetition_penalty"],
                                     presence_penalty=parsed["presence_penalty"],
-                                    frequency_penalty=parsed["frequency_penalty"], logprobs=parsed["logprobs"])
+                                    frequency_penalty=parsed["frequency_penalty"], logprobs=parsed["logprobs"],
+                                    guide=parsed["guide"])
             req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
                                           on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"])
         except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
