@@ -43,7 +43,8 @@ def test_openai_clients_neutral_defaults_pass():
 @pytest.mark.parametrize("field, value", [
     ("n", 2), ("n", True), ("top_logprobs", 30), ("frequency_penalty", 2.5), ("tools", [{"type": "function"}]),
     ("response_format", {"type": "xml"}), ("response_format", {"type": "json_schema"}),
-    ("guided_regex", "(ab" * 30_000), ("logit_bias", {"1": 5}), ("presence_penalty", float("nan")),
+    ("guided_regex", "(ab" * 30_000), ("logit_bias", {"1": 500}), ("logit_bias", {"x": 1}),
+    ("min_tokens", -1), ("presence_penalty", float("nan")),
 ])
 def test_an_unsupported_field_is_a_400_naming_it(field, value):
     with pytest.raises(ProtocolError) as err:
@@ -277,6 +278,28 @@ def test_the_sdks_parse_and_vllms_guided_fields_get_answers_that_match(client):
     assert "the regex guide doesn't compile" in err.value.body["message"] and "unclosed group" in err.value.body["message"]
     ok = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_load_tools_fixed_length_request_and_a_logit_bias_are_honoured(client):
+    """vLLM's `bench serve` payload (ignore_eos: every answer exactly max_tokens long), min_tokens, and a logit
+    bias that forces a token."""
+    messages = [{"role": "user", "content": "hi"}]
+    fixed = client.completions.create(model="tiny", prompt="hi", max_tokens=48, temperature=0,
+                                      extra_body={"ignore_eos": True, "speculation": "on"})
+    assert fixed.usage.completion_tokens == 48 and fixed.choices[0].finish_reason == "length"
+    eos = {"256": 100}  # the tiny tokenizer's <|endoftext|>, all but forced: the answer ends at once...
+    ended = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                           logit_bias=eos)
+    assert ended.usage.completion_tokens == 0 and ended.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                          logit_bias=eos, extra_body={"min_tokens": 7})
+    assert held.usage.completion_tokens == 7 and held.choices[0].finish_reason == "stop"  # ...or after 7 tokens
+    from tiny_models import byte_tokenizer
+
+    [a] = byte_tokenizer().encode("a", add_special_tokens=False)
+    forced = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                            logit_bias={str(a): 100})
+    assert forced.choices[0].message.content == "a" * 8
 
 
 def test_penalties_reach_the_engine_and_a_resent_prompt_is_served_from_the_prefix_cache(client):

@@ -34,11 +34,11 @@ from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
 from pipeline.engine.model import Transformer, use_gpu_kernels
-from pipeline.engine.penalties import penalize
+from pipeline.engine.logit_rules import adjust
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
 from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
-from pipeline.engine.sampling_limits import check_num_draft_tokens
+from pipeline.engine.sampling_limits import check_logit_bias, check_num_draft_tokens
 from pipeline.engine.speculative import accept_greedy, accept_sampled
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.stop_strings import Detokenize, StopStrings
@@ -202,7 +202,11 @@ class LLMEngine:
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
         req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
                       num_draft_tokens=num_draft_tokens)
-        req.stop_ids = frozenset(params.stop_token_ids) | frozenset(self.eos_token_ids)
+        # ignore_eos: the model's end tokens are just tokens (a guide's grammar still ends the answer at one).
+        eos = () if params.ignore_eos and params.guide is None else self.eos_token_ids
+        req.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
+        if params.logit_bias:
+            check_logit_bias(params.logit_bias, vocab)
         if params.stop:
             if self.detokenize is None:
                 raise RequestError("stop strings need the engine's tokenizer (LLMEngine.detokenize); send stop "
@@ -316,8 +320,8 @@ class LLMEngine:
                 if r.prefilling:  # more chunks to come: no token yet
                     continue
                 row = logits[i:i + 1]
-                if r.params.penalized:
-                    row = penalize(row.cpu(), r.params, r.prompt_ids, r.output_ids)
+                if r.params.adjusted:
+                    row = adjust(row.cpu(), r.params, r.prompt_ids, r.output_ids, r.stop_ids)
                     greedy[i] = int(row[0].argmax())
                 if r.guide is not None:  # the grammar's tokens only, after the penalties
                     row = apply_mask(row.cpu(), r.guide.allowed()[None])
@@ -463,12 +467,12 @@ class LLMEngine:
             try:
                 d = drafts[i]
                 rows = logits[i, : len(d) + 1]  # [k+1, V]: row j scores the token after d_j
-                if r.params.penalized:  # each row penalised by the sequence plain decoding would have had there
-                    rows = penalize(rows.cpu(), r.params, r.prompt_ids, r.output_ids, d)
+                if r.params.adjusted:  # each row by the sequence plain decoding would have had there
+                    rows = adjust(rows.cpu(), r.params, r.prompt_ids, r.output_ids, r.stop_ids, d)
                 if r.guide is not None:  # each row masked by the grammar's state after the drafts before it
                     rows = apply_mask(rows.cpu(), r.guide.row_masks(d, r.stop_ids))
                 if r.params.greedy:
-                    own = r.params.penalized or r.guide is not None
+                    own = r.params.adjusted or r.guide is not None
                     m, nxt = accept_greedy(rows.argmax(-1).tolist() if own else argmax[i][: len(d) + 1], d)
                 else:
                     m, nxt = accept_sampled(rows.cpu(), d, q_rows.get(i), r)
@@ -532,7 +536,8 @@ class LLMEngine:
             if logprobs is not None:
                 req.logprobs.append(logprobs[n])
             new.append(t)
-            if req.stop_strings is not None and (hit := req.stop_strings.check(req.output_ids)) is not None:
+            if req.stop_strings is not None and len(req.output_ids) >= req.params.min_tokens and (
+                    hit := req.stop_strings.check(req.output_ids)) is not None:
                 req.stop_text_len, req.stop_reason = hit
                 reason = FinishReason.STOP
                 break

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.engine.guide import GuideSpec
-from pipeline.engine.sampling_limits import check_logprobs, check_penalty_values, check_sampling_values, check_stop_strings
+from pipeline.engine.sampling_limits import (check_logit_bias, check_logprobs, check_min_tokens, check_penalty_values,
+                                             check_sampling_values, check_stop_strings)
 from pipeline.errors import RequestError
 
 
@@ -35,6 +36,13 @@ class SamplingParams:
     # What the output must match (guide.py): a JSON schema, any JSON, a regex or a grammar. Needs an engine with
     # a tokenizer (LLMEngine.tokenizer). Log probs are the masked distribution's.
     guide: GuideSpec | None = None
+    # (token id, bias) pairs added to the logits after the penalties (OpenAI's logit_bias: -100..100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # No stop token or stop string ends the answer before it has this many tokens (vLLM's min_tokens).
+    min_tokens: int = 0
+    # The model's end tokens don't end the answer (stop_token_ids and stop strings still do): load tools use it
+    # to fix output lengths.
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -43,10 +51,20 @@ class SamplingParams:
         check_penalty_values(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         check_logprobs(self.logprobs)
         check_stop_strings(self.stop)
+        check_logit_bias(self.logit_bias)
+        check_min_tokens(self.min_tokens, self.max_tokens)
+        if self.guide is not None and self.min_tokens > 1:
+            raise RequestError("min_tokens with a guide: the grammar decides where the answer ends; send one of them")
 
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusted(self) -> bool:
+        """Whether the target's logits change before sampling (logit_rules.adjust): greedy then takes its argmax
+        from the adjusted logits, on the CPU."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

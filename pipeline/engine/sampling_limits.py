@@ -81,3 +81,28 @@ def check_stop_strings(stop: tuple[str, ...]) -> None:
             raise RequestError(f"stop strings must be non-empty text (got {s!r})")
         if len(s) > MAX_STOP_CHARS:
             raise RequestError(f"stop string {s[:20]!r}... is {len(s)} characters; send at most {MAX_STOP_CHARS}")
+
+
+MAX_LOGIT_BIAS = 300  # entries of a logit bias (OpenAI's limit); a bias is -100..100 (OpenAI's range)
+
+
+def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int | None = None) -> None:
+    """(token id, bias) pairs: at most MAX_LOGIT_BIAS, each id a token of the vocabulary, each bias finite in
+    [-100, 100] (-100 bans the token, 100 all but forces it)."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(bias)} entries; send at most {MAX_LOGIT_BIAS}")
+    for token, value in bias:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or (
+                vocab_size is not None and token >= vocab_size):
+            bound = f" [0, {vocab_size})" if vocab_size is not None else ""
+            raise RequestError(f"logit_bias names token {token!r}, not a token id of the vocabulary{bound}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias for token {token} must be a number in [-100, 100] (got {value!r})")
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise RequestError(f"min_tokens must be an integer >= 0 (got {min_tokens!r})")
+    if min_tokens > max_tokens:
+        raise RequestError(f"min_tokens {min_tokens} is over max_tokens {max_tokens}; send at most max_tokens")

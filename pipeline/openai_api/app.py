@@ -206,7 +206,9 @@ def create_app(settings: FrontendSettings):
                               repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                               # the engine ends the decoding at a stop string; the matcher below cuts the text
                               # on a route that stops on token sequences instead
-                              stop=req.stop_strings(), logprobs=req.num_logprobs(), guide=req.guide())
+                              stop=req.stop_strings(), logprobs=req.num_logprobs(), guide=req.guide(),
+                              min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos),
+                              logit_bias=req.bias())
 
     async def pieces(text: str, options: RequestOptions, outcome: Outcome,
                      stops: StopMatcher) -> AsyncIterator[str]:

@@ -21,9 +21,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.engine.guide import GuideSpec
-from pipeline.engine.sampling_limits import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                             check_num_draft_tokens, check_stop_strings, check_top_k)
+from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                             check_logit_bias, check_num_draft_tokens, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
+from pipeline.triton.validate import read_logit_bias
 
 SPECULATION = ("auto", "on", "off")
 API_KEY_ENV = "PIPELINE_OPENAI_API_KEY"  # the key the API asks for, when set
@@ -87,9 +88,6 @@ def _empty(v) -> bool:
 # Fields OpenAI defines that this server doesn't implement: (passes?, what to do instead).
 COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "n": (_absent_or(1), "one choice per request; send n 1 or leave it out"),
-    "logit_bias": (_empty, "logit_bias isn't supported; leave it out"),
-    "min_tokens": (_absent_or(0, 1), "min_tokens above 1 isn't supported (an answer may end at its first token)"),
-    "ignore_eos": (_absent_or(False), "ignore_eos isn't supported; an answer ends at the model's end token"),
     "best_of": (_absent_or(1), "best_of isn't supported; send 1 or leave it out"),
     "service_tier": (_absent_or("auto", "default"), "service tiers aren't served here; leave service_tier out"),
     "store": (_absent_or(False), "completions aren't stored here; send store false or leave it out"),
@@ -176,6 +174,17 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=256, fail_fast=True)] | None = None
+    # OpenAI's: token id (as a string) -> bias in [-100, 100], at most 300.
+    logit_bias: dict[Annotated[str, Field(max_length=12)], float] | None = Field(default=None,
+                                                                                  max_length=MAX_LOGIT_BIAS)
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's: no stop before this many tokens
+    ignore_eos: bool | None = None  # vLLM's: the model's end token doesn't end the answer (load tools send it)
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        try:
+            return read_logit_bias(json.dumps(self.logit_bias or {}))
+        except RequestError as err:
+            raise ProtocolError(str(err), "logit_bias") from None
 
     def guide(self) -> GuideSpec | None:
         """The one guide the request asks for (response_format or a vLLM guided_* field), checked; None for none."""
@@ -222,6 +231,13 @@ class SamplingFields(BaseModel):
             checks.append(("top_k", check_top_k, max(self.top_k, 0), limits.vocab_size))
         checks.append(("stop", check_stop_strings, self.stop_strings()))
         self.guide()  # the guide's own checks (one guide, its type, its size): a 400 before anything is sent
+        try:
+            check_logit_bias(self.bias(), limits.vocab_size)
+        except RequestError as err:
+            raise ProtocolError(str(err), "logit_bias") from None
+        if self.min_tokens and self.min_tokens > self.new_tokens(limits.max_seq_len - 1):
+            raise ProtocolError(f"min_tokens {self.min_tokens} is over max_tokens {self.new_tokens(0)}; send at most "
+                                "max_tokens", "min_tokens")
         for param, check, *values in checks:
             try:
                 check(*values)

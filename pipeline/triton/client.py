@@ -60,6 +60,9 @@ class RequestOptions:
     stop: tuple[str, ...] = ()  # stop strings: the answer's text ends just before the first one
     logprobs: int | None = None  # None: none; N: each token's log prob and the N most likely alternatives
     guide: GuideSpec | None = None  # guided decoding: upstream's guided_decoding_guide_type and _guide inputs
+    min_tokens: int = 0  # no stop before this many tokens
+    ignore_eos: bool = False  # the model's end tokens don't end the answer
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias -100..100)
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -266,6 +269,13 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
     if options.logprobs is not None:
         tensors.append(tensor("return_log_probs", np.array([[True]], np.bool_), "BOOL"))
         tensors.append(tensor("num_logprobs", np.array([[options.logprobs]], np.int32), "INT32"))
+    if options.min_tokens:
+        tensors.append(tensor("min_tokens", np.array([[options.min_tokens]], np.int32), "INT32"))
+    if options.ignore_eos:
+        tensors.append(tensor("ignore_eos", np.array([[True]], np.bool_), "BOOL"))
+    if options.logit_bias:
+        bias = json.dumps({str(t): b for t, b in options.logit_bias}).encode()
+        tensors.append(tensor("logit_bias", np.array([[bias]], np.object_), "BYTES"))
     if options.guide is not None:
         tensors.append(tensor("guided_decoding_guide_type", np.array([[options.guide.type.encode()]], np.object_),
                               "BYTES"))

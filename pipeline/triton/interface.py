@@ -29,6 +29,11 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # With return_log_probs: the N most likely alternatives per token too (0-20; 0 or absent: none), as
     # top_log_probs. The portable engine's; the TensorRT-LLM routes refuse N > 0.
     TensorSpec("num_logprobs", "INT32", (1,), optional=True),
+    # The model's end tokens don't end the answer (stop_words still do): what load tools send to fix lengths.
+    TensorSpec("ignore_eos", "BOOL", (1,), optional=True),
+    # A JSON object, token id -> bias added to its logit (-100..100, at most 300; OpenAI's logit_bias). Upstream's
+    # embedding_bias_words biases words, not token ids.
+    TensorSpec("logit_bias", "BYTES", (1,), optional=True),
 )
 # What a request must carry: upstream's required inputs. They are declared optional all the same, and the model
 # that reads the request (pipeline.triton.validate.read_request) requires them by name. tritonserver 2.51 only
@@ -67,14 +72,13 @@ UNSUPPORTED_INPUTS: dict[str, tuple[object, str]] = {
     "lora_config": (None, "LoRA adapters aren't served here; drop lora_config"),
 }
 # Accepted and honoured without changing anything: pad_id pads batched outputs, and every answer here is
-# returned unpadded; length_penalty only scores beams, and there is one; min_tokens <= 1 is always met;
-# return_num_output_tokens: num_output_tokens is always returned.
+# returned unpadded; length_penalty only scores beams, and there is one; return_num_output_tokens:
+# num_output_tokens is always returned.
 IGNORED_INPUTS: dict[str, str] = {
     "pad_id": "answers are never padded",
     "length_penalty": "it scores beams, and beam_width is 1",
     "return_num_output_tokens": "num_output_tokens is always returned",
 }
-# min_tokens is checked on its own: values <= 1 are accepted (one token is always generated), more refused.
 
 # Upstream ensemble outputs we don't produce, and why; a client asking for one gets Triton's "unexpected
 # inference output" (every other upstream output has the same name and dtype here).
@@ -145,6 +149,11 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     # "" for none. Optional, so a client calling the engine model directly needn't send them.
     TensorSpec("guided_decoding_guide_type", "BYTES", (1,), optional=True),
     TensorSpec("guided_decoding_guide", "BYTES", (1,), optional=True),
+    # No stop before this many tokens (upstream's min_tokens); the model's end tokens ignored; a logit bias as the
+    # ensemble's logit_bias ("{}" for none). Optional, for the same reason.
+    TensorSpec("min_tokens", "INT32", (1,), optional=True),
+    TensorSpec("ignore_eos", "BOOL", (1,), optional=True),
+    TensorSpec("logit_bias", "BYTES", (1,), optional=True),
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds

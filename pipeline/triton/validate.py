@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.engine.guide import GuideSpec
-from pipeline.engine.sampling_limits import (MAX_STOP_STRINGS, check_logprobs, check_num_draft_tokens,
-                                             check_penalty_values, check_sampling_values, check_stop_strings)
+from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, check_logit_bias, check_logprobs,
+                                             check_min_tokens, check_num_draft_tokens, check_penalty_values,
+                                             check_sampling_values, check_stop_strings)
 from pipeline.errors import RequestError
 from pipeline.triton.interface import IGNORED_INPUTS, REQUIRED_INPUTS, UNSUPPORTED_INPUTS
 
@@ -44,10 +45,6 @@ def check_unsupported(get: Get) -> None:
                 raise RequestError(message)
         elif not all(v == neutral for v in values):
             raise RequestError(f"{name} {values[0]!r}: {message}")
-    min_tokens = get("min_tokens")
-    if min_tokens is not None and min_tokens.size and int(min_tokens.reshape(-1)[0]) > 1:
-        raise RequestError(f"min_tokens {int(min_tokens.reshape(-1)[0])} isn't supported (an answer may end at its "
-                           f"first token); send 0 or 1, or leave it out")
     for name in IGNORED_INPUTS:  # accepted, but still checked for sanity
         value = get(name)
         if value is not None and value.dtype.kind == "f" and not np.isfinite(value).all():
@@ -111,6 +108,9 @@ class ClientRequest:
     return_log_probs: bool = False
     num_logprobs: int = 0  # top-N alternatives per token, with return_log_probs
     guide: GuideSpec | None = None  # guided_decoding_guide_type and guided_decoding_guide, checked
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -158,10 +158,34 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
         raise RequestError(f"num_logprobs {num_logprobs} needs return_log_probs true; send both")
     template = scalar("apply_chat_template", None)
     guide = read_guide(scalar, max_input_bytes)
+    min_tokens = int(scalar("min_tokens", 0))
+    check_min_tokens(min_tokens, max_tokens)
+    bias = read_logit_bias(text_of(scalar("logit_bias", b"{}"), "logit_bias", max_input_bytes), vocab_size)
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
                          None if end_id is None else int(end_id), stop_words,
-                         None if template is None else bool(template), *penalties, logprobs, num_logprobs, guide)
+                         None if template is None else bool(template), *penalties, logprobs, num_logprobs, guide,
+                         min_tokens, bool(scalar("ignore_eos", False)), bias)
+
+
+def read_logit_bias(text: str, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """The logit_bias input, a JSON object {"token id": bias}, as (id, bias) pairs, checked."""
+    try:
+        raw = json.loads(text or "{}")
+    except ValueError:
+        raise RequestError('logit_bias must be a JSON object {"token id": bias}') from None
+    if not isinstance(raw, dict):
+        raise RequestError('logit_bias must be a JSON object {"token id": bias}')
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(raw)} entries; send at most {MAX_LOGIT_BIAS}")
+    pairs = []
+    for key, value in raw.items():
+        if not str(key).isdigit():
+            raise RequestError(f"logit_bias key {str(key)[:20]!r} is not a token id")
+        pairs.append((int(key), value))
+    bias = tuple(pairs)
+    check_logit_bias(bias, vocab_size)
+    return tuple((t, float(b)) for t, b in bias)
 
 
 def read_guide(scalar, byte_limit: int | None = None) -> GuideSpec | None:
@@ -226,6 +250,9 @@ def read_engine_request(get: Get) -> dict:
         "logprobs": int(scalar("num_logprobs")) if bool(scalar("return_log_probs")) else None,
         "stop_strings": tuple(json.loads(text_of(scalar("stop_strings"), "stop_strings"))),
         "guide": read_guide(optional),
+        "min_tokens": int(optional("min_tokens", 0)),
+        "ignore_eos": bool(optional("ignore_eos", False)),
+        "logit_bias": read_logit_bias(text_of(optional("logit_bias", b"{}"), "logit_bias")),
     }
 
 

@@ -52,6 +52,9 @@ def _sampling_refusal(r) -> str | None:
     if r.return_log_probs:
         return ("return_log_probs isn't served on the LLM-API route (TensorRT-LLM's llmapi model returns no "
                 "per-token log probs); send false or leave it out")
+    for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ((),))):
+        if getattr(r, name) not in neutral:
+            return f"{name} isn't passed to the LLM-API route's llmapi model yet; leave it out"
     if r.guide is not None:
         return ("guided decoding isn't passed to the LLM-API route's llmapi model yet; serve the portable engine "
                 "(pipeline build --backend torch) for guided_decoding_guide_type, or leave it out")

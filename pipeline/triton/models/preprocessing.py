@@ -92,5 +92,9 @@ class TritonPythonModel:
                                                                    np.object_)),
             pb_utils.Tensor("guided_decoding_guide", np.array([[r.guide.guide.encode() if r.guide else b""]],
                                                               np.object_)),
+            pb_utils.Tensor("min_tokens", row(r.min_tokens, np.int32)),
+            pb_utils.Tensor("ignore_eos", row(r.ignore_eos, np.bool_)),
+            pb_utils.Tensor("logit_bias", np.array([[json.dumps({str(t): b for t, b in r.logit_bias}).encode()]],
+                                                   np.object_)),
         ]
 

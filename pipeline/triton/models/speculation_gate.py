@@ -71,6 +71,11 @@ def _trtllm_refusal(request) -> str | None:
     if guide is not None and guide.as_numpy().size and guide.as_numpy().reshape(-1)[0]:
         return ("guided decoding isn't passed to the TensorRT-LLM route's tensorrt_llm models yet; serve the portable "
                 "engine (pipeline build --backend torch) for guided_decoding_guide_type, or leave it out")
+    for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ("{}",))):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None and tensor.as_numpy().size and _scalar(request, name) not in neutral:
+            return (f"{name} isn't passed to the TensorRT-LLM route's tensorrt_llm models yet; serve the portable "
+                    "engine (pipeline build --backend torch) for it, or leave it out")
     n = int(_scalar(request, "num_logprobs"))
     if n:
         return (f"num_logprobs {n} isn't served on the TensorRT-LLM route (its tensorrt_llm model returns each "

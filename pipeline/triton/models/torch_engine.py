@@ -281,7 +281,8 @@ class TritonPythonModel:
                                     repetition_penalty=parsed["repetition_penalty"],
                                     presence_penalty=parsed["presence_penalty"],
                                     frequency_penalty=parsed["frequency_penalty"], logprobs=parsed["logprobs"],
-                                    guide=parsed["guide"])
+                                    guide=parsed["guide"], min_tokens=parsed["min_tokens"],
+                                    ignore_eos=parsed["ignore_eos"], logit_bias=parsed["logit_bias"])
             req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
                                           on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"])
         except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
