@@ -95,7 +95,7 @@ SCHEMAS: list[tuple[str, dict]] = [
 class GuideClock:
     """Time spent in the guide where the engine and the drafters call it (outermost calls only)."""
 
-    METHODS = ("allowed", "row_masks", "valid_prefix", "advance", "draft_mask", "push", "pop")
+    METHODS = ("refused", "row_refusals", "valid_prefix", "advance", "draft_refusals", "push", "pop")
 
     def __init__(self):
         self.seconds, self.local = 0.0, threading.local()
@@ -116,16 +116,16 @@ class GuideClock:
     @contextmanager
     def installed(self):
         saved = {m: getattr(Guide, m) for m in self.METHODS}
-        saved_apply = llm_engine.apply_mask
+        saved_apply = llm_engine.apply_refusals
         for m, fn in saved.items():
             setattr(Guide, m, self.wrap(fn))
-        llm_engine.apply_mask = self.wrap(saved_apply)
+        llm_engine.apply_refusals = self.wrap(saved_apply)
         try:
             yield self
         finally:
             for m, fn in saved.items():
                 setattr(Guide, m, fn)
-            llm_engine.apply_mask = saved_apply
+            llm_engine.apply_refusals = saved_apply
 
 
 def run(engine: LLMEngine, prompts, params_list, speculation: str) -> dict:

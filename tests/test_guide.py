@@ -89,15 +89,15 @@ def test_verify_rows_are_masked_by_the_state_after_their_drafts_and_then_rolled_
     assert before.sum() == 2 and before[tokenizer.encode("y")[0]] and before[tokenizer.encode("n")[0]]
     assert not before[256:].any()  # past the tokenizer's vocabulary: never allowed
     wrong = ids[:3] + tokenizer.encode("x", add_special_tokens=False)
-    masks = guide.row_masks(wrong)
-    assert guide.valid_prefix(wrong) == 3 and masks.shape == (5, 320)
+    refused = guide.row_refusals(wrong)
+    assert guide.valid_prefix(wrong) == 3 and refused.shape == (5, 320)
     assert torch.equal(guide.allowed(), before)  # rolled back: nothing was taken
     step = Guide(GuideSpec("regex", REGEX), tokenizer_for(tokenizer), vocab_size=320)
-    for j in range(4):  # row j: the grammar after the first j drafts; the row past the refused draft: all True
-        assert torch.equal(masks[j], step.allowed()), j
+    for j in range(4):  # row j: the grammar after the first j drafts; the row past the refused draft: refuses none
+        assert torch.equal(refused[j], ~step.allowed()), j
         if j < 3:
             step.advance([wrong[j]])
-    assert masks[4].all()
+    assert not refused[4].any()
 
 
 def answer(tokenizer, req) -> str:

@@ -117,17 +117,29 @@ class Guide:
         if self.matcher.is_error():
             raise RequestError(f"the {spec.type} guide doesn't compile: {_first_line(self.matcher.get_error())}")
 
-    def allowed(self) -> torch.Tensor:
-        """[vocab_size] bool: the tokens the grammar takes next (a model vocabulary wider than the tokenizer's
-        has its extra ids refused)."""
+    def refused(self) -> torch.Tensor | None:
+        """[vocab_size] bool, True for each token the grammar can't take next (a model vocabulary wider than the
+        tokenizer's has its extra ids refused), or None where it takes none (a stopped or broken state).
+        Unpacked from llguidance's bitmask inverted, with no copy: this runs for every guided token."""
         import numpy as np
         import torch
 
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        n = min(self.vocab_size, bits.shape[0])
-        mask[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
-        return mask
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if not words.any():
+            return None
+        bits = np.unpackbits(~words, bitorder="little")  # 1 = refused; the bitmask's padding bits come out 1
+        if bits.shape[0] >= self.vocab_size:
+            return torch.from_numpy(bits[: self.vocab_size].view(np.bool_))
+        out = torch.ones(self.vocab_size, dtype=torch.bool)
+        out[: bits.shape[0]] = torch.from_numpy(bits.view(np.bool_))
+        return out
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens the grammar takes next."""
+        import torch
+
+        refused = self.refused()
+        return torch.zeros(self.vocab_size, dtype=torch.bool) if refused is None else ~refused
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many of drafts, in order, the grammar takes from its current state. An id past the tokenizer's
@@ -135,33 +147,41 @@ class Guide:
         drafts = drafts[: next((n for n, t in enumerate(drafts) if not 0 <= t < self.known), len(drafts))]
         return self.matcher.validate_tokens(drafts) if drafts else 0
 
-    def row_masks(self, drafts: list[int], stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
-        """[len(drafts) + 1, vocab_size]: row j's mask is the grammar's after drafts[:j]. Rows past the first
-        refused draft are all True: nothing reads them (that draft is rejected, so no later row is used); so are
-        rows past a stop token, which ends the answer if accepted (and which llguidance's rollback doesn't undo:
-        it is never consumed here)."""
+    def row_refusals(self, drafts: list[int], stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+        """[len(drafts) + 1, vocab_size]: row j refuses what the grammar refuses after drafts[:j]. Rows past the
+        first refused draft refuse nothing: nothing reads them (that draft is rejected, so no later row is used);
+        so do rows past a stop token, which ends the answer if accepted (and which llguidance's rollback doesn't
+        undo: it is never consumed here). A row the grammar leaves no token is an error for its request."""
         import torch
 
         n = self.valid_prefix(drafts)
         n = next((j for j in range(n) if drafts[j] in stop_ids), n)
-        masks = torch.ones(len(drafts) + 1, self.vocab_size, dtype=torch.bool)
-        masks[0] = self.allowed()
+        rows = [self._must_refused()]
         for j in range(n):
             if not self.matcher.consume_token(drafts[j]):
                 raise RuntimeError(f"the guide took draft {drafts[j]} in validate_tokens but not in consume_token")
-            masks[j + 1] = self.allowed()
+            rows.append(self._must_refused())
         if n:
             self.matcher.rollback(n)
-        return masks
+        rows += [torch.zeros(self.vocab_size, dtype=torch.bool)] * (len(drafts) - n)
+        return torch.stack(rows)
 
-    def draft_mask(self, width: int, index: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The mask a drafter applies to its [width] logits at the grammar's current state (index: each of its
-        ids' target id, for a head with a vocabulary of its own), or None where the grammar leaves it no token (a
+    def _must_refused(self) -> torch.Tensor:
+        refused = self.refused()
+        if refused is None:  # its softmax would be NaN and its argmax meaningless
+            raise RuntimeError("the guide allows no token here (the grammar is stuck); check the guide")
+        return refused
+
+    def draft_refusals(self, width: int, index: torch.Tensor | None = None) -> torch.Tensor | None:
+        """What a drafter refuses of its [width] logits at the grammar's current state (index: each of its ids'
+        target id, for a head with a vocabulary of its own), or None where the grammar leaves it no token (a
         stopped or broken state: that row then drafts unguided, and its drafts are checked before the verify as
         any others)."""
-        mask = self.allowed()
-        mask = mask[index] if index is not None else mask[:width]
-        return mask if bool(mask.any()) else None
+        refused = self.refused()
+        if refused is None:
+            return None
+        refused = refused[index] if index is not None else refused[:width]
+        return None if bool(refused.all()) else refused
 
     def push(self, token: int, stop_ids: frozenset[int] = frozenset()) -> bool:
         """A drafter's token, taken for the drafts after it (popped once drafting ends); False where the grammar
@@ -184,9 +204,6 @@ class Guide:
             raise RuntimeError(f"the guide refused emitted tokens {tokens}: {_first_line(self.matcher.get_error())}")
 
 
-def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] with every token the mask refuses at -inf (a new tensor). A row the grammar leaves no
-    token is an error for its request: its softmax would be NaN and its argmax meaningless."""
-    if not bool(mask.any(-1).all()):
-        raise RuntimeError("the guide allows no token here (the grammar is stuck); check the guide")
-    return logits.masked_fill(~mask.to(logits.device), float("-inf"))
+def apply_refusals(logits: torch.Tensor, refused: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] with every refused token at -inf (a new tensor)."""
+    return logits.masked_fill(refused.to(logits.device), float("-inf"))

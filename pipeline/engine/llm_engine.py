@@ -29,7 +29,7 @@ from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.device import is_cuda, kv_pool_blocks
 from pipeline.engine.draft_plan import EMPTY, MEMORY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
-from pipeline.engine.guide import Guide, apply_mask, tokenizer_for
+from pipeline.engine.guide import Guide, apply_refusals, tokenizer_for
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
@@ -324,7 +324,7 @@ class LLMEngine:
                     row = adjust(row.cpu(), r.params, r.prompt_ids, r.output_ids, r.stop_ids)
                     greedy[i] = int(row[0].argmax())
                 if r.guide is not None:  # the grammar's tokens only, after the penalties
-                    row = apply_mask(row.cpu(), r.guide.allowed()[None])
+                    row = apply_refusals(row.cpu(), r.guide.row_refusals([]))
                     greedy[i] = int(row[0].argmax())
                 tok = greedy[i] if r.params.greedy else sample(probs_from_logits(row[0].cpu(), r.params), r.generator)
                 if r.guide is not None:
@@ -470,7 +470,7 @@ class LLMEngine:
                 if r.params.adjusted:  # each row by the sequence plain decoding would have had there
                     rows = adjust(rows.cpu(), r.params, r.prompt_ids, r.output_ids, r.stop_ids, d)
                 if r.guide is not None:  # each row masked by the grammar's state after the drafts before it
-                    rows = apply_mask(rows.cpu(), r.guide.row_masks(d, r.stop_ids))
+                    rows = apply_refusals(rows.cpu(), r.guide.row_refusals(d, r.stop_ids))
                 if r.params.greedy:
                     own = r.params.adjusted or r.guide is not None
                     m, nxt = accept_greedy(rows.argmax(-1).tolist() if own else argmax[i][: len(d) + 1], d)

@@ -83,9 +83,9 @@ class GuidedDrafts:
         logits = logits.clone()
         for n, r in enumerate(rows):
             if id(r) in self.pushed and id(r) not in self.lost:
-                mask = r.guide.draft_mask(logits.shape[-1], index)
-                if mask is not None:
-                    logits[n].masked_fill_(~mask, float("-inf"))
+                refused = r.guide.draft_refusals(logits.shape[-1], index)
+                if refused is not None:
+                    logits[n].masked_fill_(refused, float("-inf"))
         return logits
 
     def push(self, r: Request, token: int) -> None:
