@@ -41,7 +41,8 @@ def test_openai_clients_neutral_defaults_pass():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("n", True), ("top_logprobs", 30), ("frequency_penalty", 2.5), ("tools", [{"type": "function"}]),
+    ("n", 17), ("n", 0), ("n", True), ("top_logprobs", 30), ("frequency_penalty", 2.5),
+    ("tools", [{"type": "function"}]),
     ("response_format", {"type": "xml"}), ("response_format", {"type": "json_schema"}),
     ("guided_regex", "(ab" * 30_000), ("logit_bias", {"1": 500}), ("logit_bias", {"x": 1}),
     ("min_tokens", -1), ("presence_penalty", float("nan")),
@@ -204,7 +205,8 @@ def test_a_stop_string_cuts_the_answer_where_it_starts(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"top_logprobs": 2}, "top_logprobs"), ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"n": 17}, "n"), ({"n": 2, "stream": True}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
 ])
@@ -275,7 +277,8 @@ def test_the_sdks_parse_and_vllms_guided_fields_get_answers_that_match(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
                                        extra_body={"guided_regex": "(ab"})
-    assert "the regex guide doesn't compile" in err.value.body["message"] and "unclosed group" in err.value.body["message"]
+    said = err.value.body["message"]
+    assert "the regex guide doesn't compile" in said and "unclosed group" in said
     ok = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
     assert ok.choices[0].finish_reason in ("stop", "length")
 
@@ -300,6 +303,21 @@ def test_a_load_tools_fixed_length_request_and_a_logit_bias_are_honoured(client)
     forced = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
                                             logit_bias={str(a): 100})
     assert forced.choices[0].message.content == "a" * 8
+
+
+def test_n_choices_each_their_own_and_the_prompt_read_once(client):
+    """n sampled choices with a seed: n answers, reproducible, not all alike; the later choices read the prompt's
+    blocks from the prefix cache; usage counts the prompt once and every choice's tokens."""
+    messages = [{"role": "user", "content": "Tell me a story about a lighthouse keeper and a storm at sea, " * 3}]
+    kwargs = dict(model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=7, n=3)
+    first, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert [c.message.content for c in again.choices] == texts  # seed + i per choice: reproducible
+    assert first.usage.completion_tokens == 36 and first.usage.total_tokens == first.usage.prompt_tokens + 36
+    assert first.usage.prompt_tokens_details.cached_tokens > 0
+    greedy = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text
 
 
 def test_penalties_reach_the_engine_and_a_resent_prompt_is_served_from_the_prefix_cache(client):

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -235,6 +235,51 @@ def create_app(settings: FrontendSettings):
         finally:
             await stream.aclose()
 
+    async def choices(text: str, options: list[RequestOptions], outcomes: list[Outcome],
+                      stop: tuple[str, ...]) -> list[str]:
+        """Each choice's whole answer. With several, the first runs until its first piece (its prompt is then
+        prefilled and its blocks cached) before the rest start, so they read the prompt from the prefix cache;
+        the first error cancels the others."""
+        async def one(i: int, started: asyncio.Event | None = None) -> str:
+            out = []
+            async for piece in pieces(text, options[i], outcomes[i], StopMatcher(stop)):
+                out.append(piece)
+                if started is not None:
+                    started.set()
+            if started is not None:
+                started.set()
+            return "".join(out)
+
+        if len(options) == 1:
+            return [await one(0)]
+        started = asyncio.Event()
+        first = asyncio.create_task(one(0, started))
+        waiting = asyncio.create_task(started.wait())
+        await asyncio.wait([first, waiting], return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        tasks = [first] + [asyncio.create_task(one(i)) for i in range(1, len(options))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()  # after an error: the others' ensemble requests are cancelled
+
+    def options_of(options: RequestOptions, i: int) -> RequestOptions:
+        """Choice i's options: its own seed (the request's + i, or a fresh one), so sampled choices differ."""
+        if i == 0 or options.temperature == 0:
+            return options
+        seed = secrets.randbelow(2**63) if options.seed is None else (options.seed + i) % 2**64
+        return replace(options, seed=seed)
+
+    def merged(outcomes: list[Outcome], prompt_tokens: int, max_new: int) -> Outcome:
+        """The choices' usage and speculation figures together: the prompt once, every choice's tokens."""
+        if len(outcomes) == 1:
+            return outcomes[0]
+        total = Outcome(prompt_tokens, max_new)
+        total.completion_tokens = sum(o.completion_tokens for o in outcomes)
+        total.chunks = [c for o in outcomes for c in o.chunks]
+        return total
+
     def error_of(err: EnsembleError) -> ProtocolError:
         if err.busy:
             return ProtocolError(err.message, status=503, type="server_busy")
@@ -283,17 +328,21 @@ def create_app(settings: FrontendSettings):
         created = int(time.time())
         k = req.num_draft_tokens or settings.num_draft_tokens
         if not req.stream:
+            outcomes = [outcome] + [Outcome(prompt_tokens, max_new) for _ in range(req.n - 1)]
             try:
-                answer = "".join([p async for p in pieces(text, options, outcome, stops)])
+                answers = await choices(text, [options_of(options, i) for i in range(req.n)], outcomes,
+                                        req.stop_strings())
             except EnsembleError as err:
                 raise error_of(err) from None
+            total = merged(outcomes, prompt_tokens, max_new)
             if chat:
                 return ChatCompletion(id=rid, created=created, model=settings.model_name, choices=[ChatChoice(
-                    message=ChatMessage(content=answer), finish_reason=outcome.finish_reason,
-                    logprobs=logprobs_of(req, outcome, chat))], usage=outcome.usage(), metrics=outcome.metrics(k))
+                    index=i, message=ChatMessage(content=answer), finish_reason=o.finish_reason,
+                    logprobs=logprobs_of(req, o, chat)) for i, (answer, o) in enumerate(zip(answers, outcomes))],
+                    usage=total.usage(), metrics=total.metrics(k))
             return Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
-                text=answer, finish_reason=outcome.finish_reason, logprobs=logprobs_of(req, outcome, chat))],
-                usage=outcome.usage(), metrics=outcome.metrics(k))
+                index=i, text=answer, finish_reason=o.finish_reason, logprobs=logprobs_of(req, o, chat))
+                for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(), metrics=total.metrics(k))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

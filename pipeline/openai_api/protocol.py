@@ -21,7 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.engine.guide import GuideSpec
-from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS,
+                                             MAX_STOP_STRINGS,
                                              check_logit_bias, check_num_draft_tokens, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
 from pipeline.triton.validate import read_logit_bias
@@ -87,7 +88,6 @@ def _empty(v) -> bool:
 
 # Fields OpenAI defines that this server doesn't implement: (passes?, what to do instead).
 COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "n": (_absent_or(1), "one choice per request; send n 1 or leave it out"),
     "best_of": (_absent_or(1), "best_of isn't supported; send 1 or leave it out"),
     "service_tier": (_absent_or("auto", "default"), "service tiers aren't served here; leave service_tier out"),
     "store": (_absent_or(False), "completions aren't stored here; send store false or leave it out"),
@@ -139,6 +139,8 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+MAX_CHOICES = 16  # n: each choice is a request of its own in the engine's batch
+
 # vLLM's guided-decoding extensions, and the guide type each becomes (pipeline.engine.guide).
 VLLM_GUIDES = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf_grammar",
                "guided_choice": "regex"}
@@ -177,6 +179,9 @@ class SamplingFields(BaseModel):
     # OpenAI's: token id (as a string) -> bias in [-100, 100], at most 300.
     logit_bias: dict[Annotated[str, Field(max_length=12)], float] | None = Field(default=None,
                                                                                   max_length=MAX_LOGIT_BIAS)
+    # Choices per request, each its own engine request (seed + i where a seed is sent); they share the prompt's
+    # cached blocks. Bounded: each holds a batch slot while it runs.
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM's: no stop before this many tokens
     ignore_eos: bool | None = None  # vLLM's: the model's end token doesn't end the answer (load tools send it)
 
@@ -231,6 +236,9 @@ class SamplingFields(BaseModel):
             checks.append(("top_k", check_top_k, max(self.top_k, 0), limits.vocab_size))
         checks.append(("stop", check_stop_strings, self.stop_strings()))
         self.guide()  # the guide's own checks (one guide, its type, its size): a 400 before anything is sent
+        if self.n > 1 and self.stream:
+            raise ProtocolError(f"n {self.n} with stream true isn't served yet; stream one choice, or send stream "
+                                "false for several", "n")
         try:
             check_logit_bias(self.bias(), limits.vocab_size)
         except RequestError as err:
