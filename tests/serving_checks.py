@@ -196,14 +196,14 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def ngram_engine(target: Path, folder: Path, slots: int) -> Path:
+def ngram_engine(target: Path, folder: Path, slots: int, max_seq_len: int = 256) -> Path:
     """The served tests' portable engine folder: the target with n-gram drafts (K=3), `slots` requests at once,
-    256 tokens each, the engine's gate ceiling at its slots."""
+    max_seq_len tokens each, the engine's gate ceiling at its slots."""
     from pipeline.compiler import CompileOptions, compile_model
 
     out = folder / "tiny"
     compile_model(CompileOptions("torch", target, out, draft="ngram", num_draft_tokens=3, max_batch_size=slots,
-                                 max_seq_len=256, gate_batch_size=slots))
+                                 max_seq_len=max_seq_len, gate_batch_size=slots))
     return out
 
 

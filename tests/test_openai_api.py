@@ -129,7 +129,8 @@ def served(tiny_target, tmp_path_factory):
     from pipeline.openai_api.process import FrontendOptions, FrontendProcess
     from pipeline.triton.ports import free_ports
 
-    engine = ngram_engine(tiny_target, tmp_path_factory.mktemp("engines"), slots=8)
+    # 1024 tokens: a byte-level tokenizer spends a token a character, and tool descriptions are long.
+    engine = ngram_engine(tiny_target, tmp_path_factory.mktemp("engines"), slots=8, max_seq_len=1024)
     # Room for the 64-stream test: 8 slots and 64 waiting, so no request is refused as busy.
     with served_engine(engine, tmp_path_factory.mktemp("served"), min_spec_tokens=20, max_queue_size=64) as server:
         [port] = free_ports(1)
@@ -208,7 +209,7 @@ def test_a_stop_string_cuts_the_answer_where_it_starts(client):
     ({"n": 17}, "n"), ({"n": 2, "stream": True}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
 ])
 def test_unsupported_fields_get_openais_400_and_the_server_serves_on(client, extra, param):
     import openai
@@ -318,6 +319,73 @@ def test_n_choices_each_their_own_and_the_prompt_read_once(client):
     assert first.usage.prompt_tokens_details.cached_tokens > 0
     greedy = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0, n=2)
     assert greedy.choices[0].text == greedy.choices[1].text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city", "unit"],
+                                                           "properties": {"city": {"type": "string", "maxLength": 12},
+                                                                          "unit": {"enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_a_tool_call_round_trip_forced_on_a_template_without_tools(client):
+    """SmolLM2's template (and the tiny one) knows no tools: the call is forced by a guide (tool_choice named or
+    required), comes back as tool_calls with finish_reason tool_calls, streamed as a delta too, and the tool's
+    result goes back in a tool turn for the final answer."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                           max_tokens=150, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.id.startswith("call_") and args["unit"] in ("c", "f")
+    required = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME],
+                                              tool_choice="required", max_tokens=150, temperature=0)
+    assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
+    stream = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                            max_tokens=150, temperature=0, stream=True)
+    deltas, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and deltas[0].function.arguments == call.function.arguments
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    final = client.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER], max_tokens=20,
+                                           temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    import openai
+
+    for bad, param in ((dict(tool_choice="required"), "tool_choice"),
+                       (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                        "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, **bad)
+        assert err.value.body["param"] == param
+
+
+def test_a_call_is_an_answer_that_is_exactly_one_call_of_a_listed_tool():
+    from pipeline.openai_api import tools
+
+    listed = [WEATHER["function"], TIME["function"]]
+    assert tools.parse_call('{"name": "get_time", "arguments": {"zone": "UTC"}}', listed) == (
+        "get_time", '{"zone": "UTC"}')
+    for text in ('{"name": "nope", "arguments": {}}', "It is sunny.", '{"name": "get_time"}',
+                 '{"name": "get_time", "arguments": "UTC"}', '[{"name": "get_time", "arguments": {}}]'):
+        assert tools.parse_call(text, listed) is None, text
+    turns = tools.render([{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "", "tool_calls": [
+                              {"id": "call_1", "name": "get_time", "arguments": '{"zone": "CET"}'}]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}], listed, True)
+    assert turns[0]["role"] == "system" and "get_weather" in turns[0]["content"]
+    assert turns[2] == {"role": "assistant", "content": '{"name": "get_time", "arguments": {"zone": "CET"}}'}
+    assert turns[3] == {"role": "user", "content": "Result of get_time: 12:00"}
 
 
 def test_penalties_reach_the_engine_and_a_resent_prompt_is_served_from_the_prefix_cache(client):
@@ -614,8 +682,12 @@ def test_tritons_own_openai_frontend_can_sit_in_front_of_the_ensemble(served, cl
     ({**CHAT, "stream": 1}, "stream", "valid boolean (got 1)"),
     ({**CHAT, "temperature": "0.5"}, "temperature", "valid number (got '0.5')"),
     ({**CHAT, "temperature": float("inf")}, "temperature", "finite number"),
-    ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages", "messages.0.content"),
-    ({"model": "m", "messages": [{"role": "user"}]}, "messages", "messages.0.content: Field required"),
+    ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages", "messages.0: Value error, content "
+     "is required"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages", "messages.0: Value error, content is required"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages", "a tool turn needs tool_call_id"),
+    ({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[1]"}}]}]}, "messages", "arguments must be a JSON object"),
     ({**CHAT, "top_k": 10**12}, "top_k", "top_k 1000000000000 is over the vocabulary's 1000"),
     ({**CHAT, "num_draft_tokens": 10**9}, "num_draft_tokens", "num_draft_tokens 1000000000 is more than the 3"),
     ({**CHAT, "max_tokens": 256}, "max_tokens", "max_tokens 256 is beyond the model's 256-token context"),
@@ -692,12 +764,28 @@ HOSTILE = [
 @pytest.mark.parametrize("content_type, raw, status, param", HOSTILE)
 def test_a_hostile_request_gets_a_typed_4xx_and_the_next_one_its_usual_answer(served, client, content_type, raw,
                                                                                status, param):
-    request = urllib.request.Request(f"{served[1].url}/v1/completions" if b"prompt" in raw else
-                                     f"{served[1].url}/v1/chat/completions", raw, {"Content-Type": content_type})
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(request, timeout=60)
-    assert err.value.code == status and err.value.headers["content-type"] == "application/json"
-    error = json.loads(err.value.read())["error"]
+    url = f"{served[1].url}/v1/completions" if b"prompt" in raw else f"{served[1].url}/v1/chat/completions"
+    if len(raw) > 1 << 20:
+        # Refused on its declared length, before the body is read: a client still writing the rest would meet a
+        # closed socket (EPIPE) instead of the answer, so only the body's first 64 KiB is sent.
+        import http.client
+        from urllib.parse import urlsplit
+
+        where = urlsplit(url)
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+        conn.putrequest("POST", where.path)
+        conn.putheader("Content-Type", content_type)
+        conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw[:1 << 16])
+        answer = conn.getresponse()
+        code, headers, body = answer.status, answer.headers, answer.read()
+        conn.close()
+    else:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(url, raw, {"Content-Type": content_type}), timeout=60)
+        code, headers, body = err.value.code, err.value.headers, err.value.read()
+    assert code == status and headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
     assert error["param"] == param and error["message"] and len(error["message"]) < 400
     usual = client.completions.create(model="tiny", prompt="Count: 1, 2,", max_tokens=8, temperature=0)
     assert usual.choices[0].text == grpc_text_raw(served[0], "Count: 1, 2,", 8)

@@ -28,11 +28,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
-from pipeline.openai_api import edge
+from pipeline.openai_api import edge, tools
 from pipeline.openai_api.ensemble import Ensemble, EnsembleError
 from pipeline.openai_api.protocol import (API_KEY_ENV, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs,
                                           ChatMessage, ChatRequest, ChunkChoice, Completion, CompletionChoice,
-                                          CompletionLogprobs, CompletionRequest, Delta, ErrorResponse, Limits,
+                                          CompletionLogprobs, CompletionRequest, Delta, DeltaToolCall, ErrorResponse,
+                                          FunctionCall, Limits, ToolCall,
                                           ModelCard, ModelList, PromptTokensDetails, ProtocolError, ResponseMetrics,
                                           SamplingFields, SpecDecoding, TokenLogprob, TopLogprob, Usage, parse_chat,
                                           parse_completion, request_schemas)
@@ -271,6 +272,18 @@ def create_app(settings: FrontendSettings):
         seed = secrets.randbelow(2**63) if options.seed is None else (options.seed + i) % 2**64
         return replace(options, seed=seed)
 
+    def answered(req: SamplingFields, answer: str, outcome: Outcome) -> dict:
+        """A chat choice's message and finish_reason: a tool call where the request offered tools and the answer is
+        exactly one call of a listed tool (pipeline.openai_api.tools), the text otherwise."""
+        mode = req.tool_mode() if isinstance(req, ChatRequest) else None
+        call = tools.parse_call(answer, req.tool_defs()) if mode and outcome.finish_reason == "stop" else None
+        if call is None:
+            return {"message": ChatMessage(content=answer), "finish_reason": outcome.finish_reason}
+        name, arguments = call
+        return {"message": ChatMessage(content=None, tool_calls=[ToolCall(
+            id=tools.call_id(), function=FunctionCall(name=name, arguments=arguments))]),
+            "finish_reason": "tool_calls"}
+
     def merged(outcomes: list[Outcome], prompt_tokens: int, max_new: int) -> Outcome:
         """The choices' usage and speculation figures together: the prompt once, every choice's tokens."""
         if len(outcomes) == 1:
@@ -337,9 +350,9 @@ def create_app(settings: FrontendSettings):
             total = merged(outcomes, prompt_tokens, max_new)
             if chat:
                 return ChatCompletion(id=rid, created=created, model=settings.model_name, choices=[ChatChoice(
-                    index=i, message=ChatMessage(content=answer), finish_reason=o.finish_reason,
-                    logprobs=logprobs_of(req, o, chat)) for i, (answer, o) in enumerate(zip(answers, outcomes))],
-                    usage=total.usage(), metrics=total.metrics(k))
+                    index=i, **answered(req, answer, o), logprobs=logprobs_of(req, o, chat))
+                    for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(),
+                    metrics=total.metrics(k))
             return Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
                 index=i, text=answer, finish_reason=o.finish_reason, logprobs=logprobs_of(req, o, chat))
                 for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(), metrics=total.metrics(k))
@@ -362,6 +375,11 @@ def create_app(settings: FrontendSettings):
                     usage=outcome.usage() if usage else None, metrics=outcome.metrics(k) if usage else None)
             return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
 
+        def tool_chunk(call: DeltaToolCall):
+            body = ChatCompletionChunk(id=rid, created=created, model=settings.model_name, choices=[ChunkChoice(
+                delta=Delta(tool_calls=[call]), logprobs=logprobs_of(req, outcome, chat))])
+            return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
+
         # The first piece is awaited before the response starts, so a refused request is still a plain 400.
         answer = pieces(text, options, outcome, stops)
         try:
@@ -374,9 +392,23 @@ def create_app(settings: FrontendSettings):
             try:
                 if chat:
                     yield chunk("", role=True)
-                if first is not None:
+                calling = chat and req.tool_mode() is not None
+                if first is not None and not calling:
                     yield chunk(first)
                 try:
+                    if calling:  # a call is known only once the whole answer is: sent as one delta, at the end
+                        whole = (first or "") + "".join([piece async for piece in answer])
+                        said = answered(req, whole, outcome)
+                        if said["finish_reason"] == "tool_calls":
+                            call = said["message"].tool_calls[0]
+                            yield tool_chunk(DeltaToolCall(id=call.id, type="function", function=call.function))
+                        else:
+                            yield chunk(whole)
+                        yield chunk(finish=said["finish_reason"])
+                        if include_usage:
+                            yield chunk(choices=False, usage=True)
+                        yield format_sse_event(data_str="[DONE]")
+                        return
                     async for piece in answer:
                         yield chunk(piece)
                 except Exception as err:  # noqa: BLE001  mid-stream: OpenAI's error object as an event, then the end

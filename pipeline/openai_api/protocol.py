@@ -18,13 +18,14 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.engine.guide import GuideSpec
 from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS,
                                              MAX_STOP_STRINGS,
                                              check_logit_bias, check_num_draft_tokens, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
+from pipeline.openai_api import tools
 from pipeline.triton.validate import read_logit_bias
 
 SPECULATION = ("auto", "on", "off")
@@ -93,9 +94,6 @@ COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "store": (_absent_or(False), "completions aren't stored here; send store false or leave it out"),
 }
 CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "tools": (_empty, "tool calling isn't supported; leave tools out"),
-    "tool_choice": (_absent_or("none"), "tool calling isn't supported; leave tool_choice out"),
-    "parallel_tool_calls": (lambda v: v is None, "tool calling isn't supported; leave parallel_tool_calls out"),
     "functions": (_empty, "function calling isn't supported; leave functions out"),
     "function_call": (_absent_or("none"), "function calling isn't supported; leave function_call out"),
     "modalities": (lambda v: v is None or v == ["text"], "text is the only modality; send [\"text\"] or leave it out"),
@@ -140,6 +138,7 @@ class ResponseFormat(BaseModel):
 
 
 MAX_CHOICES = 16  # n: each choice is a request of its own in the engine's batch
+MAX_TOOLS = 64  # tools a request lists, and calls a turn holds
 
 # vLLM's guided-decoding extensions, and the guide type each becomes (pipeline.engine.guide).
 VLLM_GUIDES = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf_grammar",
@@ -259,18 +258,75 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(STRICT, extra="forbid")
+    name: str = Field(max_length=MAX_NAME)
+    arguments: str  # a JSON object, as text (OpenAI's)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(STRICT, extra="forbid")
+    id: str = Field(max_length=MAX_NAME)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(STRICT, extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    # Required, as OpenAI requires it (only an assistant turn with tool calls may leave it out, and tool calls
-    # aren't served here): a null or missing content was once served as an empty turn.
-    content: str | Annotated[list[ContentPart], Field(fail_fast=True)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Required, as OpenAI requires it, except on an assistant turn with tool calls: a null or missing content was
+    # once served as an empty turn.
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)] | None = None
     name: str | None = Field(default=None, max_length=MAX_NAME)
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=MAX_NAME)  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _turn_shape(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant turn has tool_calls")
+        if self.role == "tool" and (self.tool_call_id is None or self.content is None):
+            raise ValueError("a tool turn needs tool_call_id and content")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (only an assistant turn with tool_calls may leave it out)")
+        for call in self.tool_calls or []:
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise ValueError(f"tool call {call.id[:SHOWN]!r}: arguments must be a JSON object, as text")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content
+        return self.content or ""
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(STRICT, extra="forbid")
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")  # OpenAI's rule for a function's name
+    description: str | None = Field(default=None, max_length=4096)
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None  # kept to OpenAI's word: a forced call always matches its parameters here
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(STRICT, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(STRICT, extra="forbid")
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(STRICT, extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingFields):
@@ -280,6 +336,21 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Tool calls, for any chat template (pipeline.openai_api.tools): one call an answer.
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: an answer makes at most one call here
+
+    def tool_defs(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice none), "auto", "required", or the name of the tool the answer must call."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     def num_logprobs(self) -> int | None:
         """None: no log probs; N: each token's, and its N most likely alternatives."""
@@ -290,13 +361,35 @@ class ChatRequest(SamplingFields):
         return self.top_logprobs or 0
 
     def conversation(self) -> list[dict]:
-        """The messages as the chat template takes them; "developer" is OpenAI's newer name for "system"."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template takes them; "developer" is OpenAI's newer name for "system"; tools,
+        calls and results as pipeline.openai_api.tools renders them for any template."""
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                  "tool_call_id": m.tool_call_id,
+                  "tool_calls": [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                                 for c in m.tool_calls or []]} for m in self.messages]
+        if not self.tools and not any(t["tool_calls"] or t["role"] == "tool" for t in turns):
+            return [{"role": t["role"], "content": t["content"]} for t in turns]
+        return tools.render(turns, self.tool_defs(), describe_tools=self.tool_mode() is not None)
+
+    def guide(self) -> GuideSpec | None:
+        mode = self.tool_mode()
+        if mode in (None, "auto"):
+            return super().guide()
+        if super().guide() is not None:
+            raise ProtocolError(f"tool_choice {mode} holds the answer to a call, and another guide was sent; send "
+                                "one", "tool_choice")
+        return tools.guide_for(self.tool_defs(), mode)
 
     def new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
 
     def check_limits(self, limits: Limits) -> None:
+        if self.tool_choice is not None and not self.tools:
+            raise ProtocolError("tool_choice needs tools; send the tools it chooses from, or leave it out",
+                                "tool_choice")
+        mode = self.tool_mode()
+        if mode not in (None, "auto", "required") and mode not in {t.function.name for t in self.tools}:
+            raise ProtocolError(f"tool_choice names {shown(mode)}, which tools doesn't list", "tool_choice")
         super().check_limits(limits)
         # A bound on what rendering and tokenizing will cost, known before either runs: the rendered text holds
         # every turn's.
@@ -399,6 +492,30 @@ def request_schemas(limits: Limits, model_name: str) -> dict[str, dict]:
         fields["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS},
                                     {"type": "null"}], "default": None, "title": "Stop"}
     _bound(schemas["ChatRequest"]["properties"]["messages"], maxItems=limits.max_seq_len)
+    # A turn's shapes as Message._turn_shape checks them: a role's turn with content; an assistant's calls, whose
+    # arguments are a JSON object as text; a tool's result, naming the call it answers.
+    content = schemas["Message"]["properties"]["content"]["anyOf"][:2]
+    base = {"type": "object", "additionalProperties": False,
+            "properties": {"name": schemas["Message"]["properties"]["name"]}}
+    call = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
+        "id": {"type": "string", "maxLength": 64}, "type": {"const": "function"},
+        "function": {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                     "properties": {"name": {"type": "string", "maxLength": 64}, "arguments": {"const": "{}"}}}}}
+    schemas["Message"] = {"title": "Message", "anyOf": [
+        {**base, "required": ["role", "content"], "properties": {
+            **base["properties"], "role": {"enum": ["system", "developer", "user", "assistant"]},
+            "content": {"anyOf": content}}},
+        {**base, "required": ["role", "tool_calls"], "properties": {
+            **base["properties"], "role": {"const": "assistant"}, "content": {"anyOf": [*content, {"type": "null"}]},
+            "tool_calls": {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_TOOLS}}},
+        {**base, "required": ["role", "content", "tool_call_id"], "properties": {
+            **base["properties"], "role": {"const": "tool"}, "content": {"anyOf": content},
+            "tool_call_id": {"type": "string", "maxLength": 64}}}]}
+    for name in ("ChatRequest", "CompletionRequest"):  # token ids, and OpenAI's range
+        schemas[name]["properties"]["logit_bias"] = {"anyOf": [{
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,3}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}],
+            "default": None, "title": "Logit Bias"}
     prompt = {"type": "string", "minLength": 1, "maxLength": limits.max_input_bytes, "pattern": r"\S"}
     schemas["CompletionRequest"]["properties"]["prompt"] = {  # one prompt, not only white space
         "anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}], "title": "Prompt"}
@@ -468,7 +585,8 @@ class ResponseMetrics(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -495,7 +613,7 @@ class CompletionLogprobs(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChatLogprobs | None = None
 
 
@@ -509,15 +627,23 @@ class ChatCompletion(BaseModel):
     metrics: ResponseMetrics | None = None
 
 
+class DeltaToolCall(BaseModel):
+    index: int = 0
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: ChatLogprobs | None = None
 
 
