@@ -493,7 +493,9 @@ def request_schemas(limits: Limits, model_name: str) -> dict[str, dict]:
                                     {"type": "null"}], "default": None, "title": "Stop"}
     _bound(schemas["ChatRequest"]["properties"]["messages"], maxItems=limits.max_seq_len)
     # A turn's shapes as Message._turn_shape checks them: a role's turn with content; an assistant's calls, whose
-    # arguments are a JSON object as text; a tool's result, naming the call it answers.
+    # arguments are a JSON object as text; a tool's result, naming the call it answers. A JSON schema can't say
+    # "a string holding a JSON object", so the published arguments are the one such string a generator can't get
+    # wrong, "{}": documented stricter than served, never looser.
     content = schemas["Message"]["properties"]["content"]["anyOf"][:2]
     base = {"type": "object", "additionalProperties": False,
             "properties": {"name": schemas["Message"]["properties"]["name"]}}
