@@ -18,7 +18,7 @@ grammar can't take next gets logit -inf; after it is chosen, the matcher consume
   sampling p instead would tilt it by q's mass on refused tokens.) Rows past a refused draft are never read.
 
 Greedy output with a guide and speculation is then token for token the guided output without speculation, and a
-sampled one follows the masked target's distribution (tests/test_guide.py). Guide types and their names are
+sampled one follows the masked target's distribution (tests/test_guide.py, tests/test_speculative.py). Guide types and their names are
 tensorrtllm_backend's (`guided_decoding_guide_type`: json, json_schema, regex, ebnf_grammar); an EBNF grammar is
 GBNF, as xgrammar and llama.cpp read it, converted by llguidance's own gbnf_to_lark.
 """
@@ -98,7 +98,7 @@ def _first_line(e: Exception | str) -> str:
 
 def tokenizer_for(hf_tokenizer, eos_token_ids: tuple[int, ...] = ()):
     """The llguidance tokenizer for a Hugging Face fast tokenizer (about a second: make it once per engine). The
-    end token a completed grammar allows is the model's (its first eos id), else the tokenizer's."""
+    end tokens a completed grammar allows are the model's eos ids, else the tokenizer's own."""
     import llguidance.hf
 
     eos = list(eos_token_ids) or None
