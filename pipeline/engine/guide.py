@@ -18,9 +18,9 @@ grammar can't take next gets logit -inf; after it is chosen, the matcher consume
   sampling p instead would tilt it by q's mass on refused tokens.) Rows past a refused draft are never read.
 
 Greedy output with a guide and speculation is then token for token the guided output without speculation, and a
-sampled one follows the masked target's distribution (tests/test_guide.py, tests/test_speculative.py). Guide types and their names are
-tensorrtllm_backend's (`guided_decoding_guide_type`: json, json_schema, regex, ebnf_grammar); an EBNF grammar is
-GBNF, as xgrammar and llama.cpp read it, converted by llguidance's own gbnf_to_lark.
+sampled one follows the masked target's distribution (tests/test_guide.py, tests/test_speculative.py). Guide types
+and their names are tensorrtllm_backend's (`guided_decoding_guide_type`: json, json_schema, regex, ebnf_grammar);
+an EBNF grammar is GBNF, as xgrammar and llama.cpp read it, converted by llguidance's own gbnf_to_lark.
 """
 
 from __future__ import annotations
