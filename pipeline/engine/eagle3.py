@@ -30,7 +30,7 @@ from pipeline.engine.cuda_graphs import GraphedHead
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
 from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer
-from pipeline.engine.proposers import GuidedDrafts
+from pipeline.engine.proposers import GuidedDrafts, draft_plan, drafts_of, padded_ids
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import probs_from_logits, sample
 from pipeline.engine.speculative import Proposal
@@ -226,34 +226,14 @@ class Eagle3Proposer:
         follow from the lengths, each step feeds the previous one's pick and pre-norm state, which stay on the
         device, and the drafts reach the host in one copy."""
         dev = self.head.fc.weight.device
-        pos, rows, plan = list(starts), list(range(len(reqs))), []
-        for j in range(max(ks)):
-            lengths = [len(feeds[i]) if j == 0 else 1 for i in rows]
-            fb = ForwardBatch.build([reqs[i].slot for i in rows], [pos[i] for i in rows], lengths, self.cache, dev)
-            last = torch.tensor(lengths, device=dev)[:, None] - 1
-            going_on = [n for n, i in enumerate(rows) if ks[i] > j + 1]  # the rows whose draft feeds the next step
-            plan.append((rows, fb, last, torch.tensor(going_on, dtype=torch.long, device=dev)))
-            for n, i in enumerate(rows):
-                pos[i] += lengths[n]
-            rows = [rows[n] for n in going_on]
-            if not rows:
-                break
-        T = max(len(f) for f in feeds)
-        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
-        picks = []
+        plan = draft_plan(reqs, ks, list(starts), feeds, self.cache, dev)
+        ids, picks = padded_ids(feeds, dev), []
         for _, fb, last, going_on in plan:
             logits, out = self._head(ids, hidden, fb, last)
             nxt = self.head.draft_to_target[logits.argmax(-1)]  # [b], target ids
             picks.append(nxt)
             ids, hidden = nxt[going_on][:, None], out[going_on]  # copies: the next replay rewrites out
-        picked = torch.cat(picks).tolist()  # the one wait for the device
-        tokens: list[list[int]] = [[] for _ in reqs]
-        at = 0
-        for rows, *_ in plan:
-            for i in rows:
-                tokens[i].append(picked[at])
-                at += 1
-        return tokens
+        return drafts_of(plan, torch.cat(picks).tolist(), len(reqs))  # the one wait for the device
 
     def on_verified(self, req, prev_len, drafted, accepted):
         # Nothing to roll back: head_len already stops at the verified prefix, and the target's states

@@ -67,6 +67,45 @@ class NgramProposer:
         pass
 
 
+DraftStep = tuple[list[int], ForwardBatch, torch.Tensor, torch.Tensor]
+
+
+def draft_plan(reqs: list[Request], ks: list[int], pos: list[int], feeds: list[list[int]], cache,
+               dev) -> list[DraftStep]:
+    """Every greedy draft step laid out before the first runs (positions follow from the lengths alone): per step,
+    (its rows, their batch, each row's last position, the rows whose draft feeds the next step). The first step
+    feeds each row's catch-up, the rest one token a row. pos advances, in place, past everything fed."""
+    rows, plan = list(range(len(reqs))), []
+    for j in range(max(ks)):
+        lengths = [len(feeds[i]) if j == 0 else 1 for i in rows]
+        fb = ForwardBatch.build([reqs[i].slot for i in rows], [pos[i] for i in rows], lengths, cache, dev)
+        last = torch.tensor(lengths, device=dev)[:, None] - 1
+        going_on = [n for n, i in enumerate(rows) if ks[i] > j + 1]  # the rows whose draft feeds the next step
+        plan.append((rows, fb, last, torch.tensor(going_on, dtype=torch.long, device=dev)))
+        for n, i in enumerate(rows):
+            pos[i] += lengths[n]
+        rows = [rows[n] for n in going_on]
+        if not rows:
+            break
+    return plan
+
+
+def padded_ids(feeds: list[list[int]], dev) -> torch.Tensor:
+    T = max(len(f) for f in feeds)
+    return torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
+
+
+def drafts_of(plan: list[DraftStep], picked: list[int], n: int) -> list[list[int]]:
+    """Each of the n rows' drafts, from the steps' picks in the order the plan ran them."""
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    at = 0
+    for rows, *_ in plan:
+        for i in rows:
+            tokens[i].append(picked[at])
+            at += 1
+    return tokens
+
+
 class GuidedDrafts:
     """The grammars of a proposal's guided rows while they draft: each step's logits masked by the state after
     that row's drafts so far; every pushed draft popped when the proposal ends (the verify decides what stays)."""
@@ -180,35 +219,15 @@ class DraftModelProposer:
         dev = self.model.embed.weight.device
         pos = [self.cached.get(r.id, 0) for r in reqs]
         feeds = [r.all_ids[p:] for r, p in zip(reqs, pos)]  # catch up: the whole prompt, or what was decoded since
-        rows, plan = list(range(len(reqs))), []
-        for j in range(max(ks)):
-            lengths = [len(feeds[i]) if j == 0 else 1 for i in rows]
-            fb = ForwardBatch.build([reqs[i].slot for i in rows], [pos[i] for i in rows], lengths, self.cache, dev)
-            last = torch.tensor(lengths, device=dev)[:, None] - 1
-            going_on = [n for n, i in enumerate(rows) if ks[i] > j + 1]  # the rows whose draft feeds the next step
-            plan.append((rows, fb, last, torch.tensor(going_on, dtype=torch.long, device=dev)))
-            for n, i in enumerate(rows):
-                pos[i] += lengths[n]
-            rows = [rows[n] for n in going_on]
-            if not rows:
-                break
-        T = max(len(f) for f in feeds)
-        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=dev)
-        picks = []
+        plan = draft_plan(reqs, ks, pos, feeds, self.cache, dev)
+        ids, picks = padded_ids(feeds, dev), []
         for _, fb, last, going_on in plan:
             nxt = self._last_logits(ids, fb, last).argmax(-1)  # [b]
             picks.append(nxt)
             ids = nxt[going_on][:, None]
-        picked = torch.cat(picks).tolist()  # the one wait for the device
-        tokens: list[list[int]] = [[] for _ in reqs]
-        at = 0
-        for rows, *_ in plan:
-            for i in rows:
-                tokens[i].append(picked[at])
-                at += 1
         for r, p in zip(reqs, pos):
             self.cached[r.id] = p
-        return tokens
+        return drafts_of(plan, torch.cat(picks).tolist(), len(reqs))  # the one wait for the device
 
     def on_verified(self, req, prev_len, drafted, accepted):
         # The draft was fed the sequence through its pending token (prev_len tokens) and then
