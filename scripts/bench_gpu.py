@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from pipeline.engine.config import EngineConfig
+from pipeline.engine.cuda_graphs import graph_time_ms
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.proposers import DraftModelProposer, NgramProposer
 from pipeline.engine.sampling import SamplingParams
@@ -571,29 +572,13 @@ class ShapeBench:
             return all(torch.equal(fn(x[:n])[:65], alone[:min(n, 65)]) for n in (3, 5, 64, 65, 320))
 
         def ms(fn, x, repeats=20):
-            """A call's time inside a CUDA graph of `repeats` calls, best of 3 replays: as the engine's graphed
-            steps run it, without the launch's CPU cost (a timed eager call of a small linear measured its launch:
-            about 80 us for every Triton kernel, 40 for cuBLAS)."""
-            fn(x)
+            """A call's time inside a CUDA graph, as the engine's graphed steps run it (cuda_graphs.graph_time_ms)."""
             if not x.is_cuda:  # a CPU under the interpreter (a check of this section, not a measurement)
+                fn(x)
                 t = time.perf_counter()
                 fn(x)
                 return (time.perf_counter() - t) * 1e3
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(repeats):
-                    fn(x)
-            graph.replay()
-            best = float("inf")
-            for _ in range(3):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                torch.cuda.synchronize()
-                best = min(best, a.elapsed_time(b) / repeats)
-            return best
+            return graph_time_ms(lambda: fn(x), repeats)
 
         out = rec["linears"] = {}
         for name, lin in linears.items():

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pipeline.engine import gpu_kernels
+from pipeline.engine.cuda_graphs import graph_time_ms
 from pipeline.engine.gpu_kernels import LinearTiles
 
 VOCAB = 128256
@@ -76,30 +77,15 @@ def _compile_some(tiles: list[tuple]) -> int:
 
 
 def graph_us(fn, repeats: int) -> float:
-    """Microseconds a call, from a CUDA graph of `repeats` calls (best of 3 replays). On a CPU (--smoke, under
-    Triton's interpreter: a check of this script, not a measurement) the calls' wall time."""
-    fn()
+    """Microseconds a call, from a CUDA graph of `repeats` calls (cuda_graphs.graph_time_ms). On a CPU (--smoke,
+    under Triton's interpreter: a check of this script, not a measurement) the calls' wall time."""
     if not torch.cuda.is_available():
+        fn()
         t = time.perf_counter()
         for _ in range(repeats):
             fn()
         return (time.perf_counter() - t) * 1e6 / repeats
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(repeats):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / repeats)
-    return best
+    return 1e3 * graph_time_ms(fn, repeats)
 
 
 def invariant(w: torch.Tensor, tiles: LinearTiles) -> bool:
