@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipeline.engine.guide import GuideSpec
 from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS,
                                              MAX_STOP_STRINGS,
-                                             check_logit_bias, check_num_draft_tokens, check_stop_strings, check_top_k)
+                                             check_num_draft_tokens, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
 from pipeline.openai_api import tools
-from pipeline.triton.validate import read_logit_bias
+from pipeline.triton.validate import logit_bias_pairs
 
 SPECULATION = ("auto", "on", "off")
 API_KEY_ENV = "PIPELINE_OPENAI_API_KEY"  # the key the API asks for, when set
@@ -184,9 +184,9 @@ class SamplingFields(BaseModel):
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM's: no stop before this many tokens
     ignore_eos: bool | None = None  # vLLM's: the model's end token doesn't end the answer (load tools send it)
 
-    def bias(self) -> tuple[tuple[int, float], ...]:
+    def bias(self, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
         try:
-            return read_logit_bias(json.dumps(self.logit_bias or {}))
+            return logit_bias_pairs(self.logit_bias or {}, vocab_size)
         except RequestError as err:
             raise ProtocolError(str(err), "logit_bias") from None
 
@@ -238,10 +238,7 @@ class SamplingFields(BaseModel):
         if self.n > 1 and self.stream:
             raise ProtocolError(f"n {self.n} with stream true isn't served yet; stream one choice, or send stream "
                                 "false for several", "n")
-        try:
-            check_logit_bias(self.bias(), limits.vocab_size)
-        except RequestError as err:
-            raise ProtocolError(str(err), "logit_bias") from None
+        self.bias(limits.vocab_size)
         if self.min_tokens and self.min_tokens > self.new_tokens(limits.max_seq_len - 1):
             raise ProtocolError(f"min_tokens {self.min_tokens} is over max_tokens {self.new_tokens(0)}; send at most "
                                 "max_tokens", "min_tokens")

@@ -173,9 +173,14 @@ def read_logit_bias(text: str, vocab_size: int | None = None) -> tuple[tuple[int
     try:
         raw = json.loads(text or "{}")
     except ValueError:
-        raise RequestError('logit_bias must be a JSON object {"token id": bias}') from None
+        raw = None
     if not isinstance(raw, dict):
         raise RequestError('logit_bias must be a JSON object {"token id": bias}')
+    return logit_bias_pairs(raw, vocab_size)
+
+
+def logit_bias_pairs(raw: dict, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} (OpenAI's logit_bias) as (id, bias) pairs, checked."""
     if len(raw) > MAX_LOGIT_BIAS:
         raise RequestError(f"logit_bias has {len(raw)} entries; send at most {MAX_LOGIT_BIAS}")
     pairs = []
