@@ -41,6 +41,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -90,6 +91,12 @@ SAMPLED_TEMPERATURE = 0.8
 # waits BUSY_BACKOFF_S before its next request, as a client that retries would.
 BUSY_LINE = "server busy:"
 BUSY_BACKOFF_S = 1.0
+# After a gRPC failure (the server is gone) a client waits this long before its next request, as a client that
+# retries would, rather than failing thousands of times while the server restarts.
+TRANSPORT_BACKOFF_S = 0.2
+# A transport failure this long before the supervisor saw the server dead, or after it was ready again, still counts
+# as lost to the restart: the poll runs every supervise.POLL_S, and clients see a dead server before it does.
+RESTART_GRACE_S = 2.0
 BAD_MAX_TOKENS = 8  # refused before decoding; short in case a bad request is wrongly served
 PROGRESS_EVERY_S = 60.0
 GAUGES_EVERY_S = 2.0
@@ -112,6 +119,9 @@ class Outcome(str, Enum):
     ERRORED_UNEXPECTED = "errored_unexpected"
     HUNG = "hung"
     MISMATCHED = "mismatched"
+    # With --repo: a gRPC failure while the server was down and being restarted (Restart); each restart is judged by
+    # what killed the server, the requests it took with it are not failures of their own.
+    LOST_TO_RESTART = "lost_to_restart"
 
 
 FAILING = (Outcome.ERRORED_UNEXPECTED, Outcome.HUNG, Outcome.MISMATCHED)
@@ -187,6 +197,8 @@ class Reply:
     left: bool = False  # the client walked away (cancel)
     aborted: bool = False  # the soak was interrupted (Ctrl-C): not counted
     first_s: float | None = None  # from sending to the first response (an error counts): queueing shows here
+    transport: bool = False  # the error is gRPC's (the stream or the server broke), not a model's error response
+    ended_at: float = 0.0  # time.monotonic() when the client had its answer
 
 
 def request_inputs(request: Request) -> list:
@@ -244,7 +256,7 @@ class Client:
                                            enable_empty_final_response=True)
         except Exception as err:  # noqa: BLE001  counted as an unexpected error
             self._stop(cancel=True)
-            reply.error = message(err)
+            reply.error, reply.transport = message(err), True
             return reply
         sent = last = time.monotonic()
         while True:
@@ -265,6 +277,7 @@ class Client:
                 from pipeline.triton.client import stream_error_status
 
                 if stream_error_status(error):  # a gRPC failure: this stream is broken
+                    reply.transport = True
                     self._stop(cancel=True)
                 # else a model's error response, which ends the request and leaves the stream open, as the
                 # pipeline client does: cancelling a stream whose request has finished leaks in tritonserver 2.51.
@@ -321,11 +334,18 @@ def divergence(got: str, want: str, context: int = 30) -> str:
 # ---- the tally ------------------------------------------------------------------------------------
 
 
+PROBLEMS_SHOWN = 20
+
+
 @dataclass
 class Tally:
     sent: Counter = field(default_factory=Counter)  # per kind
     outcomes: Counter = field(default_factory=Counter)  # per outcome
-    problems: list[str] = field(default_factory=list)  # the first few failure lines
+    # The first failure lines, with when each request ended and whether its error was gRPC's (settle may move
+    # those to LOST_TO_RESTART).
+    failures: list[tuple[float, bool, str]] = field(default_factory=list)
+    # gRPC failures counted as unexpected so far: when each ended.
+    transport_failures: list[float] = field(default_factory=list)
     first_s: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -333,10 +353,31 @@ class Tally:
         with self.lock:
             self.sent[request.kind.value] += 1
             self.outcomes[outcome.value] += 1
+            transport = outcome is Outcome.ERRORED_UNEXPECTED and reply.transport
+            if transport:
+                self.transport_failures.append(reply.ended_at)
             if reply.first_s is not None:
                 self.first_s.append(reply.first_s)
-            if problem is not None and len(self.problems) < 20:
-                self.problems.append(problem)
+            if problem is not None and len(self.failures) < 50 * PROBLEMS_SHOWN:
+                self.failures.append((reply.ended_at, transport, problem))
+
+    def settle(self, windows: list[tuple[float, float]]) -> None:
+        """Move the gRPC failures that ended while the server was down (a window of (from, to)) from unexpected
+        errors to LOST_TO_RESTART."""
+        def lost(t: float) -> bool:
+            return any(start <= t <= end for start, end in windows)
+
+        with self.lock:
+            moved = sum(lost(t) for t in self.transport_failures)
+            self.outcomes[Outcome.ERRORED_UNEXPECTED.value] -= moved
+            self.outcomes[Outcome.LOST_TO_RESTART.value] += moved
+            self.transport_failures = [t for t in self.transport_failures if not lost(t)]
+            self.failures = [f for f in self.failures if not (f[1] and lost(f[0]))]
+
+    @property
+    def problems(self) -> list[str]:
+        with self.lock:
+            return [line for _, _, line in self.failures[:PROBLEMS_SHOWN]]
 
     def first_response_s(self) -> dict[str, float | None]:
         with self.lock:
@@ -435,6 +476,29 @@ def rss_rows(start: dict, warm: dict, end: dict) -> list[RssRow]:
 
 
 @dataclass
+class Restart:
+    """One death of the server under the soak (--repo), and the supervisor's restart (pipeline serve's own)."""
+
+    died: str  # supervise's line: what died and, for a known upstream crash, which
+    log_tail: str  # the server's log as it died, its last SERVER_LOG_LINES
+    died_at: float  # time.monotonic() when the supervisor saw it dead
+    ready_at: float | None  # when it was ready again; None: it never came back (the error is in `died`)
+    known: str | None  # supervise.known_crash: an upstream bug this project can't fix, else None
+
+    @property
+    def window(self) -> tuple[float, float]:
+        end = float("inf") if self.ready_at is None else self.ready_at + RESTART_GRACE_S
+        return self.died_at - RESTART_GRACE_S, end
+
+    def failure(self) -> str | None:
+        if self.ready_at is None:
+            return f"the server did not come back: {self.died}"
+        if self.known is None:
+            return f"{self.died}; its log ends:\n{self.log_tail}"
+        return None
+
+
+@dataclass
 class Report:
     options: SoakOptions
     url: str
@@ -452,9 +516,11 @@ class Report:
     # Each process's RSS every PROGRESS_EVERY_S: whether growth levels off (allocator high-water marks after
     # the bursts) or keeps climbing (a leak) shows here, not in start and end alone.
     rss_series: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    restarts: list[Restart] = field(default_factory=list)  # --repo: each death of the server and its restart
 
     def failures(self, rss_check: bool = True) -> list[str]:
-        out = [f"{self.counts[o.value]} {o.value.replace('_', ' ')}" for o in FAILING if self.counts[o.value]]
+        out = [f for r in self.restarts if (f := r.failure())]
+        out += [f"{self.counts[o.value]} {o.value.replace('_', ' ')}" for o in FAILING if self.counts[o.value]]
         if self.counts[Outcome.COMPLETED.value] == 0:
             out.append("no request completed")
         if rss_check:
@@ -474,6 +540,9 @@ class Report:
                 "first_response_s": self.first_response_s,
                 "rss_series": [{"t_s": t, "mib": mib} for t, mib in self.rss_series],
                 "problems": self.problems,
+                "restarts": [{"died": r.died, "known": r.known,
+                              "down_s": None if r.ready_at is None else round(r.ready_at - r.died_at, 1),
+                              "log_tail": r.log_tail} for r in self.restarts],
                 "failures": self.failures(rss_check)}
 
 
@@ -520,10 +589,18 @@ def drained_gauges(metrics_url: str | None, timeout_s: float = 30.0) -> dict[str
         time.sleep(0.5)
 
 
-def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_url: str | None = None,
-         say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
-    """Run the mix against a ready server at url (HOST:PORT, gRPC); server_pid: read its processes' RSS."""
-    rss_start = rss_sample(server_pid)
+def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | None = None,
+         metrics_url: str | None = None, say=lambda line: print(line, file=sys.stderr, flush=True),
+         restarts: list[Restart] | None = None) -> Report:
+    """Run the mix against a ready server at url (HOST:PORT, gRPC); server_pid: read its processes' RSS (a callable:
+    the current one, for a server that may be restarted). restarts: filled by a supervisor as the soak runs; the
+    gRPC failures of requests in flight while the server was down count as lost to the restart."""
+    restarts = [] if restarts is None else restarts
+
+    def pid() -> int | None:
+        return server_pid() if callable(server_pid) else server_pid
+
+    rss_start = rss_sample(pid())
     say(f"soak: references for {len(PROMPTS)} prompts, one at a time")
     refs = references(url, options)
     tally, abort = Tally(), threading.Event()
@@ -538,6 +615,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
             while not abort.is_set():
                 request = draw(rng, options)
                 reply = client.call(request)
+                reply.ended_at = time.monotonic()
                 if reply.aborted:
                     return
                 outcome, problem = judge(request, reply, refs)
@@ -546,6 +624,8 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
                     return
                 if outcome is Outcome.BUSY:
                     abort.wait(BUSY_BACKOFF_S)
+                elif reply.transport:
+                    abort.wait(TRANSPORT_BACKOFF_S)
         finally:
             client.close()
 
@@ -562,7 +642,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
     try:
         while (now := time.monotonic()) < end_at:
             if now >= warm_at and rss_warm is None:
-                rss_warm = rss_sample(server_pid)
+                rss_warm = rss_sample(pid())
             if now >= next_burst:
                 bursts += 1
                 burst = [threading.Thread(target=run, args=(f"b{bursts}-{i}", None), daemon=True)
@@ -572,7 +652,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
                 threads += burst
                 next_burst += options.burst_every_s
             if now >= next_progress:
-                sample = rss_sample(server_pid)
+                sample = rss_sample(pid())
                 series.append((round(now - t0), {f"{name} ({pid})": round(kib / 1024, 1)
                                                  for pid, (name, kib) in sample.items()}))
                 rss_now = f" RSS {sum(kib for _, kib in sample.values()) / 1024:.0f} MiB" if sample else ""
@@ -593,21 +673,53 @@ def soak(url: str, options: SoakOptions, server_pid: int | None = None, metrics_
         raise
     wall = time.monotonic() - t0
     after = drained_gauges(metrics_url)
-    rss_end = rss_sample(server_pid)
+    rss_end = rss_sample(pid())
+    tally.settle([r.window for r in restarts])
     return Report(options, url, tally.snapshot(), dict(tally.sent), bursts, wall,
                   rss_rows(rss_start, rss_warm or {}, rss_end), server_pid is not None, after, dict(most),
-                  tally.first_response_s(), list(tally.problems), series)
+                  tally.first_response_s(), tally.problems, series, list(restarts))
 
 
 def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
     """Start tritonserver on a repository (free ports), soak it, stop it."""
     from pipeline.triton.server import ServeOptions, TritonServer
 
+    from pipeline.errors import ServeError
+    from pipeline.triton.server import READY_TIMEOUT_S
+    from pipeline.triton.supervise import CANCEL_RACE, supervise
+
     grpc, http, metrics = free_ports()
     say(f"soak: starting tritonserver on {repo}")
     server = TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics))
+    restarts: list[Restart] = []
+
+    def tail(log: str) -> str:
+        return "\n".join(log.splitlines()[-SERVER_LOG_LINES:])
+
+    def restarted(died: str, log: str, died_at: float, ready_at: float) -> None:
+        # supervise names the upstream crash in its line where the server's log shows it (known_crash)
+        restarts.append(Restart(died, tail(log), died_at, ready_at, CANCEL_RACE if CANCEL_RACE in died else None))
+
+    def watch() -> None:
+        # pipeline serve's own supervisor: a dead server is restarted, its clients in flight get an error at once.
+        try:
+            supervise(server, lambda line: say(f"soak: {line}"), READY_TIMEOUT_S, stop=stop, on_restart=restarted)
+        except ServeError as err:
+            restarts.append(Restart(str(err), tail(server.log()), time.monotonic(), None, None))
+
+    stop = threading.Event()
     with server:
-        return soak(server.endpoints.grpc, options, server.process.pid, server.endpoints.metrics, say)
+        watcher = threading.Thread(target=watch, name="soak-supervisor", daemon=True)
+        watcher.start()
+        try:
+            return soak(server.endpoints.grpc, options, lambda: server.process.pid if server.process else None,
+                        server.endpoints.metrics, say, restarts)
+        finally:
+            stop.set()
+            watcher.join()
+
+
+SERVER_LOG_LINES = 40
 
 
 # ---- output -------------------------------------------------------------------------------------------
@@ -624,6 +736,8 @@ def print_report(report: Report, rss_check: bool) -> None:
             ("errored unexpectedly", str(c["errored_unexpected"]), "target 0"),
             ("hung", str(c["hung"]), f"no response for {o.hang_s:g} s; target 0"),
             ("mismatched", str(c["mismatched"]), "greedy text != solo reference; target 0"),
+            ("lost to a server restart", str(c["lost_to_restart"]),
+             f"in flight when the server died ({len(report.restarts)} restarts)"),
             *([(f"{name.removeprefix('pipeline_')} max/after", f"{fmt(report.gauges_max.get(name), 'g')}/"
                 f"{fmt(report.gauges_after.get(name), 'g')}", "server gauge: most during the load / once drained, "
                 "target 0") for name in GAUGES] if report.gauges_after else
@@ -646,6 +760,9 @@ def print_report(report: Report, rss_check: bool) -> None:
           + (f"warm-up at {o.warmup_at_s:g} s, limit +{o.rss_growth_pct:g}%"
              + ("" if rss_check else " (not checked)") if report.rss_measured else "not measured (no --server-pid)")
           + f".\n{'PASS' if not failures else 'FAIL: ' + '; '.join(failures)}")
+    for r in report.restarts:
+        down = "never came back" if r.ready_at is None else f"back after {r.ready_at - r.died_at:.1f} s"
+        print(f"  restart: {r.died} ({down})")
     for line in report.problems[:10]:
         print(f"  {line}")
 

@@ -3,7 +3,9 @@ own flag and key tables (pipeline/compiler/reference.py), the checks that run be
 output, and the portable engine folder's round trip through LLMEngine."""
 
 import json
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import ConfigError, DraftMismatchError
+from pipeline.trtllm_version import CONTAINER_APP
 from cli_checks import assert_one_line_error  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -240,7 +243,7 @@ LLM_API_MODES = [(DraftSpec("none"), None, "none"), (DraftSpec("model", "/ckpt/d
 
 
 @pytest.mark.parametrize("draft,gate,mode", LLM_API_MODES, ids=[m for _, _, m in LLM_API_MODES])
-def test_llm_api_yaml_turns_on_chunked_prefill_and_block_reuse_beside_every_speculation_mode(draft, gate, mode):
+def test_llm_api_yaml_turns_on_chunked_prefill_block_reuse_and_guides_beside_every_speculation_mode(draft, gate, mode):
     """Each is a field of llm_args.py (FEATURE_SETTINGS), and 1.2.1 runs it beside this mode (the table names the
     file and symbol that say so); leaving either out of the YAML fails here."""
     from pipeline.compiler.llmapi import FEATURES, feature_notes, speculation_mode
@@ -252,6 +255,7 @@ def test_llm_api_yaml_turns_on_chunked_prefill_and_block_reuse_beside_every_spec
     assert options["enable_chunked_prefill"] is True and "enable_chunked_prefill" in ref.LLM_API_KEYS
     assert options["kv_cache_config"]["enable_block_reuse"] is True
     assert "enable_block_reuse" in ref.KV_CACHE_CONFIG_KEYS
+    assert options["guided_decoding_backend"] == "xgrammar" and "guided_decoding_backend" in ref.LLM_API_KEYS
     for setting in FEATURES:
         assert ref.FEATURE_SETTINGS[setting].path == ref.LLM_ARGS
         entry = ref.combination(setting, mode)
@@ -534,8 +538,8 @@ def test_the_gpu_is_matched_from_nvidia_smi_names():
 
 
 def test_dry_run_writes_the_configs_and_prints_the_commands(trt, tmp_path):
-    out = tmp_path / "engines" / "dt"
-    result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-k", "4", "--max-batch-size", "8",
+    out, target = tmp_path / "engines" / "dt", trt("t")
+    result = run("-b", "trtllm", "-t", str(target), "-d", str(trt("d")), "-k", "4", "--max-batch-size", "8",
                  "--dry-run", "-o", str(out))
     assert result.exit_code == 0, result.output
     assert "trtllm-build --checkpoint_dir" in result.output and "--speculative_decoding_mode" in result.output
@@ -545,6 +549,35 @@ def test_dry_run_writes_the_configs_and_prints_the_commands(trt, tmp_path):
     assert manifest["tensorrt_llm_version"] == ref.TRTLLM_VERSION and manifest["dry_run"]
     assert manifest["commands"]["build_target"] in result.output
     assert manifest["commands"]["build_draft"] in (out / "build.sh").read_text()
+    # Guided decoding's vocabulary, by upstream's own script where NVIDIA's container keeps it, into the output folder.
+    guide = shlex.split(manifest["commands"]["build_guide_info"])
+    assert guide[1] == f"{CONTAINER_APP}/{ref.GUIDE_INFO_SCRIPT}" and set(flags_of(guide)) == ref.GUIDE_INFO_FLAGS
+    assert value_of(guide, "--output_dir") == str(out) and value_of(guide, "--model_dir") == str(target)
+    assert manifest["commands"]["build_guide_info"] in (out / "build.sh").read_text()
+
+
+def test_a_real_engine_build_runs_each_step_into_the_staging_folder(trt, tmp_path, monkeypatch):
+    """Outside the container nothing runs, so the steps are recorded: each writes into the staging folder that becomes
+    the output, the guide's vocabulary beside the engines, where assemble looks for it."""
+    import pipeline.compiler.compiler as compile_run
+
+    ran = []
+
+    def fake_run(argv):
+        where = Path(argv[argv.index("--output_dir") + 1])
+        ran.append((Path(argv[1]).name if argv[0] == "python3" else argv[0], where.name))
+        where.mkdir(parents=True, exist_ok=True)
+        (where / (ref.GUIDE_INFO_FILE if argv[0] == "python3" else "config.json")).write_text("{}")
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(compile_run, "trtllm_available", lambda: True)
+    monkeypatch.setattr(compile_run.subprocess, "run", fake_run)
+    out = tmp_path / "e"
+    result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-k", "4", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert [program for program, _ in ran] == ["trtllm-build", "trtllm-build", Path(ref.GUIDE_INFO_SCRIPT).name]
+    assert all(folder.startswith(".") or folder in ("target", "draft") for _, folder in ran)  # the staging folder
+    assert (out / "target" / "config.json").is_file() and (out / ref.GUIDE_INFO_FILE).is_file()
 
 
 def test_llmapi_route_writes_yaml_and_serve_command(tiny_target, tiny_draft, tmp_path):
@@ -557,6 +590,9 @@ def test_llmapi_route_writes_yaml_and_serve_command(tiny_target, tiny_draft, tmp
     spec = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())["speculative_config"]
     assert spec == {"decoding_type": "DraftTarget", "max_draft_len": 3,
                     "speculative_model_dir": str(tiny_draft), "max_concurrency": 16}
+    options = yaml.safe_load((out / "extra_llm_api_options.yaml").read_text())
+    assert options["guided_decoding_backend"] == "xgrammar"  # without it trtllm-serve enforces no response_format
+    assert ref.combination("guided_decoding_backend", "model").where.path == ref.SPEC_INTERFACE
     assert str(out / "extra_llm_api_options.yaml") in " ".join(report["commands"]["serve"])
 
 

@@ -69,7 +69,7 @@ class ToyEngines:
 
 
 def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(), temperature=0.0,
-                    repetition_penalty=1.0, presence_penalty=0.0, return_log_probs=False):
+                    repetition_penalty=1.0, presence_penalty=0.0, return_log_probs=False, guide_type="", guide=""):
     # Preprocessing's layout: -1 padded, one column even with no words.
     words = stop_words_tensor(tuple(tuple(w) for w in stop_words)) if stop_words else np.full((1, 2, 1), -1, np.int32)
     return {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
@@ -81,7 +81,10 @@ def request_tensors(prompt, max_tokens, *, stream=False, end_id=-1, stop_words=(
             "repetition_penalty": np.array([[repetition_penalty]], np.float32),
             "presence_penalty": np.array([[presence_penalty]], np.float32),
             "frequency_penalty": np.array([[0.0]], np.float32),
-            "return_log_probs": np.array([[return_log_probs]], bool), "num_logprobs": np.array([[0]], np.int32)}
+            "return_log_probs": np.array([[return_log_probs]], bool), "num_logprobs": np.array([[0]], np.int32),
+            # Preprocessing sends both always, empty for no guide.
+            "guided_decoding_guide_type": np.array([[guide_type.encode()]], np.object_),
+            "guided_decoding_guide": np.array([[guide.encode()]], np.object_)}
 
 
 def run(engines, tensors, *, speculate=True, k=4, cancel_after=None):
@@ -191,10 +194,12 @@ def test_speculation_off_and_sampled_requests_call_the_target_alone():
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("extra, reason", [({"repetition_penalty": 1.2}, "penalties"),
                                            ({"presence_penalty": -0.5}, "penalties"),
-                                           ({"return_log_probs": True}, "log_probs")])
-def test_penalties_and_log_probs_decode_on_the_target_alone_as_one_request(stream, extra, reason):
+                                           ({"return_log_probs": True}, "log_probs"),
+                                           ({"guide_type": "json"}, "guided")])
+def test_penalties_log_probs_and_guides_decode_on_the_target_alone_as_one_request(stream, extra, reason):
     """Each verify step is a new TensorRT-LLM request whose prompt holds the answer so far: penalties would count
-    other tokens there, and accepted drafts get no log probs. So the target decodes alone, and says why."""
+    other tokens there, accepted drafts get no log probs, and the C++ guided decoder would start its grammar over
+    and leave draft positions unmasked. So the target decodes alone, and says why."""
     target = toy(7)
     engines = ToyEngines(target, target, stream_chunk=3)
     tensors = request_tensors(PROMPT, 20, stream=stream, **extra)
@@ -339,7 +344,25 @@ def test_penalties_and_log_probs_reach_the_target_as_tensorrt_llms_own_inputs():
     assert set(TRTLLM_OUTPUTS + [LOG_PROBS_OUTPUT]) <= {t.name for t in OUTPUTS}
     plain = TritonRequest.from_tensors(request_tensors(PROMPT, 9))
     assert set(TritonEngines("t", "d", plain, lambda: False)._decode_inputs(PROMPT, 9)) & {
-        "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs"} == set()
+        "repetition_penalty", "presence_penalty", "frequency_penalty", "return_log_probs",
+        "guided_decoding_guide_type", "guided_decoding_guide"} == set()
+
+
+@pytest.mark.parametrize("guide_type, guide", [("json_schema", '{"type": "object"}'), ("regex", r"\d+"),
+                                               ("json", "")])
+def test_a_guide_reaches_the_target_as_upstreams_guided_decoding_inputs(guide_type, guide):
+    from pipeline.triton.draft_target import SENT_INPUTS, TritonEngines
+    from pipeline.triton.interface import TRTLLM_INPUTS
+
+    specs = {t.name: t for t in TRTLLM_INPUTS}
+    request = TritonRequest.from_tensors(request_tensors(PROMPT, 9, guide_type=guide_type, guide=guide))
+    assert (request.guide_type, request.guide, request.plain_reason) == (guide_type, guide, "guided")
+    sent = TritonEngines("tensorrt_llm", "tensorrt_llm_draft", request, lambda: False)._decode_inputs(PROMPT, 9)
+    assert sent["guided_decoding_guide_type"].tolist() == [[guide_type.encode()]]
+    # upstream's "json" takes no guide text: none is sent
+    assert ("guided_decoding_guide" in sent) == bool(guide)
+    for name, value in sent.items():
+        assert SENT_INPUTS[name] == specs[name].dtype and value.ndim == 1 + len(specs[name].dims), name
 
 
 def test_request_reads_the_gate_tensors():
@@ -354,14 +377,15 @@ MAX_TOKENS = 40
 DRAFT_MAX_INPUT_LEN = 120  # past every test prompt + MAX_TOKENS
 
 
-def standin_repo(root: Path, target: Path, draft: Path) -> Path:
+def standin_repo(root: Path, target: Path, draft: Path, guided: bool = False) -> Path:
     from pipeline.engine.gate_policy import GatePolicy
     from pipeline.triton.assemble import write_repository
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, read_config, write_config
 
     spec = RepoSpec(backend="trtllm", tokenizer_dir=str(target), engine_dir=str(target), draft_engine_dir=str(draft),
                     max_batch_size=16, max_seq_len=256, num_draft_tokens=3,
-                    gate=GatePolicy(max_batch_size=16, hysteresis=2, min_tokens=0))
+                    gate=GatePolicy(max_batch_size=16, hysteresis=2, min_tokens=0),
+                    guide_tokenizer_info=str(root / "xgrammar_tokenizer_info.json") if guided else "")
     repo = root / "repo"
     repo.mkdir(parents=True)
     write_repository(repo, spec)
@@ -383,7 +407,8 @@ def served(request, tiny_target, tiny_draft, tmp_path_factory):
 
     binary = find_tritonserver()
     draft = tiny_target if request.param == "same_draft" else tiny_draft
-    repo = standin_repo(tmp_path_factory.mktemp("trtllm"), tiny_target, draft)
+    # The same-draft repository's target has guided decoding on (compile wrote its tokenizer file), the other's not.
+    repo = standin_repo(tmp_path_factory.mktemp("trtllm"), tiny_target, draft, guided=request.param == "same_draft")
     grpc, http, metrics = free_ports()
     with TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics), binary) as srv:
         yield request.param, srv
@@ -489,6 +514,33 @@ def test_penalties_and_log_probs_are_tensorrt_llms_own_and_top_n_is_refused_in_o
         with pytest.raises(InferenceServerException, match="num_logprobs 2 isn't served on the TensorRT-LLM route"):
             ensemble_results(client, prompt, n, True, return_log_probs=np.array([[True]]),
                              num_logprobs=np.array([[2]], np.int32))
+        [(text, _, _)] = responses(client, prompt, n, stream=False)
+        assert text == reference(prompt, n)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_guide_goes_to_the_target_alone_by_upstreams_names_or_is_refused_where_guided_decoding_is_off(served,
+                                                                                                      reference):
+    import tritonclient.grpc as grpcclient
+    from serving_checks import ensemble_results
+    from tritonclient.utils import InferenceServerException
+
+    kind, server = served
+    prompt, n = "abcabcabc hello", 16
+    guide = dict(guided_decoding_guide_type=np.array([[b"regex"]], np.object_),
+                 guided_decoding_guide=np.array([[rb"[a-z ]+"]], np.object_))
+    client = grpcclient.InferenceServerClient(server.endpoints.grpc)
+    try:
+        if kind == "same_draft":
+            results = ensemble_results(client, prompt, n, True, **guide)
+            # The stand-in applies no grammar: the answer is the target's own, drafted by nobody.
+            assert "".join(r.as_numpy("text_output")[0, 0].decode() for r in results) == reference(prompt, n)
+            assert sum(int(r.as_numpy("num_drafted_tokens")[0, 0]) for r in results) == 0
+        else:
+            with pytest.raises(InferenceServerException, match="has guided decoding off .*rerun `pipeline compile`"):
+                ensemble_results(client, prompt, n, True, **guide)
         [(text, _, _)] = responses(client, prompt, n, stream=False)
         assert text == reference(prompt, n)
     finally:

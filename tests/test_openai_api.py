@@ -370,6 +370,54 @@ def test_a_tool_call_round_trip_forced_on_a_template_without_tools(client):
         assert err.value.body["param"] == param
 
 
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchains_structured_output_gets_its_pydantic_model(served, method):
+    """LangChain's ChatOpenAI, as an agent framework sends it: with_structured_output by a strict json_schema
+    response_format (its default) and by a forced tool call."""
+    from typing import Literal
+
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        """A pet."""
+
+        kind: Literal["cat", "dog"]
+        age: int = Field(ge=0, le=30)
+
+    llm = ChatOpenAI(base_url=f"{served[1].url}/v1", api_key="unused", model="tiny", temperature=0, max_tokens=80,
+                     max_retries=0, timeout=60)
+    pet = llm.with_structured_output(Pet, method=method).invoke("Describe a pet.")
+    assert isinstance(pet, Pet)
+
+
+def test_langchains_bound_tools_make_a_call_and_take_its_result_back(served):
+    """bind_tools with a named tool_choice: a call LangChain parses into tool_calls, then its ToolMessage back."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=12)  # the random tiny model would otherwise write one string to max_tokens
+
+    @tool(args_schema=City)
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"21 C in {city}"
+
+    llm = ChatOpenAI(base_url=f"{served[1].url}/v1", api_key="unused", model="tiny", temperature=0, max_tokens=150,
+                     max_retries=0, timeout=60)
+    messages = [HumanMessage("What is the weather in Paris?")]
+    asked = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
+    assert asked.response_metadata["finish_reason"] == "tool_calls" and not asked.content
+    [call] = asked.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str) and call["id"]
+    messages += [asked, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = llm.bind_tools([get_weather]).invoke(messages)
+    assert answer.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+
 def test_a_call_is_an_answer_that_is_exactly_one_call_of_a_listed_tool():
     from pipeline.openai_api import tools
 

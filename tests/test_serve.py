@@ -420,3 +420,24 @@ def test_cli_dry_run_shows_the_device_and_checks_only_its_spelling(echo_repo):
     assert result.output.startswith("PIPELINE_DEVICE=cuda:3 ")  # for the machine it will run on: no GPU needed here
     bad = CliRunner().invoke(main, ["serve", "--repo", str(echo_repo), "--dry-run", "--device", "tpu"])
     assert bad.exit_code == 2 and "unknown device 'tpu'" in bad.output
+
+
+def test_the_known_upstream_cancellation_crash_is_named_and_no_other():
+    """The stack tritonserver 2.51 printed when a soak's cancelled stream crashed it (frames trimmed): named as the
+    upstream bug. Another segfault, or one long before the last start, is not."""
+    from pipeline.triton.supervise import CANCEL_RACE, known_crash
+
+    crash = """I1204 21:51:32.428612 18392 http_server.cc:362] "Started Metrics Service at 127.0.0.1:22849"
+Signal (11) received.
+ 0# 0x0000563BD9F3952D in /venv/lib/python3.11/site-packages/pytriton/tritonserver/bin/tritonserver
+ 1# 0x00007FDCA185A050 in /lib/x86_64-linux-gnu/libc.so.6
+ 2# pthread_mutex_lock in /lib/x86_64-linux-gnu/libc.so.6
+ 3# 0x0000563BD9FAF140 in /venv/lib/python3.11/site-packages/pytriton/tritonserver/bin/tritonserver
+10# TRITONBACKEND_ResponseFactorySendFlags in /venv/lib/python3.11/site-packages/nvidia_pytriton.libs/libtritonserver.so
+11# 0x00007FDC9A922536 in /tmp/pipeline-serve-zez2kwrk/backends/python/libtriton_python.so
+"""
+    other = "Signal (11) received.\n 0# 0x0000563BD9F3952D in tritonserver\n 1# free in libc.so.6\n"
+    started = 'I1204 21:52:40.1 18500 grpc_server.cc:2558] "Started GRPCInferenceService at 127.0.0.1:26906"\n'
+    assert known_crash(crash) == CANCEL_RACE
+    assert known_crash(other) is None and known_crash(started) is None
+    assert known_crash(crash + started + other) is None  # the last crash decides

@@ -49,7 +49,7 @@ def test_every_table_entry_names_an_upstream_file_and_symbol():
     for name, fact in upstream.LAUNCH_FACTS.items():
         assert fact.ref.path in upstream.SOURCES and fact.ref.symbol and fact.what, name
     for ref in (upstream.TENSORS_REF, upstream.ENSEMBLE_REF, upstream.LLMAPI_REF, upstream.TRITON_OPENAI_REF,
-                upstream.TRITON_OPENAI_RENDER_REF):
+                upstream.TRITON_OPENAI_RENDER_REF, upstream.GUIDED_DECODING_REF, upstream.GUIDED_DECODER_REF):
         assert ref.path in upstream.SOURCES
     assert len(upstream.TEMPLATE_COMMIT) == 40 and upstream.TRTLLM_VERSION == "1.2.1"
     keys = [p.key for p in upstream.TEMPLATE_PARAMETERS]
@@ -97,6 +97,24 @@ def test_each_tensorrt_llm_model_turns_on_chunked_context_and_kv_reuse_where_its
             assert readers[key].path == upstream.MODEL_INSTANCE_STATE, key
             assert combination(key, mode).allowed, (key, mode)
     assert (TRTLLM_DRAFT in configs) == with_draft
+
+
+@pytest.mark.parametrize("info", ["/engines/xgrammar_tokenizer_info.json", ""], ids=["guided", "compiled-without"])
+def test_the_target_alone_turns_guided_decoding_on_with_compiles_tokenizer_file(info):
+    """getGuidedDecodingConfigFromParams builds a guided decoder only with both keys set, and only for xgrammar; the
+    draft needs none (a guided request decodes on the target alone). The gate is told, to refuse guides in one line
+    where the target has none."""
+    from pipeline.compiler.reference import GUIDE_INFO_FILE
+
+    configs = repository_configs(replace(SPEC, guide_tokenizer_info=info))
+    target, draft = params(configs[TRTLLM_TARGET]), params(configs[TRTLLM_DRAFT])
+    readers = {p.key: p.read_by for p in upstream.TEMPLATE_PARAMETERS}
+    assert readers["guided_decoding_backend"] == readers["xgrammar_tokenizer_info_path"] == upstream.GUIDED_DECODING_REF
+    assert (target["guided_decoding_backend"], target["xgrammar_tokenizer_info_path"]) == (
+        ("xgrammar", info) if info else ("", ""))
+    assert (draft["guided_decoding_backend"], draft["xgrammar_tokenizer_info_path"]) == ("", "")
+    assert params(configs[GATE])["guided_decoding"] == ("on" if info else "off")
+    assert not info or info.endswith(GUIDE_INFO_FILE)
 
 
 def test_the_seed_input_is_upstreams_name_everywhere():

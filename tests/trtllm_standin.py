@@ -9,7 +9,9 @@ holding only the tokens new since the last. With draft_input_ids it verifies gre
 the longest prefix of the drafts that matches its own greedy tokens, then its own next token.
 Without drafts it takes repetition_penalty, presence_penalty and frequency_penalty (penalised_next) and
 return_log_probs: output_log_probs [1, 1, len] then holds every generated token's log prob so far, also in a
-streaming response, as TensorRT-LLM's LlmRequest::createResult returns them.
+streaming response, as TensorRT-LLM's LlmRequest::createResult returns them. A guide (guided_decoding_guide_type)
+needs its config's guided_decoding_backend set, and no drafts beside it; the stand-in doesn't apply the grammar,
+it only checks what the gate sends it.
 
 The model is the Hugging Face folder at gpt_model_path, run greedy with a full recompute per token
 (they are tiny). One worker thread computes and sends everything, as a decoupled model must.
@@ -96,6 +98,7 @@ class TritonPythonModel:
         self.max_draft_len = int(config["parameters"].get("standin_max_draft_len", {}).get("string_value", "0") or 0)
         # The engine's --max_input_len, 0 for none: longer inputs get TensorRT-LLM's error response.
         self.max_input_len = int(config["parameters"].get("standin_max_input_len", {}).get("string_value", "0") or 0)
+        self.guided = bool(config["parameters"].get("guided_decoding_backend", {}).get("string_value", ""))
         self.inbox: queue.Queue = queue.Queue()
         self.worker = threading.Thread(target=self._work, daemon=True)
         self.worker.start()
@@ -155,6 +158,9 @@ class TritonPythonModel:
         log_probs = bool(scalar("return_log_probs", False))
         if drafts and (log_probs or penalties != [1.0, 0.0, 0.0]):
             raise ValueError("draft_input_ids with penalties or log probs: the loop never sends these together")
+        guide = scalar("guided_decoding_guide_type", b"")
+        if guide and (drafts or not self.guided):
+            raise ValueError(f"guide {guide!r} with drafts, or without guided_decoding_backend in the config")
         logprobs: list[float] = []
 
         def response(tokens):

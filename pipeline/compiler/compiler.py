@@ -21,8 +21,9 @@ from pathlib import Path
 from pipeline import trtllm_version
 from pipeline.compiler import engine_folder, llmapi
 from pipeline.compiler.checkpoint import Checkpoint, read_checkpoint
-from pipeline.compiler.reference import TRTLLM_CONTAINER
-from pipeline.compiler.trtllm_build import BuildSizes, build_command, derive_sizes, feature_notes, run_command
+from pipeline.compiler.reference import GUIDE_INFO_FILE, TRTLLM_CONTAINER
+from pipeline.compiler.trtllm_build import (BuildSizes, build_command, derive_sizes, feature_notes, guide_info_command,
+                                            run_command)
 from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan, pick_route
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.folder import ENGINE_FILE, write_engine_manifest
@@ -160,6 +161,8 @@ def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft
         out.commands["build_target"] = build_command(target, output / "target", r.sizes, role="target")
         if draft_ckpt is not None:
             out.commands["build_draft"] = build_command(draft_ckpt, output / "draft", r.sizes, role="draft")
+        # Guided decoding's vocabulary, beside the engines (assemble points the target's config at it).
+        out.commands["build_guide_info"] = guide_info_command(target.path, output)
         out.commands["smoke_test"] = run_command(output / "target", output / "draft" if draft_ckpt else None,
                                                  target.path, r.sizes, options.free_gpu_memory_fraction,
                                                  target.world_size)
@@ -271,16 +274,20 @@ def compile_model(options: CompileOptions) -> CompileResult:
 
 def _run_builds(stage: Path, result: CompileResult) -> None:
     """trtllm-build, into the staging folder: the same argv with the --output_dir moved there."""
-    builds = [cmd for name, cmd in result.commands.items() if name.startswith("build_")]
-    for cmd in builds:
+    output = Path(result.output)
+    for name, cmd in result.commands.items():
+        if not name.startswith("build_"):
+            continue
         staged = list(cmd)
         i = staged.index("--output_dir") + 1
-        staged[i] = str(stage / Path(staged[i]).name)
+        where = Path(staged[i])  # output/target, output/draft, or output itself (the guide's vocabulary)
+        staged[i] = str(stage if where == output else stage / where.name)
         done = subprocess.run(staged)  # its log streams to the terminal
         if done.returncode != 0:
-            raise ConfigError(f"trtllm-build exited {done.returncode} building {Path(staged[i]).name}; its log is "
-                              f"above, and `pipeline compile --dry-run` writes the commands to rerun by hand")
-    result.files += [Path(c[c.index("--output_dir") + 1]).name + "/" for c in builds]
+            program = Path(cmd[1]).name if cmd[0] == "python3" else cmd[0]
+            raise ConfigError(f"{program} exited {done.returncode} ({name}); its log is above, and `pipeline "
+                              f"compile --dry-run` writes the commands to rerun by hand")
+        result.files.append(GUIDE_INFO_FILE if where == output else where.name + "/")
 
 
 def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None,

@@ -25,7 +25,10 @@ OPTIONS_FILE = "extra_llm_api_options.yaml"
 # Turned on beside every speculation mode that TensorRT-LLM runs them with (reference.SPECULATION_COMBINATIONS):
 # chunked prefill keeps a long prompt from stalling the decode steps of the batch beside it, and block reuse lets a
 # resent conversation skip its cached prefix.
-FEATURES = ("enable_chunked_prefill", "kv_cache_config.enable_block_reuse")
+FEATURES = ("enable_chunked_prefill", "kv_cache_config.enable_block_reuse", "guided_decoding_backend")
+# Guided decoding (response_format, guided_json, ...): xgrammar, the backend both TensorRT-LLM runtimes implement (the
+# engine route's C++ GuidedDecoder takes no other), so a guide means the same on either route.
+GUIDED_DECODING_BACKEND = "xgrammar"
 EAGLE3_TWO_MODEL_COST = ("two-model EAGLE-3, so max_concurrency can turn it off (1.2.1's one-model EAGLE-3 has no "
                          "Drafter and never turns off; --trtllm-version 1.4 gates one-model): a separate draft "
                          "engine and KV cache, a Python-driven draft loop and no overlap scheduler; TensorRT-LLM "
@@ -74,6 +77,9 @@ def llm_api_options(draft: DraftSpec, sizes: BuildSizes, settings: LlmApiSetting
     options: dict = {"kv_cache_config": kv}
     if combination("enable_chunked_prefill", mode).allowed:
         options["enable_chunked_prefill"] = True  # BaseLlmArgs default False
+    if combination("guided_decoding_backend", mode).allowed:
+        # Default None: trtllm-serve would take response_format and enforce nothing.
+        options["guided_decoding_backend"] = GUIDED_DECODING_BACKEND
     if draft.speculates:
         spec: dict = {"decoding_type": table.decoding_types[draft.kind], "max_draft_len": sizes.max_draft_len}
         if draft.path is not None:

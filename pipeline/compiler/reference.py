@@ -20,6 +20,9 @@ Sources (NVIDIA/TensorRT-LLM):
   tensorrt_llm/commands/serve.py     trtllm-serve's click options
   examples/utils.py                  add_common_args(): examples/run.py's flags
   examples/draft_target_model/README.md   the draft-target build recipe and its run.py smoke test
+  examples/generate_xgrammar_tokenizer_info.py   the tokenizer file the C++ runtime's guided decoding reads
+  tensorrt_llm/_torch/speculative/interface.py   SpeculativeDecodingMode.support_guided_decoder and
+                                     support_capturable_guided_decoder: which speculation modes take a guide
   SPECULATION_COMBINATIONS below: chunked prefill/context and KV block reuse beside each speculation mode, each
   pinned to the file and symbol that decides it
 """
@@ -64,6 +67,14 @@ RUN_PY_FLAGS = frozenset({
     "--kv_cache_free_gpu_memory_fraction", "--max_tokens_in_paged_kv_cache", "--draft_engine_dir",
     "--draft_target_model_config", "--enable_chunked_context"})
 
+# Guided decoding on the engine route (triton-inference-server/tensorrtllm_backend docs/guided_decoding.md, "C++
+# Backend"): examples/generate_xgrammar_tokenizer_info.py --model_dir HF --output_dir DIR writes DIR/GUIDE_INFO_FILE
+# (its argparse and generate_xgrammar_tokenizer_info()), which the tensorrt_llm model's xgrammar_tokenizer_info_path
+# names. It imports tensorrt_llm, so it runs in NVIDIA's container, which keeps examples/ under /app.
+GUIDE_INFO_SCRIPT = "examples/generate_xgrammar_tokenizer_info.py"
+GUIDE_INFO_FLAGS = frozenset({"--model_dir", "--output_dir"})
+GUIDE_INFO_FILE = "xgrammar_tokenizer_info.json"
+
 
 # ---- chunked prefill (chunked context) and KV block reuse beside speculation ----------------------------------------
 # Files in NVIDIA/TensorRT-LLM. The LLM API's classes and the feature matrix were read in the 1.2.1 docs build
@@ -84,9 +95,10 @@ MODEL_ENGINE = "tensorrt_llm/_torch/pyexecutor/model_engine.py"
 DRAFTER = "tensorrt_llm/_torch/speculative/drafter.py"
 SPEC_UTILS = "tensorrt_llm/_torch/speculative/utils.py"
 DOCS_1_4 = "nvidia.github.io/TensorRT-LLM/1.4.0rc4/llm-api/reference"
+SPEC_INTERFACE = "tensorrt_llm/_torch/speculative/interface.py"  # @0c8de69a
 SOURCES = frozenset({LLM_ARGS, FEATURE_MATRIX, PY_EXECUTOR_CREATOR, PY_EXECUTOR_UTIL, MODEL_DRAFTER, NGRAM_DRAFTER,
                      TRT_GPT_MODEL, MICRO_BATCH_SCHEDULER, PLUGIN, EXAMPLES_UTILS, RELEASE_NOTES, MODEL_ENGINE,
-                     DRAFTER, SPEC_UTILS, DOCS_1_4})
+                     DRAFTER, SPEC_UTILS, DOCS_1_4, SPEC_INTERFACE, GUIDE_INFO_SCRIPT})
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,10 @@ _LLM_API_1_2 = frozenset({
     "max_input_len", "enable_chunked_prefill", "tensor_parallel_size", "pipeline_parallel_size",
     # TorchLlmArgs; the 1.2.1 speculative-decoding docs set it for two-model EAGLE-3 ("Two-model based
     # speculation implementations do not support overlap scheduler").
-    "disable_overlap_scheduler"})
+    "disable_overlap_scheduler",
+    # BaseLlmArgs.guided_decoding_backend: Optional[Literal["xgrammar", "llguidance"]], default None (no guide is
+    # enforced: trtllm-serve still turns response_format into guided-decoding parameters, with nothing to apply them).
+    "guided_decoding_backend"})
 _SERVE = frozenset({
     "--backend", "--tp_size", "--pp_size", "--max_batch_size", "--max_num_tokens", "--max_seq_len",
     "--kv_cache_free_gpu_memory_fraction", "--extra_llm_api_options", "--host", "--port", "--tokenizer"})
@@ -230,6 +245,7 @@ DRAFT_LEN_SCHEDULE = Pin(LLM_ARGS, "DecodingBaseConfig.draft_len_schedule (valid
 FEATURE_SETTINGS: dict[str, Pin] = {
     "enable_chunked_prefill": Pin(LLM_ARGS, "BaseLlmArgs.enable_chunked_prefill"),  # default False
     "kv_cache_config.enable_block_reuse": Pin(LLM_ARGS, "KvCacheConfig.enable_block_reuse"),  # default True
+    "guided_decoding_backend": Pin(LLM_ARGS, "BaseLlmArgs.guided_decoding_backend"),  # default None
     # Both features need the engine built with it (default True in 1.2.1): without it executorImpl.cpp
     # fixExecutorConfig turns chunked context off and TrtGptModelInflightBatching::fixExecutorConfig KV reuse.
     "--use_paged_context_fmha": Pin(PLUGIN, "PluginConfig.use_paged_context_fmha"),
@@ -279,6 +295,15 @@ SPECULATION_COMBINATIONS: dict[tuple[str, str], Combination] = {
         _allowed(FEATURE_MATRIX, "KV Cache Reuse x EAGLE-3(One Model Engine): Yes"),
     ("kv_cache_config.enable_block_reuse", "eagle3:two-model"):
         _allowed(FEATURE_MATRIX, "KV Cache Reuse x EAGLE-3(Two Model Engine): Yes"),
+    # A guide beside speculation: create_py_executor builds a GuidedDecoder (masking every draft position) where
+    # support_guided_decoder holds (no speculation, or a mode with a Drafter) and hands a CapturableGuidedDecoder to
+    # the one-model modes; any other mode raises "Guided decoding is not supported for speculative decoding mode".
+    ("guided_decoding_backend", "none"): _allowed(SPEC_INTERFACE, "SpeculativeDecodingMode.support_guided_decoder"),
+    ("guided_decoding_backend", "model"): _allowed(SPEC_INTERFACE, "SpeculativeDecodingMode.has_spec_drafter"),
+    ("guided_decoding_backend", "ngram"): _allowed(SPEC_INTERFACE, "SpeculativeDecodingMode.has_spec_drafter"),
+    ("guided_decoding_backend", "eagle3:two-model"): _allowed(SPEC_INTERFACE, "SpeculativeDecodingMode.has_spec_drafter"),
+    ("guided_decoding_backend", "eagle3:one-model"):
+        _allowed(SPEC_INTERFACE, "SpeculativeDecodingMode.support_capturable_guided_decoder"),
     # Engine route (the C++ runtime behind the tensorrtllm backend and examples/run.py). Chunked context needs
     # paged context FMHA ("Chunked context requires context FMHA, paged kv_cache and paged context FMHA all enabled
     # at the same time"); a request's draft tokens ride its last chunk, and fitDraftTokens drops any that don't fit.

@@ -85,6 +85,17 @@ def build_command(ckpt: Checkpoint, output_dir: Path, sizes: BuildSizes, *, role
     return cmd
 
 
+def guide_info_command(tokenizer_dir: Path, output_dir: Path) -> list[str]:
+    """argv of upstream's generate_xgrammar_tokenizer_info.py, where NVIDIA's container keeps it: it writes
+    output_dir/reference.GUIDE_INFO_FILE, the vocabulary the tensorrt_llm model's guided decoding compiles
+    grammars against (tensorrtllm_backend docs/guided_decoding.md, "C++ Backend")."""
+    from pipeline.compiler.reference import GUIDE_INFO_SCRIPT
+    from pipeline.trtllm_version import CONTAINER_APP
+
+    return ["python3", f"{CONTAINER_APP}/{GUIDE_INFO_SCRIPT}", "--model_dir", str(tokenizer_dir),
+            "--output_dir", str(output_dir)]
+
+
 def flags_of(cmd: list[str]) -> list[str]:
     return [a for a in cmd if a.startswith("--")]
 

@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.compiler.reference import GUIDE_INFO_FILE
 from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
@@ -216,6 +217,10 @@ def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
             if not (folder / "config.json").is_file():
                 raise ConfigError(f"{folder} holds no built engine (config.json); rerun `pipeline compile` or "
                                   f"{engine / 'build.sh'}")
+    guide_info = _guide_info(engine, manifest)
+    if not guide_info:
+        notes.append(f"guided decoding off: {engine} has no {GUIDE_INFO_FILE} (compiled before compile wrote it); "
+                     f"rerun `pipeline compile` to serve guided_decoding_guide_type")
     sizes = manifest["sizes"]
     models = (TRTLLM_TARGET, TRTLLM_DRAFT) if has_draft else (TRTLLM_TARGET,)
     world = int(manifest.get("tp_size", 1)) * int(manifest.get("pp_size", 1))
@@ -227,9 +232,18 @@ def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
                     max_seq_len=sizes["max_seq_len"], num_draft_tokens=max(1, sizes["max_draft_len"]),
                     gate=_gate(options), max_input_bytes=options.max_input_bytes,
                     kv_fraction_target=kv.target_fraction, kv_fraction_draft=kv.draft_fraction,
-                    draft_max_tokens=kv.draft_max_tokens, gpu_device_ids=gpu_device_ids(launch))
+                    draft_max_tokens=kv.draft_max_tokens, gpu_device_ids=gpu_device_ids(launch),
+                    guide_tokenizer_info=guide_info)
     notes += [n for n in (kv.note, _launch_note(launch)) if n]
     return Plan(spec, "engine", notes=tuple(notes), launch=launch)
+
+
+def _guide_info(engine: Path, manifest: dict) -> str:
+    """The target's guided-decoding vocabulary (compile's build_guide_info), where it is or, after a dry run, will be;
+    "" for an engine folder compiled without it."""
+    path = engine / GUIDE_INFO_FILE
+    planned = manifest.get("dry_run") and "build_guide_info" in manifest.get("commands", {})
+    return str(path) if path.is_file() or planned else ""
 
 
 def _launch_note(launch: Launch) -> str:

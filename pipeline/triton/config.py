@@ -91,6 +91,9 @@ class RepoSpec:
     kv_fraction_draft: float = 0.5
     draft_max_tokens: int | None = None
     gpu_device_ids: str | None = None  # trtllm, orchestrator mode: the GPUs both models use, "0,1"
+    # trtllm: compile's xgrammar_tokenizer_info.json, which turns the target's guided decoding on; "": off, and the
+    # gate refuses a guided request in one line
+    guide_tokenizer_info: str = ""
     llmapi_model_dir: str = LLMAPI_MODEL_DIR  # llmapi: the folder with TensorRT-LLM's llmapi model.py
     # torch: where torch_engine loads the engine (auto|cpu|cuda|cuda:N), resolved in the model's process as it
     # loads; `pipeline serve --device` overrides it for its own runs through DEVICE_ENV
@@ -116,6 +119,9 @@ class RepoSpec:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
         if self.draft_max_tokens is not None and self.draft_max_tokens < 1:
             raise ConfigError("draft_max_tokens must be >= 1")
+        if self.guide_tokenizer_info and self.backend != "trtllm":
+            raise ConfigError("guide_tokenizer_info is the engine route's (backend 'trtllm'); the portable engine "
+                              "and the LLM-API route take guides without it")
         if parse_device(self.device) != "auto" and self.backend != "torch":
             raise ConfigError(f"device {self.device!r} is for the portable engine (backend 'torch'); TensorRT-LLM "
                               f"places its engines by its tp/pp mapping: leave device 'auto'")
@@ -214,6 +220,7 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
         if spec.has_draft:
             params["draft_model"] = TRTLLM_DRAFT
         params["tokenizer_dir"] = spec.tokenizer_dir  # draft_target counts text tokens for the prefix resend
+        params["guided_decoding"] = "on" if spec.guide_tokenizer_info else "off"  # the target's (trtllm_models)
     return _base(GATE, spec, backend="python", inputs=REQUEST_TENSORS, outputs=GENERATION_TENSORS,
                  decoupled=True, parameters=params)
 
@@ -250,7 +257,8 @@ def trtllm_models(spec: RepoSpec) -> list:
     from pipeline.triton.trtllm_template import TrtllmModel
 
     models = [TrtllmModel(TRTLLM_TARGET, spec.engine_dir, spec.kv_fraction_target, None, spec.gpu_device_ids,
-                          speculation="draft_tokens_external" if spec.has_draft else "plain")]
+                          speculation="draft_tokens_external" if spec.has_draft else "plain",
+                          guide_tokenizer_info=spec.guide_tokenizer_info)]
     if spec.has_draft:
         models.append(TrtllmModel(TRTLLM_DRAFT, spec.draft_engine_dir, spec.kv_fraction_draft, spec.draft_max_tokens,
                                   spec.gpu_device_ids))

@@ -23,6 +23,11 @@ presence_penalty, frequency_penalty, return_log_probs -> output_log_probs), and 
 the target alone, as one TensorRT-LLM request: each verify step here is a new request whose prompt holds
 the answer so far, which would move the tokens the penalties count from output to prompt, and TensorRT-LLM
 returns no log probs for accepted draft tokens. The answer is then TensorRT-LLM's own, penalised its way.
+
+A guide (upstream's guided_decoding_guide_type / guided_decoding_guide) goes to the target the same way, and such a
+request decodes on the target alone too: TensorRT-LLM's C++ guided decoder masks one position per step and starts its
+grammar at a request's first context step (pipeline.triton.upstream.GUIDED_DECODER_REF), so it would neither mask the
+draft positions of a verify nor carry its grammar from one verify request to the next.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ SENT_INPUTS = {"input_ids": "INT32", "input_lengths": "INT32", "request_output_l
                "end_id": "INT32", "pad_id": "INT32", "stop_words_list": "INT32", "runtime_top_k": "INT32",
                "temperature": "FP32", "runtime_top_p": "FP32", "seed": "UINT64", "draft_input_ids": "INT32",
                "repetition_penalty": "FP32", "presence_penalty": "FP32", "frequency_penalty": "FP32",
-               "return_log_probs": "BOOL"}
+               "return_log_probs": "BOOL", "guided_decoding_guide_type": "BYTES", "guided_decoding_guide": "BYTES"}
 PENALTIES = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))  # name, neutral
 
 Send = Callable[[dict], None]
@@ -79,11 +84,17 @@ class TritonRequest:
     frequency_penalty: float = 0.0
     return_log_probs: bool = False
     num_logprobs: int = 0  # top-N alternatives: the tensorrt_llm model has none to give (the gate refuses N > 0)
+    guide_type: str = ""  # guided_decoding_guide_type, checked by preprocessing (validate.read_guide); "": none
+    guide: str = ""
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, np.ndarray]) -> TritonRequest:
         def scalar(name, default=None):
             return tensors[name].reshape(-1)[0] if name in tensors or default is None else default
+
+        def text(name) -> str:
+            value = tensors[name].reshape(-1)[0] if name in tensors and tensors[name].size else b""
+            return value.decode() if isinstance(value, bytes) else str(value)
 
         length = int(scalar("input_lengths"))
         return cls(prompt=tuple(int(t) for t in tensors["input_ids"].reshape(-1)[:length]),
@@ -93,7 +104,8 @@ class TritonRequest:
                    top_p=float(scalar("top_p")), seed=int(scalar("seed")), stream=bool(scalar("stream")),
                    **{name: float(scalar(name, neutral)) for name, neutral in PENALTIES},
                    return_log_probs=bool(scalar("return_log_probs", False)),
-                   num_logprobs=int(scalar("num_logprobs", 0)))
+                   num_logprobs=int(scalar("num_logprobs", 0)),
+                   guide_type=text("guided_decoding_guide_type"), guide=text("guided_decoding_guide"))
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +115,8 @@ class TritonRequest:
     def plain_reason(self) -> str | None:
         """Why this request decodes on the target alone whatever the gate says (module docstring), as the reason
         its steps are counted under; None: it may speculate."""
+        if self.guide_type:
+            return "guided"
         if not self.greedy:
             return "sampled"
         if any(getattr(self, name) != neutral for name, neutral in PENALTIES):
@@ -371,7 +385,7 @@ class TritonEngines:
         return self._call(self.target_model, self._decode_inputs(ids, n))
 
     def _decode_inputs(self, ids: list[int], n: int) -> dict[str, np.ndarray]:
-        """The target alone, with TensorRT-LLM's own penalties and log probs where the request has them (such a
+        """The target alone, with TensorRT-LLM's own penalties, log probs and guide where the request has them (such a
         request never speculates: module docstring)."""
         r = self.request
         tensors = self._inputs(ids, n, greedy=r.greedy, streaming=r.stream)
@@ -380,6 +394,10 @@ class TritonEngines:
                 tensors[name] = np.array([[getattr(r, name)]], np.float32)
         if r.return_log_probs:
             tensors["return_log_probs"] = np.array([[True]], bool)
+        if r.guide_type:  # "json" takes no guide text (GuidedDecodingParams::GuideType::kJSON)
+            tensors["guided_decoding_guide_type"] = np.array([[r.guide_type.encode()]], np.object_)
+            if r.guide:
+                tensors["guided_decoding_guide"] = np.array([[r.guide.encode()]], np.object_)
         return tensors
 
 

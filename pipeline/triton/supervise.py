@@ -11,6 +11,8 @@ ready again after a normal start. Restarts are rationed, so a model that dies at
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +23,12 @@ from pipeline.errors import ServeError
 from pipeline.triton.server import STUB_NAME, TritonServer, failure_from_log, group_members
 
 POLL_S = 0.5
+# tritonserver 2.51's gRPC frontend (the bundled CPU server's) can free a stream's state when a client cancels while
+# the request's last response is on its way, and the response-complete callback then locks a freed mutex: SIGSEGV in
+# the frontend, reached from a python model's send. Fixed upstream in 2.53 (triton-inference-server/server #7880)
+# and 2.57 (#8078); nvidia-pytriton 0.7.0, the newest, still bundles 2.51. Seen about once in 500 cancelled streams.
+CANCEL_RACE = "tritonserver 2.51's gRPC cancellation race (fixed in 2.53 and 2.57; NVIDIA's containers have it)"
+CANCEL_RACE_LINES = ("Signal (11) received.", "pthread_mutex_lock", "TRITONBACKEND_Response")
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S; then serve stops with the reason
 RESTART_WINDOW_S = 600.0
 
@@ -70,6 +78,13 @@ def what_died(server: TritonServer, stubs: list[Stub]) -> str | None:
     return "; ".join(parts) or None
 
 
+def known_crash(log: str) -> str | None:
+    """CANCEL_RACE when the last crash in a server's log is that upstream bug's (each of CANCEL_RACE_LINES in the
+    stack it printed), else None."""
+    crash = log[log.rfind(CANCEL_RACE_LINES[0]):] if CANCEL_RACE_LINES[0] in log else ""
+    return CANCEL_RACE if crash and all(line in crash for line in CANCEL_RACE_LINES) else None
+
+
 @dataclass
 class RestartBudget:
     """At most `limit` restarts within `window_s`."""
@@ -88,14 +103,18 @@ class RestartBudget:
 
 
 def supervise(server: TritonServer, say: Callable[[str], None], ready_timeout: float,
-              budget: RestartBudget | None = None, poll_s: float = POLL_S, frontend=None) -> None:
-    """Watch a ready server until interrupted; restart it when it or a stub dies, and the OpenAI frontend
-    (a pipeline.openai_api.process.FrontendProcess, or None) when it dies. Raises ServeError when the restarts
-    run out or a restarted server doesn't come back."""
+              budget: RestartBudget | None = None, poll_s: float = POLL_S, frontend=None,
+              stop: threading.Event | None = None,
+              on_restart: Callable[[str, str, float, float], None] | None = None) -> None:
+    """Watch a ready server until interrupted (or `stop` is set); restart it when it or a stub dies, and the OpenAI
+    frontend (a pipeline.openai_api.process.FrontendProcess, or None) when it dies. Raises ServeError when the
+    restarts run out or a restarted server doesn't come back.
+    on_restart(what died, the server's log as it died, when it was seen dead, when it was ready again): once per
+    server restart, for a caller that accounts for them (scripts/soak.py)."""
     budget = budget or RestartBudget()
+    stop = stop or threading.Event()
     stubs = python_stubs(server.process.pid)
-    while True:
-        time.sleep(poll_s)
+    while not stop.wait(poll_s):
         if frontend is not None and (gone := frontend.died()):
             if not budget.take(time.monotonic()):
                 raise ServeError(f"{gone}, after {budget.limit} restarts in {budget.window_s / 60:g} min; not "
@@ -106,12 +125,16 @@ def supervise(server: TritonServer, say: Callable[[str], None], ready_timeout: f
         died = what_died(server, stubs)
         if died is None:
             continue
+        if server.process.poll() == -signal.SIGSEGV and (known := known_crash(server.log())):
+            died += f": {known}"
         if not budget.take(time.monotonic()):
             raise ServeError(f"{died}, after {budget.limit} restarts in {budget.window_s / 60:g} min; not restarting "
                              f"again: read the log ({server.log_path})")
         say(f"{died}; restarting tritonserver (clients in flight get an error)")
-        start = time.monotonic()
+        start, log = time.monotonic(), server.log()
         server.restart()
         server.wait_ready(ready_timeout)
         say(f"ready again after {time.monotonic() - start:.1f} s")
+        if on_restart is not None:
+            on_restart(died, log, start, time.monotonic())
         stubs = python_stubs(server.process.pid)

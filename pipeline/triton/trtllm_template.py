@@ -42,6 +42,9 @@ class TrtllmModel:
     # How the engine was built: "draft_tokens_external" (a target with a draft) or "plain"; it decides what the
     # runtime takes beside it (pipeline.compiler.reference.SPECULATION_COMBINATIONS).
     speculation: str = "plain"
+    # The target's: compile's xgrammar_tokenizer_info.json, which turns its guided decoding on; "" leaves it off.
+    # The draft never needs one: a guided request decodes on the target alone (draft_target.TritonRequest).
+    guide_tokenizer_info: str = ""
 
 
 def fills(model: TrtllmModel, *, max_batch_size: int, tokenizer_dir: str) -> dict[str, str]:
@@ -79,8 +82,10 @@ def fills(model: TrtllmModel, *, max_batch_size: int, tokenizer_dir: str) -> dic
         # Read unguarded by getGuidedDecodingConfigFromParams: set, as NVIDIA's CI fills its main model
         # (tests/integration/defs/triton_server/common.py). "" leaves guided decoding off.
         "tokenizer_dir": tokenizer_dir,
-        "guided_decoding_backend": "",
-        "xgrammar_tokenizer_info_path": "",
+        # Both set, or guided decoding stays off (getGuidedDecodingConfigFromParams returns no config if either is
+        # empty); xgrammar is the only backend it takes.
+        "guided_decoding_backend": upstream.GUIDED_DECODING_BACKEND if model.guide_tokenizer_info else "",
+        "xgrammar_tokenizer_info_path": model.guide_tokenizer_info,
     }
     if model.max_tokens_in_paged_kv_cache is not None:
         values["max_tokens_in_paged_kv_cache"] = str(model.max_tokens_in_paged_kv_cache)

@@ -48,6 +48,8 @@ EXECUTOR_IMPL = "cpp/tensorrt_llm/executor/executorImpl.cpp"
 DOCKERFILE = "triton-inference-server/tensorrtllm_backend:dockerfile/Dockerfile.triton.trt_llm_backend"
 MULTI_INSTANCE_DOC = "triton-inference-server/tensorrtllm_backend:docs/llama_multi_instance.md"
 DRAFT_TARGET_README = "examples/draft_target_model/README.md"
+GUIDED_DECODER = "cpp/tensorrt_llm/batch_manager/guidedDecoder.cpp"  # @000a01de
+GUIDED_DECODING_DOC = "triton-inference-server/tensorrtllm_backend:docs/guided_decoding.md"
 LLMAPI_TEMPLATE = "triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt"
 LLMAPI_MODEL_PY = "triton_backend/all_models/llmapi/tensorrt_llm/1/model.py"
 LLMAPI_HELPERS = "triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py"
@@ -65,7 +67,8 @@ TRITON_OPENAI_ENGINE = "triton-inference-server/server:python/openai/openai_fron
 SOURCES = frozenset({TEMPLATE, ENSEMBLE_TEMPLATE, MODEL_INSTANCE_STATE, MODEL_STATE, UTILS_H, FILL_TEMPLATE,
                      LAUNCH_SCRIPT, EXECUTOR_IMPL, DOCKERFILE, MULTI_INSTANCE_DOC, DRAFT_TARGET_README,
                      LLMAPI_TEMPLATE, LLMAPI_MODEL_PY, LLMAPI_HELPERS, LLMAPI_DOC, LLMAPI_LAUNCHER, LWS_SERVER,
-                     LWS_RBAC, KUBESSH, TRITON_OPENAI_REQUEST, TRITON_OPENAI_ENGINE})
+                     LWS_RBAC, KUBESSH, TRITON_OPENAI_REQUEST, TRITON_OPENAI_ENGINE, GUIDED_DECODER,
+                     GUIDED_DECODING_DOC})
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,16 @@ TEMPLATE_PARAMETERS: tuple[TemplateParameter, ...] = (
     _p("xgrammar_tokenizer_info_path", "getGuidedDecodingConfigFromParams", guarded=False),
 )
 UNGUARDED = tuple(p.key for p in TEMPLATE_PARAMETERS if not p.guarded)
+# getGuidedDecodingConfigFromParams: "Guided decoding is currently supported with 'xgrammar' backend" (it throws for any
+# other value), with xgrammar_tokenizer_info_path naming upstream's generate_xgrammar_tokenizer_info.py output
+# (pipeline.compiler.reference.GUIDE_INFO_SCRIPT; GUIDED_DECODING_DOC, "C++ Backend").
+GUIDED_DECODING_BACKEND = "xgrammar"
+GUIDED_DECODING_REF = Ref(MODEL_INSTANCE_STATE, "getGuidedDecodingConfigFromParams")
+# Why a guided request never speculates on this route: GuidedDecoder::build compiles the grammar at a request's first
+# context step and then advances it by one token (getLastTokens) and fills one mask per step, so draft positions are
+# never masked, and each draft-target verify, a new TensorRT-LLM request holding the answer so far as its prompt,
+# would start the grammar over.
+GUIDED_DECODER_REF = Ref(GUIDED_DECODER, "GuidedDecoder::build")
 # getBatchingTypeFromParams throws "Invalid gpt_model_type. Must be v1/inflight_batching/inflight_fused_batching."
 GPT_MODEL_TYPES = ("V1", "v1", "inflight_batching", "inflight_fused_batching")
 

@@ -55,9 +55,10 @@ def _sampling_refusal(r) -> str | None:
     for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ((),))):
         if getattr(r, name) not in neutral:
             return f"{name} isn't passed to the LLM-API route's llmapi model yet; leave it out"
-    if r.guide is not None:
-        return ("guided decoding isn't passed to the LLM-API route's llmapi model yet; serve the portable engine "
-                "(pipeline build --backend torch) for guided_decoding_guide_type, or leave it out")
+    if r.guide is not None:  # LLMAPI_HELPERS get_sampling_params_from_request reads no guided-decoding input
+        return ("guided_decoding_guide_type isn't served by the LLM-API route's Triton model (TensorRT-LLM's llmapi "
+                "model reads no guide); send response_format to compile's trtllm-serve (serve.sh), serve the "
+                "engine route or the portable engine, or leave it out")
     return None
 
 

@@ -64,13 +64,15 @@ def _defaults(outputs: dict) -> dict:
             "cached_tokens": np.array([[0]], np.int32), **outputs}
 
 
-def _trtllm_refusal(request) -> str | None:
-    """What the TensorRT-LLM route can't serve, in one line: penalties and each token's log prob go to the
-    tensorrt_llm model as its own inputs (draft_target), but it has no top-N alternatives to give."""
+def _trtllm_refusal(request, guided: bool) -> str | None:
+    """What the TensorRT-LLM route can't serve, in one line: penalties, each token's log prob and a guide go to the
+    tensorrt_llm model as its own inputs (draft_target), but it has no top-N alternatives to give, and no guided
+    decoding where compile wrote no tokenizer file for it (guided: the repository's target has one)."""
     guide = pb_utils.get_input_tensor_by_name(request, "guided_decoding_guide_type")
-    if guide is not None and guide.as_numpy().size and guide.as_numpy().reshape(-1)[0]:
-        return ("guided decoding isn't passed to the TensorRT-LLM route's tensorrt_llm models yet; serve the portable "
-                "engine (pipeline build --backend torch) for guided_decoding_guide_type, or leave it out")
+    if not guided and guide is not None and guide.as_numpy().size and guide.as_numpy().reshape(-1)[0]:
+        return ("this repository's tensorrt_llm model has guided decoding off (its engine folder has no "
+                "xgrammar_tokenizer_info.json); rerun `pipeline compile` and `pipeline assemble`, or leave "
+                "guided_decoding_guide_type out")
     for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ("{}",))):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None and tensor.as_numpy().size and _scalar(request, name) not in neutral:
@@ -227,6 +229,7 @@ class TritonPythonModel:
             from pipeline.triton.draft_target import text_token_filter
             self.is_text = text_token_filter(params["tokenizer_dir"])
         self.num_draft_tokens = int(params.get("num_draft_tokens", "4"))
+        self.guided = params.get("guided_decoding", "off") == "on"  # trtllm: the target takes guides
         self.gate = ServingGate(
             GatePolicy(max_batch_size=int(params["gate_max_batch_size"]),
                        hysteresis=int(params["gate_hysteresis"]), min_tokens=int(params["gate_min_tokens"])),
@@ -244,7 +247,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             arrival = time.monotonic()
-            refusal = _trtllm_refusal(request) if self.backend == "trtllm" else None
+            refusal = _trtllm_refusal(request, self.guided) if self.backend == "trtllm" else None
             if refusal is not None:
                 self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)), FINAL)
                 continue
@@ -262,8 +265,8 @@ class TritonPythonModel:
             if self.backend == "trtllm" and decision.speculate and not self.draft_model:
                 decision = Decision(False, "no_draft")  # a repository serving the target engine alone
             elif self.backend == "trtllm" and decision.speculate and (reason := _trtllm_plain_reason(request)):
-                # The TensorRT-LLM loop speculates for greedy requests without penalties or log probs only
-                # (draft_target): sampled, penalties, log_probs.
+                # The TensorRT-LLM loop speculates for greedy requests without a guide, penalties or log probs only
+                # (draft_target): guided, sampled, penalties, log_probs.
                 decision = Decision(False, reason)
             self.outbox.put(lambda d=decision, n=int(_scalar(request, "input_lengths")): self._count_request(d, n))
             clock = RequestClock(arrival, streamed=bool(_scalar(request, "stream")))
