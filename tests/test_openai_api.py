@@ -206,7 +206,7 @@ def test_a_stop_string_cuts_the_answer_where_it_starts(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 17}, "n"), ({"n": 2, "stream": True}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"n": 17}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
@@ -319,6 +319,21 @@ def test_n_choices_each_their_own_and_the_prompt_read_once(client):
     assert first.usage.prompt_tokens_details.cached_tokens > 0
     greedy = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0, n=2)
     assert greedy.choices[0].text == greedy.choices[1].text
+    # Streamed: each choice's chunks carry its index, and put together say what the whole answers said.
+    streamed, finishes, usage = ["", "", ""], {}, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert streamed == texts and finishes == {i: first.choices[i].finish_reason for i in range(3)}
+    assert usage.completion_tokens == 36 and usage.prompt_tokens == first.usage.prompt_tokens
+    pieces = ["", ""]
+    for chunk in client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=0, n=2, stream=True):
+        for c in chunk.choices:
+            pieces[c.index] += c.text
+    assert pieces == [greedy.choices[0].text] * 2
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -434,6 +449,68 @@ def test_a_call_is_an_answer_that_is_exactly_one_call_of_a_listed_tool():
     assert turns[0]["role"] == "system" and "get_weather" in turns[0]["content"]
     assert turns[2] == {"role": "assistant", "content": '{"name": "get_time", "arguments": {"zone": "CET"}}'}
     assert turns[3] == {"role": "user", "content": "Result of get_time: 12:00"}
+
+
+# A template in the Hermes family's markup (NousResearch's Hermes 2 Pro format, which Qwen2.5's follows): it lists the
+# tools, writes calls as <tool_call> blocks and results as <tool_response>; written here, as no template is on disk.
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}You may call these functions:
+<tools>{% for t in tools %}
+{{ t | tojson }}{% endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}{% for m in messages %}{% if m.role == 'system' %}{% elif m.role == 'assistant' and m.tool_calls %}\
+<|im_start|>assistant
+{{ m.content }}{% for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_knows_tools_renders_them_and_its_markup_is_parsed():
+    """With a template of the Hermes family the tools, the call and its result go through the template itself, and
+    an answer's <tool_call> blocks are its calls, the text beside them content. Llama 3.1's bare JSON calls (with
+    "parameters") are read too; a template without tools gets the fallback."""
+    from tiny_models import byte_tokenizer
+
+    from pipeline.models.tokenizer import render_chat
+    from pipeline.openai_api import tools
+    from pipeline.openai_api.protocol import ChatRequest
+
+    assert tools.template_family(HERMES_TEMPLATE) == "hermes"
+    assert tools.template_family("{% if tools %}<|python_tag|>{% endif %}") == "llama3_json"
+    assert tools.template_family("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = HERMES_TEMPLATE
+    req = ChatRequest.model_validate({"model": "tiny", "tools": [WEATHER, TIME], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]})
+    text = render_chat(tokenizer, *req.conversation("hermes"))
+    assert text.startswith("<|im_start|>system\nBe brief.\nYou may call these functions:\n<tools>")
+    assert '"name": "get_weather"' in text and "Result of" not in text
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>' in text
+    assert text.endswith("<tool_response>\n12:00\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    listed = [WEATHER["function"], TIME["function"]]
+    two = ('Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>')
+    assert tools.parse_calls(two, listed, "hermes") == tools.Parsed(
+        [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Oslo", "unit": "c"}')], "Checking.")
+    assert tools.parse_calls('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', listed, "hermes") is None
+    assert tools.parse_calls('{"name": "get_time", "parameters": {"zone": "UTC"}}', listed, "llama3_json") == \
+        tools.Parsed([("get_time", '{"zone": "UTC"}')], None)
+    assert tools.parse_calls("It is noon.", listed, "hermes") is None
 
 
 def test_penalties_reach_the_engine_and_a_resent_prompt_is_served_from_the_prefix_cache(client):

@@ -53,12 +53,13 @@ def uses_chat_template(tokenizer, raw: bool) -> bool:
     return not raw and bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     """A conversation as the model's chat template writes it, ready for the model's answer: a generation
     prompt after a user turn, or the last assistant turn left open when the conversation ends with one
-    (assistant prefill, as vLLM's continue_final_message)."""
-    prefill = bool(messages) and messages[-1].get("role") == "assistant"
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+    (assistant prefill, as vLLM's continue_final_message). tools: OpenAI's tool objects, for a template that
+    renders them (pipeline.openai_api.tools)."""
+    prefill = bool(messages) and messages[-1].get("role") == "assistant" and not messages[-1].get("tool_calls")
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=not prefill,
                                          continue_final_message=prefill)
 
 

@@ -138,6 +138,8 @@ def create_app(settings: FrontendSettings):
 
     tokenizer = load_tokenizer(settings.tokenizer_dir)
     opening = template_opening(tokenizer)
+    # The template's own tool markup, or None: tools go through the fallback (pipeline.openai_api.tools).
+    family = tools.template_family(getattr(tokenizer, "chat_template", None))
     limits = Limits(max_seq_len=settings.max_seq_len, num_draft_tokens=settings.num_draft_tokens,
                     vocab_size=len(tokenizer), max_input_bytes=settings.max_input_bytes)
     # Rendering and tokenizing run here, off the event loop: an 8 MB prompt once held every other request for
@@ -273,16 +275,19 @@ def create_app(settings: FrontendSettings):
         return replace(options, seed=seed)
 
     def answered(req: SamplingFields, answer: str, outcome: Outcome) -> dict:
-        """A chat choice's message and finish_reason: a tool call where the request offered tools and the answer is
-        exactly one call of a listed tool (pipeline.openai_api.tools), the text otherwise."""
+        """A chat choice's message and finish_reason: the tool calls where the request offered tools and the answer
+        calls listed tools, in the template's markup or the fallback's (pipeline.openai_api.tools), the text
+        otherwise."""
         mode = req.tool_mode() if isinstance(req, ChatRequest) else None
-        call = tools.parse_call(answer, req.tool_defs()) if mode and outcome.finish_reason == "stop" else None
-        if call is None:
+        parsed = (tools.parse_calls(answer, req.tool_defs(), family) if mode and outcome.finish_reason == "stop"
+                  else None)
+        if parsed is None:
             return {"message": ChatMessage(content=answer), "finish_reason": outcome.finish_reason}
-        name, arguments = call
-        return {"message": ChatMessage(content=None, tool_calls=[ToolCall(
-            id=tools.call_id(), function=FunctionCall(name=name, arguments=arguments))]),
-            "finish_reason": "tool_calls"}
+        return {"message": ChatMessage(content=parsed.content, tool_calls=[ToolCall(
+            id=tools.call_id(), function=FunctionCall(name=name, arguments=arguments))
+            for name, arguments in parsed.calls]), "finish_reason": "tool_calls"}
+
+    END = object()  # a streamed choice's last piece came
 
     def merged(outcomes: list[Outcome], prompt_tokens: int, max_new: int) -> Outcome:
         """The choices' usage and speculation figures together: the prompt once, every choice's tokens."""
@@ -336,7 +341,6 @@ def create_app(settings: FrontendSettings):
         # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
         options = options_for(req, prompt_tokens, max_new, True, template)
         outcome = Outcome(prompt_tokens, max_new)
-        stops = StopMatcher(req.stop_strings())
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created = int(time.time())
         k = req.num_draft_tokens or settings.num_draft_tokens
@@ -358,81 +362,113 @@ def create_app(settings: FrontendSettings):
                 for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(), metrics=total.metrics(k))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        outcomes = [outcome] + [Outcome(prompt_tokens, max_new) for _ in range(req.n - 1)]
 
-        def chunk(content: str | None = None, finish: str | None = None, role: bool = False, choices: bool = True,
-                  usage: bool = False):
-            # A piece of text carries the log probs of every token that came since the last one; the finish chunk
-            # the rest.
-            lps = logprobs_of(req, outcome, chat) if content or finish else None
+        def chunk(i: int = 0, content: str | None = None, finish: str | None = None, role: bool = False,
+                  choices: bool = True, usage: bool = False):
+            # A piece of choice i's text carries the log probs of every token that came since its last piece; its
+            # finish chunk the rest. The usage chunk counts the prompt once and every choice's tokens.
+            lps = logprobs_of(req, outcomes[i], chat) if content or finish else None
+            total = merged(outcomes, prompt_tokens, max_new) if usage else None
             if chat:
                 body = ChatCompletionChunk(id=rid, created=created, model=settings.model_name, choices=[ChunkChoice(
-                    delta=Delta(role="assistant" if role else None, content=content), finish_reason=finish,
-                    logprobs=lps)] if choices else [], usage=outcome.usage() if usage else None,
-                    metrics=outcome.metrics(k) if usage else None)
+                    index=i, delta=Delta(role="assistant" if role else None, content=content), finish_reason=finish,
+                    logprobs=lps)] if choices else [], usage=total.usage() if usage else None,
+                    metrics=total.metrics(k) if usage else None)
             else:
                 body = Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
-                    text=content or "", finish_reason=finish, logprobs=lps)] if choices else [],
-                    usage=outcome.usage() if usage else None, metrics=outcome.metrics(k) if usage else None)
+                    index=i, text=content or "", finish_reason=finish, logprobs=lps)] if choices else [],
+                    usage=total.usage() if usage else None, metrics=total.metrics(k) if usage else None)
             return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
 
-        def tool_chunk(call: DeltaToolCall):
+        def tool_chunk(i: int, call: DeltaToolCall):
             body = ChatCompletionChunk(id=rid, created=created, model=settings.model_name, choices=[ChunkChoice(
-                delta=Delta(tool_calls=[call]), logprobs=logprobs_of(req, outcome, chat))])
+                index=i, delta=Delta(tool_calls=[call]), logprobs=logprobs_of(req, outcomes[i], chat))])
             return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
 
-        # The first piece is awaited before the response starts, so a refused request is still a plain 400.
-        answer = pieces(text, options, outcome, stops)
+        def ending(i: int, whole: str):
+            """Choice i's last chunks once its whole answer is known, where it may be tool calls: those as deltas
+            (one each), or its text, then its finish."""
+            said = answered(req, whole, outcomes[i])
+            if said["finish_reason"] == "tool_calls":
+                if said["message"].content:
+                    yield chunk(i, said["message"].content)
+                for j, call in enumerate(said["message"].tool_calls):
+                    yield tool_chunk(i, DeltaToolCall(index=j, id=call.id, type="function", function=call.function))
+            elif whole:
+                yield chunk(i, whole)
+            yield chunk(i, finish=said["finish_reason"])
+
+        answers = [pieces(text, options_of(options, i), outcomes[i], StopMatcher(req.stop_strings()))
+                   for i in range(req.n)]
+        # The first piece is awaited before the response starts, so a refused request is still a plain 400; with
+        # several choices the first's prompt is then prefilled and cached, and the others start from the cache.
         try:
-            first = await anext(answer, None)
+            first = await anext(answers[0], None)
         except EnsembleError as err:
-            await answer.aclose()
+            for a in answers:
+                await a.aclose()
             raise error_of(err) from None
 
         async def events():
+            # Each choice's pieces, as they come: (i, text), (i, END) or (i, the exception that ended it).
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def feed(i: int) -> None:
+                try:
+                    if i == 0 and first is not None:
+                        await queue.put((0, first))
+                    async for piece in answers[i]:  # choice 0's goes on after its first piece, or has ended
+                        await queue.put((i, piece))
+                    await queue.put((i, END))
+                except Exception as err:  # noqa: BLE001  reported to the client by events()
+                    await queue.put((i, err))
+
+            tasks = [asyncio.create_task(feed(i)) for i in range(req.n)]
+            calling = chat and req.tool_mode() is not None  # a call is known only once the whole answer is
+            wholes: list[list[str]] = [[] for _ in range(req.n)]
             try:
                 if chat:
-                    yield chunk("", role=True)
-                calling = chat and req.tool_mode() is not None
-                if first is not None and not calling:
-                    yield chunk(first)
-                try:
-                    if calling:  # a call is known only once the whole answer is: sent as one delta, at the end
-                        whole = (first or "") + "".join([piece async for piece in answer])
-                        said = answered(req, whole, outcome)
-                        if said["finish_reason"] == "tool_calls":
-                            call = said["message"].tool_calls[0]
-                            yield tool_chunk(DeltaToolCall(id=call.id, type="function", function=call.function))
-                        else:
-                            yield chunk(whole)
-                        yield chunk(finish=said["finish_reason"])
-                        if include_usage:
-                            yield chunk(choices=False, usage=True)
+                    for i in range(req.n):
+                        yield chunk(i, "", role=True)
+                running = req.n
+                while running:
+                    i, item = await queue.get()
+                    if isinstance(item, Exception):  # mid-stream: OpenAI's error object as an event, then the end
+                        if isinstance(item, EnsembleError):
+                            error = error_of(item)
+                        else:  # unforeseen: logged in one line, as the edge logs a whole request's
+                            edge.log_failure("POST", CHAT_PATH if chat else COMPLETIONS_PATH, item)
+                            error = edge.internal_error()
+                        yield format_sse_event(data_str=json.dumps(error.body()))
                         yield format_sse_event(data_str="[DONE]")
                         return
-                    async for piece in answer:
-                        yield chunk(piece)
-                except Exception as err:  # noqa: BLE001  mid-stream: OpenAI's error object as an event, then the end
-                    if isinstance(err, EnsembleError):
-                        error = error_of(err)
-                    else:  # unforeseen: logged in one line, as the edge logs a whole request's
-                        edge.log_failure("POST", CHAT_PATH if chat else COMPLETIONS_PATH, err)
-                        error = edge.internal_error()
-                    yield format_sse_event(data_str=json.dumps(error.body()))
-                    yield format_sse_event(data_str="[DONE]")
-                    return
-                yield chunk(finish=outcome.finish_reason)
+                    if item is END:
+                        running -= 1
+                        for event in (ending(i, "".join(wholes[i])) if calling else
+                                      [chunk(i, finish=outcomes[i].finish_reason)]):
+                            yield event
+                    elif calling:
+                        wholes[i].append(item)
+                    else:
+                        yield chunk(i, item)
                 if include_usage:  # OpenAI's last chunk: no choices, the usage (and here the speculation figures)
                     yield chunk(choices=False, usage=True)
                 yield format_sse_event(data_str="[DONE]")
             finally:
-                await answer.aclose()  # the client left: the ensemble request is cancelled
+                # The client left, or an error ended the answer: each ensemble request still running is cancelled.
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for a in answers:
+                    await a.aclose()
 
         return EventSourceResponse(events())
 
     def rendered(req: ChatRequest) -> str:
         """The conversation as the model's template writes it."""
         try:
-            text = render_chat(tokenizer, req.conversation())
+            text = render_chat(tokenizer, *req.conversation(family))
         except Exception as err:  # noqa: BLE001  the template's own refusal (e.g. roles out of order)
             raise ProtocolError(f"the model's chat template refused these messages: {edge.shown_error(err)}",
                                 "messages") from None

@@ -235,9 +235,6 @@ class SamplingFields(BaseModel):
             checks.append(("top_k", check_top_k, max(self.top_k, 0), limits.vocab_size))
         checks.append(("stop", check_stop_strings, self.stop_strings()))
         self.guide()  # the guide's own checks (one guide, its type, its size): a 400 before anything is sent
-        if self.n > 1 and self.stream:
-            raise ProtocolError(f"n {self.n} with stream true isn't served yet; stream one choice, or send stream "
-                                "false for several", "n")
         self.bias(limits.vocab_size)
         if self.min_tokens and self.min_tokens > self.new_tokens(limits.max_seq_len - 1):
             raise ProtocolError(f"min_tokens {self.min_tokens} is over max_tokens {self.new_tokens(0)}; send at most "
@@ -333,10 +330,11 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Tool calls, for any chat template (pipeline.openai_api.tools): one call an answer.
+    # Tool calls, for every chat template (pipeline.openai_api.tools).
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted: an answer makes at most one call here
+    # Accepted: a forced call is one call, and an answer makes as many as its template's markup holds.
+    parallel_tool_calls: bool | None = None
 
     def tool_defs(self) -> list[dict]:
         return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
@@ -357,16 +355,20 @@ class ChatRequest(SamplingFields):
             return None
         return self.top_logprobs or 0
 
-    def conversation(self) -> list[dict]:
-        """The messages as the chat template takes them; "developer" is OpenAI's newer name for "system"; tools,
-        calls and results as pipeline.openai_api.tools renders them for any template."""
+    def conversation(self, family: str | None = None) -> tuple[list[dict], list[dict] | None]:
+        """The messages as the chat template takes them, and the tools for a template that renders them itself;
+        "developer" is OpenAI's newer name for "system". family: the template's tool markup
+        (pipeline.openai_api.tools.template_family); None: the fallback, for a template without tools."""
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                   "tool_call_id": m.tool_call_id,
                   "tool_calls": [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                                  for c in m.tool_calls or []]} for m in self.messages]
         if not self.tools and not any(t["tool_calls"] or t["role"] == "tool" for t in turns):
-            return [{"role": t["role"], "content": t["content"]} for t in turns]
-        return tools.render(turns, self.tool_defs(), describe_tools=self.tool_mode() is not None)
+            return [{"role": t["role"], "content": t["content"]} for t in turns], None
+        offered = self.tool_defs() if self.tool_mode() is not None else []
+        if family is not None:
+            return tools.native(turns, offered)
+        return tools.render(turns, offered, describe_tools=bool(offered)), None
 
     def guide(self) -> GuideSpec | None:
         mode = self.tool_mode()

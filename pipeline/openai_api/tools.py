@@ -1,24 +1,34 @@
-"""Tool calls on the OpenAI API, for any chat template: the tools described in a system turn, a call answered as
-one JSON object {"name": ..., "arguments": {...}}, and tool results as turns the template can render.
+"""Tool calls on the OpenAI API, for every chat template: a template that knows tools renders them, the calls and
+their results itself, and its family's markup is parsed; one that doesn't (SmolLM2's, the embedded default's) gets
+the fallback below.
 
-Chat templates that know tools (Llama 3.1's, Qwen2.5's, Hermes') each want their own markup, parsed by a parser per
-family (vLLM's --tool-call-parser); SmolLM2's, the embedded default's, knows none. This module is the fallback that
-works with every template, and the one the server uses for all of them for now:
+Template families (`template_family`, read from the template's own text, as vLLM's --tool-call-parser names them):
+- hermes: Hermes 2 Pro, Qwen2.5, Qwen3: calls answered as <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+  any number of them, text around them being content.
+- llama3_json: Llama 3.1-3.3: a call answered as the whole answer, {"name": ..., "parameters": {...}}.
+- json: a template that takes tools in another markup: calls parsed as the fallback's.
+For these the conversation goes to the template as Hugging Face's chat format has it: `tools`, an assistant turn's
+`tool_calls` (arguments as objects), `tool` turns with their call's name and id.
 
+The fallback, for templates without tools: the tools described in a system turn, a call answered as one JSON object
+{"name": ..., "arguments": {...}}, an assistant turn's calls as that JSON, a `tool` turn as a user turn "Result of
+NAME: CONTENT".
+
+Either way:
 - tool_choice "required" or a named tool: the answer is held to a JSON schema (a guide, pipeline.engine.guide):
-  anyOf, per allowed tool, {"name": its name, "arguments": its parameters' schema}. The call is then always well
-  formed and names a tool that exists.
-- tool_choice "auto" (the default with tools): the answer is free; one that is exactly such an object naming a
-  listed tool is returned as a call, anything else as content.
-- tool_choice "none", or no tools: the tools aren't described and no call is returned.
-- History: an assistant turn with tool_calls is rendered as the call objects it made, a `tool` turn as a user turn
-  "Result of NAME: CONTENT", so the next answer can use it.
+  anyOf, per allowed tool, {"name": its name, "arguments": its parameters' schema}, as vLLM holds forced calls to a
+  schema whatever the family. The call is then always well formed and names a tool that exists.
+- tool_choice "auto" (the default with tools): the answer is free; the calls in it naming listed tools, in the
+  family's markup or the fallback's, are returned as calls, the rest as content.
+- tool_choice "none", or no tools: no tools are offered and no call is returned.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
+from dataclasses import dataclass
 
 from pipeline.engine.guide import GuideSpec
 
@@ -51,21 +61,90 @@ def guide_for(tools: list[dict], choice: str | None) -> GuideSpec | None:
     return GuideSpec("json_schema", json.dumps(call_schema(allowed)))
 
 
-def parse_call(text: str, tools: list[dict]) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) where the answer is exactly one call of a listed tool, else None."""
+def template_family(template: str | None) -> str | None:
+    """The tool markup a chat template's text shows (module docstring), or None for a template without tools."""
+    if not template or not re.search(r"\btools\b", template):
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "json"
+
+
+def _call(obj, names: set[str]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) from one call object, {"name", "arguments"} (or Llama's "parameters"), naming
+    one of `names`; else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+        return None
+    keys = set(obj) - {"name"}
+    if len(keys) != 1 or not ({"arguments", "parameters"} >= keys):
+        return None
+    args = obj[keys.pop()]
+    return (obj["name"], json.dumps(args)) if isinstance(args, dict) else None
+
+
+def _json(text: str):
     try:
-        call = json.loads(text)
+        return json.loads(text)
     except ValueError:
         return None
-    if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and isinstance(call["arguments"], dict)):
+
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    calls: list[tuple[str, str]]  # (name, arguments as JSON text), in the answer's order
+    content: str | None  # the text beside them; None when there is none
+
+
+def parse_calls(text: str, tools: list[dict], family: str | None) -> Parsed | None:
+    """The calls of listed tools an answer makes, in its family's markup or the fallback's; None when it makes
+    none (the answer is content)."""
+    names = {t["name"] for t in tools}
+    if family == "hermes" and (blocks := HERMES_CALL.findall(text)):
+        calls = [_call(_json(b), names) for b in blocks]
+        if all(calls):
+            rest = HERMES_CALL.sub("", text).strip()
+            return Parsed(calls, rest or None)
         return None
-    if call["name"] not in {t["name"] for t in tools}:
+    answer = text.strip().removeprefix("<|python_tag|>")
+    call = _call(_json(answer), names)
+    return Parsed([call], None) if call else None
+
+
+def parse_call(text: str, tools: list[dict]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) where the answer is exactly one call of a listed tool in the fallback's shape
+    (what a forced call's guide holds it to), else None."""
+    call = _json(text)
+    if not (isinstance(call, dict) and set(call) == {"name", "arguments"}):
         return None
-    return call["name"], json.dumps(call["arguments"])
+    return _call(call, {t["name"] for t in tools})
 
 
 def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
+
+
+def native(messages: list[dict], tools: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The conversation and tools as a template that knows tools takes them (Hugging Face's chat format): calls with
+    their arguments as objects, `tool` turns with the name of the call they answer."""
+    out, names = [], {}
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            names.update({c["id"]: c["name"] for c in m["tool_calls"]})
+            out.append({"role": "assistant", "content": m.get("content") or "", "tool_calls": [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": json.loads(c["arguments"] or "{}")}}
+                for c in m["tool_calls"]]})
+        elif m["role"] == "tool":
+            out.append({"role": "tool", "tool_call_id": m.get("tool_call_id"),
+                        "name": names.get(m.get("tool_call_id"), ""), "content": m["content"]})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out, [{"type": "function", "function": t} for t in tools]
 
 
 def render(messages: list[dict], tools: list[dict], describe_tools: bool) -> list[dict]:
