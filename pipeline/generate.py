@@ -25,7 +25,9 @@ from pipeline.records import read_records
 class GenerateOptions:
     prompts: tuple[str, ...]
     model: str = DEFAULT_MODEL  # preset, HF folder, .gguf file, hub id, or a `pipeline compile --backend torch` folder
-    draft: str = "none"  # --draft: none, ngram, eagle3:DIR or a draft model (pipeline/draft_spec.py)
+    # --draft: none, ngram, eagle3:DIR or a draft model (pipeline/draft_spec.py); None: an engine folder's own, else
+    # none. An explicit "none" runs an engine folder's target alone.
+    draft: str | None = None
     num_draft_tokens: int = 4  # k
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
@@ -167,12 +169,12 @@ def _checked_config(options: GenerateOptions, n_prompts: int):
 
 def _models(options: GenerateOptions, config, n_prompts: int):
     """(target, draft, the draft's name, config): --model resolved, or an engine folder with its own limits, dtype,
-    gate and draft (a --draft other than none still picks another draft); a draft model resolved to its folder."""
+    gate and draft (unless --draft names one: none runs its target alone); a draft model resolved to its folder."""
     from pipeline.models.resolve import ResolvedModel, resolve_model
     from pipeline.models.tokenizer import check_draft_compatible
 
     engine_dir = Path(options.model).expanduser()
-    draft = parse_draft(options.draft)
+    draft = parse_draft(options.draft or "none")
     if (engine_dir / "engine.json").is_file():
         from pipeline.engine.folder import engine_config, manifest_draft, read_engine_manifest
 
@@ -181,7 +183,7 @@ def _models(options: GenerateOptions, config, n_prompts: int):
         config = replace(built, max_batch_size=max(n_prompts, built.max_batch_size))
         target = ResolvedModel(options.model, engine_dir.resolve().name, engine_dir / manifest["target"]["path"],
                                "engine")
-        if not draft.speculates:
+        if options.draft is None:
             draft = manifest_draft(engine_dir, manifest)
     else:
         target = resolve_model(options.model)
@@ -231,6 +233,10 @@ def stats_line(result: GenerateResult) -> str:
     if s["drafted_tokens"]:
         line += (f", acceptance {s['acceptance_rate']:.2f}, mean acceptance length "
                  f"{s['mean_acceptance_length']:.2f}")
+    if cost := s.get("draft_cost"):
+        from pipeline.draft.report import cost_line
+
+        line += f", {cost_line(cost)}"
     if info.draft != "none":
         line += f"; {speculation_summary(s['verified_rows'], s['skip_reasons'])}"
     return line

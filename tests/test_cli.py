@@ -14,7 +14,7 @@ from cli_checks import assert_one_line_error  # noqa: E402
 
 STATS_KEYS = {"steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
               "acceptance_per_position", "spec_steps", "nonspec_steps", "generated_tokens", "tokens_per_s",
-              "failed_requests", "proposer_failures", "skip_reasons", "verified_rows"}
+              "failed_requests", "proposer_failures", "skip_reasons", "verified_rows", "draft_cost"}
 # Repetitive, so prompt lookup finds n-grams to draft from.
 COPY_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
 

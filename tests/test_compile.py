@@ -703,3 +703,9 @@ def test_pipeline_generate_runs_an_engine_folder_with_its_own_draft(tiny_target,
     plain = CliRunner().invoke(main, ["generate", "hello there", "--model", str(tiny_target), "--dtype", "fp32",
                                       "--max-tokens", "60", "--json"])
     assert json.loads(plain.stdout)["outputs"][0]["token_ids"] == got["outputs"][0]["token_ids"]
+    # An explicit --draft none runs the folder's target alone (it used to be taken as "the folder's own").
+    alone = CliRunner().invoke(main, ["generate", "hello there", "--model", str(out), "--draft", "none",
+                                      "--max-tokens", "60", "--json"])
+    alone = json.loads(alone.stdout)
+    assert alone["config"]["draft"] == "none" and alone["stats"]["drafted_tokens"] == 0
+    assert alone["outputs"][0]["token_ids"] == got["outputs"][0]["token_ids"]

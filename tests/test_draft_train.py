@@ -69,6 +69,8 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     assert report["resumed_from_step"] == 0 and report["aux_layers"] == [1, 3, 4]
     assert report["head"]["hidden_size"] == 64 and report["head"]["intermediate_size"] == 128
     assert set(report["acceptance"]["by_k"]["6"]) >= {"accepted_through_position", "mean_acceptance_length"}
+    cost = report["acceptance"]["by_k"]["6"]["draft_cost"]  # the head's proposals against the target's steps
+    assert cost["proposal_ms"] > 0 and cost["verify_step_ms"] > 0 and cost["proposal_vs_verify_step"] > 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 64 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert (out / "train_report.json").is_file()
@@ -118,6 +120,14 @@ def test_acceptance_report_derives_mean_length_per_k_from_one_run():
     assert acc["mean_acceptance_length"] == 1 + 7 / 4
     assert acc["mean_acceptance_length_at_k"] == {1: 1.75, 2: 2.25, 3: 2.75}  # K=3 equals the measured one
     assert "| 3 | 0.75 0.50 0.50 | 2.75 |" in acceptance_table({"by_k": {3: acc}})
+    assert acc["draft_cost"] is None  # nothing was timed
+    from pipeline.draft.report import cost_line
+
+    stats.proposer_time_s, stats.proposals, stats.proposed_tokens = 0.012, 4, 12
+    stats.plain_verify_s, stats.plain_verifies = 0.04, 4
+    assert cost_line(stats.draft_cost()) == "a proposal 3.0 ms (1.0 ms a drafted token), 0.30 of a plain step (10.0 ms)"
+    stats.spec_verify_s, stats.spec_verifies = 0.06, 4
+    assert stats.draft_cost()["proposal_vs_verify_step"] == 0.2
 
 
 @pytest.fixture

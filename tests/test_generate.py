@@ -56,6 +56,20 @@ def test_stats_line_mentions_acceptance_only_when_drafting(tiny_target):
     assert "acceptance" in stats_line(ngram)
 
 
+def test_the_draft_cost_is_a_proposal_against_a_target_step(tiny_target, tiny_draft):
+    """generate's stats time the proposer's calls and the target's decode steps in the same run: what a proposal
+    costs in target steps, the figure that says whether a head pays."""
+    plain = generate(opts(tiny_target))
+    assert plain.stats["draft_cost"] is None and "a proposal" not in stats_line(plain)
+    drafted = generate(opts(tiny_target, "abcabcabcabc", draft=str(tiny_draft), raw=True, max_tokens=24,
+                            min_spec_tokens=0))
+    cost = drafted.stats["draft_cost"]
+    assert drafted.stats["drafted_tokens"] > 0 and cost["proposal_ms"] > 0 and cost["verify_step_ms"] > 0
+    assert cost["proposal_vs_verify_step"] == pytest.approx(cost["proposal_ms"] / cost["verify_step_ms"], rel=0.02)
+    assert cost["per_drafted_token_ms"] <= cost["proposal_ms"]
+    assert f"a proposal {cost['proposal_ms']:.1f} ms" in stats_line(drafted)
+
+
 def test_the_stats_line_and_each_output_say_why_steps_did_not_draft(tiny_target):
     """Under min_spec_tokens every step is 'short'; the counts add up to the steps in the output and the line."""
     short = generate(opts(tiny_target, "abcabcabcabcabcabc", draft="ngram", raw=True, max_tokens=12,

@@ -436,7 +436,7 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
 
 @pytest.mark.identity
 @pytest.mark.parametrize("weights", ["int4_awq", "bf16"])
-def test_the_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_path_factory, weights):
+def test_the_layer_stack_in_c_calls_gives_the_module_loops_bits(base, tmp_path_factory, weights):
     folder = export(base, tmp_path_factory, "int4_awq") if weights == "int4_awq" else base
     model = load_transformer(folder, MAX_LEN, torch.bfloat16)
     if not cpu_kernels.usable():
@@ -451,6 +451,10 @@ def test_the_layer_stack_in_one_c_call_gives_the_module_loops_bits(base, tmp_pat
             for i in range(3):  # verify-shaped steps of ragged lengths
                 fb = ForwardBatch.build([0, 1, 2], [20 + 4 * i] * 3, [4, 2, 1], cache)
                 out.append(model(ids(3, 4, seed=i + 1), fb, cache))
+            # EAGLE-3's: layer inputs captured (the final output too), the stack run between them in C calls.
+            fb = ForwardBatch.build([0, 1, 2], [32] * 3, [3, 3, 1], cache)
+            logits, captured = model(ids(3, 3, seed=9), fb, cache, capture_layers=(1, 2, model.cfg.num_layers))
+            out += [logits, *captured]
         return out, cache
 
     (want, want_cache), (got, got_cache) = run(False), run(True)

@@ -27,9 +27,9 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
               help='More prompts: JSONL (one {"prompt": ...} per line) or plain text (one per line).')
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Target: a preset, a Hugging Face folder, a .gguf file or a hub id.")
-@click.option("--draft", "-d", default="none", show_default=True,
+@click.option("--draft", "-d", default=None,
               help="Proposer: none, ngram (prompt lookup), eagle3:DIR (an EAGLE-3 head), or a draft model "
-                   "(preset, folder, .gguf, hub id).")
+                   "(preset, folder, .gguf, hub id). Default: none, or an engine folder's own (--model DIR).")
 @click.option("num_draft_tokens", "--num-draft-tokens", "-k", type=int, default=4, show_default=True,
               help="Tokens drafted per speculative step.")
 @click.option("max_tokens", "--max-tokens", "-n", type=int, default=128, show_default=True,

@@ -21,6 +21,8 @@ def acceptance_from_stats(stats) -> dict:
         "accepted_through_position": [round(x, 4) for x in cum],
         "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
         "mean_acceptance_length_at_k": {k: round(1 + sum(cum[:k]), 4) for k in range(1, len(cum) + 1)},
+        # the head's proposals against the target's steps, as timed in the same run (EngineStats.draft_cost)
+        "draft_cost": stats.draft_cost(),
     }
 
 
@@ -69,6 +71,15 @@ def acceptance_table(acc: dict | None) -> str:
     return "\n".join(rows)
 
 
+def cost_line(cost: dict) -> str:
+    """One line for EngineStats.draft_cost: what a proposal costs against the target's steps."""
+    def vs(key: str, what: str) -> str:
+        return f", {cost[key]:.2f} of a {what} step ({cost[what + '_step_ms']:.1f} ms)" if cost[key] else ""
+
+    return (f"a proposal {cost['proposal_ms']:.1f} ms ({cost['per_drafted_token_ms']:.1f} ms a drafted token)"
+            + vs("proposal_vs_plain_step", "plain") + vs("proposal_vs_verify_step", "verify"))
+
+
 def train_summary(result) -> str:
     """The text `pipeline draft train` prints for a TrainResult; a metric the run didn't get reads "none"."""
     loss = "none" if result.final_loss is None else f"{result.final_loss:.3f}"
@@ -80,6 +91,8 @@ def train_summary(result) -> str:
     if result.acceptance:
         lines += [f"  acceptance on {result.heldout_prompts} held-out prompts (greedy):",
                   acceptance_table(result.acceptance)]
+        lines += [f"  draft cost at K={k}: {cost_line(a['draft_cost'])}" for k, a in result.acceptance["by_k"].items()
+                  if a and a.get("draft_cost")]
     else:
         lines.append("  acceptance: not measured")
     return "\n".join(lines)

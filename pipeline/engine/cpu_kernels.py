@@ -244,10 +244,14 @@ class CpuKernels:
         return out
 
     def layers(self, x: torch.Tensor, table: torch.Tensor, group: int, cfg, cos: torch.Tensor, sin: torch.Tensor,
-               cache, fb) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer in one call (see Transformer.layer_stack and layers_bf16 in the C source): x
-        [B, T, hidden], the embeddings -> (the residual after the last attention, the last MLP output), which
-        the caller adds. Writes every layer's K and V to the cache, and overwrites x."""
+               cache, fb, first: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layers first..end-1 (default all) in one call (see Transformer.layer_stack and layers_bf16 in the
+        C source): x [B, T, hidden], the first layer's input (the embeddings, or a captured layer's input with its
+        residual added) -> (the residual after the last attention, the last MLP output), which the caller adds.
+        Writes those layers' K and V to the cache, and overwrites x."""
+        end = cfg.num_layers if end is None else end
+        if not 0 <= first < end <= cfg.num_layers:
+            raise ValueError(f"layers {first}..{end - 1} of {cfg.num_layers}")
         B, T, hidden = x.shape
         x = x.contiguous()
         delta = torch.empty_like(x)
@@ -259,10 +263,12 @@ class CpuKernels:
         if blocks.dtype != torch.int64 or write_pos.dtype != torch.int64:
             raise ValueError("the layer stack reads block_table and write_pos as int64")
         layers = self._op("layers", x, cos, sin, k, v)
-        rc = layers(x.data_ptr(), delta.data_ptr(), B, T, cfg.num_layers, hidden, cfg.num_heads, cfg.num_kv_heads,
-                    cfg.head_dim, cfg.intermediate_size, group, table.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
-                    sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1], k.shape[3], blocks.data_ptr(),
-                    blocks.shape[1], write_pos.data_ptr(), cfg.head_dim**-0.5, torch.get_num_threads())
+        rows = table[first:end].contiguous()
+        rc = layers(x.data_ptr(), delta.data_ptr(), B, T, end - first, hidden, cfg.num_heads, cfg.num_kv_heads,
+                    cfg.head_dim, cfg.intermediate_size, group, rows.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
+                    sin.data_ptr(), k[first].data_ptr(), v[first].data_ptr(), k.shape[1], k.shape[3],
+                    blocks.data_ptr(), blocks.shape[1], write_pos.data_ptr(), cfg.head_dim**-0.5,
+                    torch.get_num_threads())
         if rc == -2:
             raise ValueError("the layer stack was planned with a projection its kernels can't hold")
         if rc:

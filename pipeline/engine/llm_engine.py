@@ -359,6 +359,7 @@ class LLMEngine:
         if self.proposer is not None:
             spec = [i for i, k in enumerate(ks) if k > 0]
             if spec:  # while no row drafts, no draft work runs at all
+                t0 = time.perf_counter()
                 try:
                     prop = self.proposer.propose([reqs[i] for i in spec], [ks[i] for i in spec])
                 except Exception:  # noqa: BLE001  drafts are optional: these rows decode without them
@@ -370,6 +371,9 @@ class LLMEngine:
                         self._skipped(reqs[i], PROPOSER_FAILED)
                         self.proposer.release(reqs[i])
                 else:
+                    self.stats.proposer_time_s += time.perf_counter() - t0
+                    self.stats.proposals += 1
+                    self.stats.proposed_tokens += sum(len(t) for t in prop.tokens)
                     for n, i in enumerate(spec):
                         drafts[i] = prop.tokens[n][: ks[i]]
                         if n in prop.stochastic_rows:
@@ -381,12 +385,18 @@ class LLMEngine:
                         reqs[i].acceptance.proposed(bool(drafts[i]))
                         if not drafts[i]:  # an n-gram lookup that found nothing, say
                             self._skipped(reqs[i], EMPTY)
+        t0 = time.perf_counter()
         self._verify(reqs, drafts, q_rows, finished)
+        took = time.perf_counter() - t0
         self.stats.steps += 1
         if any(drafts):
             self.stats.spec_steps += 1
+            self.stats.spec_verify_s += took
+            self.stats.spec_verifies += 1
         else:
             self.stats.nonspec_steps += 1
+            self.stats.plain_verify_s += took
+            self.stats.plain_verifies += 1
 
     def _reserve(self, reqs: list[Request], ks: list[int], finished: list[Request]
                  ) -> tuple[list[Request], list[int]]:

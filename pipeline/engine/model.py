@@ -335,10 +335,19 @@ class Transformer(nn.Module):
         cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]  # [B, T, 1, D]
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
         captured, delta = [], None
-        kernels = cpu_kernels.for_tensor(x) if not capture_layers and cache.k.dtype == dtype else None
+        kernels = cpu_kernels.for_tensor(x) if cache.k.dtype == dtype else None
         stack = self.layer_stack() if kernels is not None else None
-        if stack is not None:  # every layer in one C call: the same kernels and bits as the loop below
-            x, delta = kernels.layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb)
+        if stack is not None:  # the layers in C calls: the same kernels and bits as the loop below
+            # One call, or one per run of layers between captured inputs (EAGLE-3's), each captured input with its
+            # residual added as the loop adds it.
+            bounds = sorted({0, self.cfg.num_layers, *(i for i in capture_layers if i < self.cfg.num_layers)})
+            for first, end in zip(bounds, bounds[1:]):
+                if first in capture_layers:
+                    if delta is not None:
+                        x, delta = x + delta, None
+                    captured.append(x)
+                    x = x.clone()  # the C call overwrites its input
+                x, delta = kernels.layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb, first, end)
         for i, layer in enumerate(self.layers if stack is None else ()):
             if i in capture_layers:
                 if delta is not None:  # the layer's input, added here (the same bits as the fused add)

@@ -20,6 +20,15 @@ class EngineStats:
     failed_requests: int = 0  # requests ended by an error tied to them (the others carried on)
     proposer_failures: int = 0  # proposals that raised; their rows went on without speculation
     step_time_s: float = 0.0  # time inside step(): prefill and decode, not model loading
+    # What drafting costs beside the target: the proposer's calls (its drafted tokens), and the decode steps'
+    # target verification (the forward and the acceptance), split by whether the step verified drafts.
+    proposer_time_s: float = 0.0
+    proposals: int = 0
+    proposed_tokens: int = 0
+    plain_verify_s: float = 0.0
+    plain_verifies: int = 0
+    spec_verify_s: float = 0.0
+    spec_verifies: int = 0
     # Row-steps that drafted nothing, by reason (engine/draft_plan.py), summed over requests.
     skip_reasons: dict[str, int] = field(default_factory=dict)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -51,6 +60,23 @@ class EngineStats:
         """P(draft j accepted | drafted), for j = 1..k."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
+    def draft_cost(self) -> dict | None:
+        """The proposer's time beside the target's, None before anything was drafted: a proposal, and each drafted
+        token, in ms and against a plain decode step (the target alone, where the run had any) and a verify step
+        (the target over the pending token and the drafts). Decode steps only: prefill is left out."""
+        if not self.proposals:
+            return None
+
+        def ms(seconds: float, n: int) -> float | None:
+            return round(1e3 * seconds / n, 3) if n else None
+
+        proposal, plain, verify = (ms(self.proposer_time_s, self.proposals), ms(self.plain_verify_s, self.plain_verifies),
+                                   ms(self.spec_verify_s, self.spec_verifies))
+        return {"proposal_ms": proposal, "per_drafted_token_ms": ms(self.proposer_time_s, self.proposed_tokens),
+                "plain_step_ms": plain, "verify_step_ms": verify,
+                "proposal_vs_plain_step": round(proposal / plain, 4) if plain else None,
+                "proposal_vs_verify_step": round(proposal / verify, 4) if verify else None}
+
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.step_time_s if self.step_time_s else 0.0
@@ -71,4 +97,5 @@ class EngineStats:
             "skip_reasons": dict(sorted(self.skip_reasons.items())),
             "failed_requests": self.failed_requests,
             "proposer_failures": self.proposer_failures,
+            "draft_cost": self.draft_cost(),
         }
