@@ -1,0 +1,104 @@
+"""Does an EAGLE-3 head pay on this machine: batch 1, greedy, the head against plain decoding in the same run.
+
+Each of the held-out code-completion prompts (bench_cpu.py's, which no head trains on) decodes --max-tokens new
+tokens alone (end-of-sequence ignored), plain and with the head in turn, --rounds times; a row's tok/s is its
+median round. It reports the speedup, whether every answer is the plain one token for token (it must be), the mean
+acceptance length, and what the head's proposals cost against the target's steps (EngineStats.draft_cost). With
+--train-minutes it first trains the head (`pipeline draft train`, that budget) into --head.
+
+Targets (issue 42, the embedded default, 2 cores): a 10-minute head >= 1.3x plain with mean acceptance length
+>= 2.0; a 60-minute one >= 1.6x and >= 2.5.
+
+    python scripts/bench_eagle3.py --head heads/smol-eagle3
+    python scripts/bench_eagle3.py --head /tmp/h10 --train-minutes 10 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu import PROMPTS  # noqa: E402
+from bench_serving import fmt, print_markdown  # noqa: E402
+
+
+def run(model: str, head: Path | None, args) -> dict:
+    """Every prompt alone, --rounds times: the median round's tok/s, the answers, the head's counters."""
+    from pipeline.engine.config import EngineConfig, GatePolicy
+    from pipeline.engine.llm_engine import LLMEngine
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.resolve import resolve_model
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer
+
+    target = resolve_model(model).path
+    tokenizer = load_tokenizer(target)
+    prompts = [encode_prompt(tokenizer, p, raw=False) for p in PROMPTS[:args.prompts]]
+    config = EngineConfig(max_batch_size=1, max_seq_len=max(len(p) for p in prompts) + args.max_tokens + 8,
+                          dtype="bf16", num_draft_tokens=args.k, gate=GatePolicy(max_batch_size=1, hysteresis=0, min_tokens=0))
+    engine = LLMEngine.load(target, config, draft=f"eagle3:{head}" if head else None)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up: first-call costs out of the timing
+    rounds, answers = [], []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        answers = [engine.generate([p], params)[0].output_ids for p in prompts]
+        rounds.append(args.prompts * args.max_tokens / (time.perf_counter() - t0))
+    s = engine.stats
+    return {"tok_s": statistics.median(rounds), "answers": answers,
+            "mean_acceptance_length": round(s.mean_acceptance_length, 3) if s.verified_rows else None,
+            "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position],
+            "draft_cost": s.draft_cost(), "skip_reasons": dict(s.skip_reasons)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", type=Path, required=True, help="an EAGLE-3 head folder (written first with "
+                    "--train-minutes)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--train-minutes", type=float, default=None, help="train the head first, this budget")
+    ap.add_argument("--prompts", type=int, default=4, choices=range(1, len(PROMPTS) + 1), metavar="N")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("-k", type=int, default=4, help="drafts a step at most (the planner picks per step)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--json", dest="json_", action="store_true")
+    args = ap.parse_args()
+    if args.train_minutes:
+        subprocess.run(["pipeline", "draft", "train", "--target", args.model,
+                        "--budget-minutes", str(args.train_minutes), "-o", str(args.head), "--force", "--quiet"],
+                       check=True)
+    plain, spec = run(args.model, None, args), run(args.model, args.head, args)
+    cost = spec["draft_cost"] or {}
+    result = {"model": args.model, "head": str(args.head), "prompts": args.prompts, "max_tokens": args.max_tokens,
+              "k": args.k, "plain_tok_s": round(plain["tok_s"], 1), "eagle3_tok_s": round(spec["tok_s"], 1),
+              "speedup": round(spec["tok_s"] / plain["tok_s"], 3), "identical": plain["answers"] == spec["answers"],
+              **{key: spec[key] for key in ("mean_acceptance_length", "acceptance_per_position", "skip_reasons")},
+              "draft_cost": cost, "train_minutes": args.train_minutes}
+    report = Path(args.head) / "train_report.json"
+    if report.is_file():
+        result["train"] = {k: json.loads(report.read_text()).get(k) for k in ("steps", "train_seconds", "epochs")}
+    rows = [("plain tok/s", fmt(result["plain_tok_s"]), "batch 1, bf16, the same prompts"),
+            ("EAGLE-3 tok/s", fmt(result["eagle3_tok_s"]), f"k <= {args.k}, the planner's choice per step"),
+            ("speedup", f"{result['speedup']:.2f}x", "targets: 1.3x (10-min head), 1.6x (60-min)"),
+            ("identical to plain", str(result["identical"]), "greedy: must be True"),
+            ("mean acceptance length", fmt(result["mean_acceptance_length"], ".2f"), "targets: 2.0, 2.5"),
+            ("accepted per position", " ".join(f"{x:.2f}" for x in result["acceptance_per_position"]), ""),
+            ("a proposal / verify / plain step ms", "/".join(fmt(cost.get(k)) for k in
+                                                             ("proposal_ms", "verify_step_ms", "plain_step_ms")),
+             "the head beside the target, same run")]
+    if args.json_:
+        print(json.dumps(result, indent=2))
+        return
+    print_markdown(("measure", "value", "note"), rows)
+    print(f"\n{args.model}, head {args.head}, {args.prompts} held-out code prompts x {args.max_tokens} tokens, "
+          f"{os.cpu_count()} threads, median of {args.rounds} round(s).")
+
+
+if __name__ == "__main__":
+    main()
