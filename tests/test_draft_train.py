@@ -108,6 +108,28 @@ def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):
         assert_one_line_error(CliRunner().invoke(main, args), needle)
 
 
+def test_the_draft_vocabularys_logits_are_modelopts_own(target):
+    """The distillation targets train.py hands ModelOpt (the draft vocabulary's rows of the target's lm_head alone) are
+    the ones its offline forward would compute from the whole lm_head and then map to the draft vocabulary."""
+    import json as _json
+
+    from pipeline.draft.train import _collate, _draft_logits, _modelopt_eagle, head_architecture
+
+    cfg = _json.loads((target / "config.json").read_text())
+    d2t = draft_vocab([[5, 9, 9, 40, 77, 77, 77]], cfg["vocab_size"], 64)
+    model = _modelopt_eagle(target, head_architecture(cfg, 64), d2t)
+    g = torch.Generator().manual_seed(0)
+    feats = {"aux": torch.randn(6, 3 * cfg["hidden_size"], generator=g),
+             "final": torch.randn(6, cfg["hidden_size"], generator=g)}
+    batch = _collate([([1, 2, 3, 4, 5, 6], feats)])
+    _draft_logits(model, batch)
+    with torch.no_grad():
+        full = model._base_model_lm_head(model._base_model_norm(batch["base_model_outputs"]["base_model_hidden_states"]))
+        want = type(model)._map_logits_to_draft_vocab(model, full)
+    torch.testing.assert_close(batch["base_model_outputs"]["base_model_logits"], want, atol=1e-5, rtol=1e-5)
+    assert model._map_logits_to_draft_vocab(want) is want  # already mapped: ModelOpt's own mapping is skipped
+
+
 def test_acceptance_report_derives_mean_length_per_k_from_one_run():
     from pipeline.draft.report import acceptance_from_stats, acceptance_table
     from pipeline.engine.stats import EngineStats

@@ -437,11 +437,12 @@ def test_a_call_is_an_answer_that_is_exactly_one_call_of_a_listed_tool():
     from pipeline.openai_api import tools
 
     listed = [WEATHER["function"], TIME["function"]]
-    assert tools.parse_call('{"name": "get_time", "arguments": {"zone": "UTC"}}', listed) == (
-        "get_time", '{"zone": "UTC"}')
+    assert tools.parse_calls('{"name": "get_time", "arguments": {"zone": "UTC"}}', listed, None) == tools.Parsed(
+        [("get_time", '{"zone": "UTC"}')], None)
     for text in ('{"name": "nope", "arguments": {}}', "It is sunny.", '{"name": "get_time"}',
-                 '{"name": "get_time", "arguments": "UTC"}', '[{"name": "get_time", "arguments": {}}]'):
-        assert tools.parse_call(text, listed) is None, text
+                 '{"name": "get_time", "arguments": "UTC"}', '[{"name": "get_time", "arguments": {}}]',
+                 '{"name": "get_time", "arguments": {}, "extra": 1}'):
+        assert tools.parse_calls(text, listed, None) is None, text
     turns = tools.render([{"role": "user", "content": "hi"},
                           {"role": "assistant", "content": "", "tool_calls": [
                               {"id": "call_1", "name": "get_time", "arguments": '{"zone": "CET"}'}]},

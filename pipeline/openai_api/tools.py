@@ -115,15 +115,6 @@ def parse_calls(text: str, tools: list[dict], family: str | None) -> Parsed | No
     return Parsed([call], None) if call else None
 
 
-def parse_call(text: str, tools: list[dict]) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) where the answer is exactly one call of a listed tool in the fallback's shape
-    (what a forced call's guide holds it to), else None."""
-    call = _json(text)
-    if not (isinstance(call, dict) and set(call) == {"name", "arguments"}):
-        return None
-    return _call(call, {t["name"] for t in tools})
-
-
 def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
