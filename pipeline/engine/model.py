@@ -6,7 +6,8 @@ per-op overhead is a large share of a step. For the same reason, and so that a r
 the batch (the lossless contract), in bf16 and fp32 on a CPU the small ops between the linears run as three
 C kernels per layer where they could be built (RMSNorm with the residual add, rope + cache write +
 attention, SiLU-and-multiply: pipeline/engine/cpu_kernels.py), and the linears on the engine's own C
-kernels (pipeline/engine/linear.py); when all of them do, the whole layer stack is one C call. Elsewhere
+kernels (pipeline/engine/linear.py); when all of them do, the whole layer stack is one C call (one per run of
+layers between the hidden states an EAGLE-3 head captures). Elsewhere
 rope is applied to q and k in one go, and RMSNorm uses torch's fused kernel where that is exact.
 """
 
