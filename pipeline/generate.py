@@ -15,6 +15,7 @@ from pathlib import Path
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.draft_plan import speculation_summary
 from pipeline.engine.gate_policy import PORTABLE_CEILING
+from pipeline.engine.stats import cost_line
 from pipeline.errors import ConfigError, RequestError
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.models.tokenizer import answer_text
@@ -234,8 +235,6 @@ def stats_line(result: GenerateResult) -> str:
         line += (f", acceptance {s['acceptance_rate']:.2f}, mean acceptance length "
                  f"{s['mean_acceptance_length']:.2f}")
     if cost := s.get("draft_cost"):
-        from pipeline.draft.report import cost_line
-
         line += f", {cost_line(cost)}"
     if info.draft != "none":
         line += f"; {speculation_summary(s['verified_rows'], s['skip_reasons'])}"

@@ -143,7 +143,7 @@ def test_acceptance_report_derives_mean_length_per_k_from_one_run():
     assert acc["mean_acceptance_length_at_k"] == {1: 1.75, 2: 2.25, 3: 2.75}  # K=3 equals the measured one
     assert "| 3 | 0.75 0.50 0.50 | 2.75 |" in acceptance_table({"by_k": {3: acc}})
     assert acc["draft_cost"] is None  # nothing was timed
-    from pipeline.draft.report import cost_line
+    from pipeline.engine.stats import cost_line
 
     stats.proposer_time_s, stats.proposals, stats.proposed_tokens = 0.012, 4, 12
     stats.plain_verify_s, stats.plain_verifies = 0.04, 4

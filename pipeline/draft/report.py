@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.draft import budget
+from pipeline.engine.stats import cost_line
 
 
 def acceptance_from_stats(stats) -> dict:
@@ -69,15 +70,6 @@ def acceptance_table(acc: dict | None) -> str:
         derived = " ".join(f"{v:.2f}" for v in a["mean_acceptance_length_at_k"].values())
         rows.append(f"| {k} | {pos} | {a['mean_acceptance_length']:.2f} | {derived} |")
     return "\n".join(rows)
-
-
-def cost_line(cost: dict) -> str:
-    """One line for EngineStats.draft_cost: what a proposal costs against the target's steps."""
-    def vs(key: str, what: str) -> str:
-        return f", {cost[key]:.2f} of a {what} step ({cost[what + '_step_ms']:.1f} ms)" if cost[key] else ""
-
-    return (f"a proposal {cost['proposal_ms']:.1f} ms ({cost['per_drafted_token_ms']:.1f} ms a drafted token)"
-            + vs("proposal_vs_plain_step", "plain") + vs("proposal_vs_verify_step", "verify"))
 
 
 def train_summary(result) -> str:

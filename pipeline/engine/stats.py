@@ -99,3 +99,12 @@ class EngineStats:
             "proposer_failures": self.proposer_failures,
             "draft_cost": self.draft_cost(),
         }
+
+
+def cost_line(cost: dict) -> str:
+    """One line for EngineStats.draft_cost: what a proposal costs against the target's steps."""
+    def vs(key: str, what: str) -> str:
+        return f", {cost[key]:.2f} of a {what} step ({cost[what + '_step_ms']:.1f} ms)" if cost[key] else ""
+
+    return (f"a proposal {cost['proposal_ms']:.1f} ms ({cost['per_drafted_token_ms']:.1f} ms a drafted token)"
+            + vs("proposal_vs_plain_step", "plain") + vs("proposal_vs_verify_step", "verify"))

@@ -238,35 +238,6 @@ def create_app(settings: FrontendSettings):
         finally:
             await stream.aclose()
 
-    async def choices(text: str, options: list[RequestOptions], outcomes: list[Outcome],
-                      stop: tuple[str, ...]) -> list[str]:
-        """Each choice's whole answer. With several, the first runs until its first piece (its prompt is then
-        prefilled and its blocks cached) before the rest start, so they read the prompt from the prefix cache;
-        the first error cancels the others."""
-        async def one(i: int, started: asyncio.Event | None = None) -> str:
-            out = []
-            async for piece in pieces(text, options[i], outcomes[i], StopMatcher(stop)):
-                out.append(piece)
-                if started is not None:
-                    started.set()
-            if started is not None:
-                started.set()
-            return "".join(out)
-
-        if len(options) == 1:
-            return [await one(0)]
-        started = asyncio.Event()
-        first = asyncio.create_task(one(0, started))
-        waiting = asyncio.create_task(started.wait())
-        await asyncio.wait([first, waiting], return_when=asyncio.FIRST_COMPLETED)
-        waiting.cancel()
-        tasks = [first] + [asyncio.create_task(one(i)) for i in range(1, len(options))]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()  # after an error: the others' ensemble requests are cancelled
-
     def options_of(options: RequestOptions, i: int) -> RequestOptions:
         """Choice i's options: its own seed (the request's + i, or a fresh one), so sampled choices differ."""
         if i == 0 or options.temperature == 0:
@@ -340,17 +311,47 @@ def create_app(settings: FrontendSettings):
         max_new = req.new_tokens(settings.max_seq_len - prompt_tokens)
         # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
         options = options_for(req, prompt_tokens, max_new, True, template)
-        outcome = Outcome(prompt_tokens, max_new)
+        outcomes = [Outcome(prompt_tokens, max_new) for _ in range(req.n)]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created = int(time.time())
         k = req.num_draft_tokens or settings.num_draft_tokens
+        streams = [pieces(text, options_of(options, i), outcomes[i], StopMatcher(req.stop_strings()))
+                   for i in range(req.n)]
+        # The first piece is awaited before the response starts, so a refused request is still a plain 400; with
+        # several choices the first's prompt is then prefilled and cached, and the others start from the cache.
+        try:
+            first = await anext(streams[0], None)
+        except EnsembleError as err:
+            for a in streams:
+                await a.aclose()
+            raise error_of(err) from None
+
+        async def choice(i: int) -> AsyncIterator[str]:
+            """Choice i's pieces, the first one's awaited piece included."""
+            if i == 0 and first is not None:
+                yield first
+            async for piece in streams[i]:
+                yield piece
+
+        async def close(tasks: list[asyncio.Task]) -> None:
+            """Cancel what still runs (the client left, or an error ended the answer): its ensemble request with it."""
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for a in streams:
+                await a.aclose()
+
         if not req.stream:
-            outcomes = [outcome] + [Outcome(prompt_tokens, max_new) for _ in range(req.n - 1)]
+            async def whole(i: int) -> str:
+                return "".join([piece async for piece in choice(i)])
+
+            tasks = [asyncio.create_task(whole(i)) for i in range(req.n)]
             try:
-                answers = await choices(text, [options_of(options, i) for i in range(req.n)], outcomes,
-                                        req.stop_strings())
+                answers = await asyncio.gather(*tasks)
             except EnsembleError as err:
                 raise error_of(err) from None
+            finally:
+                await close(tasks)
             total = merged(outcomes, prompt_tokens, max_new)
             if chat:
                 return ChatCompletion(id=rid, created=created, model=settings.model_name, choices=[ChatChoice(
@@ -362,7 +363,6 @@ def create_app(settings: FrontendSettings):
                 for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(), metrics=total.metrics(k))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        outcomes = [outcome] + [Outcome(prompt_tokens, max_new) for _ in range(req.n - 1)]
 
         def chunk(i: int = 0, content: str | None = None, finish: str | None = None, role: bool = False,
                   choices: bool = True, usage: bool = False):
@@ -399,26 +399,13 @@ def create_app(settings: FrontendSettings):
                 yield chunk(i, whole)
             yield chunk(i, finish=said["finish_reason"])
 
-        answers = [pieces(text, options_of(options, i), outcomes[i], StopMatcher(req.stop_strings()))
-                   for i in range(req.n)]
-        # The first piece is awaited before the response starts, so a refused request is still a plain 400; with
-        # several choices the first's prompt is then prefilled and cached, and the others start from the cache.
-        try:
-            first = await anext(answers[0], None)
-        except EnsembleError as err:
-            for a in answers:
-                await a.aclose()
-            raise error_of(err) from None
-
         async def events():
             # Each choice's pieces, as they come: (i, text), (i, END) or (i, the exception that ended it).
             queue: asyncio.Queue = asyncio.Queue()
 
             async def feed(i: int) -> None:
                 try:
-                    if i == 0 and first is not None:
-                        await queue.put((0, first))
-                    async for piece in answers[i]:  # choice 0's goes on after its first piece, or has ended
+                    async for piece in choice(i):
                         await queue.put((i, piece))
                     await queue.put((i, END))
                 except Exception as err:  # noqa: BLE001  reported to the client by events()
@@ -456,12 +443,7 @@ def create_app(settings: FrontendSettings):
                     yield chunk(choices=False, usage=True)
                 yield format_sse_event(data_str="[DONE]")
             finally:
-                # The client left, or an error ended the answer: each ensemble request still running is cancelled.
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                for a in answers:
-                    await a.aclose()
+                await close(tasks)
 
         return EventSourceResponse(events())
 
