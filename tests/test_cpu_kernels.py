@@ -303,14 +303,14 @@ def test_dense_linear_matches_float64_and_gives_a_row_the_same_bits_in_any_batch
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
     blocks = cpu_kernels.dense_blocks(w)
     assert torch.equal(cpu_kernels.undense_blocks(blocks, n, k), w)
-    x = torch.randn(37, k, generator=g).to(dtype)  # tiles of 4 rows and a short one
+    x = torch.randn(37, k, generator=g).to(dtype)  # whole tiles (8 rows on AVX-512, 4 elsewhere) and a short one
     with torch.inference_mode():
         y = KERNELS.dense_linear(x, blocks, n, out_dtype=torch.float32)
         alone = torch.cat([KERNELS.dense_linear(x[i:i + 1], blocks, n, out_dtype=torch.float32) for i in range(37)])
         rounded = KERNELS.dense_linear(x, blocks, n)
     torch.testing.assert_close(y.double(), x.double() @ w.double().t(), atol=1e-5, rtol=1e-5)  # fp32 sums
     assert torch.equal(alone, y)
-    for rows in (2, 3, 5, 8, 9, 16, 17):  # every mix of tile shapes
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 17):  # every tile shape, and mixes of them
         with torch.inference_mode():
             assert torch.equal(KERNELS.dense_linear(x[:rows], blocks, n, out_dtype=torch.float32), y[:rows]), rows
     assert rounded.dtype == dtype and torch.equal(rounded, y.to(dtype))  # rounded once, from the fp32 sums

@@ -57,7 +57,7 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_in_id_order():
     assert filled.tolist() == [0, 1, 2, 3, 7]
 
 
-def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, target, prompts_file):
+def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, target, prompts_file, monkeypatch):
     out = tmp_path / "head"
     args = ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",
             "--draft-vocab-size", "64", "--text-samples", "8", "--budget-minutes", "3", "--json", "-o", str(out)]
@@ -67,6 +67,7 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     # 11 answers + 8 text samples, batch 4 -> 5 steps per epoch
     assert report["steps"] == 10 and report["stopped_by"] == "epochs" and report["epochs"] == 2
     assert report["resumed_from_step"] == 0 and report["aux_layers"] == [1, 3, 4]
+    assert report["train_precision"] in ("fp32", "bf16")
     assert report["head"]["hidden_size"] == 64 and report["head"]["intermediate_size"] == 128
     assert set(report["acceptance"]["by_k"]["6"]) >= {"accepted_through_position", "mean_acceptance_length"}
     cost = report["acceptance"]["by_k"]["6"]["draft_cost"]  # the head's proposals against the target's steps
@@ -85,12 +86,15 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
     assert spec.stats.drafted_tokens > 0 and spec.describe()["draft"]["layout"] == "modelopt"
 
-    # Same settings, more epochs: answers and hidden states come from the cache, training resumes.
+    # Same settings, more epochs: answers and hidden states come from the cache, training resumes. This half
+    # runs in bf16 autocast, which this tiny shape would not pick on its own: ModelOpt's training steps under it.
+    monkeypatch.setattr("pipeline.draft.train.train_precision", lambda hidden, vocab: "bf16")
     res = CliRunner().invoke(main, [*args, "--epochs", "3", "--force"])
     assert res.exit_code == 0, res.output
     again = json.loads(res.stdout)
-    assert again["work_dir"] == report["work_dir"]
+    assert again["work_dir"] == report["work_dir"] and again["train_precision"] == "bf16"
     assert again["resumed_from_step"] == 10 and again["steps"] == 15
+    assert again["final_loss"] is not None and again["final_loss"] == again["final_loss"]  # finite, not NaN
 
 
 def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):
