@@ -34,8 +34,9 @@ def head(tmp_path_factory, target) -> Path:
 
 
 def config(**kw) -> EngineConfig:
+    # The head drafts every step unless a test asks for n-gram lookup first: these tests check the head's own state.
     gate = kw.pop("gate", GatePolicy(min_tokens=0))
-    return EngineConfig(**{"max_batch_size": 8, "max_seq_len": 256, "gate": gate, **kw})
+    return EngineConfig(**{"max_batch_size": 8, "max_seq_len": 256, "gate": gate, "ngram_first": False, **kw})
 
 
 def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -89,14 +90,32 @@ def check_incremental_drafts(engine: LLMEngine, rec: Recorder, every: int = 3) -
 @pytest.mark.identity
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_output_identical_to_target_only_with_an_eagle3_head(target, head, reference, batch, k):
-    engine = LLMEngine.load(target, config(num_draft_tokens=k), draft=f"eagle3:{head}")
+@pytest.mark.parametrize("ngram_first", [False, True], ids=["head", "ngram-first"])
+def test_greedy_output_identical_to_target_only_with_an_eagle3_head(target, head, reference, batch, k, ngram_first):
+    engine = LLMEngine.load(target, config(num_draft_tokens=k, ngram_first=ngram_first), draft=f"eagle3:{head}")
     prompts = make_prompts(batch, seed=k + batch)
     reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     for p, r in zip(prompts, reqs):
         assert r.output_ids == reference(p)
     assert engine.stats.drafted_tokens > 0
     assert engine.describe()["draft"]["kind"] == "eagle3"
+
+
+@pytest.mark.identity
+def test_ngram_first_drafts_by_lookup_where_it_matches_and_the_head_catches_up_elsewhere(target, head, reference):
+    # Prompts that repeat themselves: rows draft by lookup on some steps and by the head on others. A head proposal
+    # after lookup steps must still be what a fresh head drafts from the whole prefix (its catch-up).
+    engine = LLMEngine.load(target, config(num_draft_tokens=3, ngram_first=True), draft=f"eagle3:{head}")
+    assert engine.describe()["proposer"] == "eagle3+ngram"
+    rec = Recorder(engine.proposer.inner)  # the head's proposals alone
+    prompts = [p * 3 for p in make_prompts(4, seed=11)]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference(p)
+    sources = engine.describe()["draft"]["ngram_first"]
+    assert sources["ngram"] > 0 and sources["eagle3"] > 0, sources
+    assert check_incremental_drafts(engine, rec, every=1) >= 3
+    assert not engine.proposer.inner.pending and not engine.proposer.inner.head_len  # released with their requests
 
 
 @pytest.mark.identity

@@ -394,6 +394,14 @@ def tiny_vocab_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_vocab_head(tmp_path_factory, tiny_vocab_models):
+    """A random EAGLE-3 head for the tiny-vocabulary target, over 12 of its 16 tokens: its q is zero outside them."""
+    from tiny_models import make_tiny_eagle3_head
+
+    return make_tiny_eagle3_head(tmp_path_factory.mktemp("tv_head"), tiny_vocab_models[0], seed=2, draft_vocab=12)
+
+
+@pytest.fixture(scope="module")
 def exact_joint(tiny_vocab_models):
     """P(x1, x2, x3 | prompt) of the target, computed by transformers (an independent forward)."""
     from transformers import AutoModelForCausalLM
@@ -461,7 +469,7 @@ def run_engine(target, draft, params: SamplingParams, n_requests: int, batch: in
         reqs = engine.generate([E2E_PROMPT] * batch, plist, speculation="on")
         streams += [tuple(r.output_ids[:3]) for r in reqs]
     assert all(len(s) == 3 for s in streams)
-    return streams, engine.stats
+    return streams, engine
 
 
 def test_exact_joint_is_not_degenerate(exact_joint):
@@ -476,19 +484,26 @@ def test_exact_joint_is_not_degenerate(exact_joint):
 @pytest.mark.parametrize("draft_kind, params", [
     ("model", SamplingParams(temperature=1.0)),
     ("ngram", SamplingParams(temperature=1.0)),
+    # an EAGLE-3 head behind n-gram lookup: after "3 5 3", x1 = 4 or 5 makes a 2-token match and the row drafts by
+    # lookup (one-hot q); any other x1 drafts from the head's q. One verify holds both kinds of rows.
+    ("eagle3", SamplingParams(temperature=1.0)),
     ("model", SamplingParams(temperature=0.8, top_k=8, top_p=0.9)),
     # every row of a verify penalised by the drafts before it, as plain decoding would have been
     ("model", SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.9)),
 ])
-def test_engine_sampling_matches_exact_target_distribution(tiny_vocab_models, exact_joint, draft_kind, params):
+def test_engine_sampling_matches_exact_target_distribution(tiny_vocab_models, tiny_vocab_head, exact_joint,
+                                                           draft_kind, params):
     target, draft_folder = tiny_vocab_models
-    draft = draft_folder if draft_kind == "model" else "ngram"
+    draft = {"model": draft_folder, "ngram": "ngram", "eagle3": f"eagle3:{tiny_vocab_head}"}[draft_kind]
     n = 8192
     with single_thread():
-        streams, stats = run_engine(target, draft, params, n_requests=n, batch=512)
+        streams, engine = run_engine(target, draft, params, n_requests=n, batch=512)
+    stats = engine.stats
     # speculation really happened, with both acceptances and rejections
     assert stats.drafted_tokens > n
     assert 0.0 < stats.acceptance_rate < 1.0
+    if draft_kind == "eagle3":  # both sources drafted, in the same batches (about 500 lookup rows, 15000 head rows)
+        assert min(engine.describe()["draft"]["ngram_first"].values()) > n // 100
     results = engine_fits(streams, exact_joint(params))
     print(f"{draft_kind} T={params.temperature} top_k={params.top_k} top_p={params.top_p}: "
           f"drafted={stats.drafted_tokens} acceptance={stats.acceptance_rate:.3f}")
@@ -516,8 +531,9 @@ def test_engine_sampling_with_a_guide_matches_the_masked_target_distribution(tin
     params = SamplingParams(temperature=1.0, guide=GuideSpec("regex", GUIDE_REGEX))
     n = 8192
     with single_thread():
-        streams, stats = run_engine(target, draft_folder if draft_kind == "model" else "ngram", params,
-                                    n_requests=n, batch=512)
+        streams, engine = run_engine(target, draft_folder if draft_kind == "model" else "ngram", params,
+                                     n_requests=n, batch=512)
+    stats = engine.stats
     assert stats.drafted_tokens > n and 0.0 < stats.acceptance_rate < 1.0
     assert all(s[0] in GUIDE_ALLOWED[0] and s[1] in GUIDE_ALLOWED[1] and s[2] in GUIDE_ALLOWED[2] for s in streams)
     results = engine_fits(streams, exact_joint(params, GUIDE_ALLOWED))
@@ -547,7 +563,7 @@ def test_engine_check_rejects_a_wrong_rule(tiny_vocab_models, exact_joint, monke
     target, draft = tiny_vocab_models
     params = SamplingParams(temperature=1.0)
     with single_thread():
-        streams, stats = run_engine(target, draft, params, n_requests=4096, batch=512)
+        streams, _ = run_engine(target, draft, params, n_requests=4096, batch=512)
     results = engine_fits(streams, exact_joint(params))
     for what, (pv, stat, df, bad) in results.items():
         print(f"  wrong rule {what}: p={pv:.4g} chi2={stat:.1f} df={df}")

@@ -111,6 +111,9 @@ class EngineConfig:
     # cpu, cuda or cuda:N; "auto" is resolved before the config is made (pipeline.engine.device.resolve_device)
     device: str = "cpu"
     num_draft_tokens: int = 4  # k: tokens the proposer drafts per step
+    # An EAGLE-3 head drafts only where n-gram lookup finds no match of 2+ tokens in the context (proposers.NgramFirst):
+    # copying drafts for free, and the head's own cost is paid where it is needed. False: the head drafts every step.
+    ngram_first: bool = True
     gate: GatePolicy = field(default_factory=GatePolicy)
     # The output projection: "checkpoint" runs it as stored; "int8" quantizes it at load (one fp32 scale per 64
     # inputs, like llama.cpp's Q8_0 head) onto the C kernel; "auto" does that for an INT4 checkpoint only, whose

@@ -35,7 +35,7 @@ from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
 from pipeline.engine.model import Transformer, use_gpu_kernels
 from pipeline.engine.logit_rules import adjust
-from pipeline.engine.proposers import DraftModelProposer, NgramProposer, Proposer
+from pipeline.engine.proposers import DraftModelProposer, NgramFirst, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
 from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
 from pipeline.engine.sampling_limits import check_logit_bias, check_num_draft_tokens
@@ -149,6 +149,8 @@ class LLMEngine:
 
             head = load_eagle3_head(spec.path, model.cfg, config.max_seq_len, dtype, device)
             proposer = Eagle3Proposer(head, model, config.max_batch_size, config.max_seq_len)
+            if config.ngram_first:
+                proposer = NgramFirst(proposer)
         elif spec.kind == "model":
             draft_model = load_transformer(spec.path, config.max_seq_len, dtype, device, keep_plain=False,
                                            lm_head=config.lm_head)
@@ -176,10 +178,12 @@ class LLMEngine:
             desc["cuda_graphs"] = {"error": self.graph_error}
         if isinstance(self.proposer, DraftModelProposer):
             desc["draft"] = self.proposer.model.describe()
-        elif getattr(self.proposer, "name", None) == "eagle3":
+        elif hasattr(self.proposer, "head"):  # an EAGLE-3 head, alone or behind n-gram lookup
             head = self.proposer.head.cfg
             desc["draft"] = {"kind": "eagle3", "layout": head.layout, "aux_layers": list(head.aux_layer_ids),
                              "draft_vocab_size": head.draft_vocab_size, "dtype": str(self.proposer.head.fc.weight.dtype).removeprefix("torch.")}
+            if isinstance(self.proposer, NgramFirst):  # rows drafted by lookup and by the head so far
+                desc["draft"]["ngram_first"] = dict(self.proposer.sources)
         return desc
 
     # ---- requests -------------------------------------------------------------------------
