@@ -43,6 +43,9 @@ class GenerateOptions:
     gate_batch_size: int = PORTABLE_CEILING  # speculate while the decoding batch is at or below this
     gate_hysteresis: int | None = None  # None: the default for the ceiling (gate_policy.default_hysteresis)
     min_spec_tokens: int = 50  # requests asking for fewer new tokens never speculate
+    # An EAGLE-3 head drafts only where n-gram lookup finds no match (EngineConfig.ngram_first); None: an engine
+    # folder's own, else True.
+    ngram_first: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ def _checked_config(options: GenerateOptions, n_prompts: int):
         device=device,
         num_draft_tokens=options.num_draft_tokens,
         gate=GatePolicy.with_ceiling(options.gate_batch_size, options.gate_hysteresis, options.min_spec_tokens),
+        ngram_first=True if options.ngram_first is None else options.ngram_first,
     )
     SamplingParams(max_tokens=options.max_tokens, temperature=options.temperature, top_p=options.top_p,
                    top_k=options.top_k, seed=options.seed)
@@ -181,7 +185,8 @@ def _models(options: GenerateOptions, config, n_prompts: int):
 
         manifest = read_engine_manifest(engine_dir)
         built = engine_config(manifest, device=config.device)
-        config = replace(built, max_batch_size=max(n_prompts, built.max_batch_size))
+        config = replace(built, max_batch_size=max(n_prompts, built.max_batch_size),
+                         ngram_first=built.ngram_first if options.ngram_first is None else options.ngram_first)
         target = ResolvedModel(options.model, engine_dir.resolve().name, engine_dir / manifest["target"]["path"],
                                "engine")
         if options.draft is None:
@@ -236,6 +241,8 @@ def stats_line(result: GenerateResult) -> str:
                  f"{s['mean_acceptance_length']:.2f}")
     if cost := s.get("draft_cost"):
         line += f", {cost_line(cost)}"
+    if sources := info.engine.get("draft", {}).get("ngram_first"):  # an EAGLE-3 head behind n-gram lookup
+        line += ", drafted by " + " / ".join(f"{name} {n}" for name, n in sources.items())
     if info.draft != "none":
         line += f"; {speculation_summary(s['verified_rows'], s['skip_reasons'])}"
     return line

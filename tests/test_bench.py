@@ -90,6 +90,9 @@ def test_bench_sweeps_writes_json_and_a_plot_and_applies_the_ceiling(ngram_engin
     assert all(p["draft_steps"] + sum(p["skipped_steps"].values()) > 0 for p in on)
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "targets (gated >=" in result.stderr and "| mine | 1 |" in result.stderr
+    # What the proposer cost beside the target's steps, in the table and the JSON
+    assert data["draft_cost"]["verify_step_ms"] > 0 and data["draft_cost"]["plain_step_ms"] > 0
+    assert "draft cost over the sweep: a proposal" in result.stderr
     # The engine had no cost model: the bench measured one for 2 slots and wrote it, and the ceiling.
     assert CostModel.load(ngram_engine).rows == (1, 2)
     threshold = data["fitted_gate_batch_size"]

@@ -31,8 +31,8 @@ def target(tmp_path_factory) -> Path:
 
 def train_args(target: Path, prompts_file: Path, out: Path, budget_minutes: float) -> list[str]:
     return ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",
-            "--draft-vocab-size", "64", "--text-samples", "8", "--budget-minutes", str(budget_minutes),
-            "-o", str(out)]
+            "--draft-vocab-size", "64", "--text-samples", "8", "--answer-rounds", "1",
+            "--budget-minutes", str(budget_minutes), "-o", str(out)]
 
 
 @pytest.fixture
@@ -61,11 +61,13 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     out = tmp_path / "head"
     args = ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",
             "--draft-vocab-size", "64", "--text-samples", "8", "--budget-minutes", "3", "--json", "-o", str(out)]
-    res = CliRunner().invoke(main, [*args, "--epochs", "2"])
+    # One answer a prompt, so the step counts below are known; a last rerun adds a sampled round.
+    res = CliRunner().invoke(main, [*args, "--answer-rounds", "1", "--epochs", "2"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     # 11 answers + 8 text samples, batch 4 -> 5 steps per epoch
-    assert report["steps"] == 10 and report["stopped_by"] == "epochs" and report["epochs"] == 2
+    assert report["answers"] == 11 and report["steps"] == 10 and report["stopped_by"] == "epochs"
+    assert report["epochs"] == 2
     assert report["resumed_from_step"] == 0 and report["aux_layers"] == [1, 3, 4]
     assert report["train_precision"] in ("fp32", "bf16")
     assert report["head"]["hidden_size"] == 64 and report["head"]["intermediate_size"] == 128
@@ -89,12 +91,20 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     # Same settings, more epochs: answers and hidden states come from the cache, training resumes. This half
     # runs in bf16 autocast, which this tiny shape would not pick on its own: ModelOpt's training steps under it.
     monkeypatch.setattr("pipeline.draft.train.train_precision", lambda hidden, vocab: "bf16")
-    res = CliRunner().invoke(main, [*args, "--epochs", "3", "--force"])
+    res = CliRunner().invoke(main, [*args, "--answer-rounds", "1", "--epochs", "3", "--force"])
     assert res.exit_code == 0, res.output
     again = json.loads(res.stdout)
     assert again["work_dir"] == report["work_dir"] and again["train_precision"] == "bf16"
     assert again["resumed_from_step"] == 10 and again["steps"] == 15
     assert again["final_loss"] is not None and again["final_loss"] == again["final_loss"]  # finite, not NaN
+
+    # A second round of answers, sampled: 11 more sequences, a new epoch over (22 + 8) / 4 -> 8 steps.
+    res = CliRunner().invoke(main, [*args, "--answer-rounds", "2", "--epochs", "4", "--force"])
+    assert res.exit_code == 0, res.output
+    more = json.loads(res.stdout)
+    assert more["answers"] == 22 and more["resumed_from_step"] == 15 and more["steps"] == 23
+    answers = torch.load(Path(more["work_dir"]) / "answers.pt")
+    assert answers[:11] != answers[11:] and [a[:5] for a in answers[:11]] == [a[:5] for a in answers[11:]]
 
 
 def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):
@@ -221,7 +231,7 @@ def test_the_summary_prints_when_metrics_are_missing(tmp_path, monkeypatch):
     def no_metrics(opts):
         return train.TrainResult(
             output=str(opts.output), target=opts.target, method="eagle3", work_dir="w", train_prompts=11,
-            heldout_prompts=1, train_tokens=300, draft_vocab_size=64, aux_layers=[1, 3, 4], text_samples=0,
+            heldout_prompts=1, answers=11, train_tokens=300, draft_vocab_size=64, aux_layers=[1, 3, 4], text_samples=0,
             head={}, epochs=4.0, steps=20, resumed_from_step=20, train_seconds=9.0, total_seconds=12.0,
             budget_minutes=0.2, stopped_by="epochs", final_loss=None, train_acc=[], acceptance=None)
 

@@ -257,18 +257,23 @@ def test_compile_torch_engine_with_an_eagle3_head_and_generate_with_it(tmp_path,
     runner = CliRunner()
     out = tmp_path / "engine"
     res = runner.invoke(main, ["compile", "-b", "torch", "-t", str(target), "-d", f"eagle3:{head}", "-k", "3",
-                               "-o", str(out)])
+                               "--no-ngram-first", "-o", str(out)])
     assert res.exit_code == 0, res.output
     manifest = json.loads((out / "engine.json").read_text())
     assert manifest["draft"]["kind"] == "eagle3" and (out / "draft" / "model.safetensors").is_file()
+    assert manifest["ngram_first"] is False
     args = ["generate", "hello there", "--dtype", "fp32", "-n", "56", "--raw", "--json"]  # > 50: the folder gate's min tokens
     from_dir = json.loads(runner.invoke(main, [*args, "--model", str(out)]).output)
     direct = json.loads(runner.invoke(main, [*args, "--model", str(target), "--draft", f"eagle3:{head}", "-k", "3"]).output)
+    overridden = json.loads(runner.invoke(main, [*args, "--model", str(out), "--ngram-first"]).output)
     plain = json.loads(runner.invoke(main, [*args, "--model", str(target)]).output)
     assert from_dir["config"]["draft"] == direct["config"]["draft"] == "eagle3"
     assert from_dir["stats"]["drafted_tokens"] > 0 and direct["stats"]["drafted_tokens"] > 0
-    tokens = [r["outputs"][0]["token_ids"] for r in (from_dir, direct, plain)]
-    assert tokens[0] == tokens[1] == tokens[2]
+    # The folder's setting (the head drafts every step), the default (n-gram lookup first), and an override
+    assert from_dir["config"]["engine"]["proposer"] == "eagle3"
+    assert direct["config"]["engine"]["proposer"] == overridden["config"]["engine"]["proposer"] == "eagle3+ngram"
+    tokens = [r["outputs"][0]["token_ids"] for r in (from_dir, direct, overridden, plain)]
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
 
 
 def test_compile_refuses_a_plain_model_as_an_eagle3_head(tmp_path, target):

@@ -58,6 +58,7 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
     from pipeline.bench.prompts import prompt_set
     from pipeline.bench.report import plot, render_table, to_json
     from pipeline.bench.sweep import BenchOptions, EngineTarget, ServedTarget
+    from pipeline.engine.stats import cost_line
 
     options = BenchOptions(engine=engine, url=url, sets=tuple(sets), concurrency=_levels(concurrency),
                            modes=tuple(m.strip() for m in modes.split(",") if m.strip()), requests=requests,
@@ -86,6 +87,14 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
     calibration = getattr(target, "calibration", None)
     if calibration is not None:
         extra["cost_model"] = calibration.cost.to_json()
+    # In process: what the proposer cost beside the target's steps over the whole sweep (EngineStats.draft_cost).
+    cost = target.engine.stats.draft_cost() if isinstance(target, EngineTarget) else None
+    if cost is not None:
+        extra["draft_cost"] = cost
+        table += f"\ndraft cost over the sweep: {cost_line(cost)}"
+        sources = target.engine.describe().get("draft", {}).get("ngram_first")
+        if sources:
+            table += " (rows drafted by " + " / ".join(f"{name} {n}" for name, n in sources.items()) + ")"
     applied = _apply(points, engine, repo, calibration) if apply_ else []
     if apply_:
         extra["applied"] = applied

@@ -44,6 +44,9 @@ from pipeline.cli.device import device_option
                    "running requests' decode steps.")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="torch backend: reuse the KV blocks of a prompt prefix another request computed.")
+@click.option("--ngram-first/--no-ngram-first", default=True, show_default=True,
+              help="torch backend, EAGLE-3 heads: draft by n-gram lookup where the context has a 2+ token match, "
+                   "by the head elsewhere.")
 @click.option("tp_size", "--tp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
 @click.option("pp_size", "--pp-size", type=int, help="llmapi route; the engine route reads the checkpoint's mapping.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp32", "bf16", "fp16"]),
@@ -63,7 +66,7 @@ from pipeline.cli.device import device_option
               help="Output folder [default: engines/<target folder name>-<backend>].")
 def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_size, max_input_len, max_seq_len,
             max_num_tokens, gate_batch_size, kv_cache_dtype, free_gpu_memory_fraction, kv_cache_bytes, prefill_chunk,
-            prefix_caching, tp_size, pp_size, dtype, device, gpu, calibrate, trtllm_version, dry_run, force, json_,
+            prefix_caching, ngram_first, tp_size, pp_size, dtype, device, gpu, calibrate, trtllm_version, dry_run, force, json_,
             output):
     """Turn quantized checkpoints into what TensorRT-LLM serves, or the portable engine folder.
 
@@ -94,6 +97,6 @@ def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_s
         max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,
         max_num_tokens=max_num_tokens, gate_batch_size=gate_batch_size, kv_cache_dtype=kv_cache_dtype,
         free_gpu_memory_fraction=free_gpu_memory_fraction, kv_cache_bytes=kv_cache_bytes, prefill_chunk=prefill_chunk,
-        prefix_caching=prefix_caching, tp_size=tp_size, pp_size=pp_size, dtype=dtype, device=device, gpu=gpu,
+        prefix_caching=prefix_caching, ngram_first=ngram_first, tp_size=tp_size, pp_size=pp_size, dtype=dtype, device=device, gpu=gpu,
         calibrate=calibrate, trtllm_version=trtllm_version, dry_run=dry_run, force=force))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else result.render())

@@ -31,14 +31,17 @@ def draft():
 @click.option("text_samples", "--text-samples", type=int, default=128, show_default=True,
               help="Also distil on this many 256-token samples of the built-in prose/code text (one target "
                    "forward each, no generation); 0 trains on the answers only.")
+@click.option("answer_rounds", "--answer-rounds", type=int, default=None,
+              help="Answers per prompt: the first greedy, the rest sampled (temperature 0.8). Default: as many "
+                   "(up to 8) as a quarter of the budget allows; a rerun with a larger budget adds rounds.")
 @click.option("max_epochs", "--epochs", type=int, default=50, show_default=True, help="At most this many epochs.")
 @click.option("--force", "-f", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("json_", "--json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars (they show only when stderr is a terminal).")
 @click.option("output", "--output", "-o", required=True, type=click.Path(path_type=Path),
               help="Output folder for the exported head (must not exist unless --force).")
-def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens, text_samples, max_epochs, force,
-          json_, quiet, output):
+def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens, text_samples, answer_rounds,
+          max_epochs, force, json_, quiet, output):
     """Train a draft head for TARGET by self-distillation, and export it to -o DIR.
 
     The target answers the prompts (this project's engine), its hidden states are cached, and
@@ -56,6 +59,6 @@ def train(target, method, data, budget_minutes, draft_vocab_size, max_new_tokens
     result = train_draft(TrainOptions(
         target=target, output=output, method=method.strip().lower(), data=data, budget_minutes=budget_minutes,
         draft_vocab_size=draft_vocab_size, max_new_tokens=max_new_tokens, text_samples=text_samples,
-        max_epochs=max_epochs, force=force,
+        answer_rounds=answer_rounds, max_epochs=max_epochs, force=force,
         progress=not (json_ or quiet)))
     click.echo(json.dumps(result.to_dict(), indent=2) if json_ else train_summary(result))

@@ -17,7 +17,7 @@ from pipeline.models.presets import DEFAULT_MODEL
 
 # Settings of the in-process engine: a served repository fixes them at `pipeline compile` / `assemble`.
 IN_PROCESS_ONLY = ("model", "draft", "dtype", "device", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",
-                   "min_spec_tokens")
+                   "min_spec_tokens", "ngram_first")
 URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 
 
@@ -32,6 +32,9 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
                    "(preset, folder, .gguf, hub id). Default: none, or an engine folder's own (--model DIR).")
 @click.option("num_draft_tokens", "--num-draft-tokens", "-k", type=int, default=4, show_default=True,
               help="Tokens drafted per speculative step.")
+@click.option("--ngram-first/--no-ngram-first", default=None,
+              help="With an EAGLE-3 head: draft by n-gram lookup where the context has a 2+ token match, by the head "
+                   "elsewhere. Default: on, or an engine folder's own setting.")
 @click.option("max_tokens", "--max-tokens", "-n", type=int, default=128, show_default=True,
               help="New tokens per prompt, at most.")
 @click.option("--temperature", cls=Aliased, hidden=("-t",), type=float, default=0.0, show_default=True, help="0 = greedy.")
@@ -64,7 +67,7 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
               help="With --url: keep retrying this many seconds while the server starts and loads its models.")
 @click.option("json_", "--json", is_flag=True, help="Print outputs and stats as JSON.")
 @click.pass_context
-def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
+def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, ngram_first, max_tokens, temperature, top_p, top_k, seed,
              dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, url, speculation,
              no_stream, timeout, wait, json_):
     """Generate text for PROMPT (and/or every prompt in --prompts-file).
@@ -109,18 +112,19 @@ def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, max_toke
     if misplaced := [flag(n) for n in URL_ONLY if given(n)]:
         raise RequestError(f"{', '.join(misplaced)} only apply with --url HOST:PORT; add --url, or drop them "
                            "(in process, --draft picks the proposer)")
-    _generate_in_process(prompts, model=model, draft=draft, num_draft_tokens=num_draft_tokens, max_tokens=max_tokens,
+    _generate_in_process(prompts, model=model, draft=draft, num_draft_tokens=num_draft_tokens, ngram_first=ngram_first,
+                         max_tokens=max_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype, device=device,
                          raw=raw, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                          gate_batch_size=gate_batch_size, min_spec_tokens=min_spec_tokens, json_=json_)
 
 
-def _generate_in_process(prompts, *, model, draft, num_draft_tokens, max_tokens, temperature, top_p, top_k, seed,
+def _generate_in_process(prompts, *, model, draft, num_draft_tokens, ngram_first, max_tokens, temperature, top_p, top_k, seed,
                          dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, json_):
     from pipeline.generate import dtype_line, generate as run_generate, stats_line
 
     result = run_generate(GenerateOptions(
-        prompts=tuple(prompts), model=model, draft=draft, num_draft_tokens=num_draft_tokens,
+        prompts=tuple(prompts), model=model, draft=draft, num_draft_tokens=num_draft_tokens, ngram_first=ngram_first,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype,
         device=device, raw=raw, max_seq_len=max_seq_len, max_batch_size=max_batch_size, gate_batch_size=gate_batch_size,
         min_spec_tokens=min_spec_tokens,

@@ -57,6 +57,7 @@ class CompileOptions:
     kv_cache_bytes: int | None = None
     prefill_chunk: int = 256
     prefix_caching: bool = True
+    ngram_first: bool = True  # torch backend, EAGLE-3 heads: n-gram lookup drafts where it matches (EngineConfig)
     gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
     # torch backend: where compile loads the engine to calibrate (auto|cpu|cuda|cuda:N; pipeline.engine.device)
     device: str = "auto"
@@ -297,7 +298,7 @@ def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: 
         num_draft_tokens=sizes.max_draft_len, dtype=engine_folder.runtime_dtype(target, options.dtype),
         gate_batch_size=options.gate_batch_size, kv_cache_bytes=options.kv_cache_bytes,
         prefill_chunk=options.prefill_chunk, prefix_caching=options.prefix_caching,
-        gpu_memory_fraction=options.free_gpu_memory_fraction)
+        gpu_memory_fraction=options.free_gpu_memory_fraction, ngram_first=options.ngram_first)
     if options.dry_run:
         write_engine_manifest(stage, engine)
     else:

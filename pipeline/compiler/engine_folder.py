@@ -29,7 +29,7 @@ def runtime_dtype(ckpt: Checkpoint, requested: str = "auto") -> str:
 def engine_manifest(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None, *, max_batch_size: int,
                     max_seq_len: int, num_draft_tokens: int, dtype: str, gate_batch_size: int | None,
                     kv_cache_bytes: int | None = None, prefill_chunk: int = 256, prefix_caching: bool = True,
-                    gpu_memory_fraction: float = 0.9) -> dict:
+                    gpu_memory_fraction: float = 0.9, ngram_first: bool = True) -> dict:
     """engine.json's content: pure."""
     draft_entry: dict = {"kind": draft.kind}
     if draft_ckpt is not None:
@@ -43,6 +43,7 @@ def engine_manifest(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint
         "gate_batch_size": gate_batch_size,  # speculate while the running batch is at or below this
         # the target's KV block pool (null: max_batch_size x max_seq_len tokens), chunked prefill, prefix reuse
         "kv_cache_bytes": kv_cache_bytes, "prefill_chunk": prefill_chunk, "prefix_caching": prefix_caching,
+        "ngram_first": ngram_first,  # an EAGLE-3 head drafts where n-gram lookup finds no match (EngineConfig)
         # on a GPU with kv_cache_bytes null: the share of the memory free after the weights the pool may take
         "gpu_memory_fraction": gpu_memory_fraction,
         "target": {"path": "target", "source": str(target.path), "checkpoint_dtype": target.dtype,

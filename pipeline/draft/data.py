@@ -38,8 +38,10 @@ def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:
 
 
 def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int = 16,
-                     on_batch=None, deadline: float | None = None) -> list[list[int]]:
-    """The target's own greedy answers, through this project's engine: prompt + answer ids per prompt.
+                     on_batch=None, deadline: float | None = None, temperature: float = 0.0,
+                     seed: int = 0) -> list[list[int]]:
+    """The target's own answers, through this project's engine: prompt + answer ids per prompt. Greedy, or sampled
+    at `temperature` with prompt i's request seeded seed + i.
 
     With a deadline (budget.now()), decoding stops at the first step past it, and the batch in flight
     is returned cut short: a cut answer is still the target's own greedy text, and on a loaded machine one
@@ -50,7 +52,9 @@ def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, b
     seqs = []
     for i in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[i:i + batch_size]
-        reqs = [engine.add_request(p, SamplingParams(max_tokens=max_new_tokens)) for p in chunk]
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                                                     seed=seed + i + j if temperature else None))
+                for j, p in enumerate(chunk)]
         cut = False
         while not all(r.finished for r in reqs) and not cut:
             cut = deadline is not None and budget.now() > deadline

@@ -63,7 +63,8 @@ def engine_config(manifest: dict, device: str | None = None, dtype: str | None =
                         lm_head=manifest.get("lm_head", "auto"), kv_cache_bytes=manifest.get("kv_cache_bytes"),
                         gpu_memory_fraction=manifest.get("gpu_memory_fraction", DEFAULT_GPU_MEMORY_FRACTION),
                         prefill_chunk=manifest.get("prefill_chunk", 256),
-                        prefix_caching=manifest.get("prefix_caching", True))
+                        prefix_caching=manifest.get("prefix_caching", True),
+                        ngram_first=manifest.get("ngram_first", True))
 
 
 def load_engine(path: str | Path, device: str | None = None, dtype: str | None = None,
