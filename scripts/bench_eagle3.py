@@ -2,11 +2,12 @@
 
 Each of the held-out code-completion prompts (bench_cpu.py's, which no head trains on) decodes --max-tokens new
 tokens alone (end-of-sequence ignored), --rounds times, in four runs: plain, n-gram, the head alone, and the head
-behind n-gram lookup (the engine's default for a head: EngineConfig.ngram_first). A run's tok/s is its median
-round. It reports each run's speedup over plain, whether every answer is the plain one token for token (it must
-be), the mean acceptance length, and what the head's proposals cost against the target's steps
-(EngineStats.draft_cost). With --train-minutes it first trains the head (`pipeline draft train`, that budget)
-into --head.
+behind n-gram lookup (the engine's default for a head: EngineConfig.ngram_first). Each speculating engine first
+measures its costs (engine/calibrate.py, as `pipeline compile` does), so the planner picks k per step from them. A
+run's tok/s is its median round. It reports each run's speedup over plain, whether every answer is the plain one
+token for token (it must be), the mean acceptance length, and what the head's proposals cost against the target's
+steps (EngineStats.draft_cost). With --train-minutes it first trains the head (`pipeline draft train`, that
+budget) into --head.
 
 Targets (issue 42, the embedded default, 2 cores): a 10-minute head >= 1.3x plain with mean acceptance length
 >= 2.0; a 60-minute one >= 1.6x and >= 2.5; the head and n-gram together at least as fast as the better alone.
@@ -46,8 +47,13 @@ def run(model: str, draft: str | None, args, ngram_first: bool = True) -> dict:
                           dtype="bf16", num_draft_tokens=args.k, ngram_first=ngram_first,
                           gate=GatePolicy(max_batch_size=1, hysteresis=0, min_tokens=0))
     engine = LLMEngine.load(target, config, draft=draft)
+    if draft and args.calibrate:  # k per step from this machine's measured costs, as a compiled engine folder has
+        from pipeline.engine.calibrate import calibrate
+
+        engine.cost_model = calibrate(engine).cost
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up: first-call costs out of the timing
+    engine.stats = type(engine.stats)()  # the counters from here: not the warm-up's or the calibration's steps
     rounds, answers = [], []
     for _ in range(args.rounds):
         t0 = time.perf_counter()
@@ -71,6 +77,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=4, help="drafts a step at most (the planner picks per step)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="plan k with the rule-of-thumb cost model instead of one measured first (about 5 s a run)")
     ap.add_argument("--json", dest="json_", action="store_true")
     args = ap.parse_args()
     if args.train_minutes:
