@@ -1,10 +1,10 @@
 """Does an EAGLE-3 head pay on this machine: batch 1, greedy, the head against plain decoding in the same run.
 
 Each of the held-out code-completion prompts (bench_cpu.py's, which no head trains on) decodes --max-tokens new
-tokens alone (end-of-sequence ignored), --rounds times, in four runs: plain, n-gram, the head alone, and the head
-behind n-gram lookup (the engine's default for a head: EngineConfig.ngram_first). Each speculating engine first
-measures its costs (engine/calibrate.py, as `pipeline compile` does), so the planner picks k per step from them. A
-run's tok/s is its median round. It reports each run's speedup over plain, whether every answer is the plain one
+tokens alone (end-of-sequence ignored) through four engines in turn, --rounds times: plain, n-gram, the head alone,
+and the head behind n-gram lookup (the engine's default for a head: EngineConfig.ngram_first). Each speculating
+engine first measures its costs (engine/calibrate.py, as `pipeline compile` does), so the planner picks k per step
+from them. A run's tok/s is its median round. It reports each run's speedup over plain, whether every answer is the plain one
 token for token (it must be), the mean acceptance length, and what the head's proposals cost against the target's
 steps (EngineStats.draft_cost). With --train-minutes it first trains the head (`pipeline draft train`, that
 budget) into --head.
@@ -32,8 +32,8 @@ from bench_cpu import PROMPTS  # noqa: E402
 from bench_serving import fmt, print_markdown  # noqa: E402
 
 
-def run(model: str, draft: str | None, args, ngram_first: bool = True) -> dict:
-    """Every prompt alone, --rounds times: the median round's tok/s, the answers, the proposer's counters."""
+def load(model: str, draft: str | None, args, ngram_first: bool = True):
+    """(engine, prompt ids), warmed up; a speculating engine with its costs measured first (--no-calibrate: not)."""
     from pipeline.engine.config import EngineConfig, GatePolicy
     from pipeline.engine.llm_engine import LLMEngine
     from pipeline.engine.sampling import SamplingParams
@@ -51,20 +51,33 @@ def run(model: str, draft: str | None, args, ngram_first: bool = True) -> dict:
         from pipeline.engine.calibrate import calibrate
 
         engine.cost_model = calibrate(engine).cost
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up: first-call costs out of the timing
     engine.stats = type(engine.stats)()  # the counters from here: not the warm-up's or the calibration's steps
-    rounds, answers = [], []
+    return engine, prompts
+
+
+def run_all(engines: dict, args) -> dict:
+    """Every prompt alone through each engine in turn, round after round (so a slow spell of a shared machine lands
+    on every run alike, not on one): per run the median round's tok/s, the answers and the proposer's counters."""
+    from pipeline.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    rounds: dict[str, list[float]] = {name: [] for name in engines}
+    answers: dict[str, list] = {}
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
-        answers = [engine.generate([p], params)[0].output_ids for p in prompts]
-        rounds.append(args.prompts * args.max_tokens / (time.perf_counter() - t0))
-    s = engine.stats
-    return {"tok_s": statistics.median(rounds), "answers": answers,
-            "mean_acceptance_length": round(s.mean_acceptance_length, 3) if s.verified_rows else None,
-            "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position],
-            "draft_cost": s.draft_cost(), "skip_reasons": dict(s.skip_reasons),
-            "sources": engine.describe().get("draft", {}).get("ngram_first")}
+        for name, (engine, prompts) in engines.items():
+            t0 = time.perf_counter()
+            answers[name] = [engine.generate([p], params)[0].output_ids for p in prompts]
+            rounds[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
+    out = {}
+    for name, (engine, _) in engines.items():
+        s = engine.stats
+        out[name] = {"tok_s": statistics.median(rounds[name]), "answers": answers[name],
+                     "mean_acceptance_length": round(s.mean_acceptance_length, 3) if s.verified_rows else None,
+                     "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position],
+                     "draft_cost": s.draft_cost(), "skip_reasons": dict(s.skip_reasons),
+                     "sources": engine.describe().get("draft", {}).get("ngram_first")}
+    return out
 
 
 def main() -> None:
@@ -76,7 +89,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, choices=range(1, len(PROMPTS) + 1), metavar="N")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=4, help="drafts a step at most (the planner picks per step)")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                     help="plan k with the rule-of-thumb cost model instead of one measured first (about 5 s a run)")
     ap.add_argument("--json", dest="json_", action="store_true")
@@ -86,8 +99,9 @@ def main() -> None:
                         "--budget-minutes", str(args.train_minutes), "-o", str(args.head), "--force", "--quiet"],
                        check=True)
     head = f"eagle3:{args.head}"
-    runs = {"plain": run(args.model, None, args), "ngram": run(args.model, "ngram", args),
-            "eagle3": run(args.model, head, args, ngram_first=False), "eagle3+ngram": run(args.model, head, args)}
+    runs = run_all({"plain": load(args.model, None, args), "ngram": load(args.model, "ngram", args),
+                    "eagle3": load(args.model, head, args, ngram_first=False),
+                    "eagle3+ngram": load(args.model, head, args)}, args)
     plain = runs["plain"]
     result = {"model": args.model, "head": str(args.head), "prompts": args.prompts, "max_tokens": args.max_tokens,
               "k": args.k, "train_minutes": args.train_minutes, "runs": {}}
