@@ -107,6 +107,19 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     assert answers[:11] != answers[11:] and [a[:5] for a in answers[:11]] == [a[:5] for a in answers[11:]]
 
 
+def test_automatic_answer_rounds_keep_the_hidden_states_within_memory():
+    from pipeline.draft.train import MAX_ANSWER_ROUNDS, _auto_rounds
+
+    ids = [[1] * 62] * 207  # the built-in prompts' count, at about their length
+    smol = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "intermediate_size": 1536, "vocab_size": 49152}
+    llama8b = {**smol, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
+    assert _auto_rounds(ids, 128, 3, smol) == MAX_ANSWER_ROUNDS
+    assert _auto_rounds(ids, 128, 3, llama8b) == 3  # 1.3 GB of bf16 states a round, under 4 GiB in all
+    assert _auto_rounds(ids * 40, 128, 3, llama8b) == 1  # at least one round, whatever the size
+
+
 def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):
     existing = tmp_path / "exists"
     existing.mkdir()

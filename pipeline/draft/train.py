@@ -50,6 +50,9 @@ ANSWER_BATCH = 16
 # better than held-out prompts (0.44): more of the target's own text, not more steps, is what it lacked.
 MAX_ANSWER_ROUNDS = 8
 ANSWER_TEMPERATURE = 0.8
+# The cached hidden states are held in memory while training: the automatic rounds stop where another would take
+# them past this (SmolLM2: about 0.2 GB a round; a Llama-3.1-8B target: about 1.3 GB, so 3 rounds).
+FEATURE_MEMORY_BYTES = 4 << 30
 WARMUP_STEPS = 20  # linear learning-rate warmup
 # A head that hasn't finished the warmup has moved little from its initialisation (random layers, the
 # target's lm_head rows): exporting it only gives acceptance near 0. A run that can't reach this many
@@ -349,7 +352,7 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
 
     # 1-2. answers and hidden states, cached in the work folder; a rerun continues where this one stopped.
     seqs, feats, answers = _collect_data(setup.target, setup.tokenizer, setup.stops, setup.train_prompts,
-                                         setup.aux_layers, setup.work, opts, plan)
+                                         setup.aux_layers, setup.work, opts, plan, setup.target_cfg)
     phase_s["data"] = round(budget.now() - plan.start, 1)
     if not seqs:
         raise DraftTrainError(f"no training data within {opts.budget_minutes:g} min ({_timings(phase_s)}): "
@@ -522,7 +525,7 @@ def _export_and_measure(model, arch: dict, setup: _Setup, seqs: list[list[int]],
 
 
 def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work: Path, opts: TrainOptions,
-                  plan: PhasePlan) -> tuple[list[list[int]], list[dict], int]:
+                  plan: PhasePlan, target_cfg: dict) -> tuple[list[list[int]], list[dict], int]:
     """(sequences, their target hidden states, how many of them are answers): the target's answers to the
     training prompts, round after round (MAX_ANSWER_ROUNDS), until the plan's answers_end, their hidden states,
     then the built-in text's, until its data_end. Each is cached batch by batch in the work folder, so a rerun
@@ -536,9 +539,10 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
 
     ans_file, feat_file = work / "answers.pt", work / "features.pt"
     seqs: list[list[int]] = torch.load(ans_file) if ans_file.is_file() else []
-    wanted = len(train_p) * (opts.answer_rounds or MAX_ANSWER_ROUNDS)
+    ids = [encode_prompt(tok, p, raw=False) for p in train_p]
+    rounds = opts.answer_rounds or _auto_rounds(ids, opts.max_new_tokens, len(aux_layers), target_cfg)
+    wanted = len(train_p) * rounds
     if len(seqs) < wanted and before(plan.answers_end):
-        ids = [encode_prompt(tok, p, raw=False) for p in train_p]
         max_len = max(len(i) for i in ids) + opts.max_new_tokens + 1
         engine = LLMEngine(*_load_target(target, max_len), eos_token_ids=stops)
         with _bar(wanted, "answers (target)", opts.progress) as bar:
@@ -581,6 +585,16 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
             del model
         seqs, feats = seqs + texts[:len(text_feats)], feats + text_feats
     return seqs, feats, answers
+
+
+def _auto_rounds(ids: list[list[int]], max_new_tokens: int, num_aux: int, target_cfg: dict) -> int:
+    """Answer rounds when --answer-rounds isn't given: MAX_ANSWER_ROUNDS, fewer where their hidden states (bf16, the
+    aux layers' and the final one per token) would pass FEATURE_MEMORY_BYTES."""
+    from pipeline.engine.config import ModelConfig
+
+    hidden = ModelConfig.from_hf_dict(target_cfg).hidden_size
+    per_round = sum(len(i) + max_new_tokens for i in ids) * (num_aux + 1) * hidden * 2
+    return max(1, min(MAX_ANSWER_ROUNDS, FEATURE_MEMORY_BYTES // max(per_round, 1)))
 
 
 def _timings(phase_s: dict) -> str:
