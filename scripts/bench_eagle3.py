@@ -4,9 +4,9 @@ Each of the held-out code-completion prompts (bench_cpu.py's, which no head trai
 tokens alone (end-of-sequence ignored) through four engines in turn, --rounds times: plain, n-gram, the head alone,
 and the head behind n-gram lookup (the engine's default for a head: EngineConfig.ngram_first). Each speculating
 engine first measures its costs (engine/calibrate.py, as `pipeline compile` does), so the planner picks k per step
-from them. A run's tok/s is its median round. It reports each run's speedup over plain, whether every answer is the plain one
-token for token (it must be), the mean acceptance length, and what the head's proposals cost against the target's
-steps (EngineStats.draft_cost). With --train-minutes it first trains the head (`pipeline draft train`, that
+from them. A run's tok/s is its median round. It reports each run's speedup over plain, whether every answer is the
+plain one token for token (it must be), the mean acceptance length, and what the head's proposals cost against the
+target's steps (EngineStats.draft_cost). With --train-minutes it first trains the head (`pipeline draft train`, that
 budget) into --head.
 
 Targets (issue 42, the embedded default, 2 cores): a 10-minute head >= 1.3x plain with mean acceptance length

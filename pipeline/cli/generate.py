@@ -67,9 +67,9 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
               help="With --url: keep retrying this many seconds while the server starts and loads its models.")
 @click.option("json_", "--json", is_flag=True, help="Print outputs and stats as JSON.")
 @click.pass_context
-def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, ngram_first, max_tokens, temperature, top_p, top_k, seed,
-             dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, url, speculation,
-             no_stream, timeout, wait, json_):
+def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, ngram_first, max_tokens, temperature, top_p,
+             top_k, seed, dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, url,
+             speculation, no_stream, timeout, wait, json_):
     """Generate text for PROMPT (and/or every prompt in --prompts-file).
 
     Several prompts are decoded together as one in-flight batch. Greedy by default; with
@@ -113,14 +113,14 @@ def generate(ctx, prompt, prompts_file, model, draft, num_draft_tokens, ngram_fi
         raise RequestError(f"{', '.join(misplaced)} only apply with --url HOST:PORT; add --url, or drop them "
                            "(in process, --draft picks the proposer)")
     _generate_in_process(prompts, model=model, draft=draft, num_draft_tokens=num_draft_tokens, ngram_first=ngram_first,
-                         max_tokens=max_tokens,
-                         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, dtype=dtype, device=device,
-                         raw=raw, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
+                         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                         dtype=dtype, device=device, raw=raw, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
                          gate_batch_size=gate_batch_size, min_spec_tokens=min_spec_tokens, json_=json_)
 
 
-def _generate_in_process(prompts, *, model, draft, num_draft_tokens, ngram_first, max_tokens, temperature, top_p, top_k, seed,
-                         dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens, json_):
+def _generate_in_process(prompts, *, model, draft, num_draft_tokens, ngram_first, max_tokens, temperature, top_p,
+                         top_k, seed, dtype, device, raw, max_seq_len, max_batch_size, gate_batch_size, min_spec_tokens,
+                         json_):
     from pipeline.generate import dtype_line, generate as run_generate, stats_line
 
     result = run_generate(GenerateOptions(

@@ -278,7 +278,7 @@ int quant_linear(const void *x, int x_f32, int64_t M, int64_t K, const float *pr
 // which tile shape covers an output never changes its bits.
 // A tile prefetches its weights D_PREFETCH bytes ahead: at 3 or more rows the sums take long enough that the
 // hardware prefetcher falls behind and the loads stop overlapping them. On a 2-core EPYC, SmolLM2's gate_up at
-// 4 rows went from 1.45x the cost of 1 row to 1.0x, and a k=4 verify step from 10.0 to 8.1 ms (4096 beat
+// 4 rows went from 1.4x the cost of 1 row to 1.0x, and a k=4 verify step from 10.0 to 8.1 ms (4096 beat
 // 1024, 2048, 8192 and 16384 there).
 #define DNB_MAX 8
 #ifndef D_PREFETCH
