@@ -107,7 +107,7 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     assert answers[:11] != answers[11:] and [a[:5] for a in answers[:11]] == [a[:5] for a in answers[11:]]
 
 
-def test_automatic_answer_rounds_keep_the_hidden_states_within_memory():
+def test_automatic_answer_rounds_keep_the_hidden_states_within_memory_and_short_budgets_for_training():
     from pipeline.draft.train import MAX_ANSWER_ROUNDS, _auto_rounds
 
     ids = [[1] * 62] * 207  # the built-in prompts' count, at about their length
@@ -115,9 +115,12 @@ def test_automatic_answer_rounds_keep_the_hidden_states_within_memory():
             "intermediate_size": 1536, "vocab_size": 49152}
     llama8b = {**smol, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
-    assert _auto_rounds(ids, 128, 3, smol) == MAX_ANSWER_ROUNDS
-    assert _auto_rounds(ids, 128, 3, llama8b) == 3  # 1.3 GB of bf16 states a round, under 4 GiB in all
-    assert _auto_rounds(ids * 40, 128, 3, llama8b) == 1  # at least one round, whatever the size
+    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=20) == MAX_ANSWER_ROUNDS
+    assert _auto_rounds(ids, 128, 3, llama8b, budget_minutes=20) == 3  # 1.3 GB of bf16 states a round: 4 GiB in all
+    assert _auto_rounds(ids * 40, 128, 3, llama8b, budget_minutes=20) == 1  # at least one round, whatever the size
+    # A short budget keeps its time for training: one sampled round per 2 minutes.
+    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=0.4) == 1
+    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=5) == 3
 
 
 def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):

@@ -53,6 +53,10 @@ ANSWER_TEMPERATURE = 0.8
 # The cached hidden states are held in memory while training: the automatic rounds stop where another would take
 # them past this (SmolLM2: about 0.2 GB a round; a Llama-3.1-8B target: about 1.3 GB, so 3 rounds).
 FEATURE_MEMORY_BYTES = 4 << 30
+# And at one sampled round per this many minutes of budget: a short run's data phase then ends early and leaves
+# training its time (a 0.4-minute build stage that spent 10 s on rounds reached 1 of its 20 minimum steps). The
+# answer phase's share stops longer runs first: 10 minutes made 2.7 rounds of SmolLM2's answers on 2 cores.
+MINUTES_PER_ROUND = 2.0
 WARMUP_STEPS = 20  # linear learning-rate warmup
 # A head that hasn't finished the warmup has moved little from its initialisation (random layers, the
 # target's lm_head rows): exporting it only gives acceptance near 0. A run that can't reach this many
@@ -540,7 +544,8 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
     ans_file, feat_file = work / "answers.pt", work / "features.pt"
     seqs: list[list[int]] = torch.load(ans_file) if ans_file.is_file() else []
     ids = [encode_prompt(tok, p, raw=False) for p in train_p]
-    rounds = opts.answer_rounds or _auto_rounds(ids, opts.max_new_tokens, len(aux_layers), target_cfg)
+    rounds = opts.answer_rounds or _auto_rounds(ids, opts.max_new_tokens, len(aux_layers), target_cfg,
+                                                opts.budget_minutes)
     wanted = len(train_p) * rounds
     if len(seqs) < wanted and before(plan.answers_end):
         max_len = max(len(i) for i in ids) + opts.max_new_tokens + 1
@@ -587,14 +592,17 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
     return seqs, feats, answers
 
 
-def _auto_rounds(ids: list[list[int]], max_new_tokens: int, num_aux: int, target_cfg: dict) -> int:
+def _auto_rounds(ids: list[list[int]], max_new_tokens: int, num_aux: int, target_cfg: dict,
+                 budget_minutes: float) -> int:
     """Answer rounds when --answer-rounds isn't given: MAX_ANSWER_ROUNDS, fewer where their hidden states (bf16, the
-    aux layers' and the final one per token) would pass FEATURE_MEMORY_BYTES."""
+    aux layers' and the final one per token) would pass FEATURE_MEMORY_BYTES, and one sampled round per
+    MINUTES_PER_ROUND of budget."""
     from pipeline.engine.config import ModelConfig
 
     hidden = ModelConfig.from_hf_dict(target_cfg).hidden_size
     per_round = sum(len(i) + max_new_tokens for i in ids) * (num_aux + 1) * hidden * 2
-    return max(1, min(MAX_ANSWER_ROUNDS, FEATURE_MEMORY_BYTES // max(per_round, 1)))
+    by_budget = 1 + int(budget_minutes // MINUTES_PER_ROUND)
+    return max(1, min(MAX_ANSWER_ROUNDS, by_budget, FEATURE_MEMORY_BYTES // max(per_round, 1)))
 
 
 def _timings(phase_s: dict) -> str:
