@@ -386,8 +386,11 @@ def test_http_generate_bounds_every_number_by_the_engine(server, engine_dir):
     assert answer["text_output"] == expected_text(engine_dir, "hi", 8)
 
 
+LONG_STREAM = 900  # tokens a stream asks for while its engine is killed: it must still be running then
+
+
 @pytest.mark.slow
-def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(engine_dir, tmp_path):
+def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tiny_target, tmp_path):
     """kill -9 of the torch_engine stub mid-load, under `pipeline serve`: every client in flight gets an error
     within 10 s, readiness drops, serve says why in one line, and a new request succeeds within 60 s."""
     import os
@@ -401,6 +404,9 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(eng
     from pipeline.triton.assemble import AssembleOptions, assemble
     from pipeline.triton.supervise import python_stubs
 
+    # Answers of up to 900 tokens, not the module engine's 256: 200-token streams all finished between the check
+    # that three were running and the kill, once verify steps got faster.
+    engine_dir = ngram_engine(tiny_target, tmp_path / "engine", slots=8, max_seq_len=1024)
     repo = assemble(AssembleOptions(engine=engine_dir, repo=tmp_path / "repo")).repo
     grpc, http, metrics_port = free_ports()
     cli = subprocess.Popen([sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--repo", str(repo),
@@ -428,15 +434,15 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(eng
         def stream(i):
             c = client(served)
             try:
-                responses(c, f"in flight {i}", 200, timeout=30)
+                responses(c, f"in flight {i}", LONG_STREAM, timeout=30)
                 outcome[i] = ("finished", time.monotonic())
             except Exception as err:  # noqa: BLE001  the error is what this test wants
                 outcome[i] = (f"error: {err}", time.monotonic())
             finally:
                 c.close()
 
-        # The stub to kill, found before the streams start: 200 tokens take well under a second here, and the
-        # search through the process table took long enough for every stream to finish before the kill.
+        # The stub to kill, found before the streams start: the search through the process table took long enough
+        # for every stream to finish before the kill.
         [server_pid] = [int(p) for p in subprocess.run(["pgrep", "-f", f"tritonserver.*grpc-port={grpc}"],
                                                        capture_output=True, text=True).stdout.split()]
         [engine] = [s for s in python_stubs(os.getpgid(server_pid)) if s.model == "torch_engine"]
