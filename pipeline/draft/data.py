@@ -44,7 +44,7 @@ def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, b
     at `temperature` with prompt i's request seeded seed + i.
 
     With a deadline (budget.now()), decoding stops at the first step past it, and the batch in flight
-    is returned cut short: a cut answer is still the target's own greedy text, and on a loaded machine one
+    is returned cut short: a cut answer is still the target's own text, and on a loaded machine one
     batch can outlast the whole share of the budget that answers get.
     """
     from pipeline.engine.sampling import SamplingParams
