@@ -15,7 +15,7 @@ from pathlib import Path
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.draft_plan import speculation_summary
 from pipeline.engine.gate_policy import PORTABLE_CEILING
-from pipeline.engine.stats import cost_line
+from pipeline.engine.stats import cost_line, drafted_by
 from pipeline.errors import ConfigError, RequestError
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.models.tokenizer import answer_text
@@ -242,7 +242,7 @@ def stats_line(result: GenerateResult) -> str:
     if cost := s.get("draft_cost"):
         line += f", {cost_line(cost)}"
     if sources := info.engine.get("draft", {}).get("ngram_first"):  # an EAGLE-3 head behind n-gram lookup
-        line += ", drafted by " + " / ".join(f"{name} {n}" for name, n in sources.items())
+        line += f", drafted by {drafted_by(sources)}"
     if info.draft != "none":
         line += f"; {speculation_summary(s['verified_rows'], s['skip_reasons'])}"
     return line

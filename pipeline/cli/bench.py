@@ -58,7 +58,7 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
     from pipeline.bench.prompts import prompt_set
     from pipeline.bench.report import plot, render_table, to_json
     from pipeline.bench.sweep import BenchOptions, EngineTarget, ServedTarget
-    from pipeline.engine.stats import cost_line
+    from pipeline.engine.stats import cost_line, drafted_by
 
     options = BenchOptions(engine=engine, url=url, sets=tuple(sets), concurrency=_levels(concurrency),
                            modes=tuple(m.strip() for m in modes.split(",") if m.strip()), requests=requests,
@@ -94,7 +94,7 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
         table += f"\ndraft cost over the sweep: {cost_line(cost)}"
         sources = target.engine.describe().get("draft", {}).get("ngram_first")
         if sources:
-            table += " (rows drafted by " + " / ".join(f"{name} {n}" for name, n in sources.items()) + ")"
+            table += f" (rows drafted by {drafted_by(sources)})"
     applied = _apply(points, engine, repo, calibration) if apply_ else []
     if apply_:
         extra["applied"] = applied

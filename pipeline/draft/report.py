@@ -76,8 +76,8 @@ def train_summary(result) -> str:
     """The text `pipeline draft train` prints for a TrainResult; a metric the run didn't get reads "none"."""
     loss = "none" if result.final_loss is None else f"{result.final_loss:.3f}"
     trained = (f"  {result.train_prompts} prompts, {result.answers} answers and {result.text_samples} text samples "
-               f"({result.train_tokens} tokens), {result.steps} steps "
-               f"({result.epochs} epochs, {result.train_precision}) in {result.train_seconds:.0f} s, stopped by {result.stopped_by}; "
+               f"({result.train_tokens} tokens), {result.steps} steps ({result.epochs} epochs, "
+               f"{result.train_precision}) in {result.train_seconds:.0f} s, stopped by {result.stopped_by}; "
                f"loss {loss}, train accuracy per step {result.train_acc or 'none'}")
     lines = [f"trained {result.method} head for {result.target} -> {result.output}", trained,
              f"  {result.total_seconds:.0f} s in all, budget {result.budget_minutes:g} min"]

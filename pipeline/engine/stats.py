@@ -108,3 +108,8 @@ def cost_line(cost: dict) -> str:
 
     return (f"a proposal {cost['proposal_ms']:.1f} ms ({cost['per_drafted_token_ms']:.1f} ms a drafted token)"
             + vs("proposal_vs_plain_step", "plain") + vs("proposal_vs_verify_step", "verify"))
+
+
+def drafted_by(sources: dict[str, int]) -> str:
+    """describe()["draft"]["ngram_first"], the rows each source drafted behind n-gram lookup: "ngram 12 / eagle3 30"."""
+    return " / ".join(f"{name} {n}" for name, n in sources.items())
