@@ -95,18 +95,31 @@ def test_the_plan_is_the_best_of_every_draft_length_vector(seed):
     rng = random.Random(seed)
     cost = cost_model(fixed=rng.uniform(0.001, 0.02), per_token=rng.uniform(1e-5, 1e-3),
                       draft_fixed=rng.uniform(0, 0.002), draft_per_token=rng.uniform(0, 0.001))
-    rows = [Row(cap=rng.randint(0, K), acceptance=rng.random(), hit=rng.choice([1.0, rng.random()]))
-            for _ in range(rng.randint(1, 4))]
+    rows = [Row(cap=rng.randint(0, K), acceptance=rng.random(), hit=rng.choice([1.0, rng.random()]),
+                free=rng.random() < 0.3) for _ in range(rng.randint(1, 4))]
     B = len(rows)
 
     def rate(ks):
         tokens = sum(1 + r.hit * (expected_tokens(r.acceptance, k) - 1) for r, k in zip(rows, ks))
-        return tokens / _step_time(cost, B, max(ks), sum(k > 0 for k in ks))
+        return tokens / _step_time(cost, B, max(ks), sum(k > 0 for k in ks),
+                                   sum(k > 0 and not r.free for r, k in zip(rows, ks)))
 
     best = max(rate(ks) for ks in itertools.product(*[range(r.cap + 1) for r in rows]))
     plan = plan_drafts(rows, cost)
     assert rate(plan.ks) == pytest.approx(best, rel=1e-9)
     assert plan.expected_tokens_per_s == pytest.approx(best, rel=1e-9)
+
+
+def test_a_free_row_drafts_longer_than_a_paid_one_that_accepts_as_well():
+    """A lookup row's drafts cost only the verify's width; a head's cost a proposal per token too."""
+    cost = cost_model(fixed=0.010, per_token=0.0001, draft_fixed=0.0005, draft_per_token=0.002)
+    paid = plan_drafts([Row(cap=K, acceptance=0.6)], cost)
+    free = plan_drafts([Row(cap=K, acceptance=0.6, free=True)], cost)
+    assert 0 < paid.ks[0] < free.ks[0] == K
+    assert free.expected_tokens_per_s > paid.expected_tokens_per_s
+    # At a width both take, the free row drafts while a paid row whose gain doesn't cover its proposal doesn't.
+    both = plan_drafts([Row(cap=K, acceptance=0.3), Row(cap=K, acceptance=0.3, free=True)], cost)
+    assert both.ks[1] > 0 and both.ks[0] == 0
 
 
 def test_acceptance_estimate_falls_with_rejections_and_a_probe_comes_due():

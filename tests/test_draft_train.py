@@ -195,6 +195,41 @@ def test_acceptance_report_derives_mean_length_per_k_from_one_run():
     assert stats.draft_cost()["proposal_vs_verify_step"] == 0.2
 
 
+def test_answers_come_with_the_states_a_separate_target_forward_computes(target, monkeypatch):
+    """The engine records each answer's hidden states while it decodes (prefill, prefix-cache hits, decode steps,
+    a preempted request recomputed): they must be a second forward's over the same tokens, bit for bit (the CPU
+    engine's rows are invariant by construction). And a deadline keeps a prefix of the answers, each cut to its
+    tokens with states."""
+    from pipeline.draft import budget
+    from pipeline.draft.data import answer_engine, generate_answers, target_features
+    from pipeline.engine.weights import load_transformer
+
+    config = EngineConfig(max_batch_size=3, max_seq_len=64, dtype="fp32", gate=GatePolicy(min_tokens=0),
+                          kv_cache_bytes=6 * 16 * 2 * 8 * 2 * 16 * 4)  # a few blocks: rows get preempted
+    model = load_transformer(target, 64, torch.float32, keep_plain=False)
+    aux = (1, 3, 4)
+    capture = tuple(i + 1 for i in aux) + (model.cfg.num_layers,)
+    engine = answer_engine(model, config, (), capture)
+    shared = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # a cached prefix for the later rows
+    prompts = [shared + [30 + i] for i in range(5)]
+    added, add = [], engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda *a, **kw: added.append(add(*a, **kw)) or added[-1])
+    seqs, feats = generate_answers(engine, prompts, 24, temperature=1.0, seed=3)
+    assert len(seqs) == 5 and engine.stats.preemptions > 0 and any(r.num_cached_tokens for r in added)
+    for seq, prompt, feat in zip(seqs, prompts, feats):
+        assert seq[:len(prompt)] == prompt and len(seq) == len(prompt) + 24 - 1  # the last token is never fed
+        again = target_features(model, [seq], aux, dtype=torch.bfloat16)[0]
+        assert torch.equal(feat["aux"], again["aux"]) and torch.equal(feat["final"], again["final"])
+    assert not engine.proposer.states and not engine.proposer.restart
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(budget, "now", lambda: next(clock))
+    seqs, feats = generate_answers(engine, prompts, 24, deadline=8)
+    assert 1 <= len(seqs) < 5 and [s[:len(p)] for s, p in zip(seqs, prompts)] == prompts[:len(seqs)]
+    assert all(len(s) == len(f["final"]) < len(p) + 23 for s, f, p in zip(seqs, feats, prompts))
+    assert not engine.proposer.states
+
+
 @pytest.fixture
 def no_time_to_train(monkeypatch):
     """The budget's phases as a too-small budget plans them on any machine: the data is made, then training's

@@ -5,7 +5,8 @@ acceptance measurement after training used to run unbounded: a 10-minute run onc
 trained 0 steps. So the phases are planned up front from the deadline, and every long loop (answer
 decoding, target forwards, training steps, acceptance decoding) stops at its own phase's end:
 
-    data: answers, then hidden states   at most DATA_SHARE of what setup left (answers: ANSWER_SHARE)
+    data: answers (with their hidden     at most DATA_SHARE of what setup left (answers: ANSWER_SHARE)
+          states), then the text's
     training                            the rest until the evaluation reserve: half, for a budget over 50 s
     export + acceptance                 EVAL_SHARE (at least MIN_EVAL_S); acceptance stops at the deadline
 
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 DATA_SHARE = 0.4
-ANSWER_SHARE = 0.25
+ANSWER_SHARE = 0.35  # the answers' states come with them; the built-in text's take the rest
 EVAL_SHARE = 0.1
 MIN_EVAL_S = 5.0  # the export and one engine load for the acceptance run, even in a tiny budget
 OVERRUN_SHARE = 0.05

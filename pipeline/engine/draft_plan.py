@@ -7,9 +7,10 @@ The model (SmartSpec, Liu et al. 2024, uses the same goodput idea for one shared
   finds drafts only with probability h (an n-gram lookup without a match proposes nothing, yet the row
   still pays the step's width), that is 1 + h * (E(a, k) - 1);
 - the step costs one target forward over B rows padded to the widest row, W = max k + 1, plus one
-  proposal of W - 1 tokens for the rows that draft: cost.step_s(B, W) + cost.draft_s(n, W - 1).
-For each width the best rows to draft are those with the most to gain, so the search is over the width
-and a prefix of the rows sorted by gain: K * B candidates, each O(1) with prefix sums.
+  proposal of W - 1 tokens for the rows that draft: cost.step_s(B, W) + cost.draft_s(n, W - 1), where n leaves
+  out free rows (an n-gram lookup's, under NgramFirst), which only widen the verify.
+For each width the best rows to draft are the free ones and those with the most to gain, so the search is over
+the width and a prefix of the rows sorted by (free, gain): K * B candidates, each O(1) with prefix sums.
 
 Every row that doesn't draft gets a reason, so users see why (`skip_reasons` in the stats):
 - override: the request asked for speculation "off";
@@ -51,6 +52,7 @@ class Row:
     mode: str = "auto"  # "auto", or the client's "on"/"off" override
     short: bool = False  # asked for fewer new tokens than the gate's min_tokens
     probe: bool = False  # skipped for acceptance long enough: draft a little to measure again
+    free: bool = False  # its drafts cost no proposal time (an n-gram lookup's): only the wider verify
 
 
 @dataclass(frozen=True)
@@ -98,17 +100,20 @@ def plan_drafts(rows: list[Row], cost: CostModel, load_open: bool = True) -> Pla
     forced_tokens = sum(_row_tokens(rows[i], k) for i, k in forced.items())
     base_tokens = (B - len(forced)) + forced_tokens
     min_width = max(forced.values(), default=0)
-    best = (base_tokens / _step_time(cost, B, min_width, len(forced)), min_width, 0, [])
+    forced_paid = sum(not rows[i].free for i in forced)
+    best = (base_tokens / _step_time(cost, B, min_width, len(forced), forced_paid), min_width, 0, [])
     for width in range(max(min_width, 1), K + 1):
-        gains = sorted(((_row_tokens(rows[i], min(width, rows[i].cap)) - 1.0, i) for i in candidates), reverse=True)
-        tokens = base_tokens
-        for n, (gain, _) in enumerate(gains, start=1):
-            if gain <= 0.0:
-                break
+        # Free rows first (at a fixed width they only add tokens), then the rest by gain: the best set of each size
+        # is then a prefix.
+        gains = sorted(((rows[i].free, g, i) for i in candidates
+                        if (g := _row_tokens(rows[i], min(width, rows[i].cap)) - 1.0) > 0.0), reverse=True)
+        tokens, paid = base_tokens, forced_paid
+        for n, (_, gain, i) in enumerate(gains, start=1):
             tokens += gain
-            rate = tokens / _step_time(cost, B, width, len(forced) + n)
+            paid += not rows[i].free
+            rate = tokens / _step_time(cost, B, width, len(forced) + n, paid)
             if rate > best[0] * (1.0 + 1e-9):  # ties go to fewer drafts
-                best = (rate, width, n, [i for _, i in gains[:n]])
+                best = (rate, width, n, [i for *_, i in gains[:n]])
     rate, width, _, chosen = best
 
     ks = [0] * B
@@ -127,16 +132,18 @@ def _row_tokens(row: Row, k: int) -> float:
     return 1.0 + min(max(row.hit, 0.0), 1.0) * (expected_tokens(row.acceptance, k) - 1.0)
 
 
-def _step_time(cost: CostModel, rows: int, width: int, drafting: int) -> float:
+def _step_time(cost: CostModel, rows: int, width: int, drafting: int, paid: int) -> float:
+    """A step of `rows` rows, `drafting` of them drafting up to `width` tokens, `paid` of those at a proposal's cost
+    (the rest are free: lookup rows)."""
     if width <= 0 or drafting <= 0:
         return cost.step_s(rows, 1)
-    return cost.step_s(rows, width + 1) + cost.draft_s(drafting, width)
+    return cost.step_s(rows, width + 1) + cost.draft_s(paid, width)
 
 
 def _pays_alone(row: Row, cost: CostModel) -> bool:
     """Whether this row, alone in the batch, would be faster drafting at some k."""
     plain = 1.0 / cost.step_s(1, 1)
-    return any(_row_tokens(row, k) / _step_time(cost, 1, k, 1) > plain
+    return any(_row_tokens(row, k) / _step_time(cost, 1, k, 1, int(not row.free)) > plain
                for k in range(1, min(row.cap, cost.max_drafts) + 1))
 
 

@@ -441,9 +441,18 @@ class LLMEngine:
         """Each row's drafts this step, under the gate's load ceiling; a row left out gets its reason."""
         load_open = self.gate.update(len(reqs))
         min_tokens = self.config.gate.min_tokens
+        # A proposer with two sources (NgramFirst) names each row's this step: the row's estimate is that source's.
+        # (Asked only for rows that may draft: under load, a lookup's scan of each context would be wasted.)
+        row_sources = getattr(self.proposer, "row_sources", None)
+        if row_sources is not None:
+            asked = [r for r in reqs if not r.proposer_failed
+                     and (r.speculation == "on" or (r.speculation == "auto" and load_open))]
+            for r, source in zip(asked, row_sources(asked)):
+                r.source = source
+        free = getattr(self.proposer, "FREE_SOURCES", frozenset())
         rows = [Row(cap=0 if r.proposer_failed else self.draft_budget(r), acceptance=r.acceptance.value,
                     hit=r.acceptance.hit_rate, mode=r.speculation, short=r.params.max_tokens < min_tokens,
-                    probe=r.acceptance.probe_due)
+                    probe=r.acceptance.probe_due, free=r.source in free)
                 for r in reqs]
         plan = plan_drafts(rows, self.cost_model, load_open)
         for r, reason in zip(reqs, plan.reasons):

@@ -82,12 +82,16 @@ class NgramFirst:
     plain, the head alone 1.19x, and the head behind lookup 1.48x."""
 
     MIN_MATCH = 2  # a 1-token match is mostly chance: the head drafts better there
+    LOOKUP = "ngram"
+    FREE_SOURCES = frozenset({LOOKUP})  # lookup costs the planner nothing but the verify's width
+    LOOKUP_MAX = 64  # tokens a lookup keeps (more than any k): one scan serves the planner and the proposal
 
     def __init__(self, inner: "Eagle3Proposer"):
         self.inner = inner
         self.ngram = NgramProposer(min_ngram=self.MIN_MATCH)
         self.name = f"{inner.name}+ngram"
-        self.sources = {"ngram": 0, inner.name: 0}  # rows drafted by each, for describe() and the benchmarks
+        self.sources = {self.LOOKUP: 0, inner.name: 0}  # rows drafted by each, for describe() and the benchmarks
+        self._found: dict[int, tuple[int, list[int]]] = {}  # request id -> (its length, its lookup's tokens)
 
     # The inner proposer's: the target states it reads, its head, its graphs.
     @property
@@ -112,10 +116,23 @@ class NgramFirst:
     def on_target_hidden(self, req: Request, aux: torch.Tensor) -> None:
         self.inner.on_target_hidden(req, aux)
 
+    def _lookup(self, req: Request) -> list[int]:
+        """The row's lookup at its current length: scanned once a step, for row_sources and then propose."""
+        found = self._found.get(req.id)
+        if found is None or found[0] != req.num_tokens:
+            found = self._found[req.id] = (req.num_tokens, self.ngram.lookup(req.all_ids, self.LOOKUP_MAX))
+        return found[1]
+
+    def row_sources(self, reqs: list[Request]) -> list[str]:
+        """Where each row's drafts come from this step, before the planner picks its k: the planner keeps an
+        acceptance estimate per source (lookup rows in code accept far longer runs than the head's) and charges
+        lookup rows no proposal time."""
+        return [self.LOOKUP if self._lookup(r) else self.inner.name for r in reqs]
+
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
-        tokens = [self.ngram.lookup(r.all_ids, k) for r, k in zip(reqs, ks)]
+        tokens = [self._lookup(r)[:k] for r, k in zip(reqs, ks)]
         rest = [i for i, t in enumerate(tokens) if not t]
-        self.sources["ngram"] += len(reqs) - len(rest)
+        self.sources[self.LOOKUP] += len(reqs) - len(rest)
         self.sources[self.inner.name] += len(rest)
         if not rest:
             return Proposal(tokens=tokens)
@@ -133,6 +150,7 @@ class NgramFirst:
         self.inner.on_verified(req, prev_len, drafted, accepted)
 
     def release(self, req):
+        self._found.pop(req.id, None)
         self.inner.release(req)
 
 

@@ -63,7 +63,10 @@ class Request:
     skip_reasons: dict[str, int] = field(default_factory=dict)
     # Verification steps by how many drafts they accepted ("0", "1", ...): vLLM's per-request histogram.
     accepted_per_step: dict[str, int] = field(default_factory=dict)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # Its acceptance, one estimate per draft source: a proposer that drafts from two (NgramFirst: lookup where the
+    # context matches, a head elsewhere) sets `source` each step, and the planner reads that source's estimate.
+    estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict)
+    source: str = ""
     proposer_failed: bool = False  # the proposer raised for it: it decodes on without drafts
     generator: torch.Generator | None = None
     error: str | None = None  # one line, set when finish_reason is ERROR
@@ -88,6 +91,14 @@ class Request:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(self.params.seed)
+
+    @property
+    def acceptance(self) -> AcceptanceEstimate:
+        """The estimate of this step's draft source."""
+        est = self.estimates.get(self.source)
+        if est is None:
+            est = self.estimates[self.source] = AcceptanceEstimate()
+        return est
 
     @property
     def all_ids(self) -> list[int]:
