@@ -115,7 +115,9 @@ def test_automatic_answer_rounds_keep_the_hidden_states_within_memory_and_short_
             "intermediate_size": 1536, "vocab_size": 49152}
     llama8b = {**smol, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
-    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=20) == MAX_ANSWER_ROUNDS
+    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=20) == 11  # one per 2 minutes
+    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=60) == 23 < MAX_ANSWER_ROUNDS  # 0.18 GB a round: 4 GiB
+    assert _auto_rounds(ids[:20], 128, 3, smol, budget_minutes=60) == MAX_ANSWER_ROUNDS
     assert _auto_rounds(ids, 128, 3, llama8b, budget_minutes=20) == 3  # 1.3 GB of bf16 states a round: 4 GiB in all
     assert _auto_rounds(ids * 40, 128, 3, llama8b, budget_minutes=20) == 1  # at least one round, whatever the size
     # A short budget keeps its time for training: one sampled round per 2 minutes.

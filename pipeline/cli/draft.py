@@ -32,8 +32,8 @@ def draft():
               help="Also distil on this many 256-token samples of the built-in prose/code text (one target "
                    "forward each, no generation); 0 trains on the answers only.")
 @click.option("answer_rounds", "--answer-rounds", type=int, default=None,
-              help="Answers per prompt: the first greedy, the rest sampled (temperature 0.8). Default: as many as a "
-                   "quarter of the budget allows, up to 8 and one per 2 minutes of budget; a rerun with a larger "
+              help="Answers per prompt: the first greedy, the rest sampled (temperature 0.8). Default: as many as "
+                   "35% of the budget allows, up to 24 and one per 2 minutes of budget; a rerun with a larger "
                    "budget adds rounds.")
 @click.option("max_epochs", "--epochs", type=int, default=50, show_default=True, help="At most this many epochs.")
 @click.option("--force", "-f", is_flag=True, help="Replace the output folder if it exists.")

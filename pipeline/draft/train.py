@@ -49,15 +49,17 @@ ANSWER_CHUNK = 128  # prompts per in-flight batch, saved after each (so a rerun 
 # Answers per training prompt: the first greedy, the others sampled at ANSWER_TEMPERATURE (each request its own
 # seed), as many rounds as the answer phase's share of the budget allows, up to MAX_ANSWER_ROUNDS. A 10-minute head
 # trained on one answer a prompt ran 15 epochs in bf16 and fit its training text (first-draft accuracy 0.64) far
-# better than held-out prompts (0.44): more of the target's own text, not more steps, is what it lacked.
-MAX_ANSWER_ROUNDS = 8
+# better than held-out prompts (0.44): more of the target's own text, not more steps, is what it lacked. At 8 rounds
+# a 60-minute run ran out of answers in its first 7 minutes and trained 16 epochs on them; the states of 24 rounds
+# of SmolLM2's answers fit FEATURE_MEMORY_BYTES.
+MAX_ANSWER_ROUNDS = 24
 ANSWER_TEMPERATURE = 0.8
 # The cached hidden states are held in memory while training: the automatic rounds stop where another would take
 # them past this (SmolLM2: about 0.2 GB a round; a Llama-3.1-8B target: about 1.3 GB, so 3 rounds).
 FEATURE_MEMORY_BYTES = 4 << 30
 # And at one sampled round per this many minutes of budget: a short run's data phase then ends early and leaves
 # training its time (a 0.4-minute build stage that spent 10 s on rounds reached 1 of its 20 minimum steps). The
-# answer phase's share stops longer runs first: 10 minutes made 2.7 rounds of SmolLM2's answers on 2 cores.
+# answer phase's share stops longer runs first.
 MINUTES_PER_ROUND = 2.0
 WARMUP_STEPS = 20  # linear learning-rate warmup
 # A head that hasn't finished the warmup has moved little from its initialisation (random layers, the
