@@ -14,6 +14,10 @@ Targets (issue 42, the embedded default, 2 cores): a 10-minute head >= 1.3x plai
 
     python scripts/bench_eagle3.py --head heads/smol-eagle3
     python scripts/bench_eagle3.py --head /tmp/h10 --train-minutes 10 --json
+    python scripts/bench_eagle3.py --head /tmp/h60 --also /tmp/h60-old --prompts 8   # two heads, one run
+
+Four prompts are a small sample (two heads trained alike differ by more than a few minutes of training do): --also
+runs more heads, alone and behind n-gram, in the same run, and --prompts 8 takes all of bench_cpu.py's.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def main() -> None:
                     "--train-minutes)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--train-minutes", type=float, default=None, help="train the head first, this budget")
+    ap.add_argument("--also", type=Path, action="append", default=[], metavar="HEAD",
+                    help="another head to run, alone and behind n-gram, in the same run (repeatable)")
     ap.add_argument("--prompts", type=int, default=4, choices=range(1, len(PROMPTS) + 1), metavar="N")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=4, help="drafts a step at most (the planner picks per step)")
@@ -99,12 +105,16 @@ def main() -> None:
                         "--budget-minutes", str(args.train_minutes), "-o", str(args.head), "--force", "--quiet"],
                        check=True)
     head = f"eagle3:{args.head}"
-    runs = run_all({"plain": load(args.model, None, args), "ngram": load(args.model, "ngram", args),
-                    "eagle3": load(args.model, head, args, ngram_first=False),
-                    "eagle3+ngram": load(args.model, head, args)}, args)
+    engines = {"plain": load(args.model, None, args), "ngram": load(args.model, "ngram", args),
+               "eagle3": load(args.model, head, args, ngram_first=False),
+               "eagle3+ngram": load(args.model, head, args)}
+    for other in args.also:
+        engines[f"eagle3 {other}"] = load(args.model, f"eagle3:{other}", args, ngram_first=False)
+        engines[f"eagle3+ngram {other}"] = load(args.model, f"eagle3:{other}", args)
+    runs = run_all(engines, args)
     plain = runs["plain"]
     result = {"model": args.model, "head": str(args.head), "prompts": args.prompts, "max_tokens": args.max_tokens,
-              "k": args.k, "train_minutes": args.train_minutes, "runs": {}}
+              "k": args.k, "train_minutes": args.train_minutes, "also": [str(h) for h in args.also], "runs": {}}
     for name, r in runs.items():
         result["runs"][name] = {"tok_s": round(r["tok_s"], 1), "speedup": round(r["tok_s"] / plain["tok_s"], 3),
                                 "identical": r["answers"] == plain["answers"],
