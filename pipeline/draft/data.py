@@ -41,7 +41,7 @@ class StateRecorder:
     """A proposer that never drafts (its requests run with speculation off): the engine hands it the target's
     captured states of every token it settles (prefill chunks, prefix-cache hits, decode steps), as it does an
     EAGLE-3 head. So an answer's hidden states come from the forwards that generated it, and training needs no
-    second pass of the target over its answers (that pass took 40% of a 10-minute run's data phase)."""
+    second pass of the target over its answers (that pass took about a quarter of a 10-minute run's data phase)."""
 
     name = "recorder"
 
