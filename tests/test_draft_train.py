@@ -197,8 +197,7 @@ def test_answers_come_with_the_states_a_separate_target_forward_computes(target,
                           kv_cache_bytes=6 * 16 * 2 * 8 * 2 * 16 * 4)  # a few blocks: rows get preempted
     model = load_transformer(target, 64, torch.float32, keep_plain=False)
     aux = (1, 3, 4)
-    capture = tuple(i + 1 for i in aux) + (model.cfg.num_layers,)
-    engine = answer_engine(model, config, (), capture)
+    engine = answer_engine(model, config, (), aux)
     shared = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # a cached prefix for the later rows
     prompts = [shared + [30 + i] for i in range(5)]
     added, add = [], engine.add_request

@@ -72,11 +72,18 @@ class StateRecorder:
         self.restart.add(req.id)
 
 
-def answer_engine(model, config, eos_token_ids, capture_layers: tuple[int, ...]):
+def head_inputs(aux_layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs a head trains on (the model's capture_layers): each aux layer's output, which
+    is the next layer's input, then the final pre-norm state."""
+    return tuple(i + 1 for i in aux_layers) + (num_layers,)
+
+
+def answer_engine(model, config, eos_token_ids, aux_layers: tuple[int, ...]):
     """An engine that generates answers and records their hidden states (StateRecorder)."""
     from pipeline.engine.llm_engine import LLMEngine
 
-    return LLMEngine(model, config, StateRecorder(capture_layers), eos_token_ids=eos_token_ids)
+    recorder = StateRecorder(head_inputs(aux_layers, model.cfg.num_layers))
+    return LLMEngine(model, config, recorder, eos_token_ids=eos_token_ids)
 
 
 def generate_answers(engine, prompt_ids: list[list[int]], max_new_tokens: int, deadline: float | None = None,
@@ -124,7 +131,7 @@ def target_features(model, seqs: list[list[int]], aux_layers: tuple[int, ...], d
     deadline (budget.now()), only the sequences started before it: a prefix of `seqs`."""
     from pipeline.engine.kv_cache import ForwardBatch
 
-    capture = tuple(i + 1 for i in aux_layers) + (model.cfg.num_layers,)
+    capture = head_inputs(aux_layers, model.cfg.num_layers)
     cache = model.new_cache(1, max(len(s) for s in seqs) + 1)
     out = []
     for s in seqs:

@@ -557,8 +557,7 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
     if len(seqs) < wanted and before(plan.answers_end):
         max_len = max(len(i) for i in ids) + opts.max_new_tokens + 1
         model, config = _load_target(target, max_len)
-        capture = tuple(i + 1 for i in aux_layers) + (model.cfg.num_layers,)
-        engine = answer_engine(model, config, stops, capture)
+        engine = answer_engine(model, config, stops, aux_layers)
         with _bar(wanted, "answers (target)", opts.progress) as bar:
             bar.update(len(seqs))
             while len(seqs) < wanted and before(plan.answers_end):
@@ -569,7 +568,8 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
                 new_seqs, new_feats = generate_answers(
                     engine, chunk, opts.max_new_tokens, deadline=plan.answers_end,
                     temperature=ANSWER_TEMPERATURE if rnd else 0.0, seed=rnd * len(ids) + at)
-                seqs, feats = seqs + new_seqs, feats + new_feats
+                seqs += new_seqs
+                feats += new_feats
                 _save(seqs, ans_file)
                 _save(feats, feat_file)
                 bar.update(len(new_seqs))
