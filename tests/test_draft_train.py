@@ -57,6 +57,20 @@ def test_draft_vocab_keeps_the_most_frequent_tokens_in_id_order():
     assert filled.tolist() == [0, 1, 2, 3, 7]
 
 
+def test_the_default_draft_vocabulary_keeps_the_lm_head_within_its_share_of_the_head():
+    from pipeline.draft.data import DRAFT_VOCAB_MAX, LM_HEAD_SHARE, default_draft_vocab_size
+
+    smol = dict(hidden=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate=1536, vocab_size=49152)
+    assert default_draft_vocab_size(**smol) == 4096  # 0.58 of the layer's 4.1 M weights; 8192 would be 1.15
+    layer = 2 * 576 * 15 * 64 + 576 * 576 + 3 * 576 * 1536
+    assert 4096 * 576 <= LM_HEAD_SHARE * layer < 8192 * 576
+    llama8b = dict(hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate=14336, vocab_size=128256)
+    assert default_draft_vocab_size(**llama8b) == 32768  # the published EAGLE-3 heads' 32000, rounded up
+    llama70b = {**llama8b, "hidden": 8192, "num_heads": 64, "intermediate": 28672}
+    assert default_draft_vocab_size(**llama70b) == DRAFT_VOCAB_MAX
+    assert default_draft_vocab_size(**{**smol, "vocab_size": 600}) == 600  # never past the target's vocabulary
+
+
 def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, target, prompts_file, monkeypatch):
     out = tmp_path / "head"
     args = ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",
@@ -123,6 +137,57 @@ def test_automatic_answer_rounds_keep_the_hidden_states_within_memory_and_short_
     # A short budget keeps its time for training: one sampled round per 2 minutes.
     assert _auto_rounds(ids, 128, 3, smol, budget_minutes=0.4) == 1
     assert _auto_rounds(ids, 128, 3, smol, budget_minutes=5) == 3
+
+
+def test_the_learning_rate_warms_up_once_then_falls_to_its_floor_by_the_end_of_each_run():
+    from pipeline.draft.train import LR_FLOOR, WARMUP_STEPS, lr_factor
+
+    warmup = [lr_factor(s, 0.0) for s in range(WARMUP_STEPS)]
+    assert warmup == sorted(warmup) and warmup[0] == pytest.approx(1 / WARMUP_STEPS) and warmup[-1] == 1.0
+    decay = [lr_factor(WARMUP_STEPS + 50, d / 10) for d in range(11)]
+    assert decay == sorted(decay, reverse=True) and decay[0] == 1.0 and decay[-1] == pytest.approx(LR_FLOOR)
+    assert lr_factor(WARMUP_STEPS, 0.5) == pytest.approx((1 + LR_FLOOR) / 2)
+    # A resumed run (its steps counted from the head's first) starts at the peak: no second warmup.
+    assert lr_factor(500, 0.0) == 1.0
+    assert lr_factor(500, 1.7) == lr_factor(500, 1.0)  # a step past the phase's end stays at the floor
+
+
+def test_the_head_starts_as_the_targets_last_layer_and_output_side(target):
+    from safetensors.torch import load_file
+
+    from pipeline.draft.train import _modelopt_eagle, head_architecture
+
+    cfg = json.loads((target / "config.json").read_text())
+    d2t = draft_vocab([[5, 6, 7, 5]], cfg["vocab_size"], 64)
+    head = _modelopt_eagle(target, head_architecture(cfg, 64), d2t).eagle_module
+    sd = {k: v.float() for k, v in load_file(str(target / "model.safetensors")).items()}
+    last = f"model.layers.{cfg['num_hidden_layers'] - 1}."
+    layer = head.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj"):  # [embedding | fused state] in, half the target's projection each
+        w = sd[f"{last}self_attn.{name}.weight"]
+        assert torch.equal(getattr(layer.self_attn, name).weight, torch.cat([w / 2, w / 2], dim=1))
+    for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm",
+                 "input_layernorm"):
+        assert torch.equal(layer.get_submodule(name).weight, sd[f"{last}{name}.weight"]), name
+    assert torch.equal(layer.hidden_norm.weight, sd[f"{last}input_layernorm.weight"])
+    lm_head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    assert torch.equal(head.lm_head.weight, lm_head[torch.arange(64) + d2t])
+    assert torch.equal(head.norm.weight, sd["model.norm.weight"])
+
+
+def test_answer_states_load_chunk_by_chunk_and_drop_a_chunk_its_answers_never_counted(tmp_path):
+    from pipeline.draft.train import _load_answer_states, _save
+
+    folder = tmp_path / "answer-states"
+    folder.mkdir()
+    state = lambda i: {"aux": torch.full((2, 3), float(i)), "final": torch.full((2, 1), float(i))}  # noqa: E731
+    _save([state(0), state(1)], folder / "0000000.pt")
+    _save([state(2)], folder / "0000002.pt")
+    _save([state(3), state(4)], folder / "0000003.pt")  # saved, then the run stopped before the answers' save
+    loaded = _load_answer_states(folder, answers=3)
+    assert [int(f["aux"][0, 0]) for f in loaded] == [0, 1, 2]
+    assert sorted(p.name for p in folder.iterdir()) == ["0000000.pt", "0000002.pt"]  # the next chunk starts at 3
+    assert _load_answer_states(folder, answers=0) == [] and not list(folder.iterdir())
 
 
 def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):

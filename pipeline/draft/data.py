@@ -155,6 +155,26 @@ def text_samples(tokenizer, num_samples: int, seq_len: int = 256) -> list[list[i
     return make_samples(tokenizer, calibration_text("builtin"), num_samples, seq_len).tolist()
 
 
+# The default draft vocabulary: the largest power of two whose lm_head has at most LM_HEAD_SHARE of the weights of
+# the head's decoder layer, within [DRAFT_VOCAB_MIN, DRAFT_VOCAB_MAX] and the target's vocabulary. A head drafts by
+# streaming its weights once per token, so past that the lm_head is most of a proposal's cost; the rarer tokens it
+# would add are seldom drafted right. Measured on SmolLM2 (576 wide, 49k vocabulary), same data and training time:
+# see docs/benchmarks.md. For Llama-3-8B the rule gives 32768, the published EAGLE-3 heads' 32000.
+LM_HEAD_SHARE = 0.6
+DRAFT_VOCAB_MIN, DRAFT_VOCAB_MAX = 1024, 32768
+
+
+def default_draft_vocab_size(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                             vocab_size: int) -> int:
+    """--draft-vocab-size's default for a head sized like the target (train.head_architecture): see LM_HEAD_SHARE."""
+    layer = 2 * hidden * (num_heads + 2 * num_kv_heads) * head_dim + num_heads * head_dim * hidden \
+        + 3 * hidden * intermediate  # q/k/v read [embedding | fused state], o, and the gated MLP
+    size = DRAFT_VOCAB_MIN
+    while size * 2 <= DRAFT_VOCAB_MAX and size * 2 * hidden <= LM_HEAD_SHARE * layer:
+        size *= 2
+    return min(size, vocab_size)
+
+
 def draft_vocab(seqs: list[list[int]], vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
     """EAGLE-3's reduced vocabulary: the draft_vocab_size tokens most frequent in the training data
     (then the lowest ids, to fill), in target-id order. Returns d2t: target_id = draft_id + d2t[draft_id]."""

@@ -7,8 +7,9 @@
    built-in text; they are cached, so epochs (and a resumed run) never rerun the target.
 3. Training: ModelOpt's EAGLE-3 (modelopt.torch.speculative) in offline mode, which drops the base
    layers and trains the head on the cached states with its training-time-test unrolling. The head is
-   sized from the target (one layer, the target's hidden size, heads and intermediate size). Steps run in
-   bf16 autocast where this CPU multiplies bf16 faster than fp32 (train_precision).
+   sized from the target (one layer, the target's hidden size, heads and intermediate size) and starts as the
+   target's last layer, final norm and lm_head rows. Steps run in bf16 autocast where this CPU multiplies bf16
+   faster than fp32 (train_precision), at a learning rate that falls to LR_FLOOR by the end of the run.
 4. Export: ModelOpt's export_speculative_decoding into the output folder (staged, then renamed),
    plus train_report.json with acceptance on the held-out prompts.
 
@@ -62,6 +63,11 @@ FEATURE_MEMORY_BYTES = 4 << 30
 # answer phase's share stops longer runs first.
 MINUTES_PER_ROUND = 2.0
 WARMUP_STEPS = 20  # linear learning-rate warmup
+# After it the learning rate follows a cosine from its peak down to LR_FLOOR of it, over this run's training phase
+# (by time, or by steps where --epochs ends it first): a budget-bound run ends on small steps instead of noisy ones.
+# On the same 10-minute data and training time, against a constant rate: held-out mean acceptance length 1.84
+# against 1.75, on the code prompts 1.88 against 1.83 (k = 4). A resumed run starts a new cosine (a warm restart).
+LR_FLOOR = 0.05
 # A head that hasn't finished the warmup has moved little from its initialisation (random layers, the
 # target's lm_head rows): exporting it only gives acceptance near 0. A run that can't reach this many
 # steps (or all the steps its --epochs ask for, if fewer) fails and exports nothing.
@@ -83,7 +89,7 @@ class TrainOptions:
     method: str = "eagle3"
     data: str = "builtin"
     budget_minutes: float = 10.0  # the whole command's wall time: setup, data, training, export, acceptance
-    draft_vocab_size: int | None = None  # default: min(target vocab, 8192)
+    draft_vocab_size: int | None = None  # default: data.default_draft_vocab_size
     max_new_tokens: int = 128  # answer length per prompt
     max_epochs: int = 50
     batch_size: int = 4
@@ -203,6 +209,7 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
             hf_logging.enable_progress_bar()
     if not getattr(model.config, "architectures", None):
         model.config.architectures = [type(model).__name__]
+    donor = _last_layer(model)  # offline mode drops the base layers: take the last one's weights first
     cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
     cfg["eagle_architecture_config"].update(arch)
     # On CPU torch.compile makes the first step take minutes; a yarn rope_scaling is injected into the
@@ -228,6 +235,7 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
         norm = model._base_model_norm if hasattr(model, "_base_model_norm") else None
         if norm is not None and hasattr(em, "norm"):
             em.norm.weight.copy_(norm.weight)
+        _init_from_layer(em.layers[0], donor)
         # The distillation targets over the draft vocabulary alone (_draft_logits): ModelOpt's offline forward
         # computes the target's whole lm_head each step, then keeps the draft vocabulary's columns.
         model.pipeline_draft_rows = model.get_output_embeddings().weight[ids].detach().clone()
@@ -236,11 +244,34 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
     return model
 
 
+def _last_layer(model) -> dict[str, torch.Tensor]:
+    """The target's last decoder layer's weights (a copy), or {} where the model doesn't expose its layers."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    return {k: v.detach().clone() for k, v in layers[-1].state_dict().items()} if layers else {}
+
+
+def _init_from_layer(layer, donor: dict[str, torch.Tensor]) -> None:
+    """Start the head's decoder layer as the target's last one: on the same 10-minute data and training time,
+    held-out mean acceptance length 1.94 against 1.84 from random, 2.01 against 1.88 on the code prompts (k = 4).
+    The layer then already reads this model's residual space, and a few hundred CPU steps adjust it instead of
+    building it. Its q/k/v read two normed inputs side by side (the next token's embedding, the fused state):
+    each half starts as half the target's projection. A weight whose shape differs keeps its random start."""
+    for name, param in layer.state_dict(keep_vars=True).items():
+        w = donor.get(name)
+        if name == "hidden_norm.weight":
+            w = donor.get("input_layernorm.weight")
+        elif w is not None and name.startswith("self_attn.") and name[10:11] in "qkv" and w.dim() == 2 \
+                and param.shape[1] == 2 * w.shape[1]:
+            w = torch.cat([w / 2, w / 2], dim=1)
+        if w is not None and w.shape == param.shape:
+            param.data.copy_(w)
+
+
 def _draft_logits(model, batch: dict) -> None:
     """The target's logits over the draft vocabulary, into the batch's base_model_outputs: what ModelOpt's offline
     forward computes when they are missing (the target's final norm, its lm_head, then the draft vocabulary's
-    columns), from the draft rows of the lm_head alone. For SmolLM2 that is 8192 of 49152 rows, a quarter of a
-    training step's time on a CPU. A test checks them against ModelOpt's own."""
+    columns), from the draft rows of the lm_head alone. For SmolLM2 the whole lm_head (49152 rows against 8192 then)
+    took a quarter of a training step's time on a CPU. A test checks them against ModelOpt's own."""
     base = batch["base_model_outputs"]
     with torch.no_grad():
         base["base_model_logits"] = model._base_model_norm(base["base_model_hidden_states"]) @ \
@@ -386,7 +417,7 @@ def _train_draft(opts: TrainOptions) -> TrainResult:
 
 
 def _setup(opts: TrainOptions) -> _Setup:
-    from pipeline.draft.data import load_prompts, split_prompts
+    from pipeline.draft.data import default_draft_vocab_size, load_prompts, split_prompts
     from pipeline.engine.config import ModelConfig
     from pipeline.engine.eagle3 import default_aux_layer_ids
     from pipeline.models.resolve import resolve_model
@@ -397,7 +428,8 @@ def _setup(opts: TrainOptions) -> _Setup:
     mc = ModelConfig.from_hf_dict(target_cfg)
     prompts = load_prompts(opts.data)
     train_p, held_p = split_prompts(prompts)
-    dv = opts.draft_vocab_size or min(mc.vocab_size, 8192)
+    dv = opts.draft_vocab_size or default_draft_vocab_size(mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                                           mc.intermediate_size, mc.vocab_size)
     if not 1 <= dv <= mc.vocab_size:
         raise ConfigError(f"--draft-vocab-size must be between 1 and the target's vocabulary ({mc.vocab_size})")
     work = _work_dir(target, opts, prompts)
@@ -439,9 +471,12 @@ def _train_head(model, seqs: list[list[int]], feats: list[dict], ckpt_file: Path
     opt = torch.optim.AdamW(params, lr=opts.learning_rate, weight_decay=0.0)
     progress = _Progress.resume(ckpt_file, model, opt, len(seqs))
     per_epoch = _per_epoch(seqs, opts)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS), last_epoch=-1)
-    for _ in range(progress.step):
-        sched.step()
+    run_start, run_step = budget.now(), progress.step
+    run_steps = max(1, opts.max_epochs * per_epoch - (progress.epoch * per_epoch + progress.in_epoch))
+
+    def lr() -> float:
+        by_time = (budget.now() - run_start) / max(train_end - run_start, 1e-9)
+        return opts.learning_rate * lr_factor(progress.step, max(by_time, (progress.step - run_step) / run_steps))
 
     model.train()
     last_ck = budget.now()
@@ -454,7 +489,7 @@ def _train_head(model, seqs: list[list[int]], feats: list[dict], ckpt_file: Path
                     progress.stopped_by = "budget"
                     break
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    _train_step(model, params, opt, sched, [(seqs[i], feats[i]) for i in b], progress)
+                    _train_step(model, params, opt, lr(), [(seqs[i], feats[i]) for i in b], progress)
                 left = max(0.0, train_end - budget.now())
                 # The bar's total (and so its ETA) is what the budget allows, not max_epochs' steps.
                 done = progress.epoch * per_epoch + progress.in_epoch
@@ -476,8 +511,19 @@ def _train_head(model, seqs: list[list[int]], feats: list[dict], ckpt_file: Path
     return progress
 
 
-def _train_step(model, params, opt, sched, batch: list[tuple[list[int], dict]], progress: _Progress) -> None:
+def lr_factor(step: int, done: float) -> float:
+    """The learning rate's share of its peak at a step (counted over the head's life, so a resumed run doesn't warm up
+    again), `done` (0..1) of the way through this run's training phase: WARMUP_STEPS linear, then a cosine to
+    LR_FLOOR."""
+    warm = min(1.0, (step + 1) / WARMUP_STEPS)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, done))))
+    return warm * (LR_FLOOR + (1 - LR_FLOOR) * cos)
+
+
+def _train_step(model, params, opt, lr: float, batch: list[tuple[list[int], dict]], progress: _Progress) -> None:
     t0 = budget.now()
+    for group in opt.param_groups:
+        group["lr"] = lr
     # ModelOpt caches its training-time-test masks per step index only, assuming one sequence length for the
     # whole run; our batches vary, so rebuild them per batch.
     model._cached_attn_blk_masks = {}
@@ -487,7 +533,6 @@ def _train_step(model, params, opt, sched, batch: list[tuple[list[int], dict]], 
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
-    sched.step()
     opt.zero_grad(set_to_none=True)
     dt = budget.now() - t0
     progress.step_s = dt if progress.step_s is None else 0.8 * progress.step_s + 0.2 * dt
@@ -544,9 +589,9 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
     def before(t: float) -> bool:
         return budget.now() < t
 
-    ans_file, feat_file = work / "answers.pt", work / "features.pt"
+    ans_file, states_dir = work / "answers.pt", work / "answer-states"
     seqs: list[list[int]] = torch.load(ans_file) if ans_file.is_file() else []
-    feats: list = torch.load(feat_file) if feat_file.is_file() else []
+    feats = _load_answer_states(states_dir, len(seqs))
     # Answers saved without their states (a run stopped between the two saves) are answered again: the same text,
     # since round 0 is greedy and the others seeded.
     seqs = seqs[:len(feats)]
@@ -568,10 +613,13 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
                 new_seqs, new_feats = generate_answers(
                     engine, chunk, opts.max_new_tokens, deadline=plan.answers_end,
                     temperature=ANSWER_TEMPERATURE if rnd else 0.0, seed=rnd * len(ids) + at)
+                # Each chunk's states saved once, in a file of their own named by the first answer's index (the
+                # whole list rewritten after every chunk grew past 1 GB and was saved ~26 times in a 60-minute run);
+                # then the answers, which name how many of those states count.
+                _save(new_feats, states_dir / f"{len(seqs):07d}.pt")
                 seqs += new_seqs
                 feats += new_feats
                 _save(seqs, ans_file)
-                _save(feats, feat_file)
                 bar.update(len(new_seqs))
         del engine, model
     answers = len(seqs)
@@ -591,6 +639,19 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
             del model
         seqs, feats = seqs + texts[:len(text_feats)], feats + text_feats
     return seqs, feats, answers
+
+
+def _load_answer_states(folder: Path, answers: int) -> list[dict]:
+    """The cached states of the first `answers` answers, chunk by chunk. A chunk saved after the answers' last save
+    (a run stopped between the two) starts at `answers` or later: it is dropped, and answered again."""
+    folder.mkdir(exist_ok=True)
+    feats: list[dict] = []
+    for shard in sorted(folder.glob("*.pt")):
+        if int(shard.stem) == len(feats) < answers:
+            feats += torch.load(shard)
+        else:
+            shard.unlink()
+    return feats[:answers]
 
 
 def _auto_rounds(ids: list[list[int]], max_new_tokens: int, num_aux: int, target_cfg: dict,
