@@ -188,6 +188,10 @@ def test_answer_states_load_chunk_by_chunk_and_drop_a_chunk_its_answers_never_co
     assert [int(f["aux"][0, 0]) for f in loaded] == [0, 1, 2]
     assert sorted(p.name for p in folder.iterdir()) == ["0000000.pt", "0000002.pt"]  # the next chunk starts at 3
     assert _load_answer_states(folder, answers=0) == [] and not list(folder.iterdir())
+    # A work folder of an earlier version kept every answer's states in one file: they are the first chunk now.
+    _save([state(7), state(8)], tmp_path / "features.pt")
+    assert [int(f["aux"][0, 0]) for f in _load_answer_states(folder, answers=2)] == [7, 8]
+    assert not (tmp_path / "features.pt").exists() and [p.name for p in folder.iterdir()] == ["0000000.pt"]
 
 
 def test_bad_options_are_one_line_errors(tmp_path, target, prompts_file):

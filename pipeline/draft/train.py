@@ -616,7 +616,8 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
                 # Each chunk's states saved once, in a file of their own named by the first answer's index (the
                 # whole list rewritten after every chunk grew past 1 GB and was saved ~26 times in a 60-minute run);
                 # then the answers, which name how many of those states count.
-                _save(new_feats, states_dir / f"{len(seqs):07d}.pt")
+                if new_seqs:
+                    _save(new_feats, states_dir / f"{len(seqs):07d}.pt")
                 seqs += new_seqs
                 feats += new_feats
                 _save(seqs, ans_file)
@@ -645,6 +646,10 @@ def _load_answer_states(folder: Path, answers: int) -> list[dict]:
     """The cached states of the first `answers` answers, chunk by chunk. A chunk saved after the answers' last save
     (a run stopped between the two) starts at `answers` or later: it is dropped, and answered again."""
     folder.mkdir(exist_ok=True)
+    whole = folder.parent / "features.pt"  # the one file of earlier versions: its states become the first chunk
+    if whole.is_file():
+        _save(torch.load(whole), folder / f"{0:07d}.pt")
+        whole.unlink()
     feats: list[dict] = []
     for shard in sorted(folder.glob("*.pt")):
         if int(shard.stem) == len(feats) < answers:
