@@ -71,6 +71,15 @@ def test_the_default_draft_vocabulary_keeps_the_lm_head_within_its_share_of_the_
     assert default_draft_vocab_size(**{**smol, "vocab_size": 600}) == 600  # never past the target's vocabulary
 
 
+def test_the_work_folder_is_keyed_by_the_resolved_draft_vocabulary(tmp_path):
+    from pipeline.draft.train import TrainOptions, _work_dir
+
+    # A folder's d2t.pt and checkpoint are a head over that many tokens: a changed default must not resume them.
+    default, explicit = TrainOptions("t", tmp_path), TrainOptions("t", tmp_path, draft_vocab_size=4096)
+    assert _work_dir(tmp_path, default, ["p"], 4096) == _work_dir(tmp_path, explicit, ["p"], 4096)
+    assert _work_dir(tmp_path, default, ["p"], 4096) != _work_dir(tmp_path, default, ["p"], 8192)
+
+
 def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, target, prompts_file, monkeypatch):
     out = tmp_path / "head"
     args = ["draft", "train", "--target", str(target), "--data", str(prompts_file), "--max-new-tokens", "16",

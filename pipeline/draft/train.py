@@ -144,10 +144,12 @@ class TrainResult:
         return asdict(self)
 
 
-def _work_dir(target: Path, opts: TrainOptions, prompts: list[str]) -> Path:
+def _work_dir(target: Path, opts: TrainOptions, prompts: list[str], draft_vocab_size: int) -> Path:
+    """Keyed by the draft vocabulary's resolved size, not the flag: a folder's d2t.pt and checkpoint hold a head over
+    that many tokens, and a new default must not resume one trained over another."""
     from pipeline.home import pipeline_home
 
-    key = json.dumps([str(target), prompts, opts.max_new_tokens, opts.draft_vocab_size, opts.batch_size,
+    key = json.dumps([str(target), prompts, opts.max_new_tokens, draft_vocab_size, opts.batch_size,
                       opts.learning_rate, opts.seed, opts.method])
     return pipeline_home() / "draft-train" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -432,7 +434,7 @@ def _setup(opts: TrainOptions) -> _Setup:
                                                            mc.intermediate_size, mc.vocab_size)
     if not 1 <= dv <= mc.vocab_size:
         raise ConfigError(f"--draft-vocab-size must be between 1 and the target's vocabulary ({mc.vocab_size})")
-    work = _work_dir(target, opts, prompts)
+    work = _work_dir(target, opts, prompts, dv)
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
     tok = load_tokenizer(target)
