@@ -104,13 +104,10 @@ def main() -> None:
         subprocess.run(["pipeline", "draft", "train", "--target", args.model,
                         "--budget-minutes", str(args.train_minutes), "-o", str(args.head), "--force", "--quiet"],
                        check=True)
-    head = f"eagle3:{args.head}"
-    engines = {"plain": load(args.model, None, args), "ngram": load(args.model, "ngram", args),
-               "eagle3": load(args.model, head, args, ngram_first=False),
-               "eagle3+ngram": load(args.model, head, args)}
-    for other in args.also:
-        engines[f"eagle3 {other}"] = load(args.model, f"eagle3:{other}", args, ngram_first=False)
-        engines[f"eagle3+ngram {other}"] = load(args.model, f"eagle3:{other}", args)
+    engines = {"plain": load(args.model, None, args), "ngram": load(args.model, "ngram", args)}
+    for label, head in [("", args.head), *((f" {other}", other) for other in args.also)]:
+        engines[f"eagle3{label}"] = load(args.model, f"eagle3:{head}", args, ngram_first=False)
+        engines[f"eagle3+ngram{label}"] = load(args.model, f"eagle3:{head}", args)
     runs = run_all(engines, args)
     plain = runs["plain"]
     result = {"model": args.model, "head": str(args.head), "prompts": args.prompts, "max_tokens": args.max_tokens,

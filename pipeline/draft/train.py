@@ -262,8 +262,8 @@ def _init_from_layer(layer, donor: dict[str, torch.Tensor]) -> None:
         w = donor.get(name)
         if name == "hidden_norm.weight":
             w = donor.get("input_layernorm.weight")
-        elif w is not None and name.startswith("self_attn.") and name[10:11] in "qkv" and w.dim() == 2 \
-                and param.shape[1] == 2 * w.shape[1]:
+        elif name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight") \
+                and w is not None and param.shape[1] == 2 * w.shape[1]:
             w = torch.cat([w / 2, w / 2], dim=1)
         if w is not None and w.shape == param.shape:
             param.data.copy_(w)
