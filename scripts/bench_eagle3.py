@@ -79,6 +79,7 @@ def run_all(engines: dict, args) -> dict:
         out[name] = {"tok_s": statistics.median(rounds[name]), "answers": answers[name],
                      "mean_acceptance_length": round(s.mean_acceptance_length, 3) if s.verified_rows else None,
                      "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position],
+                     "drafts_per_proposal": round(s.proposed_tokens / s.proposals, 2) if s.proposals else None,
                      "draft_cost": s.draft_cost(), "skip_reasons": dict(s.skip_reasons),
                      "sources": engine.describe().get("draft", {}).get("ngram_first")}
     return out
@@ -116,7 +117,8 @@ def main() -> None:
         result["runs"][name] = {"tok_s": round(r["tok_s"], 1), "speedup": round(r["tok_s"] / plain["tok_s"], 3),
                                 "identical": r["answers"] == plain["answers"],
                                 **{k: r[k] for k in ("mean_acceptance_length", "acceptance_per_position",
-                                                     "skip_reasons", "draft_cost", "sources")}}
+                                                     "drafts_per_proposal", "skip_reasons", "draft_cost",
+                                                     "sources")}}
     report = Path(args.head) / "train_report.json"
     if report.is_file():
         result["train"] = {k: json.loads(report.read_text()).get(k)
@@ -127,6 +129,8 @@ def main() -> None:
              f"acceptance length {fmt(r['mean_acceptance_length'], '.2f')}") for name, r in result["runs"].items()]
     rows += [("EAGLE-3 accepted per position", " ".join(f"{x:.2f}" for x in eagle["acceptance_per_position"]),
               "the head alone"),
+             ("EAGLE-3 drafts per proposal", fmt(eagle["drafts_per_proposal"], ".2f"),
+              f"the planner's k, at most {args.k}"),
              ("a proposal / verify / plain step ms", "/".join(fmt(cost.get(k)) for k in
                                                              ("proposal_ms", "verify_step_ms", "plain_step_ms")),
               "the head alone, beside the target"),

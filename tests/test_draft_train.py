@@ -130,22 +130,24 @@ def test_train_exports_a_head_the_engine_runs_and_a_rerun_resumes(tmp_path, targ
     assert answers[:11] != answers[11:] and [a[:5] for a in answers[:11]] == [a[:5] for a in answers[11:]]
 
 
-def test_automatic_answer_rounds_keep_the_hidden_states_within_memory_and_short_budgets_for_training():
-    from pipeline.draft.train import MAX_ANSWER_ROUNDS, _auto_rounds
+def test_automatic_answers_keep_the_hidden_states_within_memory_and_short_budgets_for_training():
+    from pipeline.draft.train import FEATURE_MEMORY_BYTES, MAX_ANSWER_ROUNDS, _auto_answers
 
-    ids = [[1] * 62] * 207  # the built-in prompts' count, at about their length
+    ids = [[1] * 62] * 207
     smol = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
             "intermediate_size": 1536, "vocab_size": 49152}
     llama8b = {**smol, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
-    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=20) == 11  # one per 2 minutes
-    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=60) == 23 < MAX_ANSWER_ROUNDS  # 0.18 GB a round: 4 GiB
-    assert _auto_rounds(ids[:20], 128, 3, smol, budget_minutes=60) == MAX_ANSWER_ROUNDS
-    assert _auto_rounds(ids, 128, 3, llama8b, budget_minutes=20) == 3  # 1.3 GB of bf16 states a round: 4 GiB in all
-    assert _auto_rounds(ids * 40, 128, 3, llama8b, budget_minutes=20) == 1  # at least one round, whatever the size
+    per_answer = (62 + 128) * 4 * 576 * 2  # bf16 states of three aux layers and the last, per token
+    assert _auto_answers(ids, 128, 3, smol, budget_minutes=20) == 207 * 11  # one sampled round per 2 minutes
+    assert _auto_answers(ids, 128, 3, smol, budget_minutes=60) == FEATURE_MEMORY_BYTES // per_answer < 207 * 24
+    assert _auto_answers(ids[:20], 128, 3, smol, budget_minutes=60) == 20 * MAX_ANSWER_ROUNDS
+    assert _auto_answers(ids, 128, 3, llama8b, budget_minutes=20) == FEATURE_MEMORY_BYTES // (per_answer * 64 // 9)
+    # The cap counts answers: a prompt set larger than it stops partway through its first round.
+    assert _auto_answers(ids * 40, 128, 3, llama8b, budget_minutes=20) == _auto_answers(ids, 128, 3, llama8b, 20) < 8280
     # A short budget keeps its time for training: one sampled round per 2 minutes.
-    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=0.4) == 1
-    assert _auto_rounds(ids, 128, 3, smol, budget_minutes=5) == 3
+    assert _auto_answers(ids, 128, 3, smol, budget_minutes=0.4) == 207
+    assert _auto_answers(ids, 128, 3, smol, budget_minutes=5) == 207 * 3
 
 
 def test_the_learning_rate_warms_up_once_then_falls_to_its_floor_by_the_end_of_each_run():
@@ -161,7 +163,7 @@ def test_the_learning_rate_warms_up_once_then_falls_to_its_floor_by_the_end_of_e
     assert lr_factor(500, 1.7) == lr_factor(500, 1.0)  # a step past the phase's end stays at the floor
 
 
-def test_the_head_starts_as_the_targets_last_layer_and_output_side(target):
+def test_the_head_starts_as_the_targets_last_layer_and_output_side_reading_the_highest_captured_layer(target):
     from safetensors.torch import load_file
 
     from pipeline.draft.train import _modelopt_eagle, head_architecture
@@ -182,6 +184,9 @@ def test_the_head_starts_as_the_targets_last_layer_and_output_side(target):
     lm_head = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     assert torch.equal(head.lm_head.weight, lm_head[torch.arange(64) + d2t])
     assert torch.equal(head.norm.weight, sd["model.norm.weight"])
+    # fc fuses [low | middle | high] captured states: it starts passing the high one through.
+    H = cfg["hidden_size"]
+    assert torch.equal(head.fc.weight, torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1))
 
 
 def test_answer_states_load_chunk_by_chunk_and_drop_a_chunk_its_answers_never_counted(tmp_path):

@@ -55,8 +55,9 @@ ANSWER_CHUNK = 128  # prompts per in-flight batch, saved after each (so a rerun 
 # of SmolLM2's answers fit FEATURE_MEMORY_BYTES.
 MAX_ANSWER_ROUNDS = 24
 ANSWER_TEMPERATURE = 0.8
-# The cached hidden states are held in memory while training: the automatic rounds stop where another would take
-# them past this (SmolLM2: about 0.2 GB a round; a Llama-3.1-8B target: about 1.3 GB, so 3 rounds).
+# The cached hidden states are held in memory while training: the automatic answers stop where more would take
+# them past this (SmolLM2: about 0.8 MB an answer, so about 4,900, 23 rounds of the built-in prompts; a Llama-3.1-8B
+# target: about 6 MB, so about 690, 3 rounds). A --data set larger than that stops partway through a round.
 FEATURE_MEMORY_BYTES = 4 << 30
 # And at one sampled round per this many minutes of budget: a short run's data phase then ends early and leaves
 # training its time (a 0.4-minute build stage that spent 10 s on rounds reached 1 of its 20 minimum steps). The
@@ -238,6 +239,8 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
         if norm is not None and hasattr(em, "norm"):
             em.norm.weight.copy_(norm.weight)
         _init_from_layer(em.layers[0], donor)
+        if hasattr(em, "fc"):
+            _init_fc(em.fc, arch["hidden_size"])
         # The distillation targets over the draft vocabulary alone (_draft_logits): ModelOpt's offline forward
         # computes the target's whole lm_head each step, then keeps the draft vocabulary's columns.
         model.pipeline_draft_rows = model.get_output_embeddings().weight[ids].detach().clone()
@@ -267,6 +270,18 @@ def _init_from_layer(layer, donor: dict[str, torch.Tensor]) -> None:
             w = torch.cat([w / 2, w / 2], dim=1)
         if w is not None and w.shape == param.shape:
             param.data.copy_(w)
+
+
+def _init_fc(fc, hidden: int) -> None:
+    """Start the fusion as a pass-through of the highest captured layer's state (its block of fc the identity, the
+    lower layers' zero): the layer above, the target's last, then starts from a state of the residual stream it was
+    trained on, as the layer itself starts from the target's. On the 10-minute data and training time: training loss
+    5.14 against 5.94 from random, code prompts 2.17 against 2.05 at k = 4, held-out prompts 1.97 against 1.98."""
+    w = torch.zeros_like(fc.weight)
+    w[:, -hidden:] = torch.eye(hidden)
+    fc.weight.copy_(w)
+    if fc.bias is not None:
+        fc.bias.zero_()
 
 
 def _draft_logits(model, batch: dict) -> None:
@@ -598,9 +613,8 @@ def _collect_data(target: Path, tok, stops, train_p: list[str], aux_layers, work
     # since round 0 is greedy and the others seeded.
     seqs = seqs[:len(feats)]
     ids = [encode_prompt(tok, p, raw=False) for p in train_p]
-    rounds = opts.answer_rounds or _auto_rounds(ids, opts.max_new_tokens, len(aux_layers), target_cfg,
-                                                opts.budget_minutes)
-    wanted = len(train_p) * rounds
+    wanted = (len(ids) * opts.answer_rounds if opts.answer_rounds else
+              _auto_answers(ids, opts.max_new_tokens, len(aux_layers), target_cfg, opts.budget_minutes))
     if len(seqs) < wanted and before(plan.answers_end):
         max_len = max(len(i) for i in ids) + opts.max_new_tokens + 1
         model, config = _load_target(target, max_len)
@@ -661,17 +675,18 @@ def _load_answer_states(folder: Path, answers: int) -> list[dict]:
     return feats[:answers]
 
 
-def _auto_rounds(ids: list[list[int]], max_new_tokens: int, num_aux: int, target_cfg: dict,
-                 budget_minutes: float) -> int:
-    """Answer rounds when --answer-rounds isn't given: MAX_ANSWER_ROUNDS, fewer where their hidden states (bf16, the
-    aux layers' and the final one per token) would pass FEATURE_MEMORY_BYTES, and one sampled round per
-    MINUTES_PER_ROUND of budget."""
+def _auto_answers(ids: list[list[int]], max_new_tokens: int, num_aux: int, target_cfg: dict,
+                  budget_minutes: float) -> int:
+    """How many answers to collect when --answer-rounds isn't given: MAX_ANSWER_ROUNDS a prompt, fewer at one sampled
+    round per MINUTES_PER_ROUND of budget, and no more than keep their hidden states (bf16, the aux layers' and the
+    final one per token, for answers of max_new_tokens) within FEATURE_MEMORY_BYTES. That cap counts answers, not
+    rounds: a large prompt set on a wide target stops partway through its first round."""
     from pipeline.engine.config import ModelConfig
 
     hidden = ModelConfig.from_hf_dict(target_cfg).hidden_size
-    per_round = sum(len(i) + max_new_tokens for i in ids) * (num_aux + 1) * hidden * 2
-    by_budget = 1 + int(budget_minutes // MINUTES_PER_ROUND)
-    return max(1, min(MAX_ANSWER_ROUNDS, by_budget, FEATURE_MEMORY_BYTES // max(per_round, 1)))
+    per_answer = (sum(len(i) for i in ids) / len(ids) + max_new_tokens) * (num_aux + 1) * hidden * 2
+    rounds = min(MAX_ANSWER_ROUNDS, 1 + int(budget_minutes // MINUTES_PER_ROUND))
+    return max(1, min(len(ids) * rounds, int(FEATURE_MEMORY_BYTES // per_answer)))
 
 
 def _timings(phase_s: dict) -> str:

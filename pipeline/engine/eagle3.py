@@ -157,6 +157,7 @@ class Eagle3Proposer:
         request that never speculates holds up to max_seq_len x A values until it leaves."""
         self.pending.setdefault(req.id, []).append(aux.clone())  # a row, not the whole batch's tensor
 
+    @torch.inference_mode()  # fc below runs outside the head's forward: with autograd on it left the C kernels
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
         dev = self.head.fc.weight.device
         stochastic = frozenset(i for i, r in enumerate(reqs) if not r.params.greedy)

@@ -450,7 +450,8 @@ class LLMEngine:
             for r, source in zip(asked, row_sources(asked)):
                 r.source = source
         free = getattr(self.proposer, "FREE_SOURCES", frozenset())
-        rows = [Row(cap=0 if r.proposer_failed else self.draft_budget(r), acceptance=r.acceptance.value,
+        rows = [Row(cap=0 if r.proposer_failed else self.draft_budget(r), acceptance=r.acceptance.first,
+                    continuation=r.acceptance.continuation,
                     hit=r.acceptance.hit_rate, mode=r.speculation, short=r.params.max_tokens < min_tokens,
                     probe=r.acceptance.probe_due, free=r.source in free)
                 for r in reqs]

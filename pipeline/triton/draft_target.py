@@ -279,7 +279,8 @@ def speculate_loop(request: TritonRequest, engines: Engines, k: int, emit: Emitt
         ids = list(request.prompt) + out
         # Room for the target's own token after the drafts: n + 1 <= what is left.
         room = min(k, request.max_tokens - len(out) - 1)
-        plan = plan_drafts([Row(cap=room, acceptance=estimate.value, hit=estimate.hit_rate,
+        plan = plan_drafts([Row(cap=room, acceptance=estimate.first,
+                                continuation=estimate.continuation, hit=estimate.hit_rate,
                                 mode="on" if forced else "auto", probe=estimate.probe_due)], cost)
         n, reason = plan.ks[0], plan.reasons[0]
         if reason is not None:
