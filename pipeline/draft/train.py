@@ -56,8 +56,8 @@ ANSWER_CHUNK = 128  # prompts per in-flight batch, saved after each (so a rerun 
 MAX_ANSWER_ROUNDS = 24
 ANSWER_TEMPERATURE = 0.8
 # The cached hidden states are held in memory while training: the automatic answers stop where more would take
-# them past this (SmolLM2: about 0.8 MB an answer, so about 4,900, 23 rounds of the built-in prompts; a Llama-3.1-8B
-# target: about 6 MB, so about 690, 3 rounds). A --data set larger than that stops partway through a round.
+# them past this (SmolLM2: about 0.84 MB an answer, so about 5,100, more than 24 rounds of the built-in prompts; a
+# Llama-3.1-8B target: about 6 MB, so about 720, 3.5 rounds). A --data set larger than that stops partway through.
 FEATURE_MEMORY_BYTES = 4 << 30
 # And at one sampled round per this many minutes of budget: a short run's data phase then ends early and leaves
 # training its time (a 0.4-minute build stage that spent 10 s on rounds reached 1 of its 20 minimum steps). The
