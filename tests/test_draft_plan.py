@@ -34,8 +34,9 @@ def test_expected_tokens_is_the_geometric_sum_and_later_drafts_may_run_at_their_
 
 
 def test_later_drafts_that_pass_more_often_than_the_first_earn_a_longer_draft():
-    """An EAGLE-3 head's first draft passed 46% of the time on SmolLM2 and each later one 63-80% given the one
-    before: one rate for every position undervalues the later drafts and plans a shorter run."""
+    """A 60-minute EAGLE-3 head on SmolLM2, drafting 4 every step, passed its first draft 58% of the time and each
+    later one 64-70% given the one before: one rate for every position undervalues the later drafts and plans a
+    shorter run."""
     cost = cost_model(fixed=0.008, per_token=0.0002, draft_fixed=0.0005, draft_per_token=0.0004)
     one_rate = plan_drafts([Row(cap=K, acceptance=0.46)], cost)
     two_rates = plan_drafts([Row(cap=K, acceptance=0.46, continuation=0.75)], cost)

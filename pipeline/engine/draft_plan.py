@@ -217,7 +217,7 @@ class AcceptanceEstimate:
         self.first_checks = self.first_checks * DECAY + 1.0
         # Later drafts were checked only past an accepted first one.
         self.later_accepted = self.later_accepted * DECAY + max(accepted - 1, 0)
-        self.later_checks = self.later_checks * DECAY + (max(accepted - 1, 0) + rejected if accepted else 0)
+        self.later_checks = self.later_checks * DECAY + (accepted - 1 + rejected if accepted else 0)
         self.skipped = 0
 
     def skipped_for(self, reason: str) -> None:
