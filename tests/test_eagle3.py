@@ -192,6 +192,47 @@ def test_published_and_speculators_layouts_load_the_same_weights(tmp_path, targe
     assert ref.cfg.hidden_norm_after_input_norm and not other.cfg.hidden_norm_after_input_norm
 
 
+@pytest.mark.identity  # not the lossless contract (drafts are only proposals): run under every ISA cap for the C code
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout,normed_residual", [("modelopt", False), ("eagle", False), ("speculators", True)])
+def test_the_head_layer_in_one_c_call_gives_the_modules_bits(tmp_path, target, dtype, layout, normed_residual):
+    from dataclasses import replace
+
+    from pipeline.engine import cpu_kernels
+
+    head = load_eagle3_head(make_tiny_eagle3_head(tmp_path, target, seed=5, layout=layout),
+                            ModelConfig.from_folder(target), 64, dtype=dtype)
+    if not cpu_kernels.usable():
+        pytest.skip(f"no C kernels here: {cpu_kernels.status()}")
+    head.cfg = replace(head.cfg, norm_before_residual=normed_residual)  # speculators' option, either way
+    assert head.layer_row() is not None and head.layer_row().flags == (layout == "modelopt") + 2 * normed_residual
+    H, module_calls = head.cfg.hidden_size, []
+    head.attn.register_forward_hook(lambda *_: module_calls.append(1))
+
+    def run(fused: bool):
+        head.fused = fused
+        cache, g, out = head.new_cache(2, 64), torch.Generator().manual_seed(0), []
+        with torch.inference_mode():  # a ragged catch-up, then draft-shaped steps
+            for starts, lengths in [((0, 0), (7, 4)), ((7, 4), (3, 1)), ((10, 5), (1, 1))]:
+                T = max(lengths)
+                emb, state = (torch.randn(2, T, H, generator=g).to(dtype) for _ in range(2))
+                fb = ForwardBatch.build([0, 1], list(starts), list(lengths), cache)
+                out += head(emb, state, fb, cache, torch.tensor([[n - 1] for n in lengths]))
+        return out, cache
+
+    (want, want_cache), calls = run(False), len(module_calls)
+    got, got_cache = run(True)
+    assert calls == 3 and len(module_calls) == calls  # the modules ran, then the one call did
+    assert "one C call" in head.kernel_name()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    cache = head.new_cache(2, 64)
+    x = torch.zeros(1, 1, H, dtype=dtype)
+    with pytest.raises(IndexError, match="outside the head's KV cache"), torch.inference_mode():
+        head(x, x, ForwardBatch.build([5], [0], [1], cache), cache, torch.tensor([[0]]))  # slot 5 of 2
+    assert not cache.k.any()
+
+
 def test_head_for_another_target_is_refused(tmp_path, target, head):
     other = make_tiny_llama(tmp_path / "other", seed=1, layers=8, hidden=32, heads=2, kv_heads=1, intermediate=64)
     with pytest.raises(DraftMismatchError, match="trained for this target"):

@@ -57,6 +57,9 @@ static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 #define NORM_LANES 16  // RMSNorm's sum of squares: one chain per lane (cpu_kernels_layer.h)
 #define QB 16  // query tokens per attention work item
 #define KB 16  // keys per block of the score loop (one vector lane each)
+#define SR 4  // query rows whose scores are summed side by side (s0..s3 in rope_attend)
+#define SUM_LANES 16  // chains of a softmax row's sum (rope_attend)
+#define DV 16  // elements of a row's weighted sum held in registers at a time
 
 // exp as 2^n * e^r with |r| <= ln2/2 and Cephes' expf polynomial (relative error about 2e-7), for x
 // clamped to [-87, 88]. Written out so the compiler vectorizes it: libm's expf stays scalar without
@@ -600,6 +603,7 @@ int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, v
 // ---- the per-layer ops, for bf16 and for fp32 storage ---------------------------------------------------
 
 enum { STACK_DENSE = 2, STACK_INT4 = 4, STACK_AMX = 16 };  // a projection's kind (cpu_kernels.STACK_KINDS)
+enum { HEAD_NORM_TWICE = 1, HEAD_NORMED_RESIDUAL = 2 };  // head_layer's flags (eagle3.HEAD_FLAGS)
 enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, LAYER_ENTRIES = L_DOWN + 4 };
 
 #define ELT bf16

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.cuda_graphs import GraphedHead
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
-from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer
+from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer, stack_entry
 from pipeline.engine.proposers import GuidedDrafts, draft_plan, drafts_of, padded_ids
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import probs_from_logits, sample
@@ -62,7 +63,23 @@ class Eagle3Config:
         return self.layer.hidden_size
 
 
+HEAD_FLAGS = {"norm_twice": 1, "normed_residual": 2}  # head_layer's flags (HEAD_* in cpu_kernels.c)
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """What cpu_kernels.head_layer needs of the head's weights: its layer's entries in the layer stack's table
+    layout, and the tensors behind the addresses, held so they stay valid."""
+
+    row: torch.Tensor  # int64 [18]
+    group_size: int  # the int4 projections' (0 when there are none)
+    flags: int
+    held: list[torch.Tensor]
+
+
 class Eagle3Head(nn.Module):
+    fused = True  # the decoder layer in one C call where the kernels run all of it (tests compare the modules)
+
     def __init__(self, cfg: Eagle3Config, max_seq_len: int):
         super().__init__()
         self.cfg = cfg
@@ -81,6 +98,39 @@ class Eagle3Head(nn.Module):
         cos, sin = Transformer.rope_tables(lc, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._layer_row: LayerRow | bool | None = None  # see layer_row
+
+    def layer_row(self) -> LayerRow | None:
+        """When the layer's four projections run on the C kernels (as Transformer.layer_stack asks of each of the
+        target's layers) and its norms are in the projections' dtype, on a CPU: what cpu_kernels.head_layer reads;
+        else None. Worked out on the first forward, after loading."""
+        if self._layer_row is None:
+            self._layer_row = self._plan_layer_row() or False
+        return self._layer_row or None
+
+    def kernel_name(self) -> str:
+        """How the decoder layer runs, for describe()."""
+        if self.fused and cpu_kernels.usable() and self.fc.weight.dtype in cpu_kernels.DTYPES and self.layer_row():
+            return "one C call a step (cpu_kernels.head_layer)"
+        return "module by module"
+
+    def _plan_layer_row(self) -> LayerRow | None:
+        dtype = self.fc.weight.dtype
+        lins = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
+        entries = [stack_entry(m, dtype) for m in lins]
+        norms = [self.embed_norm.weight, self.post_norm.weight]
+        if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu"
+                                                  for w in (*norms, self.hidden_norm.weight)):
+            return None
+        groups = {getattr(m, "group_size", 0) for m in lins} - {0}
+        if len(groups) > 1:
+            return None
+        items = [*norms, *(item for e in entries for item in e)]
+        row = [t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items]
+        flags = (HEAD_FLAGS["norm_twice"] * self.cfg.hidden_norm_after_input_norm
+                 + HEAD_FLAGS["normed_residual"] * self.cfg.norm_before_residual)
+        return LayerRow(torch.tensor(row, dtype=torch.int64), groups.pop() if groups else 0, flags,
+                        [t for t in items if isinstance(t, torch.Tensor)])
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         lc, p = self.cfg.layer, self.fc.weight
@@ -95,10 +145,16 @@ class Eagle3Head(nn.Module):
         dtype = hidden.dtype
         cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
-        h = self.hidden_norm(self.embed_norm(hidden) if self.cfg.hidden_norm_after_input_norm else hidden)
-        x = torch.cat((self.embed_norm(embeds), h), dim=-1)  # [B, T, 2H]
-        out = (h if self.cfg.norm_before_residual else hidden) + self.attn(x, cos, sin, cache, fb)
-        out = out + self.mlp(self.post_norm(out))
+        kernels = cpu_kernels.for_tensor(hidden) if self.fused and embeds.dtype == cache.k.dtype == dtype else None
+        plan = self.layer_row() if kernels is not None else None
+        if plan is not None:  # the same kernels and bits as the modules below, without their dispatch
+            out = kernels.head_layer(embeds, hidden, plan.row, self.hidden_norm.weight, plan.flags, plan.group_size,
+                                     self.cfg.layer, cos, sin, cache, fb)
+        else:
+            h = self.hidden_norm(self.embed_norm(hidden) if self.cfg.hidden_norm_after_input_norm else hidden)
+            x = torch.cat((self.embed_norm(embeds), h), dim=-1)  # [B, T, 2H]
+            out = (h if self.cfg.norm_before_residual else hidden) + self.attn(x, cos, sin, cache, fb)
+            out = out + self.mlp(self.post_norm(out))
         out = out.gather(1, logits_index[:, :, None].expand(-1, -1, out.shape[-1]))
         return self.lm_head(self.norm(out)).float(), out
 

@@ -181,7 +181,9 @@ class LLMEngine:
         elif hasattr(self.proposer, "head"):  # an EAGLE-3 head, alone or behind n-gram lookup
             head = self.proposer.head.cfg
             desc["draft"] = {"kind": "eagle3", "layout": head.layout, "aux_layers": list(head.aux_layer_ids),
-                             "draft_vocab_size": head.draft_vocab_size, "dtype": str(self.proposer.head.fc.weight.dtype).removeprefix("torch.")}
+                             "draft_vocab_size": head.draft_vocab_size,
+                             "dtype": str(self.proposer.head.fc.weight.dtype).removeprefix("torch."),
+                             "layer": self.proposer.head.kernel_name()}
             if isinstance(self.proposer, NgramFirst):  # rows drafted by lookup and by the head so far
                 desc["draft"]["ngram_first"] = dict(self.proposer.sources)
         return desc

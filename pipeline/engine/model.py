@@ -248,7 +248,7 @@ class LayerStack:
     held: list[torch.Tensor]
 
 
-def _stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int] | None:
+def stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int] | None:
     """[kind, weights, scales, pre_quant_scale] of a projection the C stack runs in a `dtype` model, or None."""
     if isinstance(lin, Int4Linear) and lin.c_kernel and lin.bias is None:
         return [cpu_kernels.STACK_KINDS["int4"], lin.blocks, lin.scales, lin.pre_scale]
@@ -304,7 +304,7 @@ class Transformer(nn.Module):
         dtype = self.embed.weight.dtype
         for layer in self.layers:
             lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
-            entries = [_stack_entry(m, dtype) for m in lins]
+            entries = [stack_entry(m, dtype) for m in lins]
             norms = [layer.input_norm.weight, layer.post_norm.weight]
             if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
                 return None
