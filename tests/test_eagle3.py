@@ -192,7 +192,6 @@ def test_published_and_speculators_layouts_load_the_same_weights(tmp_path, targe
     assert ref.cfg.hidden_norm_after_input_norm and not other.cfg.hidden_norm_after_input_norm
 
 
-@pytest.mark.identity  # not the lossless contract (drafts are only proposals): run under every ISA cap for the C code
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout,normed_residual", [("modelopt", False), ("eagle", False), ("speculators", True)])
 def test_the_head_layer_in_one_c_call_gives_the_modules_bits(tmp_path, target, dtype, layout, normed_residual):

@@ -86,7 +86,10 @@ def test_sixty_second_soak_has_no_hung_unexpected_or_mismatched_request(tiny_tar
     counts = report["counts"]
     # The server runs under pipeline serve's supervisor. It may die only of the known upstream crash (tritonserver
     # 2.51's gRPC cancellation race), and must come back; only the requests in flight then may be lost.
-    assert all(r["known"] and r["down_s"] is not None for r in report["restarts"]), report["restarts"]
+    # The whole log tail of each restart in the message: pytest cuts a long repr, and a crash's stack is the evidence.
+    assert all(r["known"] and r["down_s"] is not None for r in report["restarts"]), "\n\n".join(
+        f"{r['died']} (known: {r['known']}, down {r['down_s']} s); its log ends:\n{r['log_tail']}"
+        for r in report["restarts"])
     assert (counts["hung"], counts["errored_unexpected"], counts["mismatched"]) == (0, 0, 0), report["problems"]
     assert bool(counts["lost_to_restart"]) <= bool(report["restarts"]), counts
     assert counts["completed"] > 100 and counts["errored_expected"] > 5 and counts["cancelled"] > 5, counts
