@@ -265,12 +265,7 @@ class CpuKernels:
         x = x.contiguous()
         delta = torch.empty_like(x)
         cos, sin = cos.contiguous(), sin.contiguous()
-        k, v = cache.k, cache.v  # [layers, NB, KV, BS, D]
-        if not (k.is_contiguous() and v.is_contiguous()):
-            raise ValueError("the layer stack needs a contiguous KV cache")
-        blocks, write_pos = fb.block_table.contiguous(), fb.write_pos.contiguous()
-        if blocks.dtype != torch.int64 or write_pos.dtype != torch.int64:
-            raise ValueError("the layer stack reads block_table and write_pos as int64")
+        k, v, blocks, write_pos = _stack_cache(cache, fb, "the layer stack")  # k, v: [layers, NB, KV, BS, D]
         layers = self._op("layers", x, cos, sin, k, v)
         rows = table[first:end].contiguous()
         rc = layers(x.data_ptr(), delta.data_ptr(), B, T, end - first, hidden, cfg.num_heads, cfg.num_kv_heads,
@@ -278,11 +273,7 @@ class CpuKernels:
                     sin.data_ptr(), k[first].data_ptr(), v[first].data_ptr(), k.shape[1], k.shape[3],
                     blocks.data_ptr(), blocks.shape[1], write_pos.data_ptr(), cfg.head_dim**-0.5,
                     torch.get_num_threads())
-        if rc == -2:
-            raise ValueError("the layer stack was planned with a projection its kernels can't hold")
-        if rc:
-            raise IndexError(f"a position or block is outside the KV cache ({k.shape[1]} blocks of "
-                             f"{k.shape[3]}): table {blocks.tolist()}")
+        _stack_check(rc, "the layer stack", "the KV cache", k, blocks)
         return x, delta
 
     def head_layer(self, emb: torch.Tensor, state: torch.Tensor, row: torch.Tensor, hidden_norm: torch.Tensor,
@@ -293,11 +284,7 @@ class CpuKernels:
         the layer's K and V to the cache (a one-layer KVCache)."""
         B, T, hidden = state.shape
         emb, state, cos, sin = emb.contiguous(), state.contiguous(), cos.contiguous(), sin.contiguous()
-        k, v = cache.k, cache.v  # [1, NB, KV, BS, D]
-        blocks, write_pos = fb.block_table.contiguous(), fb.write_pos.contiguous()
-        if blocks.dtype != torch.int64 or write_pos.dtype != torch.int64 or not (k.is_contiguous() and
-                                                                                 v.is_contiguous()):
-            raise ValueError("the head layer reads block_table and write_pos as int64, and a contiguous KV cache")
+        k, v, blocks, write_pos = _stack_cache(cache, fb, "the head layer")  # k, v: [1, NB, KV, BS, D]
         out = torch.empty_like(state)
         rc = self._op("head_layer", emb, state, cos, sin, k, v, hidden_norm)(
             emb.data_ptr(), state.data_ptr(), out.data_ptr(), B, T, hidden, cfg.num_heads, cfg.num_kv_heads,
@@ -305,12 +292,30 @@ class CpuKernels:
             cfg.rms_norm_eps, cos.data_ptr(), sin.data_ptr(), k[0].data_ptr(), v[0].data_ptr(), k.shape[1],
             k.shape[3], blocks.data_ptr(), blocks.shape[1], write_pos.data_ptr(), cfg.head_dim**-0.5,
             torch.get_num_threads())
-        if rc == -2:
-            raise ValueError("the head layer was planned with a projection its kernels can't hold")
-        if rc:
-            raise IndexError(f"a position or block is outside the head's KV cache ({k.shape[1]} blocks of "
-                             f"{k.shape[3]}): table {blocks.tolist()}")
+        _stack_check(rc, "the head layer", "the head's KV cache", k, blocks)
         return out
+
+
+def _stack_cache(cache, fb, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, v, block_table, write_pos) for a C call that runs whole layers (`what`, named in errors): the cache as
+    it is, which must be contiguous, and the batch's tables contiguous, which must be int64."""
+    k, v = cache.k, cache.v
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise ValueError(f"{what} needs a contiguous KV cache")
+    blocks, write_pos = fb.block_table.contiguous(), fb.write_pos.contiguous()
+    if blocks.dtype != torch.int64 or write_pos.dtype != torch.int64:
+        raise ValueError(f"{what} reads block_table and write_pos as int64")
+    return k, v, blocks, write_pos
+
+
+def _stack_check(rc: int, what: str, cache_name: str, k: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Raise for a layer call's nonzero return: -2 a projection its kernels refuse (a plan bug), else a position or
+    block outside the cache (nothing was written then)."""
+    if rc == -2:
+        raise ValueError(f"{what} was planned with a projection its kernels can't hold")
+    if rc:
+        raise IndexError(f"a position or block is outside {cache_name} ({k.shape[1]} blocks of {k.shape[3]}): "
+                         f"table {blocks.tolist()}")
 
 
 def pair_blocks(w: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from pipeline.engine.config import ModelConfig
 from pipeline.engine.cuda_graphs import GraphedHead
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
-from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer, stack_entry
+from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer, stack_row
 from pipeline.engine.proposers import GuidedDrafts, draft_plan, drafts_of, padded_ids
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import probs_from_logits, sample
@@ -115,22 +115,14 @@ class Eagle3Head(nn.Module):
         return "module by module"
 
     def _plan_layer_row(self) -> LayerRow | None:
-        dtype = self.fc.weight.dtype
-        lins = (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down)
-        entries = [stack_entry(m, dtype) for m in lins]
-        norms = [self.embed_norm.weight, self.post_norm.weight]
-        if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu"
-                                                  for w in (*norms, self.hidden_norm.weight)):
+        dtype, hidden_norm = self.fc.weight.dtype, self.hidden_norm.weight
+        row = stack_row([self.embed_norm.weight, self.post_norm.weight],
+                        (self.attn.qkv, self.attn.o, self.mlp.gate_up, self.mlp.down), dtype)
+        if row is None or len(row.groups) > 1 or hidden_norm.dtype != dtype or hidden_norm.device.type != "cpu":
             return None
-        groups = {getattr(m, "group_size", 0) for m in lins} - {0}
-        if len(groups) > 1:
-            return None
-        items = [*norms, *(item for e in entries for item in e)]
-        row = [t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items]
         flags = (HEAD_FLAGS["norm_twice"] * self.cfg.hidden_norm_after_input_norm
                  + HEAD_FLAGS["normed_residual"] * self.cfg.norm_before_residual)
-        return LayerRow(torch.tensor(row, dtype=torch.int64), groups.pop() if groups else 0, flags,
-                        [t for t in items if isinstance(t, torch.Tensor)])
+        return LayerRow(torch.tensor(row.addresses, dtype=torch.int64), next(iter(row.groups), 0), flags, row.held)
 
     def new_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
         lc, p = self.cfg.layer, self.fc.weight

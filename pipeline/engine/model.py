@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -248,13 +249,34 @@ class LayerStack:
     held: list[torch.Tensor]
 
 
-def stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int] | None:
+def _stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int] | None:
     """[kind, weights, scales, pre_quant_scale] of a projection the C stack runs in a `dtype` model, or None."""
     if isinstance(lin, Int4Linear) and lin.c_kernel and lin.bias is None:
         return [cpu_kernels.STACK_KINDS["int4"], lin.blocks, lin.scales, lin.pre_scale]
     if type(lin) is Linear and lin.layout in OWN_LAYOUTS and lin.dtype == dtype and lin.bias is None:
         return [cpu_kernels.STACK_KINDS[lin.layout], lin.packed, None, None]
     return None
+
+
+class StackRow(NamedTuple):
+    """One layer's row of the C layer stack's table (its two norms' weights, then per projection its kind and its
+    tensors' addresses), the tensors behind the addresses, and its int4 projections' group sizes."""
+
+    addresses: list[int]
+    held: list[torch.Tensor]
+    groups: set[int]
+
+
+def stack_row(norms: list[torch.Tensor], lins: tuple[nn.Module, ...], dtype: torch.dtype) -> StackRow | None:
+    """A layer's row (norms: the two before attention and before the MLP; lins: qkv, o, gate_up, down) when every
+    projection runs on the C kernels and each norm is a `dtype` weight on the CPU, else None."""
+    entries = [_stack_entry(m, dtype) for m in lins]
+    if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
+        return None
+    items = [*norms, *(item for e in entries for item in e)]
+    return StackRow([t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items],
+                    [t for t in items if isinstance(t, torch.Tensor)],
+                    {m.group_size for m in lins if isinstance(m, Int4Linear)})
 
 
 class Transformer(nn.Module):
@@ -303,15 +325,13 @@ class Transformer(nn.Module):
         rows, held, groups = [], [], set()
         dtype = self.embed.weight.dtype
         for layer in self.layers:
-            lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
-            entries = [stack_entry(m, dtype) for m in lins]
-            norms = [layer.input_norm.weight, layer.post_norm.weight]
-            if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
+            row = stack_row([layer.input_norm.weight, layer.post_norm.weight],
+                            (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down), dtype)
+            if row is None:
                 return None
-            groups |= {m.group_size for m in lins if isinstance(m, Int4Linear)}
-            items = [*norms, *(item for e in entries for item in e)]
-            rows.append([t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items])
-            held += [t for t in items if isinstance(t, torch.Tensor)]
+            rows.append(row.addresses)
+            held += row.held
+            groups |= row.groups
         if len(groups) > 1:
             return None
         return LayerStack(torch.tensor(rows, dtype=torch.int64), groups.pop() if groups else 0, held)
