@@ -66,6 +66,13 @@ def test_a_guide_spec_names_what_is_wrong():
     (GuideSpec("json_schema", "[1, 2]"), "must be a JSON object"),
     (GuideSpec("json_schema", '{"type": "frob"}'), "the json_schema guide doesn't compile"),
     (GuideSpec("ebnf_grammar", "root ::= item"), "ebnf_grammar guide"),
+    # issue 52: guides no text matches were a 200 with an empty answer, finish stop
+    (GuideSpec("regex", r"a+[^\s\S]"), "the regex guide matches no text"),
+    (GuideSpec("json_schema", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
+     "matches no JSON value: every value it allows goes through \\$ref '#/\\$defs/a' again"),
+    (GuideSpec("json_schema", json.dumps({"type": "object", "required": ["x"], "properties": {"x": {
+        "$ref": "#/$defs/a"}}, "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {
+            "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/a"}}}})), "matches no JSON value"),
 ])
 def test_a_bad_guide_fails_its_request_alone_in_one_line(target, tokenizer, spec, message):
     e = engine(target, tokenizer)
@@ -74,6 +81,22 @@ def test_a_bad_guide_fails_its_request_alone_in_one_line(target, tokenizer, spec
     assert "\n" not in str(err.value)
     [ok] = e.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # the engine goes on
     assert len(ok.output_ids) == 4
+
+
+def test_a_recursive_schema_with_a_way_out_is_served(target, tokenizer):
+    """The $ref check refuses only schemas with no value: a list whose `next` is optional, or a tree whose children
+    may be empty, has finite values and compiles."""
+    from pipeline.engine.guide import looping_ref
+
+    linked = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "required": ["v"], "properties": {
+        "v": {"type": "integer"}, "next": {"$ref": "#/$defs/n"}}}}}
+    tree = {"type": "object", "required": ["kids"], "properties": {"kids": {"type": "array", "items": {
+        "$ref": "#"}}}}
+    either = {"anyOf": [{"$ref": "#"}, {"type": "null"}]}
+    assert looping_ref(linked) is looping_ref(tree) is looping_ref(either) is None
+    e = engine(target, tokenizer)
+    [req] = e.generate([[5, 6, 7]], SamplingParams(max_tokens=40, guide=GuideSpec("json_schema", json.dumps(linked))))
+    assert req.error is None
 
 
 def test_a_guide_needs_the_engines_tokenizer(target):

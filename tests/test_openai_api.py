@@ -35,7 +35,7 @@ def parse_completion(body):
 
 def test_openai_clients_neutral_defaults_pass():
     request = parse_chat({**CHAT, "n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False,
-                          "stream_options": {"include_usage": True}, "user": "u1", "response_format": {"type": "text"},
+                          "stream": True, "stream_options": {"include_usage": True}, "user": "u1", "response_format": {"type": "text"},
                           "stop": ["a", "b"], "speculation": "off", "num_draft_tokens": 2})
     assert request.stop_strings() == ("a", "b") and request.speculation == "off"
 
@@ -826,11 +826,46 @@ def test_tritons_own_openai_frontend_can_sit_in_front_of_the_ensemble(served, cl
     ({**CHAT, "user": "u" * 513}, "user", "at most 512 characters"),
     ({"model": "m", "messages": [{"role": "user", "content": "x" * 9000}]}, "messages", "9000 bytes of text"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}] * 257}, "messages", "257 turns"),
+    # issue 52: checked as sent, before float32 rounds them, with the engine's lower bounds
+    ({**CHAT, "temperature": 1e-300}, "temperature", "temperature 1e-300 is too small to sample with"),
+    ({**CHAT, "top_p": 1e-300}, "top_p", "top_p 1e-300 is under 1e-30"),
+    ({**CHAT, "repetition_penalty": 1e-38}, "repetition_penalty", "repetition_penalty 1e-38 is under 0.0001"),
+    # OpenAI's own shape where it is strict
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", 'of type "object" (got type '
+     "'array')"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "4",
+                                                                    "tool_call_id": "c1"}]},
+     "messages", "messages.1: a tool turn answers a call of the assistant turn before it"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "4", "tool_call_id": "c2"}]}, "messages", "tool_call_id 'c2' names none"),
 ])
 def test_every_number_count_and_length_is_bounded_strictly_typed_and_named_with_the_value_sent(body, param, said):
     with pytest.raises(ProtocolError) as err:
         parse_chat(body)
     assert err.value.status == 400 and err.value.param == param and said in err.value.message, err.value.message
+
+
+def test_a_tool_turn_answering_the_call_before_it_passes():
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls},
+                                           {"role": "tool", "content": "1", "tool_call_id": "c2"},
+                                           {"role": "tool", "content": "2", "tool_call_id": "c1"}]})
+
+
+def test_a_forced_call_whose_schema_is_over_the_guide_limit_is_a_400_naming_tools():
+    """One tool of 1,700 properties (about 75 KB of schema) with tool_choice required was a 500 (the guide's own
+    size check, raised past the request check); as response_format the same schema was a 400."""
+    parameters = {"type": "object", "properties": {f"field_{i}": {"type": "string", "description": "some text"}
+                                                   for i in range(1700)}}
+    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+            "tool_choice": "required"}
+    with pytest.raises(ProtocolError) as err:
+        parse_chat(body)
+    assert err.value.status == 400 and err.value.param == "tools" and "the most is 65536" in err.value.message
 
 
 def test_a_completion_prompt_is_bounded_in_bytes_before_it_is_tokenized():
@@ -867,6 +902,12 @@ def test_the_published_schema_holds_the_bounds_the_parser_enforces():
         assert err.value.param == name
     assert fields["messages"]["maxItems"] == LIMITS.max_seq_len and fields["model"]["enum"] == ["m"]
     assert schemas["ChatRequest"]["additionalProperties"] is False
+    # logit_bias keys: token ids with as many digits as the vocabulary's (SmolLM2's 49151 has five)
+    from dataclasses import replace
+
+    wide = request_schemas(replace(LIMITS, vocab_size=49152), "m")["ChatRequest"]["properties"]["logit_bias"]
+    assert wide["anyOf"][0]["propertyNames"]["pattern"] == "^[0-9]{1,5}$"
+    parse_chat_within({**CHAT, "logit_bias": {"49151": 5}}, replace(LIMITS, vocab_size=49152))
 
 
 # The issue's hostile requests, against the real stack: each a 4xx in OpenAI's shape, the next request served.
@@ -974,3 +1015,125 @@ def test_an_answer_cut_inside_a_character_ends_before_it(served, client):
     assert text == tokenizer.decode(ids, skip_special_tokens=True)[:-1] and not text.endswith("\ufffd")
     assert answer.usage.completion_tokens == n and answer.choices[0].finish_reason == "length"
     assert grpc_text_raw(served[0], prompt, n) == text
+
+
+# ---- the front door, round two (issue 52) ----------------------------------------------------------------------
+
+
+def engine_counts(served) -> tuple[float, float]:
+    """(requests running or waiting in the engine, requests it has finished as cancelled)."""
+    from serving_checks import metrics
+
+    samples = metrics(served[0].endpoints.metrics)
+    busy = total(samples, "pipeline_engine_requests_running") + total(samples, "pipeline_engine_requests_waiting")
+    cancelled = sum(v for k, v in samples.items()
+                    if k.startswith("pipeline_engine_requests_finished_total") and 'reason="cancelled"' in k)
+    return busy, cancelled
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_stops_its_request_in_the_engine_within_a_second(served, client, stream):
+    """A whole answer writes nothing until it is done, so a client that gave up was noticed by nobody: its n x
+    max_tokens were decoded for nobody while normal requests waited. Streamed or not, closing the connection now
+    cancels every choice in the engine within a second."""
+    import socket
+    import time
+
+    body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "n": 4, "temperature": 1,
+                       "seed": 5, "ignore_eos": True, "stream": stream}).encode()
+    _, cancelled_before = engine_counts(served)
+    sock = socket.create_connection(("127.0.0.1", int(served[1].url.rsplit(":", 1)[1])), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 30
+    while engine_counts(served)[0] < 4:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.05)
+    sock.close()  # the client gives up
+    left = time.monotonic()
+    while engine_counts(served)[0] and time.monotonic() - left < 10:
+        time.sleep(0.05)
+    stopped = time.monotonic() - left
+    busy, cancelled = engine_counts(served)
+    assert busy == 0 and cancelled - cancelled_before == 4, (busy, cancelled - cancelled_before)
+    assert stopped < 1.5, stopped  # 1 s, and the metrics' own 0.1 s cadence and this loop's polling
+    usual = client.completions.create(model="tiny", prompt="Count: 1, 2,", max_tokens=8, temperature=0)
+    assert usual.choices[0].text == grpc_text_raw(served[0], "Count: 1, 2,", 8)
+
+
+def test_ignore_eos_ignores_the_end_of_turn_token_too(client):
+    """vLLM's ignore_eos: no end token ends the answer, the chat template's end of turn (<|im_end|>, 258 here)
+    included, so a benchmark's fixed-length request gets its length. It once stopped at the first <|im_end|>."""
+    ends = {"256": 100, "258": 100}  # the model all but forced to end at once
+    said = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=64, temperature=0, logit_bias=ends,
+                                          extra_body={"ignore_eos": True})
+    assert said.usage.completion_tokens == 64 and said.choices[0].finish_reason == "length"
+    ended = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=64, temperature=0, logit_bias=ends)
+    assert ended.usage.completion_tokens <= 1 and ended.choices[0].finish_reason == "stop"
+
+
+BIG_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    f"field_{i}": {"type": "string", "description": "some text"} for i in range(1700)}}}}
+SAY_HI = [{"role": "user", "content": "Say hi."}]
+# The issue's cases that were a 500, a wrong 200 or a silent rounding: each a 400 naming its field, served.
+REFUSED = [
+    ({"messages": SAY_HI, "tools": [BIG_TOOL], "tool_choice": "required"}, "tools"),
+    ({"messages": SAY_HI, "guided_regex": "a+[^\\s\\S]"}, None),
+    ({"messages": SAY_HI, "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, None),
+    ({"messages": SAY_HI, "repetition_penalty": 1e-38}, "repetition_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 1e-45, "temperature": 1}, "repetition_penalty"),
+    ({"prompt": "hi", "temperature": 1e-300}, "temperature"),
+    ({"messages": SAY_HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+    ({"messages": SAY_HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [*SAY_HI, {"role": "tool", "content": "4", "tool_call_id": "c1"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("fields, param", REFUSED)
+def test_what_was_a_500_or_a_wrong_answer_is_a_400_and_the_server_serves_on(served, client, fields, param):
+    import time
+
+    url = f"{served[1].url}/v1/{'chat/completions' if 'messages' in fields else 'completions'}"
+    raw = json.dumps({"model": "tiny", "max_tokens": 16, **fields}).encode()
+    start = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(url, raw, {"Content-Type": "application/json"}), timeout=60)
+    assert time.monotonic() - start < 1
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and error["param"] == param and len(error["message"]) < 400, error
+    usual = client.completions.create(model="tiny", prompt="Count: 1, 2,", max_tokens=8, temperature=0)
+    assert usual.choices[0].text == grpc_text_raw(served[0], "Count: 1, 2,", 8)
+
+
+def test_a_requests_memory_is_bounded_up_front_by_its_budget():
+    """n choices hold their prompts and answers in the KV pool together, and a whole answer's tokens and log probs
+    in the frontend: past either budget, a 400 naming it, before anything is sent."""
+    from dataclasses import replace
+
+    from pipeline.openai_api.protocol import MAX_ANSWER_ENTRIES
+
+    limits = replace(LIMITS, kv_pool_tokens=4096)
+    limits.check_budget(16, 56, 200, None)  # 16 x 256 = 4096: at the budget
+    with pytest.raises(ProtocolError) as err:
+        limits.check_budget(16, 57, 200, None)
+    assert err.value.param == "n" and "4112 tokens is over this server's per-request budget of 4096" in \
+        err.value.message
+    with pytest.raises(ProtocolError) as err:
+        limits.check_budget(1, 4000, 200, None)
+    assert err.value.param == "max_tokens"
+    LIMITS.check_budget(16, 10, MAX_ANSWER_ENTRIES // 16, None)  # no pool known: the frontend's budget only
+    with pytest.raises(ProtocolError, match=r"x \(1 \+ 20 alternatives\) = .* answer entries is over"):
+        LIMITS.check_budget(16, 10, 1000, 20)
+
+
+def test_the_issues_request_past_the_kv_budget_is_a_400_before_any_token(served, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="hi", n=16, max_tokens=1000, temperature=1,
+                                  logit_bias={"256": -100, "258": -100})
+    assert err.value.body["param"] == "n" and "budget of 8192" in err.value.body["message"]

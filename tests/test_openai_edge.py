@@ -44,33 +44,52 @@ def completion(prompt: str, **fields) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def frontend(tiny_target, tmp_path_factory):
+def repo(tiny_target, tmp_path_factory):
     from serving_checks import ngram_engine
 
     from pipeline.triton.assemble import AssembleOptions, assemble
-    from pipeline.triton.ports import free_ports
 
     folder = tmp_path_factory.mktemp("edge")
     engine = ngram_engine(tiny_target, folder, slots=2)
-    repo = assemble(AssembleOptions(engine=engine, repo=folder / "repo", max_input_bytes=MAX_INPUT_BYTES)).repo
+    return assemble(AssembleOptions(engine=engine, repo=folder / "repo", max_input_bytes=MAX_INPUT_BYTES)).repo
+
+
+def start_frontend(repo: Path, log: Path, *flags: str) -> Frontend:
+    from pipeline.triton.ports import free_ports
+
     port, nobody = free_ports(2)  # nothing listens on the gRPC port: no request here may get that far
-    log = folder / "openai.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "pipeline.openai_api", "--repo", str(repo), "--grpc-url",
                                     f"127.0.0.1:{nobody}", "--port", str(port), "--served-model-name", MODEL,
-                                    "--max-body-bytes", str(BODY_LIMIT)], stdout=out, stderr=subprocess.STDOUT)
+                                    "--max-body-bytes", str(BODY_LIMIT), *flags], stdout=out,
+                                   stderr=subprocess.STDOUT)
     edge = Frontend(process, port, log)
     deadline = time.monotonic() + 60
     while True:
         try:
             urllib.request.urlopen(edge.url + "/v1/models", timeout=1).read()
-            break
+            return edge
         except OSError:
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def frontend(repo, tmp_path_factory):
+    edge = start_frontend(repo, tmp_path_factory.mktemp("edge-log") / "openai.log")
     yield edge
-    process.terminate()
-    process.wait(10)
+    edge.process.terminate()
+    edge.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def strict(repo, tmp_path_factory):
+    """The same frontend with the edge's limits small enough to reach in a test."""
+    edge = start_frontend(repo, tmp_path_factory.mktemp("strict-log") / "openai.log", "--head-timeout", "1",
+                          "--body-timeout", "1", "--max-connections", "64")
+    yield edge
+    edge.process.terminate()
+    edge.process.wait(10)
 
 
 def raw_exchange(port: int, head: str, body_parts: list[bytes]) -> bytes:
@@ -209,3 +228,126 @@ def test_no_refusal_leaves_a_traceback_or_the_requests_text_in_the_log(frontend)
         assert frontend.post("/v1/completions", raw)[0] == 400
     log = frontend.log.read_text()
     assert "Traceback" not in log and marker not in log
+
+
+# ---- connections that never complete (issue 52) ---------------------------------------------------------------
+
+
+def answer_within(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and how long that took."""
+    sock.settimeout(seconds)
+    start, got = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except TimeoutError:
+        pass
+    return got, time.monotonic() - start
+
+
+@pytest.mark.parametrize("sent, status", [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"408"),  # a head that never ends
+    (b"", b"408"),  # nothing at all
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+     b'{"model": "tiny"', b"408"),  # a body shorter than its Content-Length
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFFFFFF\r\nabc", b"408"),  # a chunk that never ends
+])
+def test_a_request_that_never_completes_gets_a_408_and_the_close_at_its_deadline(strict, sent, status):
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        sock.sendall(sent)
+        answer, seconds = answer_within(sock, 10)
+    assert answer.startswith(b"HTTP/1.1 " + status) and b'"request_timeout"' in answer, answer[:300]
+    assert 0.8 < seconds < 3, seconds
+    urllib.request.urlopen(strict.url + "/v1/models", timeout=10).read()
+
+
+def test_a_slow_head_sent_a_byte_at_a_time_is_cut_at_its_deadline(strict):
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        start = time.monotonic()
+        try:
+            for byte in head:
+                sock.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer, _ = answer_within(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 3
+
+
+def test_half_open_connections_past_the_cap_never_keep_a_normal_request_out(strict):
+    """Ten times the cap of connections that send half a head: the oldest make room for the newest, a normal
+    request still answers at once, and the log grows by a few lines, not one per connection."""
+    before = strict.log.stat().st_size
+    socks = []
+    try:
+        for _ in range(640):
+            sock = socket.create_connection(("127.0.0.1", strict.port), timeout=10)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            socks.append(sock)
+        start = time.monotonic()
+        urllib.request.urlopen(strict.url + "/v1/models", timeout=10).read()
+        assert time.monotonic() - start < 2
+        closed = 0
+        for sock in socks[:576]:  # all but the newest 64 were closed to make room (an RST, or a plain close)
+            sock.settimeout(5)
+            try:
+                closed += sock.recv(1) == b""
+            except (ConnectionResetError, TimeoutError):
+                closed += 1
+        assert closed >= 570
+    finally:
+        for sock in socks:
+            sock.close()
+    assert strict.log.stat().st_size - before < 4096, strict.log.read_text()[-2000:]
+
+
+def test_at_the_cap_with_every_connection_busy_a_new_one_gets_a_503(repo, tmp_path):
+    """Connections whose requests are in progress (bodies still arriving) are never closed to make room: the newest
+    connection is refused instead, with a 503 in OpenAI's shape."""
+    edge = start_frontend(repo, tmp_path / "openai.log", "--max-connections", "16", "--body-timeout", "30")
+    socks = []
+    try:
+        for _ in range(16):  # the one urlopen in start_frontend has closed
+            sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{")
+            socks.append(sock)
+        time.sleep(0.5)
+        with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
+            answer, _ = answer_within(sock, 5)
+        assert answer.startswith(b"HTTP/1.1 503") and b'"too_many_connections"' in answer, answer[:200]
+    finally:
+        for sock in socks:
+            sock.close()
+        time.sleep(0.5)
+        urllib.request.urlopen(edge.url + "/v1/models", timeout=10).read()  # room again once they closed
+        edge.process.terminate()
+        edge.process.wait(10)
+
+
+def test_the_rate_limited_log_lets_one_line_a_window_through_and_counts_the_rest():
+    import logging
+
+    from pipeline.openai_api.connections import RateLimitedLog
+
+    now = [0.0]
+    limiter = RateLimitedLog(window_s=10, clock=lambda: now[0])
+
+    def record(msg):
+        return logging.LogRecord("x", logging.WARNING, __file__, 1, msg, (), None)
+
+    passed = [limiter.filter(record("refused: %d open")) for _ in range(1000)]
+    assert passed.count(True) == 1
+    assert limiter.filter(record("another message"))
+    now[0] = 10.5
+    late = record("refused: %d open")
+    assert limiter.filter(late) and "999 more like it" in late.msg
+
+
+def test_the_connection_cap_stays_below_the_file_limit():
+    from pipeline.openai_api.connections import max_connections_for
+
+    assert max_connections_for(20_000) == 8192 and max_connections_for(1024) == 256
+    assert max_connections_for(4096) == 1792 and max_connections_for(64) == 16

@@ -78,6 +78,10 @@ def grammar_text(spec: GuideSpec) -> str:
             raise RequestError(f"the json_schema guide is not JSON ({e}); send a JSON Schema object") from None
         if not isinstance(schema, dict):
             raise RequestError("the json_schema guide must be a JSON object (a JSON Schema)")
+        if (loop := looping_ref(schema)) is not None:
+            raise RequestError(f"the json_schema guide matches no JSON value: every value it allows goes through "
+                               f"$ref {loop[:80]!r} again and never ends; give that definition a way out "
+                               "(an optional property, an anyOf branch without the $ref)")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if spec.type == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.guide)
@@ -85,6 +89,90 @@ def grammar_text(spec: GuideSpec) -> str:
         return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.guide))
     except Exception as e:  # noqa: BLE001  the converter raises on GBNF it can't read; say so in one line
         raise RequestError(f"the ebnf_grammar guide is not GBNF: {_first_line(e)}") from None
+
+
+def looping_ref(schema: dict) -> str | None:
+    """A local $ref through which every value the schema allows must pass again, so that no finite value matches
+    (`{"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}`), or None. llguidance compiles such a schema
+    and then allows nothing but the end token: a 200 with an empty answer that doesn't match its guide.
+
+    A least fixed point over the refs: a ref is satisfiable once its target is, counting as satisfiable only the
+    refs already found so; what is left at the end can't be. Only what every value must contain is followed
+    (required properties, allOf, at least one anyOf/oneOf branch, minItems' items); any other keyword counts
+    as satisfiable, so this never refuses a schema that has a value, and llguidance judges the rest."""
+    targets = {ref: _pointer(schema, ref) for ref in _refs(schema)}
+    found: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for ref, target in targets.items():
+            if ref not in found and _satisfiable(target, found):
+                found.add(ref)
+                changed = True
+    if _satisfiable(schema, found):
+        return None
+    return next((ref for ref in targets if ref not in found), "#")
+
+
+def _refs(node) -> set[str]:
+    """Every local $ref in a schema (a pointer into the document itself)."""
+    out, stack = set(), [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                out.add(ref)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return out
+
+
+def _pointer(schema: dict, ref: str):
+    """The subschema a local $ref names (JSON Pointer, RFC 6901), or True where it names nothing: llguidance
+    refuses a dangling ref itself."""
+    node = schema
+    for part in [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return True
+    return node
+
+
+def _satisfiable(node, found: set[str], depth: int = 0) -> bool:
+    """Whether some finite value matches `node`, taking the refs in `found` as satisfiable and the others not."""
+    if isinstance(node, bool):
+        return node
+    if not isinstance(node, dict) or depth > 256:  # the body parser refuses deeper nesting anyway
+        return True
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in found:
+        return False
+
+    def sat(child) -> bool:
+        return _satisfiable(child, found, depth + 1)
+
+    if isinstance(node.get("allOf"), list) and not all(sat(s) for s in node["allOf"]):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and node[key] and not any(sat(s) for s in node[key]):
+            return False
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    for name in node.get("required") or []:
+        if isinstance(name, str) and name in properties and not sat(properties[name]):
+            return False
+    min_items = node.get("minItems")
+    if isinstance(min_items, int) and min_items > 0:
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        if not all(sat(s) for s in prefix[:min_items]):
+            return False
+        if min_items > len(prefix) and "items" in node and not sat(node["items"]):
+            return False
+    return True
 
 
 def _first_line(e: Exception | str) -> str:
@@ -116,6 +204,12 @@ class Guide:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar_text(spec), log_level=0)
         if self.matcher.is_error():
             raise RequestError(f"the {spec.type} guide doesn't compile: {_first_line(self.matcher.get_error())}")
+        # Stopped before any token and not accepting: the grammar matches no text at all (a regex with an empty
+        # class, `a+[^\\s\\S]`); llguidance then allows only the end token, an empty answer that doesn't match.
+        # (llguidance finds out when it computes the first mask, which the first step would compute anyway.)
+        self.matcher.compute_bitmask()
+        if self.matcher.is_stopped() and not self.matcher.is_accepting():
+            raise RequestError(f"the {spec.type} guide matches no text (nothing it allows can be completed); check it")
 
     def refused(self) -> torch.Tensor | None:
         """[vocab_size] bool, True for each token the grammar can't take next (a model vocabulary wider than the
@@ -199,9 +293,14 @@ class Guide:
         """The grammar takes the emitted tokens (each one chosen under its mask), up to a stop token: that ends
         the answer, and a completed grammar's matcher takes nothing more."""
         end = next((n for n, t in enumerate(tokens) if t in stop_ids), len(tokens))
-        tokens = tokens[:end]
-        if tokens and not self.matcher.consume_tokens(tokens):
+        if tokens[:end] and not self.matcher.consume_tokens(tokens[:end]):
             raise RuntimeError(f"the guide refused emitted tokens {tokens}: {_first_line(self.matcher.get_error())}")
+        if end < len(tokens) and self.matcher.is_stopped() and not self.matcher.is_accepting():
+            # llguidance allows the end token where the grammar accepts, and where it stopped, stuck with no way
+            # forward (a rule that only loops, deep in a grammar): that answer wouldn't match its guide. (A stop
+            # token of the request's own, which the grammar takes as text, ends the answer where it is.)
+            raise RequestError(f"the {self.spec.type} guide can't be completed from here: nothing it allows after "
+                               "this answer's start ends; check the guide")
 
 
 def apply_refusals(logits: torch.Tensor, refused: torch.Tensor) -> torch.Tensor:

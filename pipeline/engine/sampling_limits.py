@@ -15,13 +15,17 @@ from pipeline.errors import RequestError
 
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e4  # uniform long before this; refuses typos like 1e9
+MIN_TOP_P = 1e-30  # float32's smallest normal is 1.2e-38: a smaller top_p is 0 once sent, and refused as 0 was
 # A penalised token's logit is divided (or multiplied) by it: past this it is as good as banned, and near
 # float32's limits a multiplied logit overflows to -inf, and a row of them to NaN.
 MAX_REPETITION_PENALTY = 1e4
+# Its mirror below 1: a logit divided by 1e-38 is infinite (an empty greedy answer; NaN probabilities sampled).
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 
 
 def check_sampling_values(temperature: float, top_p: float, top_k: int, vocab_size: int | None = None) -> None:
-    """Raise RequestError with the fix unless every value is usable as it is."""
+    """Raise RequestError with the fix unless every value is usable as it is, and still is in float32, the type
+    every route sends it as (top_p 1e-300 is 0 there)."""
     if not math.isfinite(temperature) or temperature < 0:
         raise RequestError(f"temperature must be a finite number >= 0 (got {temperature}); use 0 for greedy")
     if 0 < temperature < MIN_TEMPERATURE:
@@ -31,6 +35,9 @@ def check_sampling_values(temperature: float, top_p: float, top_k: int, vocab_si
         raise RequestError(f"temperature {temperature:g} is over {MAX_TEMPERATURE:g}; send a smaller one")
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1] (got {top_p})")
+    if top_p < MIN_TOP_P:
+        raise RequestError(f"top_p {top_p:g} is under {MIN_TOP_P:g}, too small to send as a float32; send at least "
+                           f"that (it keeps only the most likely token), or temperature 0 for greedy")
     check_top_k(top_k, vocab_size)
 
 
@@ -58,6 +65,9 @@ def check_penalty_values(repetition_penalty: float, presence_penalty: float, fre
     [-2, 2] (0 = off), OpenAI's and vLLM's ranges."""
     if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
         raise RequestError(f"repetition_penalty must be a finite number > 0 (got {repetition_penalty}); use 1 for none")
+    if repetition_penalty < MIN_REPETITION_PENALTY:
+        raise RequestError(f"repetition_penalty {repetition_penalty:g} is under {MIN_REPETITION_PENALTY:g}; send a "
+                           "larger one (1 for none)")
     if repetition_penalty > MAX_REPETITION_PENALTY:
         raise RequestError(f"repetition_penalty {repetition_penalty:g} is over {MAX_REPETITION_PENALTY:g}; send a "
                            "smaller one (1 for none)")

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from pipeline.openai_api import edge, tools
+from pipeline.openai_api.connections import BODY_TIMEOUT_S
 from pipeline.openai_api.ensemble import Ensemble, EnsembleError
 from pipeline.openai_api.protocol import (API_KEY_ENV, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs,
                                           ChatMessage, ChatRequest, ChunkChoice, Completion, CompletionChoice,
@@ -56,6 +57,8 @@ class FrontendSettings:
     metrics_url: str | None = None  # tritonserver's /metrics, passed through
     api_key: str | None = None  # None: no key asked
     max_body_bytes: int | None = None  # None: edge.default_max_body_bytes(max_input_bytes)
+    body_timeout_s: float = BODY_TIMEOUT_S  # the whole body must arrive within this (a 408 otherwise)
+    kv_pool_tokens: int | None = None  # the engine's KV pool: a request's budget (Limits.check_budget)
 
     @property
     def body_limit(self) -> int:
@@ -128,7 +131,8 @@ def answers(model) -> dict:
     """A route's responses in /openapi.json: the answer, whole or as server-sent events, and every refusal."""
     errors = {status: {"model": ErrorResponse, "description": what} for status, what in (
         (400, "a bad request, named in the message"), (401, "no or a wrong API key"), (404, "another model"),
-        (413, "a body over the limit"), (415, "a body that is not JSON"), (500, "the server failed this request"),
+        (408, "the body did not arrive in time"), (413, "a body over the limit"), (415, "a body that is not JSON"),
+        (500, "the server failed this request"),
         (502, "tritonserver failed the request"), (503, "the server is busy; retry"))}
     return {200: {"model": model, "content": {"text/event-stream": {}}}, **errors}
 
@@ -141,7 +145,8 @@ def create_app(settings: FrontendSettings):
     # The template's own tool markup, or None: tools go through the fallback (pipeline.openai_api.tools).
     family = tools.template_family(getattr(tokenizer, "chat_template", None))
     limits = Limits(max_seq_len=settings.max_seq_len, num_draft_tokens=settings.num_draft_tokens,
-                    vocab_size=len(tokenizer), max_input_bytes=settings.max_input_bytes)
+                    vocab_size=len(tokenizer), max_input_bytes=settings.max_input_bytes,
+                    kv_pool_tokens=settings.kv_pool_tokens)
     # Rendering and tokenizing run here, off the event loop: an 8 MB prompt once held every other request for
     # 4 s. Several threads, so one long prompt doesn't queue the short ones behind it (the Rust tokenizer lets
     # go of the GIL). They share the tokenizer safely because no call sets padding or truncation: a call that
@@ -182,6 +187,9 @@ def create_app(settings: FrontendSettings):
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
+
+    async def read_body(request: Request):
+        return await edge.read_json(request, settings.body_limit, settings.body_timeout_s)
 
     def check_model(name: str) -> None:
         if name != settings.model_name:
@@ -307,10 +315,12 @@ def create_app(settings: FrontendSettings):
         entries = outcome.take_logprobs()
         return chat_logprobs(entries) if chat else completion_logprobs(entries, outcome)
 
-    async def respond(req: SamplingFields, text: str, prompt_tokens: int, template: bool | None, chat: bool):
+    async def respond(request: Request, req: SamplingFields, text: str, prompt_tokens: int, template: bool | None,
+                      chat: bool):
         max_new = req.new_tokens(settings.max_seq_len - prompt_tokens)
         # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
         options = options_for(req, prompt_tokens, max_new, True, template)
+        limits.check_budget(req.n, prompt_tokens, max_new, req.num_logprobs())
         outcomes = [Outcome(prompt_tokens, max_new) for _ in range(req.n)]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created = int(time.time())
@@ -320,11 +330,11 @@ def create_app(settings: FrontendSettings):
         # The first piece is awaited before the response starts, so a refused request is still a plain 400; with
         # several choices the first's prompt is then prefilled and cached, and the others start from the cache.
         try:
-            first = await anext(streams[0], None)
-        except EnsembleError as err:
+            first = await edge.unless_client_leaves(request, anext(streams[0], None))  # a queued request too
+        except (EnsembleError, edge.ClientLeft) as err:
             for a in streams:
                 await a.aclose()
-            raise error_of(err) from None
+            raise error_of(err) if isinstance(err, EnsembleError) else err from None
 
         async def choice(i: int) -> AsyncIterator[str]:
             """Choice i's pieces, the first one's awaited piece included."""
@@ -347,7 +357,7 @@ def create_app(settings: FrontendSettings):
 
             tasks = [asyncio.create_task(whole(i)) for i in range(req.n)]
             try:
-                answers = await asyncio.gather(*tasks)
+                answers = await edge.unless_client_leaves(request, asyncio.gather(*tasks))
             except EnsembleError as err:
                 raise error_of(err) from None
             finally:
@@ -467,18 +477,18 @@ def create_app(settings: FrontendSettings):
     @app.post(CHAT_PATH, dependencies=[Depends(authorized)], openapi_extra=body("ChatRequest"),
               responses=answers(ChatCompletion))
     async def chat_completions(request: Request):
-        req: ChatRequest = parse_chat(await edge.read_json(request, settings.body_limit), limits)
+        req: ChatRequest = parse_chat(await read_body(request), limits)
         check_model(req.model)
         text = await off_loop(rendered, req)
-        return await respond(req, text, await off_loop(prompt_length, text, False), None, chat=True)
+        return await respond(request, req, text, await off_loop(prompt_length, text, False), None, chat=True)
 
     @app.post(COMPLETIONS_PATH, dependencies=[Depends(authorized)], openapi_extra=body("CompletionRequest"),
               responses=answers(Completion))
     async def completions(request: Request):
-        req: CompletionRequest = parse_completion(await edge.read_json(request, settings.body_limit), limits)
+        req: CompletionRequest = parse_completion(await read_body(request), limits)
         check_model(req.model)
         text = req.prompt_text()
-        return await respond(req, text, await off_loop(prompt_length, text, True), False, chat=False)
+        return await respond(request, req, text, await off_loop(prompt_length, text, True), False, chat=False)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)], response_model=ModelList,
              responses={401: {"model": ErrorResponse}})

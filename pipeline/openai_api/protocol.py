@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.engine.guide import GuideSpec
 from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS,
-                                             MAX_STOP_STRINGS,
-                                             check_num_draft_tokens, check_stop_strings, check_top_k)
+                                             MAX_STOP_STRINGS, check_num_draft_tokens, check_penalty_values,
+                                             check_sampling_values, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
 from pipeline.openai_api import tools
 from pipeline.triton.validate import logit_bias_pairs
@@ -47,6 +47,26 @@ class Limits:
     num_draft_tokens: int  # the repository's k: a request may ask for fewer drafts, never more
     vocab_size: int  # top_k's ceiling
     max_input_bytes: int  # a prompt's (or a whole conversation's) UTF-8 bytes, checked before any tokenizing
+    # The engine's KV pool in tokens: every choice of a request holds its prompt and answer there at once. None: the
+    # repository doesn't say (the TensorRT-LLM routes), and max_seq_len bounds each choice alone.
+    kv_pool_tokens: int | None = None
+
+    def check_budget(self, n: int, prompt_tokens: int, max_tokens: int, logprobs: int | None) -> None:
+        """A request's memory, bounded before anything runs: its choices' tokens fit the KV pool together (past it
+        they would preempt each other and hold their partial answers while they wait), and its answer, with its log
+        probs, fits the frontend's buffers (MAX_ANSWER_ENTRIES). Refused with the budget named, never cut."""
+        if self.kv_pool_tokens is not None and n * (prompt_tokens + max_tokens) > self.kv_pool_tokens:
+            field = "n" if n > 1 else "max_tokens"
+            raise ProtocolError(f"n {n} x (prompt {prompt_tokens} + max_tokens {max_tokens}) = "
+                                f"{n * (prompt_tokens + max_tokens)} tokens is over this server's per-request budget of "
+                                f"{self.kv_pool_tokens} (its engine's KV cache); lower n or max_tokens", field)
+        per_token = 1 if logprobs is None else 1 + logprobs  # the token, and its alternatives
+        if n * max_tokens * per_token > MAX_ANSWER_ENTRIES:
+            asked = "" if logprobs is None else f" x (1 + {logprobs} alternatives)"
+            raise ProtocolError(f"n {n} x max_tokens {max_tokens}{asked} = {n * max_tokens * per_token} answer "
+                                f"entries is over this server's per-request budget of {MAX_ANSWER_ENTRIES}; lower n, "
+                                "max_tokens or the log probs asked for",
+                                "n" if n > 1 else "max_tokens")
 
 
 def shown(value: Any) -> str:
@@ -138,6 +158,9 @@ class ResponseFormat(BaseModel):
 
 
 MAX_CHOICES = 16  # n: each choice is a request of its own in the engine's batch
+# Tokens, and alternatives with their log probs, a whole answer holds in the frontend until it is sent (about 200
+# bytes each as Python objects): 16 choices of 16k tokens, or of 780 tokens with 20 alternatives each.
+MAX_ANSWER_ENTRIES = 1 << 18
 MAX_TOOLS = 64  # tools a request lists, and calls a turn holds
 
 # vLLM's guided-decoding extensions, and the guide type each becomes (pipeline.engine.guide).
@@ -233,6 +256,17 @@ class SamplingFields(BaseModel):
             checks.append(("num_draft_tokens", check_num_draft_tokens, self.num_draft_tokens, limits.num_draft_tokens))
         if self.top_k is not None:  # vLLM's -1 is the engine's 0: off
             checks.append(("top_k", check_top_k, max(self.top_k, 0), limits.vocab_size))
+        # The engine's lower bounds, on the values as sent: once in float32 (every route's type) a temperature of
+        # 1e-300 is 0, greedy, and a top_p of 1e-300 is refused quoting 0.0 with no field named.
+        if self.temperature is not None:
+            checks.append(("temperature", check_sampling_values, self.temperature, 1.0, 0))
+        if self.top_p is not None:
+            checks.append(("top_p", check_sampling_values, 0.0, self.top_p, 0))
+        if self.repetition_penalty is not None:
+            checks.append(("repetition_penalty", check_penalty_values, self.repetition_penalty, 0.0, 0.0))
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options is only allowed when stream is true; send stream true, or leave "
+                                "stream_options out", "stream_options")
         checks.append(("stop", check_stop_strings, self.stop_strings()))
         self.guide()  # the guide's own checks (one guide, its type, its size): a 400 before anything is sent
         self.bias(limits.vocab_size)
@@ -302,8 +336,17 @@ class FunctionDef(BaseModel):
     model_config = ConfigDict(STRICT, extra="forbid")
     name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")  # OpenAI's rule for a function's name
     description: str | None = Field(default=None, max_length=4096)
-    parameters: dict | None = None  # a JSON schema
+    parameters: dict | None = None  # a JSON schema of an object: a call's arguments are one
     strict: bool | None = None  # kept to OpenAI's word: a forced call always matches its parameters here
+
+    @model_validator(mode="after")
+    def _object_schema(self) -> FunctionDef:
+        # OpenAI's rule: arguments are a JSON object, so the schema is one of an object ({} for no arguments). An
+        # array schema was once accepted and its forced call came back as content.
+        if self.parameters and self.parameters.get("type") != "object":
+            raise ValueError(f"parameters of {self.name!r} must be a JSON Schema of type \"object\" (got type "
+                             f"{shown(self.parameters.get('type'))}); a call's arguments are a JSON object")
+        return self
 
 
 class Tool(BaseModel):
@@ -377,7 +420,11 @@ class ChatRequest(SamplingFields):
         if super().guide() is not None:
             raise ProtocolError(f"tool_choice {mode} holds the answer to a call, and another guide was sent; send "
                                 "one", "tool_choice")
-        return tools.guide_for(self.tool_defs(), mode)
+        try:
+            return tools.guide_for(self.tool_defs(), mode)
+        except RequestError as err:  # the call's schema is a guide like any other: bounded in size
+            raise ProtocolError(f"tools: the schema of the call tool_choice {shown(mode)} forces is too large "
+                                f"({err}); send fewer or smaller parameters", "tools") from None
 
     def new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -461,7 +508,21 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     request = _parse(ChatRequest, body, CHAT_UNSUPPORTED, limits)
     if request.messages[-1].role == "assistant" and len(request.messages) == 1:
         raise ProtocolError("messages holds only an assistant turn; start with a user (or system) turn", "messages")
+    _check_tool_turns(request.messages)
     return request
+
+
+def _check_tool_turns(messages: list[Message]) -> None:
+    """A tool turn answers a call of the assistant turn just before it (other tool turns between), as OpenAI
+    requires: a result with no call would be rendered as an answer to nothing."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "tool" and m.tool_call_id not in calls:
+            raise ProtocolError(f"messages.{i}: a tool turn answers a call of the assistant turn before it, and "
+                                f"tool_call_id {shown(m.tool_call_id)} names none; send the assistant turn with "
+                                "its tool_calls first", "messages")
+        if m.role != "tool":
+            calls = {c.id for c in m.tool_calls or []}
 
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
@@ -512,9 +573,10 @@ def request_schemas(limits: Limits, model_name: str) -> dict[str, dict]:
         {**base, "required": ["role", "content", "tool_call_id"], "properties": {
             **base["properties"], "role": {"const": "tool"}, "content": {"anyOf": content},
             "tool_call_id": {"type": "string", "maxLength": 64}}}]}
-    for name in ("ChatRequest", "CompletionRequest"):  # token ids, and OpenAI's range
+    for name in ("ChatRequest", "CompletionRequest"):  # token ids (as many digits as the vocabulary's), OpenAI's range
         schemas[name]["properties"]["logit_bias"] = {"anyOf": [{
-            "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,3}$"},
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": f"^[0-9]{{1,{len(str(limits.vocab_size - 1))}}}$"},
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}],
             "default": None, "title": "Logit Bias"}
     prompt = {"type": "string", "minLength": 1, "maxLength": limits.max_input_bytes, "pattern": r"\S"}

@@ -55,11 +55,15 @@ class TritonPythonModel:
                          num_draft_tokens=self.num_draft_tokens, vocab_size=len(self.tokenizer))
         ids = encode_prompt(self.tokenizer, r.text, r.raw(self.raw), self.opening)
         check_length(len(ids), r.max_tokens, self.max_seq_len)
-        end_id = r.end_id if r.end_id is not None else (self.stops[0] if self.stops else -1)
+        # ignore_eos (vLLM's): none of the model's own stop tokens ends the answer, the chat template's end of turn
+        # included, only max_tokens, the request's stop words and its end_id if it sent one. A benchmark client's
+        # fixed-length requests rely on it.
+        stops = () if r.ignore_eos else self.stops
+        end_id = r.end_id if r.end_id is not None else (stops[0] if stops else -1)
         # tensorrtllm's layout: row 0 the flat ids, row 1 the end offset of each word, -1 padded. The model's own
         # stop tokens first, then each stop word's tokens (TensorRT-LLM matches them as sequences).
-        words = [[t] for t in self.stops[1:]] + [self.tokenizer(w, add_special_tokens=False).input_ids
-                                                 for w in r.stop_words]
+        words = [[t] for t in stops[1:]] + [self.tokenizer(w, add_special_tokens=False).input_ids
+                                            for w in r.stop_words]
         words = [w for w in words if w]
         flat = [t for w in words for t in w]
         stop_words = np.full((1, 2, max(1, len(flat))), -1, np.int32)

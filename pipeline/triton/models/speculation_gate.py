@@ -41,6 +41,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.engine.draft_plan import read_counts
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import PipelineError
+from pipeline.heap import release_memory
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.draft_target import drain
@@ -314,6 +315,8 @@ class TritonPythonModel:
         else:
             error = code = None
         self.gate.leave()
+        if self.gate.in_flight == 0:  # the burst is over: what its threads' arenas hold goes back (pipeline.heap)
+            self.outbox.put(release_memory)
         # An error goes out as the stream's final response: an error followed by a separate empty final left
         # the ensemble holding this model until Triton's 30 s exit timeout at unload.
         if error is None:
@@ -346,7 +349,10 @@ class TritonPythonModel:
                     raise EngineError(error.message(), error.code() if hasattr(error, "code") else None)
                 tensors = response.output_tensors()
                 if tensors:
-                    forward({t.name(): t.as_numpy() for t in tensors})
+                    # Copied out of the python backend's shared memory, which then frees at once: a view would
+                    # hold it until the sender thread got to this response, and the region grows, never shrinks.
+                    forward({t.name(): np.array(t.as_numpy()) for t in tensors})
+                del response, tensors
         finally:
             drain(responses)
 
