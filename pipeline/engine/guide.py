@@ -44,6 +44,9 @@ ANY_JSON = {"type": ["object", "array"]}
 # JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): no free whitespace between tokens. With it, a model can
 # pad an answer with newlines until max_tokens (seen with random models, and reported of real ones under guides);
 # a schema's own "x-guidance" options still win.
+# looping_ref's fixed point takes up to one pass over the refs per ref: it runs on the engine's scheduler thread, so
+# a schema with more distinct refs than this (rare: OpenAPI-sized documents) isn't checked for loops.
+MAX_CHECKED_REFS = 256
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -100,7 +103,10 @@ def looping_ref(schema: dict) -> str | None:
     refs already found so; what is left at the end can't be. Only what every value must contain is followed
     (required properties, allOf, at least one anyOf/oneOf branch, minItems' items); any other keyword counts
     as satisfiable, so this never refuses a schema that has a value, and llguidance judges the rest."""
-    targets = {ref: _pointer(schema, ref) for ref in _refs(schema)}
+    refs = _refs(schema)
+    if len(refs) > MAX_CHECKED_REFS:  # each pass may settle one ref: past this, llguidance alone judges it
+        return None
+    targets = {ref: _pointer(schema, ref) for ref in refs}
     found: set[str] = set()
     changed = True
     while changed:

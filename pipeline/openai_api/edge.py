@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from pipeline.heap import release_memory
+from pipeline.openai_api.connections import BODY_TIMEOUT_S
 from pipeline.openai_api.protocol import ProtocolError, shown_name
 
 log = logging.getLogger("pipeline.openai_api")
@@ -44,7 +45,7 @@ def default_max_body_bytes(max_input_bytes: int) -> int:
     return max(MIN_BODY_BYTES, BODY_PER_INPUT_BYTE * max_input_bytes)
 
 
-async def read_json(request: Request, max_body_bytes: int, timeout_s: float = 30.0):
+async def read_json(request: Request, max_body_bytes: int, timeout_s: float = BODY_TIMEOUT_S):
     """The request's body, parsed; refused with 415, 413, 408 (the whole body not there within `timeout_s`: a
     Content-Length larger than what is sent, a chunk that never ends) or 400 in OpenAI's shape."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -88,6 +89,9 @@ async def unless_client_leaves(request: Request, awaitable):
     left = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait([work, left], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the route itself is cancelled (shutdown): so is the work
+        work.cancel()
+        raise
     finally:
         left.cancel()
     if work.done():
