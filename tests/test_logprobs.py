@@ -62,3 +62,54 @@ def test_no_logprobs_unless_asked(tiny_target):
 def test_logprobs_out_of_range_are_refused(n):
     with pytest.raises(RequestError, match=r"logprobs must be an integer in \[0, 20\]"):
         SamplingParams(logprobs=n)
+
+
+def test_prompt_logprobs_are_the_models_log_softmax_at_each_prompt_position(tiny_target):
+    """vLLM's prompt_logprobs (OpenAI's echo with logprobs): token i's log prob under the target's distribution at
+    position i - 1, raw logits, with its top-N; transformers' own model gives the reference."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    [req] = LLMEngine.load(tiny_target, cfg()).generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3))
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(req.prompt_logprobs) == len(prompt) - 1
+    for i, lp in enumerate(req.prompt_logprobs):
+        assert lp.logprob == pytest.approx(float(ref[i, prompt[i + 1]]), abs=1e-4)
+        values, ids = ref[i].topk(3)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+@pytest.mark.identity
+def test_prompt_logprobs_are_the_same_chunked_batched_and_after_a_prefix_hit(tiny_target):
+    """Each position's numbers come from its row alone: the same whether the prompt is prefilled in one chunk or in
+    4-token chunks, beside other requests, or after the same prompt filled the prefix cache (a scoring request
+    never takes its positions from the cache, which holds no logits); and the answer is the same as without."""
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+    params = SamplingParams(max_tokens=8, prompt_logprobs=2)
+    [alone] = LLMEngine.load(tiny_target, cfg()).generate([prompt], params)
+    engine = LLMEngine.load(tiny_target, EngineConfig(max_batch_size=8, max_seq_len=128, prefill_chunk=4,
+                                                      gate=GatePolicy(min_tokens=0)))
+    chunked = engine.generate([prompt, [5, 6, 7] * 5], params)
+    again = engine.generate([prompt], params)  # the prompt's blocks are cached now
+    [plain] = LLMEngine.load(tiny_target, cfg()).generate([prompt], SamplingParams(max_tokens=8))
+    assert len(alone.prompt_logprobs) == len(prompt) - 1
+    for other in (chunked[0], again[0]):
+        assert other.prompt_logprobs == alone.prompt_logprobs and other.output_ids == alone.output_ids
+    assert len(chunked[1].prompt_logprobs) == 14 and alone.output_ids == plain.output_ids
+    assert LLMEngine.load(tiny_target, cfg()).generate([prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs == []
+
+
+def test_a_scored_prompts_end_token_is_reported_though_it_is_no_output(tiny_target):
+    """An evaluator drops the last log prob of an echoed answer as the answer's own: where the model ends at once,
+    that entry is the end token's (vLLM's echo reports it), so the prompt's last token is never the one dropped."""
+    prompt = [3, 14, 15, 92, 65]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, logprobs=1, logit_bias=((256, 100.0),),
+                            stop_token_ids=(256,))
+    [req] = LLMEngine.load(tiny_target, cfg()).generate([prompt], params)
+    assert req.output_ids == [] and req.stop_logprob[0] == 256 and len(req.prompt_logprobs) == 4
+    [plain] = LLMEngine.load(tiny_target, cfg()).generate([prompt], SamplingParams(
+        max_tokens=1, logprobs=1, logit_bias=((256, 100.0),), stop_token_ids=(256,)))
+    assert plain.stop_logprob is None  # only a scored prompt's answer carries it

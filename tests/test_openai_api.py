@@ -84,13 +84,19 @@ def test_a_bad_chat_request_is_a_400_naming_the_field(body, param):
     assert err.value.status == 400 and err.value.param == param, err.value.message
 
 
-def test_a_completion_takes_one_prompt_and_refuses_echo():
-    assert parse_completion({"model": "m", "prompt": ["one"]}).prompt_text() == "one"
-    for body, param in (({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": "x", "echo": True},
-                                                                            "echo")):
+def test_a_completion_takes_one_prompt_as_text_or_token_ids():
+    assert parse_completion({"model": "m", "prompt": ["one"]}).one_prompt() == "one"
+    assert parse_completion({"model": "m", "prompt": [5, 6, 7]}).one_prompt() == (5, 6, 7)
+    assert parse_completion({"model": "m", "prompt": [[5, 6, 7]], "echo": True}).one_prompt() == (5, 6, 7)
+    for body, param in (({"model": "m", "prompt": ["a", "b"]}, "prompt"), ({"model": "m", "prompt": [[1], [2]]},
+                                                                            "prompt"),
+                        ({"model": "m", "prompt": [5, 1000]}, "prompt"), ({"model": "m", "prompt": [1] * 256},
+                                                                          "prompt"),
+                        ({"model": "m", "prompt": "x", "echo": True, "stream": True}, "echo"),
+                        ({"model": "m", "prompt": []}, "prompt")):
         with pytest.raises(ProtocolError) as err:
-            parse_completion(body).prompt_text()
-        assert err.value.param == param
+            parse_completion(body).one_prompt()
+        assert err.value.param == param, err.value.message
 
 
 def test_a_stop_string_split_across_chunks_ends_the_answer_before_it():
@@ -869,7 +875,7 @@ def test_a_forced_call_whose_schema_is_over_the_guide_limit_is_a_400_naming_tool
 
 
 def test_a_completion_prompt_is_bounded_in_bytes_before_it_is_tokenized():
-    assert parse_completion({"model": "m", "prompt": "é" * 4096}).prompt_text()  # 8192 bytes: at the limit
+    assert parse_completion({"model": "m", "prompt": "é" * 4096}).one_prompt()  # 8192 bytes: at the limit
     with pytest.raises(ProtocolError, match="prompt is 8194 bytes, over this server's 8192"):
         parse_completion({"model": "m", "prompt": "é" * 4097})
 
@@ -1137,3 +1143,91 @@ def test_the_issues_request_past_the_kv_budget_is_a_400_before_any_token(served,
         client.completions.create(model="tiny", prompt="hi", n=16, max_tokens=1000, temperature=1,
                                   logit_bias={"256": -100, "258": -100})
     assert err.value.body["param"] == "n" and "budget of 8192" in err.value.body["message"]
+
+
+def test_echo_with_logprobs_gives_the_prompts_own_log_probs_as_the_engine_computes_them(served, client):
+    """OpenAI's completions `echo` with `logprobs` (what lm-evaluation-harness's loglikelihood tasks send, the prompt
+    as token ids): the answer starts with the prompt, and its tokens come with their log probs under the target,
+    the first with none; each is the in-process engine's prompt_logprobs."""
+    from pipeline.engine import load_engine
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import encode_prompt, load_tokenizer
+
+    engine_dir = served[2]
+    tokenizer = load_tokenizer(engine_dir / "target")
+    prompt = "The capital of France is Paris"
+    ids = encode_prompt(tokenizer, prompt, raw=True)
+    [ref] = load_engine(engine_dir).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2, logprobs=2))
+    for sent in (prompt, [ids]):
+        answer = client.completions.create(model="tiny", prompt=sent, max_tokens=1, temperature=0, logprobs=2,
+                                           echo=True)
+        choice = answer.choices[0]
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+        lps = choice.logprobs
+        assert len(lps.tokens) == len(ids) + 1 and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+        assert lps.token_logprobs[1:len(ids)] == [lp.logprob for lp in ref.prompt_logprobs]
+        assert all(len(top) <= 2 for top in lps.top_logprobs[1:])
+        assert lps.token_logprobs[-1] == ref.logprobs[0].logprob  # then the answer's token, as before
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
+# A multiple-choice task of lm-evaluation-harness's own format, on local files (no hub): each continuation's log
+# likelihood comes from the endpoint's echoed prompt log probs.
+EVAL_DOCS = [{"question": q, "choices": c, "answer": a} for q, c, a in (
+    ("The sky is", ["blue", "green", "loud"], 0), ("Two plus two is", ["four", "five"], 0),
+    ("Cats like to", ["sleep", "fly", "swim"], 0), ("Water is", ["wet", "dry"], 0),
+    ("The sun rises in the", ["east", "west"], 0), ("Fire is", ["hot", "cold", "blue"], 0),
+    ("A week has seven", ["days", "years"], 0), ("Ice is", ["cold", "warm"], 0))]
+
+
+def test_lm_evaluation_harness_scores_the_served_model_as_the_in_process_engine_does(served, tmp_path):
+    """lm-evaluation-harness (`local-completions`, loglikelihood: echo with logprobs, the prompt as token ids)
+    against the served frontend: every continuation's log likelihood, and so the accuracy, is what the in-process
+    engine computes for the same token ids."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from pipeline.engine import load_engine
+    from pipeline.engine.sampling import SamplingParams
+    from pipeline.models.tokenizer import load_tokenizer
+
+    engine_dir = served[2]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in EVAL_DOCS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny_choice.yaml").write_text(
+        "task: tiny_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    lm_eval = shutil.which("lm_eval", path=str(Path(sys.executable).parent)) or "lm_eval"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    run = subprocess.run([lm_eval, "--model", "local-completions", "--model_args",
+                          f"model=tiny,base_url={served[1].url}/v1/completions,tokenizer={engine_dir / 'target'},"
+                          "tokenizer_backend=huggingface,max_retries=1,num_concurrent=1",
+                          "--tasks", "tiny_choice", "--include_path", str(tmp_path / "tasks"), "--limit", "8",
+                          "--output_path", str(tmp_path / "out"), "--log_samples"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    [results] = list((tmp_path / "out").rglob("results_*.json"))
+    [samples] = list((tmp_path / "out").rglob("samples_tiny_choice_*.jsonl"))
+    served_acc = json.loads(results.read_text())["results"]["tiny_choice"]["acc,none"]
+    logged = {json.loads(line)["doc"]["question"]: [float(r[0][0]) for r in json.loads(line)["resps"]]
+              for line in samples.read_text().splitlines()}
+
+    # The same pairs in process: lm-eval's own encoding (context alone, then the whole; trailing spaces moved).
+    tokenizer, engine = load_tokenizer(engine_dir / "target"), load_engine(engine_dir)
+    correct = 0
+    for doc in EVAL_DOCS:
+        scores = []
+        for choice in doc["choices"]:
+            context = tokenizer(doc["question"], add_special_tokens=False).input_ids
+            whole = tokenizer(doc["question"] + " " + choice, add_special_tokens=False).input_ids
+            [req] = engine.generate([whole], SamplingParams(max_tokens=1, prompt_logprobs=1))
+            scores.append(sum(lp.logprob for lp in req.prompt_logprobs[len(context) - 1:]))
+        assert scores == logged[doc["question"]]
+        correct += max(range(len(scores)), key=scores.__getitem__) == doc["answer"]
+    assert served_acc == correct / len(EVAL_DOCS)

@@ -70,10 +70,10 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def admit(self, table: BlockTable, tokens: list[int]) -> bool:
-        """Give a request the blocks for all of tokens (cached ones where the prefix is cached); False, changing
-        nothing, when the pool can't hold them now."""
-        hits = self.match(tokens)
+    def admit(self, table: BlockTable, tokens: list[int], lookup: bool = True) -> bool:
+        """Give a request the blocks for all of tokens (cached ones where the prefix is cached, unless `lookup` is
+        off); False, changing nothing, when the pool can't hold them now."""
+        hits = self.match(tokens) if lookup else []
         new = blocks_for(len(tokens), self.block_size) - len(hits)
         if new > self.num_free - sum(1 for b in hits if b in self.evictable):
             return False

@@ -280,7 +280,7 @@ class LLMEngine:
             while self.waiting and self.free_slots:
                 req = self.waiting[0]
                 tokens = req.all_ids  # a preempted request resumes with its output so far
-                if not self.blocks.admit(req.blocks, tokens):
+                if not self.blocks.admit(req.blocks, tokens, lookup=not req.scoring):
                     break
                 self.waiting.popleft()
                 req.slot = heapq.heappop(self.free_slots)
@@ -300,6 +300,14 @@ class LLMEngine:
         return chunks
 
     def _prefill(self, chunks: list[tuple[Request, int]], finished: list[Request]) -> None:
+        scoring = [c for c in chunks if c[0].scoring]
+        if scoring and len(chunks) > 1:  # a row that wants every position's logits runs alone (see _score)
+            rest = [c for c in chunks if not c[0].scoring]  # before: a row's last chunk ends its scoring
+            for c in scoring:
+                self._prefill([c], finished)
+            if rest:
+                self._prefill(rest, finished)
+            return
         reqs = [r for r, _ in chunks]
         lengths = [n for _, n in chunks]
         starts = [r.target_len for r in reqs]
@@ -308,8 +316,14 @@ class LLMEngine:
         try:
             ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=self.config.device)
             fb = ForwardBatch.paged([r.blocks.blocks for r in reqs], starts, lengths, self.cache, self.config.device)
-            last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
+            if scoring:  # [1, n]: every position's logits
+                last = torch.arange(lengths[0], device=self.config.device)[None, :]
+            else:
+                last = torch.tensor(lengths, device=self.config.device)[:, None] - 1
             logits, hidden = self._target_forward(ids, fb, last)
+            if scoring:
+                self._score(reqs[0], starts[0], logits[0])
+                logits = logits[:, -1:]
         except Exception as err:  # noqa: BLE001  find the row that breaks the batch; the others go on
             self._isolate(reqs, err, finished, lambda r: self._prefill([(r, lengths[reqs.index(r)])], finished))
             return
@@ -340,6 +354,16 @@ class LLMEngine:
                 self._fail(r, err, finished)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += sum(lengths)
+
+    def _score(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        """The prompt tokens this chunk's logits predict, with their log probs: logits [n, V], row j the distribution
+        of token start + j + 1. Each row alone (token_logprobs), so a token's numbers don't depend on the chunk."""
+        end = min(start + logits.shape[0], len(req.prompt_ids) - 1)  # the last row predicts the first new token
+        if end <= start:
+            return
+        greedy = SamplingParams(logprobs=req.params.prompt_logprobs)  # raw logits: vLLM's prompt_logprobs
+        req.prompt_logprobs += token_logprobs(logits[: end - start].float().cpu(),
+                                              req.prompt_ids[start + 1: end + 1], greedy)
 
     def _cached_states(self, req: Request) -> torch.Tensor:
         """The target's captured states of a request's cached prefix: [num_cached_tokens, A]."""
@@ -557,6 +581,10 @@ class LLMEngine:
         for n, t in enumerate(tokens):
             if t in req.stop_ids:
                 reason = FinishReason.STOP
+                if logprobs is not None and req.params.prompt_logprobs is not None:
+                    # A scored prompt's answer reports the token that ended it too, as vLLM's echo does: an
+                    # evaluator drops the last entry as the answer's, even where that is the end token.
+                    req.stop_logprob = (t, logprobs[n])
                 break
             req.output_ids.append(t)
             if logprobs is not None:

@@ -72,6 +72,11 @@ class Request:
     error: str | None = None  # one line, set when finish_reason is ERROR
     # Per output token, when params.logprobs is set: its log prob and the top-N (pipeline/engine/logprobs.py).
     logprobs: list = field(default_factory=list)
+    # Per prompt token after the first, when params.prompt_logprobs is set: its TokenLogprob under the target, filled
+    # as the prompt is prefilled (chunk by chunk); complete once len(prompt_logprobs) == len(prompt_ids) - 1.
+    prompt_logprobs: list = field(default_factory=list)
+    # With prompt_logprobs and logprobs: the stop token that ended the answer and its TokenLogprob (not an output id).
+    stop_logprob: tuple | None = None
     stop_strings: object | None = None  # a StopStrings, set by the engine when params.stop is
     guide: object | None = None  # a Guide (guide.py), set by the engine when params.guide is
     # Set when a stop string ended the answer: characters of the output's text to keep, and the string.
@@ -115,6 +120,12 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.status is RequestStatus.RUNNING and self.target_len < self.prefill_target
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's log probs are asked for and not all computed yet: its prompt is prefilled in full, alone, with
+        logits at every position, and never from the prefix cache (whose positions have no logits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -43,6 +43,10 @@ class SamplingParams:
     # The model's end tokens don't end the answer (stop_token_ids and stop strings still do): load tools use it
     # to fix output lengths.
     ignore_eos: bool = False
+    # Each prompt token's log prob under the target (raw logits: no penalty, bias or temperature), with the N most
+    # likely alternatives (vLLM's prompt_logprobs, OpenAI's `echo` with `logprobs`): what evaluators score answers
+    # with. None: not computed. The first prompt token has none.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -50,6 +54,7 @@ class SamplingParams:
         check_sampling_values(self.temperature, self.top_p, self.top_k)
         check_penalty_values(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs)
         check_stop_strings(self.stop)
         check_logit_bias(self.logit_bias)
         check_min_tokens(self.min_tokens, self.max_tokens)

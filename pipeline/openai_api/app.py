@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -77,6 +78,7 @@ class Outcome:
     logprobs: list = field(default_factory=list)  # per token [id, log prob, [[id, log prob], ...]], as they came
     reported: int = 0  # of those, already in a response
     text_offset: int = 0  # characters of the answer already covered by reported tokens
+    prompt_logprobs: list = field(default_factory=list)  # echo with logprobs: the prompt's, as the first chunk had them
 
     def take_logprobs(self) -> list:
         """The log probs not yet reported."""
@@ -197,7 +199,7 @@ def create_app(settings: FrontendSettings):
                                 "model", status=404, code="model_not_found")
 
     def options_for(req: SamplingFields, prompt_tokens: int, max_new: int, stream: bool,
-                    template: bool | None) -> RequestOptions:
+                    template: bool | None, prompt_ids: tuple[int, ...] | None = None) -> RequestOptions:
         room = settings.max_seq_len - prompt_tokens
         if room < 1:
             raise ProtocolError(f"the prompt is {prompt_tokens} tokens, the model's whole {settings.max_seq_len}-token "
@@ -219,7 +221,11 @@ def create_app(settings: FrontendSettings):
                               # on a route that stops on token sequences instead
                               stop=req.stop_strings(), logprobs=req.num_logprobs(), guide=req.guide(),
                               min_tokens=req.min_tokens or 0, ignore_eos=bool(req.ignore_eos),
-                              logit_bias=req.bias())
+                              logit_bias=req.bias(), prompt_ids=prompt_ids,
+                              prompt_logprobs=req.num_logprobs() if echoes_logprobs(req) else None)
+
+    def echoes_logprobs(req: SamplingFields) -> bool:
+        return getattr(req, "echo", False) and req.num_logprobs() is not None
 
     async def pieces(text: str, options: RequestOptions, outcome: Outcome,
                      stops: StopMatcher) -> AsyncIterator[str]:
@@ -229,6 +235,7 @@ def create_app(settings: FrontendSettings):
             async for chunk in stream:
                 outcome.chunks.append(chunk)
                 outcome.logprobs += chunk.logprobs
+                outcome.prompt_logprobs = outcome.prompt_logprobs or chunk.prompt_logprobs
                 outcome.completion_tokens += chunk.tokens
                 out = stops.feed(chunk.text)
                 if out:
@@ -300,27 +307,33 @@ def create_app(settings: FrontendSettings):
                                      for token, logprob, alternatives in entries])
 
     def completion_logprobs(entries: list, outcome: Outcome) -> CompletionLogprobs:
+        # An echoed prompt's first token has no log prob (nothing predicts it): None, as OpenAI and vLLM give it.
         tokens = [token_text(token) for token, _, _ in entries]
         offsets = []
         for t in tokens:
             offsets.append(outcome.text_offset)
             outcome.text_offset += len(t)
         return CompletionLogprobs(tokens=tokens, token_logprobs=[lp for _, lp, _ in entries],
-                                  top_logprobs=[{token_text(i): lp for i, lp in alternatives}
+                                  top_logprobs=[None if alternatives is None else
+                                                {token_text(i): lp for i, lp in alternatives}
                                                 for _, _, alternatives in entries], text_offset=offsets)
 
-    def logprobs_of(req: SamplingFields, outcome: Outcome, chat: bool):
+    def logprobs_of(req: SamplingFields, outcome: Outcome, chat: bool, echo: bool = False):
+        """The log probs not yet reported; with echo, the prompt's own first, as its first chunk had them."""
         if req.num_logprobs() is None:
             return None
         entries = outcome.take_logprobs()
+        if echo:
+            entries = outcome.prompt_logprobs + entries
         return chat_logprobs(entries) if chat else completion_logprobs(entries, outcome)
 
     async def respond(request: Request, req: SamplingFields, text: str, prompt_tokens: int, template: bool | None,
-                      chat: bool):
+                      chat: bool, prompt_ids: tuple[int, ...] | None = None):
         max_new = req.new_tokens(settings.max_seq_len - prompt_tokens)
         # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
-        options = options_for(req, prompt_tokens, max_new, True, template)
-        limits.check_budget(req.n, prompt_tokens, max_new, req.num_logprobs())
+        options = options_for(req, prompt_tokens, max_new, True, template, prompt_ids)
+        echoed = prompt_tokens if echoes_logprobs(req) else 0  # the prompt's log probs come back too
+        limits.check_budget(req.n, prompt_tokens, max_new + echoed, req.num_logprobs())
         outcomes = [Outcome(prompt_tokens, max_new) for _ in range(req.n)]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created = int(time.time())
@@ -368,9 +381,11 @@ def create_app(settings: FrontendSettings):
                     index=i, **answered(req, answer, o), logprobs=logprobs_of(req, o, chat))
                     for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(),
                     metrics=total.metrics(k))
+            echo = getattr(req, "echo", False)
             return Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
-                index=i, text=answer, finish_reason=o.finish_reason, logprobs=logprobs_of(req, o, chat))
-                for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(), metrics=total.metrics(k))
+                index=i, text=text + answer if echo else answer, finish_reason=o.finish_reason,
+                logprobs=logprobs_of(req, o, chat, echo)) for i, (answer, o) in enumerate(zip(answers, outcomes))],
+                usage=total.usage(), metrics=total.metrics(k))
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -487,8 +502,11 @@ def create_app(settings: FrontendSettings):
     async def completions(request: Request):
         req: CompletionRequest = parse_completion(await read_body(request), limits)
         check_model(req.model)
-        text = req.prompt_text()
-        return await respond(request, req, text, await off_loop(prompt_length, text, True), False, chat=False)
+        prompt = req.one_prompt()
+        if isinstance(prompt, tuple):  # token ids, taken as they are; the text names them for the ensemble and echo
+            text = await off_loop(partial(tokenizer.decode, list(prompt)))
+            return await respond(request, req, text, len(prompt), False, chat=False, prompt_ids=prompt)
+        return await respond(request, req, prompt, await off_loop(prompt_length, prompt, True), False, chat=False)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)], response_model=ModelList,
              responses={401: {"model": ErrorResponse}})

@@ -124,7 +124,6 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "verbosity": (lambda v: v is None, "verbosity isn't supported; leave it out"),
 }
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "echo": (_absent_or(False), "echo isn't supported (the answer never repeats the prompt); send false or leave it out"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) isn't supported; leave it out"),
 }
 
@@ -445,26 +444,51 @@ class ChatRequest(SamplingFields):
                                 "(what the model's context can hold); shorten them", "messages")
 
 
+TokenIds = Annotated[list[int], Field(min_length=1, fail_fast=True)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(fail_fast=True)]
+    # One prompt: text, or token ids (OpenAI's array of integers, what lm-evaluation-harness sends), alone or as a
+    # list of one.
+    prompt: str | Annotated[list[str], Field(fail_fast=True)] | TokenIds | Annotated[list[TokenIds],
+                                                                                   Field(fail_fast=True)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # OpenAI allows up to 5, vLLM 20
+    # OpenAI's: the answer starts with the prompt; with logprobs, the prompt's tokens come with theirs too (the
+    # first has none), which evaluators score continuations with.
+    echo: bool = False
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, list):
-            if len(self.prompt) != 1:
-                raise ProtocolError(f"prompt holds {len(self.prompt)} prompts; send one per request", "prompt")
-            return self.prompt[0]
-        return self.prompt
+    def one_prompt(self) -> str | tuple[int, ...]:
+        """The prompt, as text or as token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return tuple(prompt)
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ProtocolError(f"prompt holds {len(prompt)} prompts; send one per request", "prompt")
+            return prompt[0] if isinstance(prompt[0], str) else tuple(prompt[0])
+        return prompt
 
     def new_tokens(self, default: int) -> int:
         return self.max_tokens or default
 
     def check_limits(self, limits: Limits) -> None:
         super().check_limits(limits)
-        size = len(self.prompt_text().encode("utf-8"))
+        if self.echo and self.stream:
+            raise ProtocolError("echo is served on whole answers only here; send stream false, or leave echo out",
+                                "echo")
+        prompt = self.one_prompt()
+        if isinstance(prompt, tuple):
+            if len(prompt) >= limits.max_seq_len:
+                raise ProtocolError(f"prompt holds {len(prompt)} token ids, the model's whole {limits.max_seq_len}-"
+                                    "token context or more; shorten it", "prompt")
+            if (bad := next((t for t in prompt if not 0 <= t < limits.vocab_size), None)) is not None:
+                raise ProtocolError(f"prompt holds token id {shown(bad)}, outside the vocabulary [0, "
+                                    f"{limits.vocab_size})", "prompt")
+            return
+        size = len(prompt.encode("utf-8"))
         if size > limits.max_input_bytes:
             raise ProtocolError(f"prompt is {size} bytes, over this server's {limits.max_input_bytes} (what the "
                                 "model's context can hold); shorten it", "prompt")
@@ -527,7 +551,8 @@ def _check_tool_turns(messages: list[Message]) -> None:
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     request = _parse(CompletionRequest, body, COMPLETION_UNSUPPORTED, limits)
-    if not request.prompt_text().strip():
+    prompt = request.one_prompt()
+    if isinstance(prompt, str) and not prompt.strip():
         raise ProtocolError("prompt is empty; send a prompt", "prompt")
     return request
 
@@ -580,8 +605,11 @@ def request_schemas(limits: Limits, model_name: str) -> dict[str, dict]:
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}],
             "default": None, "title": "Logit Bias"}
     prompt = {"type": "string", "minLength": 1, "maxLength": limits.max_input_bytes, "pattern": r"\S"}
-    schemas["CompletionRequest"]["properties"]["prompt"] = {  # one prompt, not only white space
-        "anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}], "title": "Prompt"}
+    ids = {"type": "array", "minItems": 1, "maxItems": limits.max_seq_len - 1,
+           "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
+    schemas["CompletionRequest"]["properties"]["prompt"] = {  # one prompt, not only white space, or its token ids
+        "anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}, ids,
+                  {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}], "title": "Prompt"}
     return schemas
 
 
@@ -668,8 +696,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

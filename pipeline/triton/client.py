@@ -63,6 +63,8 @@ class RequestOptions:
     min_tokens: int = 0  # no stop before this many tokens
     ignore_eos: bool = False  # the model's end tokens don't end the answer
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias -100..100)
+    prompt_logprobs: int | None = None  # None: none; N: the prompt's own log probs, N alternatives each
+    prompt_ids: tuple[int, ...] | None = None  # the prompt as token ids, taken as they are (the text only names it)
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -80,6 +82,7 @@ class RequestOptions:
 
         check_penalty_values(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs)
         check_stop_strings(self.stop)
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise RequestError(f"seed must be in [0, 2**64) (got {self.seed})")
@@ -111,6 +114,8 @@ class Chunk:
     # With logprobs: per new token [token id, log prob, [[id, log prob], ...]] (the ensemble's top_log_probs)
     logprobs: list = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (prefix_cache_hit_tokens)
+    # With prompt_logprobs, in the first response: per prompt token [id, log prob, [[id, lp], ...]], the first's null
+    prompt_logprobs: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -185,13 +190,15 @@ def chunk_of(result, t_s: float) -> Chunk:
     histogram = result.as_numpy("acceptance_histogram")  # absent from a server whose ensemble predates it
     top = result.as_numpy("top_log_probs")  # these two as well
     cached = result.as_numpy("prefix_cache_hit_tokens")
+    prompt = result.as_numpy("prompt_log_probs")
     return Chunk(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"),
                  scalar("num_accepted_tokens"), scalar("num_drafted_tokens"), t_s, scalar("num_output_tokens"),
                  _draft_steps(result), _skipped(result),
                  {int(j): n for j, n in read_counts(histogram.reshape(-1)[0]).items()}
                  if histogram is not None and histogram.size else {},
                  json.loads(top.reshape(-1)[0]) if top is not None and top.size else [],
-                 int(cached.reshape(-1)[0]) if cached is not None and cached.size else 0)
+                 int(cached.reshape(-1)[0]) if cached is not None and cached.size else 0,
+                 json.loads(prompt.reshape(-1)[0]) if prompt is not None and prompt.size else [])
 
 
 def _round(x: float | None) -> float | None:
@@ -276,6 +283,10 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
     if options.logit_bias:
         bias = json.dumps({str(t): b for t, b in options.logit_bias}).encode()
         tensors.append(tensor("logit_bias", np.array([[bias]], np.object_), "BYTES"))
+    if options.prompt_logprobs is not None:
+        tensors.append(tensor("prompt_logprobs", np.array([[options.prompt_logprobs]], np.int32), "INT32"))
+    if options.prompt_ids is not None:
+        tensors.append(tensor("prompt_token_ids", np.array([options.prompt_ids], np.int32), "INT32"))
     if options.guide is not None:
         tensors.append(tensor("guided_decoding_guide_type", np.array([[options.guide.type.encode()]], np.object_),
                               "BYTES"))

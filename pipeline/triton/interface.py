@@ -34,6 +34,14 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # A JSON object, token id -> bias added to its logit (-100..100, at most 300; OpenAI's logit_bias). Upstream's
     # embedding_bias_words biases words, not token ids.
     TensorSpec("logit_bias", "BYTES", (1,), optional=True),
+    # The prompt's own log probs (vLLM's prompt_logprobs; OpenAI's completions `echo` with `logprobs`): -1 or absent
+    # for none, N >= 0 for each prompt token's log prob and its N most likely alternatives, in the first response's
+    # prompt_log_probs. What evaluators (lm-evaluation-harness) score answers with. The portable engine's.
+    TensorSpec("prompt_logprobs", "INT32", (1,), optional=True),
+    # The prompt as token ids, taken as they are instead of tokenizing text_input (which a request still sends, as
+    # upstream requires it): an evaluator's context and continuation, tokenized apart, are not what the tokenizer
+    # makes of their text together.
+    TensorSpec("prompt_token_ids", "INT32", (-1,), optional=True),
 )
 # What a request must carry: upstream's required inputs. They are declared optional all the same, and the model
 # that reads the request (pipeline.triton.validate.read_request) requires them by name. tritonserver 2.51 only
@@ -119,6 +127,9 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("top_log_probs", "BYTES", (1,)),
     # Prompt tokens whose KV blocks came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
     TensorSpec("prefix_cache_hit_tokens", "INT32", (1,)),
+    # With prompt_logprobs, in the first response: a JSON list, per prompt token, of [token id, its log prob, [[id,
+    # log prob], ...] for the N most likely] (the first token's null: nothing predicts it); "[]" otherwise.
+    TensorSpec("prompt_log_probs", "BYTES", (1,)),
 )
 
 # A request after preprocessing: tokenized, validated, every default filled in. Preprocessing emits
@@ -154,6 +165,7 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("min_tokens", "INT32", (1,), optional=True),
     TensorSpec("ignore_eos", "BOOL", (1,), optional=True),
     TensorSpec("logit_bias", "BYTES", (1,), optional=True),
+    TensorSpec("prompt_logprobs", "INT32", (1,), optional=True),  # the ensemble's; -1: none
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds
@@ -179,6 +191,7 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # Characters of this response's text to keep (-1: all): a stop string ends the answer inside it.
     TensorSpec("text_limit", "INT32", (1,), optional=True),
     TensorSpec("cached_tokens", "INT32", (1,), optional=True),  # prompt tokens served from the prefix cache
+    TensorSpec("prompt_log_probs", "BYTES", (1,), optional=True),  # ENSEMBLE_OUTPUTS'; "[]" but in the first
     # Set by the gate, not the engine: names the stream, so postprocessing can tell the gate that the
     # client cancelled it (pipeline.triton.cancel_marks).
     TensorSpec("stream_id", "UINT64", (1,)),

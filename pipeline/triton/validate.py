@@ -111,6 +111,8 @@ class ClientRequest:
     min_tokens: int = 0
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int = -1  # -1: none; N: the prompt's log probs and N alternatives each
+    prompt_ids: tuple[int, ...] | None = None  # prompt_token_ids, checked against the vocabulary; None: tokenize
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -161,11 +163,30 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
     min_tokens = int(scalar("min_tokens", 0))
     check_min_tokens(min_tokens, max_tokens)
     bias = read_logit_bias(text_of(scalar("logit_bias", b"{}"), "logit_bias", max_input_bytes), vocab_size)
+    prompt_logprobs = int(scalar("prompt_logprobs", -1))
+    if prompt_logprobs != -1:
+        check_logprobs(prompt_logprobs)
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
                          None if end_id is None else int(end_id), stop_words,
                          None if template is None else bool(template), *penalties, logprobs, num_logprobs, guide,
-                         min_tokens, bool(scalar("ignore_eos", False)), bias)
+                         min_tokens, bool(scalar("ignore_eos", False)), bias, prompt_logprobs,
+                         read_prompt_ids(get("prompt_token_ids"), max_seq_len, vocab_size))
+
+
+def read_prompt_ids(value: np.ndarray | None, max_seq_len: int, vocab_size: int) -> tuple[int, ...] | None:
+    """prompt_token_ids: one row of ids, each a token of the vocabulary, fewer than max_seq_len; None when absent."""
+    if value is None:
+        return None
+    if value.ndim > 2 or (value.ndim == 2 and value.shape[0] != 1):
+        raise RequestError(f"prompt_token_ids must be one row of token ids (got shape {list(value.shape)})")
+    ids = value.reshape(-1)
+    if not 0 < ids.size < max_seq_len:
+        raise RequestError(f"prompt_token_ids holds {ids.size} ids; send 1 to {max_seq_len - 1} (the model's "
+                           "context holds the answer too)")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise RequestError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab_size}); check the tokenizer")
+    return tuple(int(t) for t in ids)
 
 
 def read_logit_bias(text: str, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
@@ -258,7 +279,15 @@ def read_engine_request(get: Get) -> dict:
         "min_tokens": int(optional("min_tokens", 0)),
         "ignore_eos": bool(optional("ignore_eos", False)),
         "logit_bias": read_logit_bias(text_of(optional("logit_bias", b"{}"), "logit_bias")),
+        "prompt_logprobs": _prompt_logprobs(int(optional("prompt_logprobs", -1))),
     }
+
+
+def _prompt_logprobs(n: int) -> int | None:
+    if n == -1:
+        return None
+    check_logprobs(n)
+    return n
 
 
 def stop_word_ids(flat: np.ndarray) -> list[tuple[int, ...]]:

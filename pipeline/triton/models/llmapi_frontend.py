@@ -52,7 +52,8 @@ def _sampling_refusal(r) -> str | None:
     if r.return_log_probs:
         return ("return_log_probs isn't served on the LLM-API route (TensorRT-LLM's llmapi model returns no "
                 "per-token log probs); send false or leave it out")
-    for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ((),))):
+    for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ((),)),
+                          ("prompt_logprobs", (-1,)), ("prompt_ids", (None,))):
         if getattr(r, name) not in neutral:
             return f"{name} isn't passed to the LLM-API route's llmapi model yet; leave it out"
     if r.guide is not None:  # LLMAPI_HELPERS get_sampling_params_from_request reads no guided-decoding input
@@ -199,7 +200,8 @@ class TritonPythonModel:
             pb_utils.Tensor("cum_log_probs", np.zeros((1, 1), np.float32)),
             pb_utils.Tensor("output_log_probs", np.zeros((1, 1, 0), np.float32)),
             pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_)),
-            pb_utils.Tensor("prefix_cache_hit_tokens", count(0))]))
+            pb_utils.Tensor("prefix_cache_hit_tokens", count(0)),
+            pb_utils.Tensor("prompt_log_probs", np.array([[b"[]"]], np.object_))]))
         return text, tokens
 
     # ---- the sender thread ------------------------------------------------------------------------------

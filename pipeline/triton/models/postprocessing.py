@@ -35,7 +35,8 @@ class TritonPythonModel:
                 pb_utils.Tensor("cum_log_probs", np.zeros((1, 1), np.float32)),
                 pb_utils.Tensor("output_log_probs", np.zeros((1, 1, 0), np.float32)),
                 pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_)),
-                pb_utils.Tensor("prefix_cache_hit_tokens", zero)]
+                pb_utils.Tensor("prefix_cache_hit_tokens", zero),
+                pb_utils.Tensor("prompt_log_probs", np.array([[b"[]"]], np.object_))]
 
     def _visible(self, ids) -> str:
         return visible_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
@@ -73,7 +74,10 @@ class TritonPythonModel:
         new = np.zeros(0, np.float32) if logprobs is None else logprobs.reshape(-1)[start:].astype(np.float32)
         top = get("top_log_probs")
         cached = get("cached_tokens")
+        prompt = get("prompt_log_probs")
         return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("prompt_log_probs", np.array([[b"[]"]], np.object_) if prompt is None
+                            else prompt.astype(np.object_).reshape(1, 1)),
             pb_utils.Tensor("cum_log_probs", np.array([[new.sum()]], np.float32)),
             pb_utils.Tensor("output_log_probs", new.reshape(1, 1, -1)),
             pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_) if top is None

@@ -53,7 +53,8 @@ class TritonPythonModel:
 
         r = read_request(get, max_seq_len=self.max_seq_len, max_input_bytes=self.max_input_bytes,
                          num_draft_tokens=self.num_draft_tokens, vocab_size=len(self.tokenizer))
-        ids = encode_prompt(self.tokenizer, r.text, r.raw(self.raw), self.opening)
+        ids = list(r.prompt_ids) if r.prompt_ids is not None else encode_prompt(self.tokenizer, r.text,
+                                                                                r.raw(self.raw), self.opening)
         check_length(len(ids), r.max_tokens, self.max_seq_len)
         # ignore_eos (vLLM's): none of the model's own stop tokens ends the answer, the chat template's end of turn
         # included, only max_tokens, the request's stop words and its end_id if it sent one. A benchmark client's
@@ -100,5 +101,6 @@ class TritonPythonModel:
             pb_utils.Tensor("ignore_eos", row(r.ignore_eos, np.bool_)),
             pb_utils.Tensor("logit_bias", np.array([[json.dumps({str(t): b for t, b in r.logit_bias}).encode()]],
                                                    np.object_)),
+            pb_utils.Tensor("prompt_logprobs", row(r.prompt_logprobs, np.int32)),
         ]
 

@@ -51,7 +51,8 @@ from pipeline.triton.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
 ENGINE_OUTPUTS = ["output_ids", "prefix_length", "accepted_tokens", "drafted_tokens", "verify_steps", "skipped_steps",
-                  "acceptance_histogram", "output_log_probs", "top_log_probs", "text_limit", "cached_tokens"]
+                  "acceptance_histogram", "output_log_probs", "top_log_probs", "text_limit", "cached_tokens",
+                  "prompt_log_probs"]
 GENERATION_OUTPUTS = ENGINE_OUTPUTS + ["stream_id"]
 METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: batch them rather than send one per token
 
@@ -62,7 +63,8 @@ def _defaults(outputs: dict) -> dict:
     input."""
     return {"output_log_probs": np.zeros(outputs["output_ids"].shape, np.float32),
             "top_log_probs": np.array([[b"[]"]], np.object_), "text_limit": np.array([[-1]], np.int32),
-            "cached_tokens": np.array([[0]], np.int32), **outputs}
+            "cached_tokens": np.array([[0]], np.int32), "prompt_log_probs": np.array([[b"[]"]], np.object_),
+            **outputs}
 
 
 def _trtllm_refusal(request, guided: bool) -> str | None:
@@ -74,7 +76,8 @@ def _trtllm_refusal(request, guided: bool) -> str | None:
         return ("this repository's tensorrt_llm model has guided decoding off (its engine folder has no "
                 "xgrammar_tokenizer_info.json); rerun `pipeline compile` and `pipeline assemble`, or leave "
                 "guided_decoding_guide_type out")
-    for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ("{}",))):
+    for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ("{}",)),
+                          ("prompt_logprobs", (-1,))):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None and tensor.as_numpy().size and _scalar(request, name) not in neutral:
             return (f"{name} isn't passed to the TensorRT-LLM route's tensorrt_llm models yet; serve the portable "

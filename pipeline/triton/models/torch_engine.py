@@ -143,10 +143,17 @@ def _since(counts: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {key: n - before.get(key, 0) for key, n in counts.items() if n > before.get(key, 0)}
 
 
+def _prompt_entries(req) -> list:
+    """The prompt's log probs as prompt_log_probs carries them: [token id, log prob, [[id, log prob], ...]] per
+    prompt token, the first's log prob and alternatives null (nothing predicts it)."""
+    return [[req.prompt_ids[0], None, None]] + [[tok, lp.logprob, [list(pair) for pair in lp.top]]
+                                                for tok, lp in zip(req.prompt_ids[1:], req.prompt_logprobs)]
+
+
 def _generation_response(ids: list[int], prefix_length: int, accepted: int, drafted: int, verify_steps: int,
                          skipped: dict | None = None, histogram: dict | None = None,
                          logprobs: list[float] | None = None, top: list | None = None, text_limit: int = -1,
-                         cached_tokens: int = 0):
+                         cached_tokens: int = 0, prompt: list | None = None):
     """One response in the engine's output tensors (pipeline.triton.interface GENERATION_TENSORS, less stream_id)."""
     def scalar(value, dtype=np.int32):
         return np.array([[value]], dtype)
@@ -156,6 +163,7 @@ def _generation_response(ids: list[int], prefix_length: int, accepted: int, draf
         pb_utils.Tensor("top_log_probs", scalar(json.dumps(top or []).encode(), np.object_)),
         pb_utils.Tensor("text_limit", scalar(text_limit)),
         pb_utils.Tensor("cached_tokens", scalar(cached_tokens)),
+        pb_utils.Tensor("prompt_log_probs", scalar(json.dumps(prompt or []).encode(), np.object_)),
     ]
 
     return pb_utils.InferenceResponse(output_tensors=[
@@ -282,7 +290,8 @@ class TritonPythonModel:
                                     presence_penalty=parsed["presence_penalty"],
                                     frequency_penalty=parsed["frequency_penalty"], logprobs=parsed["logprobs"],
                                     guide=parsed["guide"], min_tokens=parsed["min_tokens"],
-                                    ignore_eos=parsed["ignore_eos"], logit_bias=parsed["logit_bias"])
+                                    ignore_eos=parsed["ignore_eos"], logit_bias=parsed["logit_bias"],
+                                    prompt_logprobs=parsed["prompt_logprobs"])
             req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
                                           on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"])
         except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
@@ -325,7 +334,14 @@ class TritonPythonModel:
         end = len(req.output_ids) if final else self._safe_end(req)
         # A stream's final response goes out even with no new tokens: it carries the FINAL flag, the last counts
         # and a stop string's cut (its ids are the resent prefix, which postprocessing turns into no text).
-        if start == end and final:
+        if start == end and final and req.params.prompt_logprobs is not None and state.sent == 0:
+            # No token, but the prompt's log probs to give (and the end token's): the prompt's last token as the
+            # prefix carries them (as a keepalive does), and postprocessing writes no text for it.
+            stop = [] if req.stop_logprob is None else [[req.stop_logprob[0], req.stop_logprob[1].logprob,
+                                                         [list(pair) for pair in req.stop_logprob[1].top]]]
+            state.sender.send(_generation_response(req.prompt_ids[-1:], 1, 0, 0, 0, top=stop,
+                                                   prompt=_prompt_entries(req)), flags=FINAL)
+        elif start == end and final:
             # No token at all (the first one was a stop token): Triton's ensemble takes a [1, 0] output_ids for a
             # missing input and fails the request, so the answer ends with a bare final flag instead.
             state.sender.send(flags=FINAL)
@@ -337,6 +353,11 @@ class TritonPythonModel:
                 logprobs = [lp.logprob for lp in req.logprobs[start:end]]
                 top = [[tok, lp.logprob, [list(pair) for pair in lp.top]]
                        for tok, lp in zip(req.output_ids[sent:end], req.logprobs[sent:end])]
+                if final and req.stop_logprob is not None:  # a scored prompt's end token (Request.stop_logprob)
+                    tok, lp = req.stop_logprob
+                    top.append([tok, lp.logprob, [list(pair) for pair in lp.top]])
+            # The prompt's log probs, once: in the response that carries the first token.
+            prompt = _prompt_entries(req) if sent == 0 else None
             limit = -1
             if final and req.stop_text_len is not None:  # cut just before the stop string, past what was sent
                 limit = max(0, req.stop_text_len - len(self._visible(req.output_ids[:sent])))
@@ -344,7 +365,7 @@ class TritonPythonModel:
                                             req.num_accepted - state.accepted, req.num_drafted - state.drafted,
                                             req.num_verify_steps - state.verify_steps, skipped,
                                             _since(req.accepted_per_step, state.histogram), logprobs, top, limit,
-                                            req.num_cached_tokens)
+                                            req.num_cached_tokens, prompt)
             state.skipped, state.histogram = dict(req.skip_reasons), dict(req.accepted_per_step)
             state.sender.send(response, flags=FINAL if final else 0)
             state.last_sent = time.monotonic()
