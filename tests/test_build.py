@@ -88,6 +88,22 @@ def test_plan_keys_change_only_downstream_of_the_changed_option(tiny_target, tmp
     assert "quantize_target" in fp8 and fp8["compile"] != base["compile"]
 
 
+def test_a_repository_assembled_under_other_tensor_tables_is_assembled_again(tiny_target, tmp_path, monkeypatch):
+    """An upgrade that adds an ensemble tensor must not reuse the old repository (its ensemble would refuse the
+    new input): the assemble stage's key follows the interface's tables, and only it changes."""
+    from pipeline.triton import interface
+
+    def keys():
+        plan = plan_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+        return {st.name: st.config_key for st in plan.stages}
+
+    base = keys()
+    monkeypatch.setattr(interface, "OUR_INPUTS", interface.OUR_INPUTS[:-1])
+    monkeypatch.setattr(interface, "ENSEMBLE_INPUTS", interface.ENSEMBLE_INPUTS[:-1])
+    older = keys()
+    assert older["compile"] == base["compile"] and older["assemble"] != base["assemble"]
+
+
 def test_plan_for_a_draft_model_quantizes_it_to_int4_awq_and_compiles_from_both_checkpoints(tiny_target, tiny_draft,
                                                                                            tmp_path):
     env = cpu_env(tiny_target)

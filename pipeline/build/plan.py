@@ -238,6 +238,10 @@ def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:
     config = plain(dataclasses.asdict(stage.options)) if stage.options is not None else {"note": stage.note}
     config.pop("force", None)
     config.pop("dry_run", None)
+    if stage.name == "assemble":  # the repository's tensors are this version's, not only its options
+        from pipeline.triton.interface import layout_digest
+
+        config["layout"] = layout_digest()
     blob = json.dumps({"stage": stage.name, "config": config, "deps": [keys[d] for d in stage.deps]}, sort_keys=True)
     return dataclasses.replace(stage, config_key=hashlib.sha256(blob.encode()).hexdigest()[:16])
 

@@ -205,3 +205,14 @@ STREAM_ID = TensorSpec("stream_id", "UINT64", (1,), optional=True)
 # write is the template's, and the draft -> target loop (pipeline.triton.draft_target) sends a subset.
 TRTLLM_INPUTS: tuple[TensorSpec, ...] = upstream.TENSORRT_LLM_INPUTS
 TRTLLM_OUTPUTS: tuple[TensorSpec, ...] = upstream.TENSORRT_LLM_OUTPUTS
+
+
+def layout_digest() -> str:
+    """A digest of the tensor tables above: a repository assembled under other tables is stale, and `pipeline build`
+    assembles it again (pipeline.build.plan keys its assemble stage on it). A repository from before the echo
+    tensors was reused after an upgrade, and its ensemble refused prompt_token_ids."""
+    import hashlib
+
+    tables = (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, REQUEST_TENSORS, GENERATION_TENSORS, (STREAM_ID,))
+    text = repr([[(t.name, t.dtype, tuple(t.dims), t.optional) for t in table] for table in tables])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
