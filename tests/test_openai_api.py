@@ -1170,6 +1170,14 @@ def test_echo_with_logprobs_gives_the_prompts_own_log_probs_as_the_engine_comput
         assert lps.token_logprobs[-1] == ref.logprobs[0].logprob  # then the answer's token, as before
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    # Over gRPC: prompt_log_probs only where prompt_logprobs was asked for.
+    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+
+    url = ClientOptions(url=f"127.0.0.1:{served[0].options.grpc_port}")
+    asked = run_request(url, prompt, RequestOptions(max_tokens=3, prompt_logprobs=0, apply_chat_template=False))
+    unasked = run_request(url, prompt, RequestOptions(max_tokens=3, apply_chat_template=False))
+    assert [len(c.prompt_logprobs) for c in asked.chunks if c.prompt_logprobs] == [len(ids)]
+    assert all(c.prompt_logprobs == [] for c in unasked.chunks)
 
 
 # A multiple-choice task of lm-evaluation-harness's own format, on local files (no hub): each continuation's log

@@ -351,3 +351,20 @@ def test_the_connection_cap_stays_below_the_file_limit():
 
     assert max_connections_for(20_000) == 8192 and max_connections_for(1024) == 256
     assert max_connections_for(4096) == 1792 and max_connections_for(64) == 16
+
+
+def test_pipelined_requests_on_one_connection_each_get_their_answer(strict):
+    """Two POSTs sent back to back before either is answered (HTTP/1.1 pipelining): the connection edge closes a
+    connection answered before its body ended, never one whose next request is already on its way."""
+    body = completion("hi", max_tokens=10**6)  # refused at once: no tritonserver needed
+    def one(last: bool) -> bytes:
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: "
+                b"%d\r\n\r\n%s" % (b"Connection: close\r\n" if last else b"", len(body), body))
+
+    second = one(True)
+    with socket.create_connection(("127.0.0.1", strict.port), timeout=10) as sock:
+        sock.sendall(one(False) + second[:-len(body)])  # the second's body still on its way as the first is answered
+        time.sleep(0.3)
+        sock.sendall(body)
+        answer, seconds = answer_within(sock, 5)
+    assert answer.count(b"HTTP/1.1 400") == 2 and seconds < 2, (answer[:500], seconds)

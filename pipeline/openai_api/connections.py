@@ -113,12 +113,14 @@ class EdgeProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
+        # Answered before its body ended (a 408, a 413): the rest can't start another request, and uvicorn would hold
+        # the connection for its keep-alive timeout waiting for it. (Read before uvicorn moves on to a pipelined
+        # request, whose own body may still be on its way.)
+        unfinished = self.conn.their_state is h11.SEND_BODY
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if self.conn.their_state is h11.SEND_BODY:
-            # Answered before its body ended (a 408, a 413): the rest can't start another request, and uvicorn would
-            # hold the connection for its keep-alive timeout waiting for it.
+        if unfinished:
             self.transport.close()
         elif self.conn.their_state is h11.IDLE:
             self.waiting[self] = None  # idle until its next head (uvicorn's keep-alive timer bounds the wait)

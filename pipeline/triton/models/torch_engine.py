@@ -357,7 +357,7 @@ class TritonPythonModel:
                     tok, lp = req.stop_logprob
                     top.append([tok, lp.logprob, [list(pair) for pair in lp.top]])
             # The prompt's log probs, once: in the response that carries the first token.
-            prompt = _prompt_entries(req) if sent == 0 else None
+            prompt = _prompt_entries(req) if sent == 0 and req.params.prompt_logprobs is not None else None
             limit = -1
             if final and req.stop_text_len is not None:  # cut just before the stop string, past what was sent
                 limit = max(0, req.stop_text_len - len(self._visible(req.output_ids[:sent])))
