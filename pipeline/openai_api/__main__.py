@@ -99,7 +99,7 @@ def main(repo, grpc_url, host, port, metrics_url, model_name, max_body_bytes, he
     except PipelineError as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
-    limits = ConnectionLimits(head_timeout_s=head_timeout, body_timeout_s=body_timeout,
+    limits = ConnectionLimits(head_timeout_s=head_timeout,
                               max_connections=max_connections or max_connections_for(raise_file_limit()))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # No per-request access log: one line per request at 64 streams drowns the server's own log. h11 (uvicorn

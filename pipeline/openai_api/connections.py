@@ -43,8 +43,9 @@ RATE_WINDOW_S = 10.0
 
 @dataclass(frozen=True)
 class ConnectionLimits:
+    """What the protocol bounds per connection (the body's deadline is the route's: FrontendSettings)."""
+
     head_timeout_s: float = HEAD_TIMEOUT_S
-    body_timeout_s: float = BODY_TIMEOUT_S
     keep_alive_s: float = KEEP_ALIVE_S
     max_connections: int = 1024
 
