@@ -164,8 +164,7 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
     check_min_tokens(min_tokens, max_tokens)
     bias = read_logit_bias(text_of(scalar("logit_bias", b"{}"), "logit_bias", max_input_bytes), vocab_size)
     prompt_logprobs = int(scalar("prompt_logprobs", -1))
-    if prompt_logprobs != -1:
-        check_logprobs(prompt_logprobs)
+    _prompt_logprobs(prompt_logprobs)  # checked; the tensor keeps -1 for none
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
                          None if end_id is None else int(end_id), stop_words,
@@ -284,6 +283,7 @@ def read_engine_request(get: Get) -> dict:
 
 
 def _prompt_logprobs(n: int) -> int | None:
+    """The prompt_logprobs input as the engine takes it: -1 is none, else 0..MAX_LOGPROBS, checked."""
     if n == -1:
         return None
     check_logprobs(n)

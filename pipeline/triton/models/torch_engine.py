@@ -143,11 +143,16 @@ def _since(counts: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {key: n - before.get(key, 0) for key, n in counts.items() if n > before.get(key, 0)}
 
 
+def _entry(token: int, lp) -> list:
+    """One token's log probs as top_log_probs and prompt_log_probs carry them: [id, log prob, [[id, log prob], ...]]."""
+    return [token, lp.logprob, [list(pair) for pair in lp.top]]
+
+
 def _prompt_entries(req) -> list:
-    """The prompt's log probs as prompt_log_probs carries them: [token id, log prob, [[id, log prob], ...]] per
-    prompt token, the first's log prob and alternatives null (nothing predicts it)."""
-    return [[req.prompt_ids[0], None, None]] + [[tok, lp.logprob, [list(pair) for pair in lp.top]]
-                                                for tok, lp in zip(req.prompt_ids[1:], req.prompt_logprobs)]
+    """The prompt's log probs as prompt_log_probs carries them: an _entry per prompt token, the first's log prob and
+    alternatives null (nothing predicts it)."""
+    return [[req.prompt_ids[0], None, None]] + [_entry(tok, lp) for tok, lp in zip(req.prompt_ids[1:],
+                                                                                   req.prompt_logprobs)]
 
 
 def _generation_response(ids: list[int], prefix_length: int, accepted: int, drafted: int, verify_steps: int,
@@ -337,8 +342,7 @@ class TritonPythonModel:
         if start == end and final and req.params.prompt_logprobs is not None and state.sent == 0:
             # No token, but the prompt's log probs to give (and the end token's): the prompt's last token as the
             # prefix carries them (as a keepalive does), and postprocessing writes no text for it.
-            stop = [] if req.stop_logprob is None else [[req.stop_logprob[0], req.stop_logprob[1].logprob,
-                                                         [list(pair) for pair in req.stop_logprob[1].top]]]
+            stop = [] if req.stop_logprob is None else [_entry(*req.stop_logprob)]
             state.sender.send(_generation_response(req.prompt_ids[-1:], 1, 0, 0, 0, top=stop,
                                                    prompt=_prompt_entries(req)), flags=FINAL)
         elif start == end and final:
@@ -351,11 +355,9 @@ class TritonPythonModel:
             logprobs = top = None
             if req.params.logprobs is not None:
                 logprobs = [lp.logprob for lp in req.logprobs[start:end]]
-                top = [[tok, lp.logprob, [list(pair) for pair in lp.top]]
-                       for tok, lp in zip(req.output_ids[sent:end], req.logprobs[sent:end])]
+                top = [_entry(tok, lp) for tok, lp in zip(req.output_ids[sent:end], req.logprobs[sent:end])]
                 if final and req.stop_logprob is not None:  # a scored prompt's end token (Request.stop_logprob)
-                    tok, lp = req.stop_logprob
-                    top.append([tok, lp.logprob, [list(pair) for pair in lp.top]])
+                    top.append(_entry(*req.stop_logprob))
             # The prompt's log probs, once: in the response that carries the first token.
             prompt = _prompt_entries(req) if sent == 0 and req.params.prompt_logprobs is not None else None
             limit = -1
