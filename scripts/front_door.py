@@ -2,20 +2,21 @@
 
 Starts `pipeline serve --repo R --openai-port P` (default: the embedded SmolLM2 build in triton_repo), measures a
 normal request's latency idle, then runs each case and prints one table: what the case got, how long that took,
-and whether the normal request after it still got its usual text, and how long it took. The cases, as the issue
-numbers them:
+the normal requests sent back to back beside it (how many, the slowest), and the normal request after it (its time;
+whether every normal request got its usual text). The cases, as the issue numbers them:
 
  1 a whole (non-streamed) answer of n x max_tokens whose client leaves after --leave-after-s: seconds from the
    client leaving to the engine holding no request (its /metrics, through the frontend)
- 2 --largest requests of 16 choices at the KV budget's largest max_tokens (or --big-tokens), waited for: RSS of
-   every process of the server (tritonserver, each python stub, the frontend) before and after, in MiB
+ 2 --largest requests of 16 choices at the KV budget's largest max_tokens (or --big-tokens), waited for, after
+   --warmup ones of the same shape: RSS of every process of the server (tritonserver, each python stub, the
+   frontend) cold, before the --largest (after the warm-up) and after them, in MiB
  3 --half-open connections that send half a request head and nothing more, held while a normal request is timed;
    the frontend's log growth in bytes
  4-10 single requests: a forced call over a 75 KB schema, an impossible regex, ignore_eos, repetition_penalty 1e-38,
    temperature 1e-300, an array schema for a tool's parameters, stream_options without stream
 
-    python scripts/front_door.py                                   # triton_repo (pipeline build's default)
-    python scripts/front_door.py --repo R --largest 10 --big-tokens 600 --half-open 20000 --json
+    python scripts/front_door.py --cases 1 3 4 5 6 7 8 9 10    # triton_repo (pipeline build's default)
+    python scripts/front_door.py --cases 2 --largest 10        # the issue's RSS target, at the budget
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -116,6 +118,32 @@ def normal(stack: Stack, expected: str | None = None) -> tuple[float, bool]:
     return seconds, expected is None or text == expected
 
 
+class Beside:
+    """Normal requests back to back on a thread while a case runs: their latencies and whether each got its usual
+    text (the issue's "normal requests beside them keep their latency")."""
+
+    def __init__(self, stack: Stack, expected: str):
+        self.stack, self.expected = stack, expected
+        self.latencies: list[float] = []
+        self.same = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            seconds, same = normal(self.stack, self.expected)
+            self.latencies.append(seconds)
+            self.same &= same
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def case_leave(stack: Stack, args) -> str:
     body = {"model": "m", "prompt": "Once upon a time", "n": args.leave_n, "max_tokens": args.leave_tokens,
             "temperature": 1, "logit_bias": ENDS_BANNED}
@@ -133,22 +161,35 @@ def case_leave(stack: Stack, args) -> str:
     return f"{busy:.0f} engine requests stopped {time.monotonic() - left:.2f} s after the client left"
 
 
+def largest_max_tokens(repo: str, prompt_tokens: int, n: int) -> int:
+    """The largest max_tokens the frontend allows n choices of this prompt: the engine's KV pool (the frontend's own
+    reading of it) shared out, within the context."""
+    from pipeline.openai_api.__main__ import settings_from_repo
+
+    settings = settings_from_repo(Path(repo), "127.0.0.1:1", None, None)
+    return min(settings.kv_pool_tokens // n - prompt_tokens, settings.max_seq_len - prompt_tokens)
+
+
 def case_largest(stack: Stack, args) -> tuple[str, dict]:
-    tokens = args.big_tokens
-    before = tree(stack.process.pid)
-    for _ in range(args.largest):
-        status, body = post(f"{stack.base}/v1/completions", {"model": "m", "prompt": "Once upon a time", "n": 16,
-                                                             "max_tokens": tokens, "temperature": 1,
-                                                             "logit_bias": ENDS_BANNED}, timeout=3600)
-        if status != 200:
-            return f"refused: {body.get('error', {}).get('message')}", {}
-    time.sleep(2)  # the idle trims
-    after = tree(stack.process.pid)
-    rss = {f"{before[p][0]} ({p})": [round(before[p][1]), round(after[p][1])] for p in before if p in after}
-    worst = max(rss.items(), key=lambda kv: (kv[1][1] - kv[1][0]) / max(kv[1][0], 1))
-    growth = (worst[1][1] - worst[1][0]) / max(worst[1][0], 1)
-    return (f"{args.largest} x 16 x {tokens} tokens: most growth {worst[0]} {worst[1][0]} -> {worst[1][1]} MiB "
-            f"({growth:+.0%})"), rss
+    prompt = "Once upon a time"
+    body = {"model": "m", "prompt": prompt, "n": 16, "temperature": 1, "logit_bias": ENDS_BANNED}
+    _, probe = post(f"{stack.base}/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 1})
+    tokens = args.big_tokens or largest_max_tokens(args.repo, probe["usage"]["prompt_tokens"], 16)
+    snapshots = [tree(stack.process.pid)]
+    for count in (args.warmup, args.largest):
+        for _ in range(count):
+            status, answer = post(f"{stack.base}/v1/completions", {**body, "max_tokens": tokens}, timeout=3600)
+            if status != 200:
+                return f"refused: {answer.get('error', {}).get('message')}", {}
+        time.sleep(2)  # the idle trims
+        snapshots.append(tree(stack.process.pid))
+    cold, before, after = snapshots
+    rss = {f"{cold[p][0]} ({p})": [round(cold[p][1]), round(before[p][1]), round(after[p][1])]
+           for p in cold if p in before and p in after}
+    worst = max(rss.items(), key=lambda kv: (kv[1][2] - kv[1][1]) / max(kv[1][1], 1))
+    growth = (worst[1][2] - worst[1][1]) / max(worst[1][1], 1)
+    return (f"{args.largest} x 16 x {tokens} tokens after {args.warmup} warm-up: most growth {worst[0]} "
+            f"{worst[1][1]} -> {worst[1][2]} MiB ({growth:+.0%})"), rss
 
 
 def _hold(port: int, count: int, hold_s: float, ready) -> None:
@@ -220,7 +261,9 @@ def main() -> None:
     ap.add_argument("--leave-tokens", type=int, default=1000)
     ap.add_argument("--leave-after-s", type=float, default=3.0)
     ap.add_argument("--largest", type=int, default=2, help="case 2's requests [default: 2; the issue's target: 10]")
-    ap.add_argument("--big-tokens", type=int, default=600, help="case 2's max_tokens per choice")
+    ap.add_argument("--big-tokens", type=int, default=0,
+                    help="case 2's max_tokens per choice [default: the largest the KV budget allows]")
+    ap.add_argument("--warmup", type=int, default=1, help="case 2's requests before its 'before' [default: 1]")
     ap.add_argument("--half-open", type=int, default=20000)
     ap.add_argument("--cases", type=int, nargs="+", default=list(range(1, 11)))
     ap.add_argument("--json", action="store_true")
@@ -234,18 +277,21 @@ def main() -> None:
             rows, extra = [], {}
             for number in args.cases:
                 start = time.monotonic()
-                if number == 1:
-                    got = case_leave(stack, args)
-                elif number == 2:
-                    got, extra["rss_mib"] = case_largest(stack, args)
-                elif number == 3:
-                    got = case_half_open(stack, args)
-                else:
-                    got = case_single(stack, number)
+                with Beside(stack, args.expected) as beside:
+                    if number == 1:
+                        got = case_leave(stack, args)
+                    elif number == 2:
+                        got, extra["rss_mib"] = case_largest(stack, args)
+                    elif number == 3:
+                        got = case_half_open(stack, args)
+                    else:  # a single request is quick: sent 10 times, for normal requests to run beside it
+                        got = [case_single(stack, number) for _ in range(10)][-1]
                 seconds = time.monotonic() - start
                 after, same = normal(stack, args.expected)
                 rows.append({"case": number, "got": got, "seconds": round(seconds, 2),
-                             "normal_after_s": round(after, 3), "normal_text_same": same})
+                             "beside_n": len(beside.latencies), "beside_slowest_s": round(max(beside.latencies), 3),
+                             "beside_text_same": beside.same, "normal_after_s": round(after, 3),
+                             "normal_text_same": same})
         finally:
             stack.stop()
     result = {"idle_normal_s": round(statistics.median(idle), 3), "cases": rows, **extra}
@@ -253,14 +299,15 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"normal request idle: {result['idle_normal_s']} s (median of 5)\n")
-    print("| # | now | case took | normal request after | same text |")
-    print("|---|---|---|---|---|")
+    print("| # | now | case took | normal requests beside it: n, slowest | normal request after | same text |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['got']} | {r['seconds']} s | {r['normal_after_s']} s | {r['normal_text_same']} |")
+        print(f"| {r['case']} | {r['got']} | {r['seconds']} s | {r['beside_n']}, {r['beside_slowest_s']} s | "
+              f"{r['normal_after_s']} s | {r['beside_text_same'] and r['normal_text_same']} |")
     if extra.get("rss_mib"):
-        print("\nRSS (MiB) before -> after case 2:")
-        for name, (a, b) in extra["rss_mib"].items():
-            print(f"  {name}: {a} -> {b}")
+        print("\nRSS (MiB) in case 2: cold -> after the warm-up -> after the largest requests")
+        for name, (a, b, c) in extra["rss_mib"].items():
+            print(f"  {name}: {a} -> {b} -> {c}")
 
 
 if __name__ == "__main__":

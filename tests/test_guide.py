@@ -73,6 +73,9 @@ def test_a_guide_spec_names_what_is_wrong():
     (GuideSpec("json_schema", json.dumps({"type": "object", "required": ["x"], "properties": {"x": {
         "$ref": "#/$defs/a"}}, "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {
             "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/a"}}}})), "matches no JSON value"),
+    (GuideSpec("ebnf_grammar", 'root ::= "x" root'), "the ebnf_grammar guide matches no text: its rules root only"),
+    (GuideSpec("ebnf_grammar", 'root ::= "<" v ">"\nv ::= o | a\no ::= "{" v "}"\na ::= "[" v ("," v)* "]"'),
+     "matches no text: its rules root, v, o, a only ever recurse"),
 ])
 def test_a_bad_guide_fails_its_request_alone_in_one_line(target, tokenizer, spec, message):
     e = engine(target, tokenizer)
@@ -96,6 +99,24 @@ def test_a_recursive_schema_with_a_way_out_is_served(target, tokenizer):
     assert looping_ref(linked) is looping_ref(tree) is looping_ref(either) is None
     e = engine(target, tokenizer)
     [req] = e.generate([[5, 6, 7]], SamplingParams(max_tokens=40, guide=GuideSpec("json_schema", json.dumps(linked))))
+    assert req.error is None
+
+
+@pytest.mark.parametrize("gbnf", [
+    'root ::= "x" root | "y"',
+    'root ::= x{0,3} "z"\nx ::= "a" x',  # x never ends, but root may hold none of it
+    'root ::= "<" v ">"\nv ::= o | a | "n"\no ::= "{" v "}"\na ::= "[" (v ("," v)*)? "]"  # a way out: "n", "[]"',
+])
+def test_a_recursive_grammar_with_a_way_out_compiles(target, tokenizer, gbnf):
+    """The grammar check refuses only grammars with no finite string; recursion with a base case, or behind a part
+    that may be left out, compiles and is served."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    from pipeline.engine.guide import endless_rules
+
+    assert endless_rules(gbnf_to_lark(gbnf)) is None
+    [req] = engine(target, tokenizer).generate([[5, 6, 7]], SamplingParams(
+        max_tokens=8, guide=GuideSpec("ebnf_grammar", gbnf)))
     assert req.error is None
 
 

@@ -674,7 +674,8 @@ def engine_answer(engine_dir: Path, prompt: str, max_tokens: int, **params):
     engine = load_engine(engine_dir)
     engine.detokenize = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
     [req] = engine.generate([encode_prompt(tokenizer, prompt, raw=False)],
-                            SamplingParams(max_tokens=max_tokens, stop_token_ids=stops, **params), speculation="off")
+                            SamplingParams(**{"max_tokens": max_tokens, "stop_token_ids": stops, **params}),
+                            speculation="off")
     return req, tokenizer
 
 
@@ -765,10 +766,39 @@ def test_log_probs_and_penalties_are_the_engines_own(server, engine_dir):
         c.close()
 
 
+def test_a_longer_stream_interval_sends_fewer_responses_with_the_same_text(server, engine_dir):
+    """stream_interval_ms spaces a stream's responses (what the OpenAI frontend asks for a whole answer, so that a
+    burst of them leaves no backlog of responses in tritonserver and the gate): at 1 s, a stream decoding for T
+    seconds gets at most T + 2 responses (its first at once, then one a second, then the final), with the text and
+    token count of the default cadence."""
+    from pipeline.models.tokenizer import answer_text
+
+    prompt, tokens = "count the words in this sentence please", 180  # about 0.2 s here: several 50 ms intervals
+    req, tokenizer = engine_answer(engine_dir, prompt, tokens, stop_token_ids=(), ignore_eos=True)
+    c = client(server)
+    try:
+        got = {}
+        for interval in (50, 1000):
+            start = time.monotonic()
+            results = ensemble_results(c, prompt, tokens, True, ignore_eos=np.array([[True]]),
+                                       stream_interval_ms=np.array([[interval]], np.int32))
+            got[interval] = (results, time.monotonic() - start)
+            text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in results)
+            assert text == answer_text(tokenizer, req.output_ids)
+            assert sum(int(r.as_numpy("num_output_tokens").reshape(-1)[0]) for r in results) == tokens
+        (spaced, seconds) = got[1000]
+        assert len(spaced) <= seconds + 2
+        assert len(got[50][0]) > len(spaced)  # the default cadence does send more (the check above can fail)
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("name, value, message", [
     ("repetition_penalty", np.array([[0.0]], np.float32), "repetition_penalty must be a finite number > 0"),
     ("presence_penalty", np.array([[3.0]], np.float32), r"presence_penalty must be in \[-2, 2\]"),
     ("num_logprobs", np.array([[30]], np.int32), r"logprobs must be an integer in \[0, 20\]"),
+    ("stream_interval_ms", np.array([[10]], np.int32), r"stream_interval_ms 10 is outside 50\.\.1000"),
+    ("stream_interval_ms", np.array([[5000]], np.int32), r"stream_interval_ms 5000 is outside 50\.\.1000"),
 ])
 def test_bad_sampling_extras_are_refused_in_one_line_and_the_server_goes_on(server, engine_dir, name, value, message):
     from tritonclient.utils import InferenceServerException

@@ -26,6 +26,7 @@ an EBNF grammar is GBNF, as xgrammar and llama.cpp read it, converted by llguida
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,9 +90,133 @@ def grammar_text(spec: GuideSpec) -> str:
     if spec.type == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.guide)
     try:
-        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.guide))
+        lark = gbnf_to_lark(spec.guide)
     except Exception as e:  # noqa: BLE001  the converter raises on GBNF it can't read; say so in one line
         raise RequestError(f"the ebnf_grammar guide is not GBNF: {_first_line(e)}") from None
+    if (endless := endless_rules(lark)) is not None:
+        names = ", ".join("root" if name == "start" else name for name in endless[:4])
+        raise RequestError(f"the ebnf_grammar guide matches no text: its rules {names[:80]} only ever recurse, and "
+                           "root needs them; give one an alternative without the recursion")
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+# Lark as gbnf_to_lark writes it: strings, regexes, names, repetitions ({n}, {n,}, {n,m}, ~ n..m), operators.
+_LARK_TOKEN = re.compile(r'\s+|//[^\n]*|"(?:[^"\\]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*|[A-Za-z_]\w*|\d+|\.\.|[():|*+?\[\]~{},]')
+_LARK_RULE = re.compile(r"^[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?\s*:(.*)$")
+
+
+def endless_rules(lark: str) -> list[str] | None:
+    """The rules no finite string derives from, when the start rule is one of them (`root ::= "x" root`), else None. llguidance compiles such
+    a grammar and lets the model write "x" until max_tokens: an answer that never matches its guide.
+
+    A least fixed point, as looping_ref's: a rule produces a string once one of its alternatives is made of strings,
+    regexes, optional or starred parts and rules already found to; what is left can't. Terminals (upper-case names)
+    and regexes count as producing (llguidance's own check finds a regex that matches nothing). Lark this doesn't
+    read (llguidance's extensions past gbnf_to_lark's output) returns None: llguidance alone judges it."""
+    rules: dict[str, list[str]] = {}
+    current = None
+    for line in lark.splitlines():
+        if not line.strip() or line.lstrip().startswith(("//", "%")):
+            continue
+        if (m := _LARK_RULE.match(line)) is not None:
+            current = m.group(1)
+            rules.setdefault(current, []).append(m.group(2))
+        elif current is not None and line[:1].isspace():
+            rules[current].append(line)
+        else:
+            return None
+    try:
+        parsed = {name: _lark_alternatives(_lark_tokens(" ".join(body))) for name, body in rules.items()}
+    except ValueError:
+        return None
+    found = {name for name in parsed if name[:1].isupper()}
+    changed = True
+    while changed:
+        changed = False
+        for name, alternatives in parsed.items():
+            if name not in found and _produces(alternatives, found, parsed):
+                found.add(name)
+                changed = True
+    if "start" not in parsed or "start" in found:
+        return None
+    return [name for name in parsed if name not in found]
+
+
+def _lark_tokens(text: str) -> list[str]:
+    tokens, at = [], 0
+    while at < len(text):
+        m = _LARK_TOKEN.match(text, at)
+        if m is None:
+            raise ValueError(text[at:at + 20])
+        if not m.group().isspace() and not m.group().startswith("//"):
+            tokens.append(m.group())
+        at = m.end()
+    return tokens
+
+
+def _lark_alternatives(tokens: list[str]):
+    """Lark expansions as nested lists: alternatives, each a sequence of (atom, least repeats); an atom is a name,
+    "" (a string or regex), or a nested alternatives list."""
+    pos = 0
+
+    def alternatives(closing: str | None):
+        nonlocal pos
+        out, seq = [], []
+        while pos < len(tokens) and tokens[pos] != closing:
+            tok = tokens[pos]
+            pos += 1
+            if tok == "|":
+                out.append(seq)
+                seq = []
+                continue
+            if tok in ("(", "["):
+                atom = alternatives(")" if tok == "(" else "]")
+                if pos >= len(tokens):
+                    raise ValueError("unclosed group")
+                pos += 1
+                least = 0 if tok == "[" else 1
+            elif tok[0] in "\"/" or tok[0].isalpha() or tok[0] == "_":
+                atom, least = ("" if tok[0] in "\"/" else tok), 1
+            else:
+                raise ValueError(tok)
+            least = quantifier(least)
+            seq.append((atom, least))
+        out.append(seq)
+        return out
+
+    def quantifier(least: int) -> int:
+        nonlocal pos
+        if pos < len(tokens) and tokens[pos] in ("*", "?"):
+            pos += 1
+            return 0
+        if pos < len(tokens) and tokens[pos] == "+":
+            pos += 1
+            return least
+        if pos < len(tokens) and tokens[pos] == "{":  # {n}, {n,}, {n,m}
+            end = tokens.index("}", pos)
+            n = tokens[pos + 1]
+            pos = end + 1
+            return least if n.isdigit() and int(n) > 0 else 0
+        if pos < len(tokens) and tokens[pos] == "~":  # ~ n or ~ n..m
+            n = tokens[pos + 1]
+            pos += 2
+            if pos < len(tokens) and tokens[pos] == "..":
+                pos += 2
+            return least if n.isdigit() and int(n) > 0 else 0
+        return least
+
+    parsed = alternatives(None)
+    if pos != len(tokens):
+        raise ValueError("stray closing bracket")
+    return parsed
+
+
+def _produces(alternatives, found: set[str], rules: dict) -> bool:
+    def atom_ok(atom) -> bool:
+        if isinstance(atom, list):
+            return _produces(atom, found, rules)
+        return atom == "" or atom in found or atom not in rules  # an unknown name: llguidance refuses it itself
+    return any(all(least == 0 or atom_ok(atom) for atom, least in seq) for seq in alternatives)
 
 
 def looping_ref(schema: dict) -> str | None:

@@ -44,6 +44,11 @@ from pipeline.triton.client import Chunk, RequestOptions
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, as vLLM's where the model ships no generation_config
 TOKENIZING_THREADS = 4
+# A whole answer is streamed from the ensemble (its first response tells a refusal from a start, and a client that
+# left is noticed at each one) but read only at its end: two responses a second, not twenty. At the default
+# cadence, 16 choices of 300 tokens left tritonserver 29 MB and the gate 13 MB larger, a backlog of responses the
+# frontend had not read yet; at this one, 5 and 3 (scripts/front_door.py).
+WHOLE_ANSWER_INTERVAL_MS = 500
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 
 
@@ -332,6 +337,8 @@ def create_app(settings: FrontendSettings):
         max_new = req.new_tokens(settings.max_seq_len - prompt_tokens)
         # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
         options = options_for(req, prompt_tokens, max_new, True, template, prompt_ids)
+        if not req.stream:
+            options = replace(options, stream_interval_ms=WHOLE_ANSWER_INTERVAL_MS)
         echoed = prompt_tokens if echoes_logprobs(req) else 0  # the prompt's log probs come back too
         limits.check_budget(req.n, prompt_tokens, max_new + echoed, req.num_logprobs())
         outcomes = [Outcome(prompt_tokens, max_new) for _ in range(req.n)]

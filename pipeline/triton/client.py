@@ -65,6 +65,7 @@ class RequestOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias -100..100)
     prompt_logprobs: int | None = None  # None: none; N: the prompt's own log probs, N alternatives each
     prompt_ids: tuple[int, ...] | None = None  # the prompt as token ids, taken as they are (the text only names it)
+    stream_interval_ms: int | None = None  # None: the server's cadence; more: fewer responses (interface.py)
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -84,6 +85,10 @@ class RequestOptions:
         check_logprobs(self.logprobs)
         check_logprobs(self.prompt_logprobs)
         check_stop_strings(self.stop)
+        if self.stream_interval_ms is not None:
+            from pipeline.triton.validate import check_stream_interval
+
+            check_stream_interval(self.stream_interval_ms)
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise RequestError(f"seed must be in [0, 2**64) (got {self.seed})")
         return self
@@ -285,6 +290,8 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
         tensors.append(tensor("logit_bias", np.array([[bias]], np.object_), "BYTES"))
     if options.prompt_logprobs is not None:
         tensors.append(tensor("prompt_logprobs", np.array([[options.prompt_logprobs]], np.int32), "INT32"))
+    if options.stream_interval_ms is not None:
+        tensors.append(tensor("stream_interval_ms", np.array([[options.stream_interval_ms]], np.int32), "INT32"))
     if options.prompt_ids is not None:
         tensors.append(tensor("prompt_token_ids", np.array([options.prompt_ids], np.int32), "INT32"))
     if options.guide is not None:

@@ -42,7 +42,14 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # upstream requires it): an evaluator's context and continuation, tokenized apart, are not what the tokenizer
     # makes of their text together.
     TensorSpec("prompt_token_ids", "INT32", (-1,), optional=True),
+    # The least time between two streamed responses of this request, in ms (STREAM_INTERVAL_MS, the default, to
+    # MAX_STREAM_INTERVAL_MS): tokens made meanwhile go together in the next. A client that reads the answer only
+    # at its end (the OpenAI frontend's whole answers) asks for more, so fewer responses cross the stack; a left
+    # client is still noticed at the next one. vLLM's --stream-interval, per request and in time. The portable
+    # engine's; the TensorRT-LLM routes respond at upstream's own cadence.
+    TensorSpec("stream_interval_ms", "INT32", (1,), optional=True),
 )
+STREAM_INTERVAL_MS, MAX_STREAM_INTERVAL_MS = 50, 1000
 # What a request must carry: upstream's required inputs. They are declared optional all the same, and the model
 # that reads the request (pipeline.triton.validate.read_request) requires them by name. tritonserver 2.51 only
 # counts a request's inputs against the required ones (InferenceRequest::ValidateRequestInputs), so a request
@@ -166,6 +173,7 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("ignore_eos", "BOOL", (1,), optional=True),
     TensorSpec("logit_bias", "BYTES", (1,), optional=True),
     TensorSpec("prompt_logprobs", "INT32", (1,), optional=True),  # the ensemble's; -1: none
+    TensorSpec("stream_interval_ms", "INT32", (1,), optional=True),  # the ensemble's; absent: STREAM_INTERVAL_MS
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds

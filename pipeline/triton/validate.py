@@ -18,7 +18,8 @@ from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, c
                                              check_min_tokens, check_num_draft_tokens, check_penalty_values,
                                              check_sampling_values, check_stop_strings)
 from pipeline.errors import RequestError
-from pipeline.triton.interface import IGNORED_INPUTS, REQUIRED_INPUTS, UNSUPPORTED_INPUTS
+from pipeline.triton.interface import (IGNORED_INPUTS, MAX_STREAM_INTERVAL_MS, REQUIRED_INPUTS, STREAM_INTERVAL_MS,
+                                       UNSUPPORTED_INPUTS)
 
 Get = Callable[[str], "np.ndarray | None"]
 SPECULATION = ("auto", "on", "off")
@@ -113,6 +114,7 @@ class ClientRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int = -1  # -1: none; N: the prompt's log probs and N alternatives each
     prompt_ids: tuple[int, ...] | None = None  # prompt_token_ids, checked against the vocabulary; None: tokenize
+    stream_interval_ms: int = STREAM_INTERVAL_MS
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -170,7 +172,18 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
                          None if end_id is None else int(end_id), stop_words,
                          None if template is None else bool(template), *penalties, logprobs, num_logprobs, guide,
                          min_tokens, bool(scalar("ignore_eos", False)), bias, prompt_logprobs,
-                         read_prompt_ids(get("prompt_token_ids"), max_seq_len, vocab_size))
+                         read_prompt_ids(get("prompt_token_ids"), max_seq_len, vocab_size),
+                         check_stream_interval(int(scalar("stream_interval_ms", STREAM_INTERVAL_MS))))
+
+
+def check_stream_interval(ms: int) -> int:
+    """stream_interval_ms within its bounds: no shorter than the default, since every response costs each process
+    on its way to the client (and a backlog of them, memory), and at most a second, so a client that left is noticed
+    within one."""
+    if not STREAM_INTERVAL_MS <= ms <= MAX_STREAM_INTERVAL_MS:
+        raise RequestError(f"stream_interval_ms {ms} is outside {STREAM_INTERVAL_MS}..{MAX_STREAM_INTERVAL_MS}; "
+                           f"send a value in that range, or leave it out for {STREAM_INTERVAL_MS}")
+    return ms
 
 
 def read_prompt_ids(value: np.ndarray | None, max_seq_len: int, vocab_size: int) -> tuple[int, ...] | None:
@@ -279,6 +292,7 @@ def read_engine_request(get: Get) -> dict:
         "ignore_eos": bool(optional("ignore_eos", False)),
         "logit_bias": read_logit_bias(text_of(optional("logit_bias", b"{}"), "logit_bias")),
         "prompt_logprobs": _prompt_logprobs(int(optional("prompt_logprobs", -1))),
+        "stream_interval_ms": check_stream_interval(int(optional("stream_interval_ms", STREAM_INTERVAL_MS))),
     }
 
 

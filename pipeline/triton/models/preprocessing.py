@@ -102,5 +102,6 @@ class TritonPythonModel:
             pb_utils.Tensor("logit_bias", np.array([[json.dumps({str(t): b for t, b in r.logit_bias}).encode()]],
                                                    np.object_)),
             pb_utils.Tensor("prompt_logprobs", row(r.prompt_logprobs, np.int32)),
+            pb_utils.Tensor("stream_interval_ms", row(r.stream_interval_ms, np.int32)),
         ]
 

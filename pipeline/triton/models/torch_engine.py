@@ -26,6 +26,7 @@ from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.config import served_device
+from pipeline.triton.interface import STREAM_INTERVAL_MS
 from pipeline.triton.serving_gate import busy_message
 from pipeline.triton.stop_text import sendable
 from pipeline.triton.validate import read_engine_request
@@ -37,12 +38,12 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # count: a run of them would push the split bytes out of the prefix.
 PREFIX_TOKENS = 6
 METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: at most this often
-# A stream gets at most one response per STREAM_INTERVAL_S (its first at once; tokens made meanwhile go
+# A stream gets at most one response per STREAM_INTERVAL_MS (its first at once; tokens made meanwhile go
 # together in the next). Each response costs a postprocessing call and an ensemble hop, a few ms of Python:
 # a fast engine sending one per token put thousands a second in front of postprocessing at 64 streams, and a
 # client's cancel, noticed only when postprocessing reached it, came after its whole answer had been decoded
-# for nobody. 20 responses a second still reads as smooth streaming (vLLM's --stream-interval, in time).
-STREAM_INTERVAL_S = 0.05
+# for nobody. 20 responses a second still reads as smooth streaming (vLLM's --stream-interval, in time). A request
+# may ask for fewer (stream_interval_ms): a whole answer read at its end needs them only to notice a client that left.
 # A streamed request still waiting for a slot gets an empty response (no text, no tokens) every KEEPALIVE_S.
 # Triton 2.51 tells no model that a client left before any response of its request flowed: postprocessing
 # learns it only from a response. Without this, a request whose client gave up in the queue was decoded in
@@ -126,6 +127,7 @@ class Stream:
 
     sender: object
     stream: bool
+    interval_s: float = STREAM_INTERVAL_MS / 1000  # the least time between two responses (stream_interval_ms)
     new: list = field(default_factory=list)  # tokens produced since the last response
     sent: int = 0  # output tokens already sent
     drafted: int = 0  # req.num_drafted / num_accepted / num_verify_steps at the last response
@@ -274,7 +276,7 @@ class TritonPythonModel:
         if isinstance(parsed, str):  # refused by _parse
             self._send_error(Stream(sender, False), parsed)
             return
-        state = Stream(sender, parsed["stream"], stream_id=parsed["stream_id"])
+        state = Stream(sender, parsed["stream"], parsed["stream_interval_ms"] / 1000, stream_id=parsed["stream_id"])
         # Those that will still wait once the next step fills the free slots (a burst arrives before any step).
         waiting = len(self.engine.waiting) - len(self.engine.free_slots)
         if self.max_queue_size and waiting >= self.max_queue_size:
@@ -328,7 +330,7 @@ class TritonPythonModel:
                 self._respond(req, state, final=True)
                 del self.streams[req]
                 self._count_finish(req.finish_reason.value if req.finish_reason else "stop")
-            elif state.stream and state.new and time.monotonic() - state.last_sent >= STREAM_INTERVAL_S:
+            elif state.stream and state.new and time.monotonic() - state.last_sent >= state.interval_s:
                 self._respond(req, state, final=False)
             elif state.stream and req.status is RequestStatus.WAITING:
                 self._keepalive(req, state)
