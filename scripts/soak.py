@@ -685,7 +685,7 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
     from pipeline.triton.server import ServeOptions, TritonServer
 
     from pipeline.errors import ServeError
-    from pipeline.triton.server import READY_TIMEOUT_S
+    from pipeline.triton.supervise import READY_TIMEOUT_S
     from pipeline.triton.supervise import CANCEL_RACE, supervise
 
     grpc, http, metrics = free_ports()

@@ -104,10 +104,19 @@ def _engine_dtype(options: BuildOptions) -> tuple[str, str]:
     return fast_lossless_dtype(build=False)
 
 
+def model_name(ref: str) -> str:
+    """The build's folder name: the preset's name, else the folder's (or .gguf's) name."""
+    from pipeline.models.presets import get_preset
+
+    preset = get_preset(ref)
+    if preset is not None:
+        return preset.name
+    path = Path(ref.rstrip("/"))
+    return (path.stem if path.suffix.lower() == ".gguf" else path.name) or "model"
+
+
 def trained_head(target: str) -> Path | None:
     """A head `pipeline draft train` left in the cache for this target: $PIPELINE_HOME/heads/<name>-eagle3."""
-    from pipeline.build.settings import model_name
-
     folder = pipeline_home(create=False) / "heads" / f"{model_name(target)}-eagle3"
     return folder if (folder / "config.json").is_file() else None
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.build.options import BuildOptions, Environment
-from pipeline.build.settings import Settings, check_options, model_name, plain, resolve_settings
+from pipeline.build.options import BuildOptions, Environment, model_name
+from pipeline.build.settings import Settings, check_options, plain, resolve_settings
 from pipeline.draft_spec import EAGLE3, MODEL, DraftSpec
 from pipeline.errors import ConfigError
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment
+from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment, model_name
 from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_draft
 from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import PORTABLE_CEILING
@@ -255,17 +255,6 @@ def check_options(o: BuildOptions) -> None:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
-
-
-def model_name(ref: str) -> str:
-    """The build's folder name: the preset's name, else the folder's (or .gguf's) name."""
-    from pipeline.models.presets import get_preset
-
-    preset = get_preset(ref)
-    if preset is not None:
-        return preset.name
-    path = Path(ref.rstrip("/"))
-    return (path.stem if path.suffix.lower() == ".gguf" else path.name) or "model"
 
 
 def _shape_or_none(ref: str, env: Environment):

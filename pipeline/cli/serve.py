@@ -60,8 +60,8 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
     from pipeline.errors import ConfigError
     from pipeline.openai_api.process import FrontendOptions, FrontendProcess
     from pipeline.triton.ports import port_in_use
-    from pipeline.triton.server import (ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServeOptions, planned_command,
-                                        serve as run_server)
+    from pipeline.triton.server import ADMIN_HEADER, ADMIN_KEY_ENV, RESTRICTED_APIS, ServeOptions, planned_command
+    from pipeline.triton.supervise import serve as run_server
 
     options = ServeOptions(repo=repo, host=host, grpc_port=grpc_port, http_port=http_port,
                            metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose, device=device)

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -22,9 +22,6 @@ from pipeline.engine.model import Transformer
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import probs_from_logits, sample
 from pipeline.engine.speculative import Proposal
-
-if TYPE_CHECKING:
-    from pipeline.engine.eagle3 import Eagle3Proposer
 
 
 class Proposer(Protocol):
@@ -86,7 +83,7 @@ class NgramFirst:
     FREE_SOURCES = frozenset({LOOKUP})  # lookup costs the planner nothing but the verify's width
     LOOKUP_MAX = 64  # tokens a lookup keeps (more than any k): one scan serves the planner and the proposal
 
-    def __init__(self, inner: "Eagle3Proposer"):
+    def __init__(self, inner: Proposer):
         self.inner = inner
         self.ngram = NgramProposer(min_ngram=self.MIN_MATCH)
         self.name = f"{inner.name}+ngram"

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Literal, Mapping
 
 from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import GatePolicy
-from pipeline.errors import ConfigError, MissingDependencyError
+from pipeline.errors import ConfigError
+from pipeline.triton.model_config_pb import model_config_pb2
+from pipeline.triton.trtllm_template import TrtllmModel, table_config
 from pipeline.triton.interface import (
     ENSEMBLE_INPUTS,
     ENSEMBLE_OUTPUTS,
@@ -143,14 +145,6 @@ class RepoSpec:
         return {"trtllm": TRTLLM_TARGET, "llmapi": LLMAPI_MODEL}.get(self.backend, TORCH_ENGINE)
 
 
-def model_config_pb2():
-    try:
-        from tritonclient.grpc import model_config_pb2
-    except ImportError as err:
-        raise MissingDependencyError("Triton configs need tritonclient; pip install 'tritonclient[grpc]'") from err
-    return model_config_pb2
-
-
 def _flag(value: bool) -> str:
     return "true" if value else "false"
 
@@ -254,8 +248,6 @@ def served_device(parameters: dict, environ: Mapping[str, str]) -> str:
 
 def trtllm_models(spec: RepoSpec) -> list:
     """The tensorrt_llm model (the target), and tensorrt_llm_draft when there is a draft engine."""
-    from pipeline.triton.trtllm_template import TrtllmModel
-
     models = [TrtllmModel(TRTLLM_TARGET, spec.engine_dir, spec.kv_fraction_target, None, spec.gpu_device_ids,
                           speculation="draft_tokens_external" if spec.has_draft else "plain",
                           guide_tokenizer_info=spec.guide_tokenizer_info)]
@@ -268,8 +260,6 @@ def trtllm_models(spec: RepoSpec) -> list:
 def tensorrt_llm_config(spec: RepoSpec, *, draft: bool = False) -> ModelConfig:
     """The tensorrtllm backend's model, target or draft: upstream's whole template, filled
     (pipeline.triton.trtllm_template; in NVIDIA's container assemble fills the container's own copy)."""
-    from pipeline.triton.trtllm_template import table_config
-
     model = trtllm_models(spec)[1 if draft else 0]
     return table_config(model, max_batch_size=spec.max_batch_size, tokenizer_dir=spec.tokenizer_dir)
 

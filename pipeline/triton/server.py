@@ -24,7 +24,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from pipeline.engine.device import parse_device
 from pipeline.errors import ConfigError, ServeError
@@ -470,56 +469,6 @@ def planned_command(options: ServeOptions, binary: ServerBinary | None = None) -
     options = replace(options, admin_key=options.admin_key or "<admin-key>")  # made when the server starts
     argv, env = launch_argv(options, binary, backends, f"{SHM_PREFIX}pipeline_", launch)
     return shell_line(argv, env)
-
-
-READY_TIMEOUT_S = 120.0
-MPI_READY_TIMEOUT_S = 1800.0  # TensorRT-LLM engines of a 70B model take minutes to load
-
-
-def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callable[[TritonServer], None] | None = None,
-          binary: ServerBinary | None = None, on_start: Callable[[TritonServer], None] | None = None,
-          say: Callable[[str], None] = print, frontend: Callable[[TritonServer], object] | None = None) -> None:
-    """Start, wait until every model is ready, start the frontend `frontend(server)` makes (the OpenAI API:
-    pipeline.openai_api.process.FrontendProcess, which this layer doesn't import), call on_ready, then supervise
-    until Ctrl-C or SIGTERM: a dead server, python stub or frontend is restarted (pipeline.triton.supervise), each
-    time said in one line. Always stops both.
-    on_start runs as soon as the process is started (a 70B model takes minutes to become ready)."""
-    from pipeline.triton.supervise import supervise
-
-    server = TritonServer(options, binary)
-    previous = _raise_on_sigterm()
-    try:
-        server.start()
-        if server.device_line:
-            say(server.device_line)
-        if on_start is not None:
-            on_start(server)
-        ready_timeout = timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S)
-        server.wait_ready(ready_timeout)
-        if frontend is not None:
-            server.frontend = frontend(server)
-            server.frontend.start().wait_ready()
-        if on_ready is not None:
-            on_ready(server)
-        supervise(server, say, ready_timeout, frontend=server.frontend)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if server.frontend is not None:
-            server.frontend.stop()
-        server.stop()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _raise_on_sigterm():
-    """SIGTERM takes the same path as Ctrl-C, so the finally that stops the server runs."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-        return signal.signal(signal.SIGTERM, interrupt)
-    return None
 
 
 def group_members(pgid: int) -> list[int]:

@@ -11,6 +11,7 @@ ready again after a normal start. Restarts are rationed, so a model that dies at
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.errors import ServeError
-from pipeline.triton.server import STUB_NAME, TritonServer, failure_from_log, group_members
+from pipeline.triton.server import (STUB_NAME, ServeOptions, ServerBinary, TritonServer, failure_from_log,
+                                    group_members)
 
 POLL_S = 0.5
 # tritonserver 2.51's gRPC frontend (the bundled CPU server's) can free a stream's state when a client cancels while
@@ -138,3 +140,51 @@ def supervise(server: TritonServer, say: Callable[[str], None], ready_timeout: f
         if on_restart is not None:
             on_restart(died, log, start, time.monotonic())
         stubs = python_stubs(server.process.pid)
+
+
+READY_TIMEOUT_S = 120.0
+MPI_READY_TIMEOUT_S = 1800.0  # TensorRT-LLM engines of a 70B model take minutes to load
+
+
+def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callable[[TritonServer], None] | None = None,
+          binary: ServerBinary | None = None, on_start: Callable[[TritonServer], None] | None = None,
+          say: Callable[[str], None] = print, frontend: Callable[[TritonServer], object] | None = None) -> None:
+    """Start, wait until every model is ready, start the frontend `frontend(server)` makes (the OpenAI API:
+    pipeline.openai_api.process.FrontendProcess, which this layer doesn't import), call on_ready, then supervise
+    until Ctrl-C or SIGTERM: a dead server, python stub or frontend is restarted (supervise, below), each
+    time said in one line. Always stops both.
+    on_start runs as soon as the process is started (a 70B model takes minutes to become ready)."""
+    server = TritonServer(options, binary)
+    previous = _raise_on_sigterm()
+    try:
+        server.start()
+        if server.device_line:
+            say(server.device_line)
+        if on_start is not None:
+            on_start(server)
+        ready_timeout = timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S)
+        server.wait_ready(ready_timeout)
+        if frontend is not None:
+            server.frontend = frontend(server)
+            server.frontend.start().wait_ready()
+        if on_ready is not None:
+            on_ready(server)
+        supervise(server, say, ready_timeout, frontend=server.frontend)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server.frontend is not None:
+            server.frontend.stop()
+        server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_on_sigterm():
+    """SIGTERM takes the same path as Ctrl-C, so the finally that stops the server runs."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        return signal.signal(signal.SIGTERM, interrupt)
+    return None

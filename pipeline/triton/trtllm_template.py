@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError
 from pipeline.triton import upstream
+from pipeline.triton.model_config_pb import model_config_pb2
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
@@ -105,8 +106,6 @@ def parameters(values: dict[str, str]) -> dict[str, str]:
 
 def table_config(model: TrtllmModel, *, max_batch_size: int, tokenizer_dir: str) -> ModelConfig:
     """The filled template, written from pipeline.triton.upstream's tables (no container needed)."""
-    from pipeline.triton.config import model_config_pb2
-
     pb = model_config_pb2()
     values = fills(model, max_batch_size=max_batch_size, tokenizer_dir=tokenizer_dir)
     msg = pb.ModelConfig(name=model.name, backend=values["triton_backend"], max_batch_size=max_batch_size)
@@ -163,8 +162,6 @@ def container_config(tools: ContainerTools, model: TrtllmModel, *, max_batch_siz
     """Copy the container's template, fill it with the container's fill_template.py, parse it back."""
     from google.protobuf import text_format
 
-    from pipeline.triton.config import model_config_pb2
-
     values = fills(model, max_batch_size=max_batch_size, tokenizer_dir=tokenizer_dir)
     text = tools.template.read_text()
     with tempfile.TemporaryDirectory(prefix="pipeline-fill-") as tmp:
@@ -206,8 +203,6 @@ def check_config(msg: ModelConfig, sent: dict[str, str]) -> None:
                           f"{', '.join(upstream.GPT_MODEL_TYPES)}")
     if not params.get("gpt_model_path") or params["gpt_model_path"].startswith("${"):
         raise ConfigError(f"{where} has no gpt_model_path; pass the engine folder")
-    from pipeline.triton.config import model_config_pb2
-
     pb = model_config_pb2()
     inputs = {t.name: pb.DataType.Name(t.data_type) for t in msg.input}
     for name, dtype in sent.items():
