@@ -92,7 +92,9 @@ def test_command_binds_every_endpoint_to_the_host_and_points_at_the_stub_backend
     for flag in ["--model-repository=/models", "--grpc-address=127.0.0.1", "--grpc-port=9001",
                  "--http-address=127.0.0.1", "--http-port=9000", "--metrics-address=127.0.0.1",
                  "--metrics-port=9002", "--backend-directory=/ws/backends", "--exit-on-error=true",
-                 "--backend-config=python,shm-region-prefix-name=p_"]:
+                 "--backend-config=python,shm-region-prefix-name=p_",
+                 f"--backend-config=python,shm-default-byte-size={16 << 20}",
+                 f"--backend-config=python,shm-growth-byte-size={16 << 20}"]:
         assert flag in cmd
     opened = server_command(ServeOptions(repo=Path("/models"), host="0.0.0.0"), binary)
     assert "--grpc-address=0.0.0.0" in opened and not any(a.startswith("--backend-directory") for a in opened)

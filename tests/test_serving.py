@@ -793,6 +793,31 @@ def test_a_longer_stream_interval_sends_fewer_responses_with_the_same_text(serve
         c.close()
 
 
+def test_each_python_models_shared_memory_region_is_made_at_its_full_size_and_does_not_grow(server, engine_dir):
+    """The python backend takes serve's region size (launch.PYTHON_SHM_BYTES, 16 MiB; its own default is 1 MB, grown
+    1 MB at a time, each growth mapped again in two processes): after a burst of streams every region is that size."""
+    from pipeline.triton.launch import PYTHON_SHM_BYTES
+
+    answered = []
+
+    def stream(i: int) -> None:
+        c = client(server)  # a client holds one stream
+        try:
+            answered.append(len(ensemble_results(c, f"burst {i}", MAX_TOKENS, True)))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answered) == 8 and min(answered) > 0
+    regions = list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))
+    assert len(regions) >= 4  # preprocessing, the gate, the engine, postprocessing
+    assert {r.stat().st_size for r in regions} == {PYTHON_SHM_BYTES}
+
+
 @pytest.mark.parametrize("name, value, message", [
     ("repetition_penalty", np.array([[0.0]], np.float32), "repetition_penalty must be a finite number > 0"),
     ("presence_penalty", np.array([[3.0]], np.float32), r"presence_penalty must be in \[-2, 2\]"),

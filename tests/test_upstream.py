@@ -232,6 +232,8 @@ def test_serve_launches_each_world_size_the_way_upstream_requires(tiny_target, t
         assert f"--model-repository={repo}" in argv
     prefixes = [a for argv in argvs for a in argv if a.startswith("--backend-config=python,shm-region-prefix-name=")]
     assert len(set(prefixes)) == len(argvs)  # LAUNCH_FACTS["shm_prefix"]: one per rank
+    for argv in argvs:  # LAUNCH_FACTS["python_shm"]: every rank's python models get regions of one size
+        assert f"--backend-config=python,shm-default-byte-size={16 << 20}" in argv
     if draft:
         # Two TensorRT-LLM models: the orchestrator, one rank, spawning each model's workers on its GPUs.
         assert env == ORCHESTRATOR_ENV and len(argvs) == 1
@@ -280,7 +282,9 @@ def test_launch_modes_check_their_world_size():
     with pytest.raises(ConfigError, match="orchestrator mode runs one rank"):
         Launch("engine", "orchestrator", world_size=2)
     argv, env = launch_command(plan_launch("torch"), "tritonserver", ["--x"], "p_")
-    assert argv == ["tritonserver", "--x", "--backend-config=python,shm-region-prefix-name=p_"] and env == {}
+    assert argv == ["tritonserver", "--x", "--backend-config=python,shm-region-prefix-name=p_",
+                    f"--backend-config=python,shm-default-byte-size={16 << 20}",
+                    f"--backend-config=python,shm-growth-byte-size={16 << 20}"] and env == {}
 
 
 def test_the_multi_node_launch_emits_only_what_its_launch_facts_name():

@@ -46,8 +46,8 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, as vLLM's where the model ships n
 TOKENIZING_THREADS = 4
 # A whole answer is streamed from the ensemble (its first response tells a refusal from a start, and a client that
 # left is noticed at each one) but read only at its end: two responses a second, not twenty. At the default
-# cadence, 16 choices of 300 tokens left tritonserver 29 MB and the gate 13 MB larger, a backlog of responses the
-# frontend had not read yet; at this one, 5 and 3 (scripts/front_door.py).
+# cadence 16 choices of 300 tokens left tritonserver's RSS 50 MiB and the gate's 34 MiB higher, and took 42 s; at
+# this one, 7 and 4 MiB, and 33 s (2 cores: the stack's processes had fallen behind the engine's responses).
 WHOLE_ANSWER_INTERVAL_MS = 500
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 

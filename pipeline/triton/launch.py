@@ -17,7 +17,8 @@ referenced in pipeline.triton.upstream.LAUNCH_FACTS):
 - llmapi: TensorRT-LLM's LLM-API model, one rank; the LLM API starts its own tp*pp workers.
 We build the command ourselves rather than call launch_triton_server.py, which starts the server in the
 background and returns: `pipeline serve` must own the process to wait for readiness, stop it and reap
-its stubs. The command is the one that script builds, plus our ports, addresses and shared-memory prefix.
+its stubs. The command is the one that script builds, plus our ports, addresses and the python backend's
+shared-memory prefix and size.
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ from pipeline.errors import ConfigError
 LAUNCH_FILE = "launch.json"
 MODES = ("plain", "leader", "orchestrator", "llmapi")
 ORCHESTRATOR_ENV = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
+
+
+# Each python model instance moves its tensors through a shared-memory region of its own, created at 1 MB and grown
+# in 1 MB steps by default; each growth maps the whole region again, in the stub and in tritonserver, and keeps the
+# old mapping (python_backend's SharedMemoryManager::GrowIfNeeded), so both processes counted the same pages several
+# times. After 16 choices of 1020 tokens the gate's region had grown 8 times: 13-14 MiB of shared RSS in the gate and
+# in tritonserver for 3 MiB of pages. Created at 16 MiB, it never grew (tmpfs pages are taken only when touched).
+PYTHON_SHM_BYTES = 16 << 20
+
+
+def python_backend_args(shm_prefix: str) -> list[str]:
+    """The python backend's settings on a tritonserver command line (LAUNCH_FACTS "shm_prefix", "python_shm")."""
+    return [f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+            f"--backend-config=python,shm-default-byte-size={PYTHON_SHM_BYTES}",
+            f"--backend-config=python,shm-growth-byte-size={PYTHON_SHM_BYTES}"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +113,7 @@ def rank_command(tritonserver: str, base_args: list[str], rank: int, launch: Lau
     if launch.mode == "orchestrator":
         cmd += ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
                 *[f"--cuda-memory-pool-byte-size={g}:0" for g in range(max(launch.gpus, 1))]]
-    cmd += ["--disable-auto-complete-config", f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_"]
+    cmd += ["--disable-auto-complete-config", *python_backend_args(f"{shm_prefix}{rank}_")]
     return cmd
 
 
@@ -108,7 +124,7 @@ def launch_command(launch: Launch, tritonserver: str, base_args: list[str], shm_
     base_args: the server's own arguments (repository, addresses, ports, exit/readiness flags); the plain
     mode adds only its shared-memory prefix."""
     if not launch.mpi:
-        return [tritonserver, *base_args, f"--backend-config=python,shm-region-prefix-name={shm_prefix}"], {}
+        return [tritonserver, *base_args, *python_backend_args(shm_prefix)], {}
     argv = [mpirun, "--allow-run-as-root"]
     for rank in range(launch.world_size):
         argv += ["-n", "1", *rank_command(tritonserver, base_args, rank, launch, shm_prefix)]

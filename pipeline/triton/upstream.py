@@ -64,11 +64,13 @@ KUBESSH = "triton-inference-server/tutorials:Deployment/Kubernetes/TensorRT-LLM_
 # (read at 0019b9d6107db8228745b118005d198ab4db5682), and where it renders the chat template before that.
 TRITON_OPENAI_REQUEST = "triton-inference-server/server:python/openai/openai_frontend/engine/utils/triton.py"
 TRITON_OPENAI_ENGINE = "triton-inference-server/server:python/openai/openai_frontend/engine/triton_engine.py"
+# The python backend that runs every python model (its --backend-config keys are parsed at backend load).
+PYTHON_BACKEND = "triton-inference-server/python_backend:src/python_be.cc"
 SOURCES = frozenset({TEMPLATE, ENSEMBLE_TEMPLATE, MODEL_INSTANCE_STATE, MODEL_STATE, UTILS_H, FILL_TEMPLATE,
                      LAUNCH_SCRIPT, EXECUTOR_IMPL, DOCKERFILE, MULTI_INSTANCE_DOC, DRAFT_TARGET_README,
                      LLMAPI_TEMPLATE, LLMAPI_MODEL_PY, LLMAPI_HELPERS, LLMAPI_DOC, LLMAPI_LAUNCHER, LWS_SERVER,
                      LWS_RBAC, KUBESSH, TRITON_OPENAI_REQUEST, TRITON_OPENAI_ENGINE, GUIDED_DECODER,
-                     GUIDED_DECODING_DOC})
+                     GUIDED_DECODING_DOC, PYTHON_BACKEND})
 
 
 @dataclass(frozen=True)
@@ -363,6 +365,10 @@ LAUNCH_FACTS: dict[str, LaunchFact] = {
     "disable_auto_complete": LaunchFact("--disable-auto-complete-config on every rank", Ref(LAUNCH_SCRIPT, "get_cmd")),
     "shm_prefix": LaunchFact("--backend-config=python,shm-region-prefix-name=<prefix per rank>",
                              Ref(LAUNCH_SCRIPT, "get_cmd")),
+    "python_shm": LaunchFact("--backend-config=python,shm-default-byte-size=<bytes> and shm-growth-byte-size=<bytes>: "
+                             "each python model instance's shared-memory region is created at the first size (1 MB "
+                             "by default, at least 1 MB) and grown by the second (1 MB by default)",
+                             Ref(PYTHON_BACKEND, "TRITONBACKEND_Initialize")),
     "worker_ranks": LaunchFact("ranks > 0: --model-control-mode=explicit and --load-model=<each TensorRT-LLM model>",
                                Ref(LAUNCH_SCRIPT, "get_cmd")),
     "orchestrator_env": LaunchFact("--multi-model sets TRTLLM_ORCHESTRATOR=1 and TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES=1 "
