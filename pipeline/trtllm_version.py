@@ -25,6 +25,8 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 
+from packaging.version import Version
+
 from pipeline.errors import ConfigError
 
 # NVIDIA's Triton container layout (pipeline.triton.upstream.DOCKERFILE: WORKDIR /app; COPY triton_backend/...)
@@ -41,13 +43,6 @@ def release(version: str) -> str:
     """'1.2.1' -> '1.2'; '1.2.0rc8' -> '1.2'."""
     parts = version.split(".")
     return ".".join(parts[:2])
-
-
-def _key(version: str) -> tuple:
-    import re
-
-    nums = [int(x) for x in re.findall(r"\d+", version)]
-    return tuple(nums) + ((1 << 30,) if "rc" not in version else ())  # 1.2.1 after 1.2.1rc9
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ RELEASES: dict[str, Release] = {r.key: r for r in (
 )}
 # The default for dry runs and manifests: the newest stable release, the one NVIDIA's newest Triton + TensorRT-LLM
 # container ships. A pre-release is written for only when asked (--trtllm-version) or installed.
-DEFAULT = max((r for r in RELEASES.values() if r.stable), key=lambda r: _key(r.version))
+DEFAULT = max((r for r in RELEASES.values() if r.stable), key=lambda r: Version(r.version))
 TRTLLM_VERSION = DEFAULT.version
 TRITON_CONTAINER = DEFAULT.container  # Triton 26.07 + TensorRT-LLM 1.2.1
 

@@ -1086,9 +1086,10 @@ SAY_HI = [{"role": "user", "content": "Say hi."}]
 # The cases that were a 500, a wrong 200 or a silent rounding: each a 400 naming its field, served.
 REFUSED = [
     ({"messages": SAY_HI, "tools": [BIG_TOOL], "tool_choice": "required"}, "tools"),
-    ({"messages": SAY_HI, "guided_regex": "a+[^\\s\\S]"}, None),
+    ({"messages": SAY_HI, "guided_regex": "a+[^\\s\\S]"}, "guided_regex"),
     ({"messages": SAY_HI, "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
-        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, None),
+        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}}}, "response_format"),
+    ({"messages": SAY_HI, "guided_grammar": 'root ::= "x" root'}, "guided_grammar"),
     ({"messages": SAY_HI, "repetition_penalty": 1e-38}, "repetition_penalty"),
     ({"prompt": "hi", "repetition_penalty": 1e-45, "temperature": 1}, "repetition_penalty"),
     ({"prompt": "hi", "temperature": 1e-300}, "temperature"),

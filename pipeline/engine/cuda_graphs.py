@@ -1,7 +1,7 @@
 """Decode and verify forwards replayed from CUDA graphs captured at load, over static input buffers.
 
 At batch 1 a GPU step is launch-bound: about 480 kernel launches and 190 allocations a token took 20+ ms where
-the GPU was busy 2 (FACTS.md). A graph replays a whole forward's launches in one call. It needs fixed shapes and
+the GPU was busy 2 (an H200, before these graphs). A graph replays a whole forward's launches in one call. It needs fixed shapes and
 fixed addresses, so each (batch bucket, width) pair gets its own graph over views of one set of static buffers
 (token ids, positions, write positions, block table), and a step copies its inputs into them and replays the
 graph of the smallest bucket that holds its rows.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 import urllib.request
@@ -45,11 +46,13 @@ from pipeline.triton.client import Chunk, RequestOptions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, as vLLM's where the model ships no generation_config
 TOKENIZING_THREADS = 4
 # A whole answer is streamed from the ensemble (its first response tells a refusal from a start, and a client that
-# left is noticed at each one) but read only at its end: two responses a second, not twenty. At the default
+# left is noticed at each one) but read only at its end: four responses a second, not twenty. At the default
 # cadence 16 choices of 300 tokens left tritonserver's RSS 50 MiB and the gate's 34 MiB higher, and took 42 s; at
-# this one, 7 and 4 MiB, and 33 s (2 cores: the stack's processes had fallen behind the engine's responses).
-WHOLE_ANSWER_INTERVAL_MS = 500
+# 250 ms, 10 and 6 MiB, and 37 s (2 cores: the stack's processes had fallen behind the engine's responses). No
+# longer: a client's cancel reaches the engine at a response, twice on its way (0.5 s after the client left, here).
+WHOLE_ANSWER_INTERVAL_MS = 250
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+GUIDE_ERROR = re.compile(r"\bthe (?:json |json_schema |regex |ebnf_grammar )?guide\b")  # pipeline.engine.guide's
 
 
 @dataclass(frozen=True)
@@ -289,11 +292,11 @@ def create_app(settings: FrontendSettings):
         total.chunks = [c for o in outcomes for c in o.chunks]
         return total
 
-    def error_of(err: EnsembleError) -> ProtocolError:
+    def error_of(err: EnsembleError, req: SamplingFields) -> ProtocolError:
         if err.busy:
             return ProtocolError(err.message, status=503, type="server_busy")
-        if err.refused:
-            return ProtocolError(err.message)
+        if err.refused:  # the engine's refusal of a guide (it compiles them) names the field that carried it
+            return ProtocolError(err.message, req.guide_field() if GUIDE_ERROR.search(err.message) else None)
         return ProtocolError(err.message, status=502, type="upstream_error")
 
     def count_tokens(text: str) -> int:
@@ -354,7 +357,7 @@ def create_app(settings: FrontendSettings):
         except (EnsembleError, edge.ClientLeft) as err:
             for a in streams:
                 await a.aclose()
-            raise error_of(err) if isinstance(err, EnsembleError) else err from None
+            raise error_of(err, req) if isinstance(err, EnsembleError) else err from None
 
         async def choice(i: int) -> AsyncIterator[str]:
             """Choice i's pieces, the first one's awaited piece included."""
@@ -379,7 +382,7 @@ def create_app(settings: FrontendSettings):
             try:
                 answers = await edge.unless_client_leaves(request, asyncio.gather(*tasks))
             except EnsembleError as err:
-                raise error_of(err) from None
+                raise error_of(err, req) from None
             finally:
                 await close(tasks)
             total = merged(outcomes, prompt_tokens, max_new)
@@ -455,7 +458,7 @@ def create_app(settings: FrontendSettings):
                     i, item = await queue.get()
                     if isinstance(item, Exception):  # mid-stream: OpenAI's error object as an event, then the end
                         if isinstance(item, EnsembleError):
-                            error = error_of(item)
+                            error = error_of(item, req)
                         else:  # unforeseen: logged in one line, as the edge logs a whole request's
                             edge.log_failure("POST", CHAT_PATH if chat else COMPLETIONS_PATH, item)
                             error = edge.internal_error()

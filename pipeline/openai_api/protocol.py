@@ -212,10 +212,18 @@ class SamplingFields(BaseModel):
         except RequestError as err:
             raise ProtocolError(str(err), "logit_bias") from None
 
+    def guide_field(self) -> str | None:
+        """The field that carries the request's guide, for an error about it; None for none."""
+        asked = self._guide_fields()
+        return asked[0] if asked else None
+
+    def _guide_fields(self) -> list[str]:
+        return [name for name in (*VLLM_GUIDES, "response_format") if getattr(self, name) is not None
+                and not (name == "response_format" and self.response_format.type == "text")]
+
     def guide(self) -> GuideSpec | None:
         """The one guide the request asks for (response_format or a vLLM guided_* field), checked; None for none."""
-        asked = [name for name in (*VLLM_GUIDES, "response_format") if getattr(self, name) is not None
-                 and not (name == "response_format" and self.response_format.type == "text")]
+        asked = self._guide_fields()
         if len(asked) > 1:
             raise ProtocolError(f"{' and '.join(asked)} each ask for a guide; send one", asked[1])
         if not asked:
@@ -411,6 +419,9 @@ class ChatRequest(SamplingFields):
         if family is not None:
             return tools.native(turns, offered)
         return tools.render(turns, offered, describe_tools=bool(offered)), None
+
+    def guide_field(self) -> str | None:
+        return super().guide_field() if self.tool_mode() in (None, "auto") else "tools"
 
     def guide(self) -> GuideSpec | None:
         mode = self.tool_mode()
