@@ -11,7 +11,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from pipeline.errors import ServeError
 from pipeline.openai_api.protocol import API_KEY_ENV
+from pipeline.polling import wait_until
 from pipeline.triton.server import terminate_with_parent
 
 
@@ -72,20 +72,20 @@ class FrontendProcess:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Until /health answers 200 (the ensemble is ready behind it); a frontend that exits raises."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def probe() -> bool | None:
             if self.process.poll() is not None:
                 raise ServeError(f"the OpenAI frontend exited with code {self.process.returncode}: "
                                  f"{self._last_line()} (log: {self.log_path})")
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(f"{self.url}/health", timeout=1) as response:
                     if response.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServeError(f"the OpenAI frontend did not answer on {self.url} in {timeout:g} s "
-                                 f"(log: {self.log_path})")
-            time.sleep(0.2)
+                        return True
+            return None
+
+        if wait_until(probe, timeout, 0.2) is None:
+            self.stop()
+            raise ServeError(f"the OpenAI frontend did not answer on {self.url} in {timeout:g} s "
+                             f"(log: {self.log_path})")
 
     def died(self) -> str | None:
         if self.process is None or self.process.poll() is None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.engine.draft_plan import add_counts, read_counts, speculation_summary
 from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
+from pipeline.polling import wait_until
 
 if TYPE_CHECKING:
     from pipeline.engine.guide import GuideSpec
@@ -326,14 +327,18 @@ class Connection:
 
     def check_ready(self) -> None:
         """A one-line ServeError unless the server answers and the model is ready (within wait_s)."""
-        deadline = time.monotonic() + self.options.wait_s
-        while True:
+        failed: list[ServeError] = []
+
+        def probe() -> bool | None:
             try:
-                return self._check_ready_once()
-            except ServeError:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.5)
+                self._check_ready_once()
+                return True
+            except ServeError as err:
+                failed[:] = [err]
+                return None
+
+        if wait_until(probe, self.options.wait_s, 0.5) is None:
+            raise failed[0]
 
     def _check_ready_once(self) -> None:
         from tritonclient.utils import InferenceServerException

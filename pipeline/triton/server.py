@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pipeline.engine.device import parse_device
 from pipeline.errors import ConfigError, ServeError
+from pipeline.polling import wait_until
 from pipeline.triton.config import DEVICE_ENV
 from pipeline.triton.launch import Launch, launch_command, read_launch
 from pipeline.triton.ports import port_in_use
@@ -379,9 +380,9 @@ class TritonServer:
 
     def wait_ready(self, timeout: float = 120.0) -> Endpoints:
         """Poll /v2/health/ready until every model is ready; a server that exits raises with its log line."""
-        deadline = time.monotonic() + timeout
         url = f"http://{_connect_host(self.options.host)}:{self.options.http_port}/v2/health/ready"
-        while True:
+
+        def probe() -> Endpoints | None:
             code = self.process.poll()
             if code is not None:
                 self.stop(keep_log=True)
@@ -398,12 +399,14 @@ class TritonServer:
                 if ready:
                     with urllib.request.urlopen(self.endpoints.metrics, timeout=1):
                         return self.endpoints
-            if time.monotonic() > deadline:
-                reason = failure_from_log(self.log())
-                self.stop(keep_log=True)
-                raise ServeError(f"tritonserver not ready after {timeout:g} s"
-                                 + (f": {reason}" if reason else "") + f" (log: {self.log_path})")
-            time.sleep(0.25)
+            return None
+
+        if (endpoints := wait_until(probe, timeout, 0.25)) is not None:
+            return endpoints
+        reason = failure_from_log(self.log())
+        self.stop(keep_log=True)
+        raise ServeError(f"tritonserver not ready after {timeout:g} s"
+                         + (f": {reason}" if reason else "") + f" (log: {self.log_path})")
 
     def stop(self, timeout: float = 30.0, keep_log: bool = False) -> None:
         """SIGTERM the server, SIGKILL what is left of its process group, remove our shared memory.
