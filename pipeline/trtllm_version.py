@@ -8,7 +8,7 @@ built it. So every release we write for is a `Release` here, with its tables in 
 wrote for, and `compile`/`serve` refuse, in one line naming both versions, a TensorRT-LLM that differs in a way that
 matters.
 
-Where each fact comes from (read for issue 30; docs/trtllm.md has the table):
+Where each fact comes from (docs/trtllm.md has the table):
 - Which Triton container ships which TensorRT-LLM: triton-inference-server/server docs/introduction/compatibility.md
   @e1db8a60 ("| 26.07 | nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3 | ... | 1.2.1 |"; 25.12-26.02 ship
   1.1.0, 26.03 1.2.0, 26.04-26.07 1.2.1, and no row ships a 1.3 or 1.4). tensorrtllm_backend's Dockerfile names

@@ -1,6 +1,6 @@
 """`pipeline bench`'s outputs: one table, the JSON, the plot, and the verdict against the targets.
 
-Targets (issue 13): at every concurrency, gated throughput >= 0.97 x max(off, on), and never below off by
+Targets: at every concurrency, gated throughput >= 0.97 x max(off, on), and never below off by
 more than 3%.
 """
 

@@ -1,8 +1,8 @@
 """The wall-clock budget of `pipeline draft train`: M minutes for the whole run, split into phases.
 
 On a loaded 2-core box the target's answers and hidden states alone can outlast the budget, and the
-acceptance measurement after training used to run unbounded: a 10-minute run once took 20 minutes and
-trained 0 steps. So the phases are planned up front from the deadline, and every long loop (answer
+acceptance measurement after training, left unbounded, made a 10-minute run take 20 minutes and train 0
+steps. So the phases are planned up front from the deadline, and every long loop (answer
 decoding, target forwards, training steps, acceptance decoding) stops at its own phase's end:
 
     data: answers (with their hidden     at most DATA_SHARE of what setup left (answers: ANSWER_SHARE)

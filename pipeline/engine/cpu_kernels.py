@@ -7,7 +7,7 @@ them per layer: RMSNorm with the residual add before it, rope + KV write + atten
 SiLU-and-multiply (cpu_kernels_layer.h, one source for bf16 and fp32 storage).
 
 They are plain C on raw pointers, called through ctypes: no torch headers, so building them takes
-a few seconds with `cc`, and a machine without a compiler runs the torch ops as before (describe()
+a few seconds with `cc`, and a machine without a compiler runs the torch ops instead (describe()
 says which). The shared object is cached under the pipeline home, keyed by the sources, the flags and
 the CPU's feature flags. OpenMP comes from the libgomp torch already loaded (same soname), so the
 kernels and torch share one thread pool.

@@ -14,7 +14,7 @@ eagerly on a CPU, under Triton's interpreter. Only the invariant path is graphed
 key count that changes every step. A draft model's steps and an EAGLE-3 head's (GraphedHead) are graphed the
 same way.
 
-A forward whose shape no graph holds (a prefill, a batch past the largest bucket) runs eagerly, as before.
+A forward whose shape no graph holds (a prefill, a batch past the largest bucket) runs eagerly.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class AcceptanceEstimate:
     @property
     def continuation(self) -> float:
         # Its prior is the first draft's estimate, not the fixed one: until later drafts have been checked the model
-        # is the geometric one, so drafts whose first token always fails stop as soon as before.
+        # is the geometric one, so drafts whose first token always fails stop as soon as the geometric model stops them.
         return (self.later_accepted + self.first * PRIOR_TRIALS) / (self.later_checks + PRIOR_TRIALS)
 
     @property

@@ -551,7 +551,7 @@ class LLMEngine:
     def _target_forward(self, ids: torch.Tensor, fb: ForwardBatch, logits_index: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's logits, plus [B, T, A] hidden states of the layers an EAGLE-3 proposer reads
-        (None for every other proposer, whose forward stays exactly as before)."""
+        (None for every other proposer, whose forward captures nothing)."""
         capture = getattr(self.proposer, "capture_layers", ())
         graphed = self.graphed(ids, fb) if self.graphed is not None and logits_index is None else None
         if graphed is not None:  # views of the graphs' static outputs, overwritten by the next replay

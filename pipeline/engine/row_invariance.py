@@ -4,7 +4,7 @@ Greedy speculation is lossless only if a token's logits come out bit for bit the
 beside other requests and inside a verify (k+1 rows per request). The engine's own C linears have that by
 construction. oneDNN, MKL and F.linear don't promise it: they pick a kernel, and with it a summation order,
 by the row count and the CPU. On an AMD EPYC, F.linear's fp32 path changed a row's bits between 4 and 8
-rows; on an Ice Lake Xeon without avx512_bf16, oneDNN's bf16 path did (issue 27). So a vendor kernel stays
+rows; on an Ice Lake Xeon without avx512_bf16, oneDNN's bf16 path did. So a vendor kernel stays
 in the engine only where this check passes on the running CPU, for the layer's own shape, dtype and thread
 count; elsewhere the layer calls it one row at a time, which is row-invariant because every call is alike.
 

@@ -1,8 +1,8 @@
 """The sampling values a request may carry: one rule, free of torch, for the engine, the Triton models and the client.
 
 Every value is checked finite and in range, and refused with its own one-line message, never clamped:
-a NaN temperature used to pass `temperature < 0` and then failed the engine's sampling step for every
-request in the batch. A positive temperature below MIN_TEMPERATURE overflows logits / T in float32
+a NaN temperature passes `temperature < 0` and then fails the engine's sampling step for every request in
+the batch. A positive temperature below MIN_TEMPERATURE overflows logits / T in float32
 (1e-45 gives inf, then NaN probabilities), so it is refused rather than quietly turned into greedy:
 at 1e-5, logits of a few hundred still divide to well inside float32's range.
 """
