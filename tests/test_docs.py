@@ -26,6 +26,15 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
     assert not broken, broken
 
 
+def test_no_doc_or_comment_cites_a_file_the_repository_lacks():
+    """The shared notes beside a checkout (FACTS.md, STYLE.md) are not in it: a reader of the code can't open them.
+    Upstream files are named by repository and path instead (pipeline.triton.upstream)."""
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "pipeline").rglob("*.py"),
+             *(ROOT / "scripts").rglob("*.py")]
+    citing = [str(f.relative_to(ROOT)) for f in files if re.search(r"\b(FACTS|STYLE)\.md\b|\.\./shared/", f.read_text())]
+    assert not citing, citing
+
+
 def test_the_readme_is_what_a_newcomer_needs_and_no_more():
     text = (ROOT / "README.md").read_text()
     assert len(text.encode()) <= 8 * 1024, len(text.encode())
