@@ -146,7 +146,8 @@ class Beside:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.on:
+            self._thread.join()
 
 
 def case_leave(stack: Stack, args) -> str:
