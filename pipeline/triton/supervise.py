@@ -1,5 +1,5 @@
-"""`pipeline serve`'s watch over a running tritonserver: a dead server, or a dead python backend stub,
-brings the whole server back.
+"""`pipeline serve`'s run of a tritonserver (`serve`: start, wait until ready, watch, stop) and its watch over it:
+a dead server, or a dead python backend stub, brings the whole server back.
 
 Each python model instance runs in its own stub process. When one dies (OOM killer, a segfault in a
 native library, kill -9), tritonserver 2.51 doesn't notice: readiness stays 200, the dead instance's
@@ -151,7 +151,7 @@ def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callabl
           say: Callable[[str], None] = print, frontend: Callable[[TritonServer], object] | None = None) -> None:
     """Start, wait until every model is ready, start the frontend `frontend(server)` makes (the OpenAI API:
     pipeline.openai_api.process.FrontendProcess, which this layer doesn't import), call on_ready, then supervise
-    until Ctrl-C or SIGTERM: a dead server, python stub or frontend is restarted (supervise, below), each
+    until Ctrl-C or SIGTERM: a dead server, python stub or frontend is restarted (supervise, above), each
     time said in one line. Always stops both.
     on_start runs as soon as the process is started (a 70B model takes minutes to become ready)."""
     server = TritonServer(options, binary)
