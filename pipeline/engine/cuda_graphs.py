@@ -1,10 +1,10 @@
 """Decode and verify forwards replayed from CUDA graphs captured at load, over static input buffers.
 
 At batch 1 a GPU step is launch-bound: about 480 kernel launches and 190 allocations a token took 20+ ms where
-the GPU was busy 2 (an H200, before these graphs). A graph replays a whole forward's launches in one call. It needs fixed shapes and
-fixed addresses, so each (batch bucket, width) pair gets its own graph over views of one set of static buffers
-(token ids, positions, write positions, block table), and a step copies its inputs into them and replays the
-graph of the smallest bucket that holds its rows.
+the GPU was busy 2 (an H200, before these graphs). A graph replays a whole forward's launches in one call. It
+needs fixed shapes and fixed addresses, so each (batch bucket, width) pair gets its own graph over views of one
+set of static buffers (token ids, positions, write positions, block table), and a step copies its inputs into them
+and replays the graph of the smallest bucket that holds its rows.
 
 The padding costs nothing in the bits: the rows past the step's own are pads (write position -1), which the
 engine's GPU kernels never let into a real row's result (gpu_kernels.py: no tile, split or key loop depends on

@@ -4,7 +4,8 @@ Greedy speculation is lossless only if a token's logits come out bit for bit the
 other requests, inside a verify (k+1 rows), after a prefix-cache hit (the last prompt token computed alone) and in
 a chunked prefill. cuBLAS and SDPA don't promise that: they pick a kernel, a tile and a split of the reduction by
 the shape, and on an H200 the target as its own draft accepted 0.83-0.89 of its drafts in bf16, not 1.0
-(docs/design.md, "Row-invariant by construction, on a GPU"). So on a GPU every reduction of a forward runs here, in an order fixed by the weights' shapes alone:
+(docs/design.md, "Row-invariant by construction, on a GPU"). So on a GPU every reduction of a forward runs here,
+in an order fixed by the weights' shapes alone:
 
 - `linear`: one tile shape and one split of K per weight, chosen from (N, K) and the GPU's SM count, never from the
   row count M. A row's output is sum over K of its own products, in K-blocks added in order, each block by the

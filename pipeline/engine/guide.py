@@ -101,13 +101,15 @@ def grammar_text(spec: GuideSpec) -> str:
 
 
 # Lark as gbnf_to_lark writes it: strings, regexes, names, repetitions ({n}, {n,}, {n,m}, ~ n..m), operators.
-_LARK_TOKEN = re.compile(r'\s+|//[^\n]*|"(?:[^"\\]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*|[A-Za-z_]\w*|\d+|\.\.|[():|*+?\[\]~{},]')
+_LARK_TOKEN = re.compile(r'\s+|//[^\n]*|"(?:[^"\\]|\\.)*"i?|/(?:[^/\\\n]|\\.)+/[imslux]*'
+                         r'|[A-Za-z_]\w*|\d+|\.\.|[():|*+?\[\]~{},]')
 _LARK_RULE = re.compile(r"^[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?\s*:(.*)$")
 
 
 def endless_rules(lark: str) -> list[str] | None:
-    """The rules no finite string derives from, when the start rule is one of them (`root ::= "x" root`), else None. llguidance compiles such
-    a grammar and lets the model write "x" until max_tokens: an answer that never matches its guide.
+    """The rules no finite string derives from, when the start rule is one of them (`root ::= "x" root`), else None.
+    llguidance compiles such a grammar and lets the model write "x" until max_tokens: an answer that never matches
+    its guide.
 
     A least fixed point, as looping_ref's: a rule produces a string once one of its alternatives is made of strings,
     regexes, optional or starred parts and rules already found to; what is left can't. Terminals (upper-case names)
@@ -127,16 +129,10 @@ def endless_rules(lark: str) -> list[str] | None:
             return None
     try:
         parsed = {name: _lark_alternatives(_lark_tokens(" ".join(body))) for name, body in rules.items()}
-    except ValueError:
+    except (ValueError, IndexError):  # Lark past what gbnf_to_lark writes
         return None
-    found = {name for name in parsed if name[:1].isupper()}
-    changed = True
-    while changed:
-        changed = False
-        for name, alternatives in parsed.items():
-            if name not in found and _produces(alternatives, found, parsed):
-                found.add(name)
-                changed = True
+    found = _least_fixed_point(parsed, lambda alternatives, found: _produces(alternatives, found, parsed),
+                               {name for name in parsed if name[:1].isupper()})
     if "start" not in parsed or "start" in found:
         return None
     return [name for name in parsed if name not in found]
@@ -232,17 +228,24 @@ def looping_ref(schema: dict) -> str | None:
     if len(refs) > MAX_CHECKED_REFS:  # each pass may settle one ref: past this, llguidance alone judges it
         return None
     targets = {ref: _pointer(schema, ref) for ref in refs}
-    found: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for ref, target in targets.items():
-            if ref not in found and _satisfiable(target, found):
-                found.add(ref)
-                changed = True
+    found = _least_fixed_point(targets, _satisfiable)
     if _satisfiable(schema, found):
         return None
     return next((ref for ref in targets if ref not in found), "#")
+
+
+def _least_fixed_point(items: dict, holds, found: set[str] | None = None) -> set[str]:
+    """The names of `items` that hold, found by passes until one adds none: holds(item, found) may count only the
+    names found so far (a $ref is satisfiable once its target is; a rule produces once an alternative does)."""
+    found = set(found or ())
+    changed = True
+    while changed:
+        changed = False
+        for name, item in items.items():
+            if name not in found and holds(item, found):
+                found.add(name)
+                changed = True
+    return found
 
 
 def _refs(node) -> set[str]:
