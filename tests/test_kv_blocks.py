@@ -144,6 +144,63 @@ def test_preempted_requests_resume_with_the_same_output(tiny_target, tiny_draft,
     assert engine.stats.preemptions > 0 and engine.blocks.num_held == 0
 
 
+# ---- sharing the slots between groups (one client request's n choices) ----------------------------------------
+
+@pytest.mark.identity
+def test_a_request_beside_a_group_holding_every_slot_starts_at_the_next_step(tiny_target, tiny_draft, reference):
+    """One client's 8 choices hold all 4 slots; a request arriving then takes one from them at the next step (the
+    group's newest gives its blocks back and resumes later) instead of waiting for a whole choice. Nothing changes
+    what anyone decodes."""
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=4, num_draft_tokens=3), draft=tiny_draft)
+    prompts = chat_prompts(8, system=20, seed=7)
+    group = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), group=1) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    assert [r.status.value for r in group] == ["running"] * 4 + ["waiting"] * 4  # nobody else: it takes every slot
+    lone = engine.add_request([5, 6, 7], SamplingParams(max_tokens=MAX_TOKENS))
+    engine.step()
+    assert lone.status.value == "running" and sum(r.status.value == "running" for r in group) == 3
+    assert engine.stats.preemptions == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert lone.output_ids == reference([5, 6, 7])
+    assert all(r.output_ids == reference(p) and r.error is None for p, r in zip(prompts, group))
+    assert engine.blocks.num_held == 0
+
+
+def test_two_groups_end_up_with_half_the_slots_each_and_lone_requests_keep_first_come_first_served(tiny_target):
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=4))
+    a = [engine.add_request([1, 2, i], SamplingParams(max_tokens=200), group=1) for i in range(8)]
+    engine.step()
+    b = [engine.add_request([3, 4, i], SamplingParams(max_tokens=200), group=2) for i in range(8)]
+    engine.step()
+    assert sum(r.status.value == "running" for r in a) == sum(r.status.value == "running" for r in b) == 2
+    # Requests of no group are groups of one: four hold the slots, the fifth waits its turn and takes nobody's.
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=4))
+    lone = [engine.add_request([1, 2, i], SamplingParams(max_tokens=200)) for i in range(5)]
+    engine.step()
+    engine.step()
+    assert [r.status.value for r in lone] == ["running"] * 4 + ["waiting"] and engine.stats.preemptions == 0
+
+
+def test_a_request_given_back_while_its_prompt_is_scored_scores_it_again_from_the_start(tiny_target):
+    prompt = chat_prompts(1, system=60, seed=8)[0]
+    params = SamplingParams(max_tokens=4, prompt_logprobs=2)
+    [alone] = LLMEngine.load(tiny_target, config()).generate([prompt], params)
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=2, prefill_chunk=16))
+    engine.add_request([9, 9, 9], SamplingParams(max_tokens=60), group=1)
+    scored = engine.add_request(prompt, params, group=1)
+    engine.step()
+    engine.step()  # the group holds both slots, its newest half scored
+    assert 0 < len(scored.prompt_logprobs) < len(prompt) - 1
+    engine.add_request([4, 4], SamplingParams(max_tokens=2))
+    engine.step()
+    assert scored.status.value == "waiting"
+    while engine.has_unfinished():
+        engine.step()
+    assert scored.prompt_logprobs == alone.prompt_logprobs and scored.output_ids == alone.output_ids
+
+
 def test_64_short_requests_hold_only_the_blocks_they_fill(tiny_target):
     engine = LLMEngine.load(tiny_target, config(max_batch_size=64, max_seq_len=2048, prefix_caching=False))
     g = torch.Generator().manual_seed(6)

@@ -1067,6 +1067,41 @@ def test_a_client_that_leaves_stops_its_request_in_the_engine_within_a_second(se
     assert usual.choices[0].text == grpc_text_raw(served[0], "Count: 1, 2,", 8)
 
 
+def test_a_normal_request_beside_sixteen_choices_starts_at_once(served, client):
+    """16 choices of 480 tokens on 8 slots held every slot until a choice ended (seconds here, minutes on a real
+    model) while a normal request waited. The choices share one request_group now, and the normal request takes a
+    slot at the engine's next step: it takes about as long as it does alone."""
+    import socket
+    import time
+
+    def usual() -> float:
+        t0 = time.monotonic()
+        answer = client.completions.create(model="tiny", prompt="Count: 1, 2,", max_tokens=8, temperature=0)
+        assert answer.choices[0].text == grpc_text_raw(served[0], "Count: 1, 2,", 8)
+        return time.monotonic() - t0
+
+    idle = min(usual() for _ in range(3))
+    body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 480, "n": 16,
+                       "temperature": 1, "seed": 5, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(served[1].url.rsplit(":", 1)[1])), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        deadline = time.monotonic() + 30
+        while engine_counts(served)[0] < 16:
+            assert time.monotonic() < deadline, "the choices never reached the engine"
+            time.sleep(0.05)
+        beside = usual()
+    finally:
+        sock.close()  # the client leaves: the choices are cancelled
+    deadline = time.monotonic() + 10
+    while engine_counts(served)[0]:
+        assert time.monotonic() < deadline, "the choices were not cancelled"
+        time.sleep(0.05)
+    # A slot freed only by a finished choice: 480 tokens at 8 rows, several seconds on this model.
+    assert beside < max(1.0, 4 * idle), (beside, idle)
+
+
 def test_ignore_eos_ignores_the_end_of_turn_token_too(client):
     """vLLM's ignore_eos: no end token ends the answer, the chat template's end of turn (<|im_end|>, 258 here)
     included, so a benchmark's fixed-length request gets its length. It once stopped at the first <|im_end|>."""

@@ -15,7 +15,7 @@ import heapq
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Callable
 
@@ -191,8 +191,10 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",
-                    on_tokens: TokenCallback | None = None, num_draft_tokens: int | None = None) -> Request:
-        """Queue a request; it joins the running batch at the next step. Thread-safe."""
+                    on_tokens: TokenCallback | None = None, num_draft_tokens: int | None = None,
+                    group: int | None = None) -> Request:
+        """Queue a request; it joins the running batch at the next step. Requests of one `group` (a client request's
+        n choices) share the slots fairly with other groups (_admit). Thread-safe."""
         max_len = self.config.max_seq_len
         if len(prompt_ids) >= max_len:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens but the engine's max_seq_len is {max_len}; "
@@ -207,7 +209,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
         req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
-                      num_draft_tokens=num_draft_tokens)
+                      num_draft_tokens=num_draft_tokens, group=group)
         # ignore_eos: the model's end tokens are just tokens (a guide's grammar still ends the answer at one).
         eos = () if params.ignore_eos and params.guide is None else self.eos_token_ids
         req.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
@@ -265,6 +267,7 @@ class LLMEngine:
             finished: list[Request] = []
             decoding = [r for r in self.running if not r.prefilling]
             self._admit()
+            decoding = [r for r in decoding if r.status is RequestStatus.RUNNING]  # _admit may give some back
             chunks = self._prefill_chunks()
             if chunks:
                 self._prefill(chunks, finished)
@@ -275,19 +278,33 @@ class LLMEngine:
             return finished
 
     def _admit(self) -> None:
-        """Waiting requests join, in order, while a batch slot is free and the pool holds their tokens."""
+        """Waiting requests join while a batch slot is free and the pool holds their tokens. Next is the oldest
+        request of the group holding the fewest slots (requests of no group are groups of one: first come, first
+        served). A group holding at least two slots more than that one gives its newest back, to resume later (as
+        _reserve's preemption): one client's n choices would otherwise hold every slot for a whole answer while
+        the next client waits. With nobody waiting a group takes every slot."""
         with self._queue_lock:
-            while self.waiting and self.free_slots:
-                req = self.waiting[0]
-                tokens = req.all_ids  # a preempted request resumes with its output so far
-                if not self.blocks.admit(req.blocks, tokens, lookup=not req.scoring):
+            while self.waiting:
+                held = Counter(r.group_key for r in self.running)
+                req = min(self.waiting, key=lambda r: held[r.group_key])  # the first of the least served
+                if self.free_slots and self.blocks.admit(req.blocks, req.all_ids, lookup=not req.scoring):
+                    # all_ids: a preempted request resumes with its output so far
+                    self.waiting.remove(req)
+                    req.slot = heapq.heappop(self.free_slots)
+                    req.status = RequestStatus.RUNNING
+                    req.target_len = req.num_cached_tokens = req.blocks.cached_tokens
+                    req.prefill_target = req.num_tokens
+                    self.running.append(req)
+                    continue
+                hog = self._newest_of_largest_group(held)
+                if hog is None or held[hog.group_key] < held[req.group_key] + 2:
                     break
-                self.waiting.popleft()
-                req.slot = heapq.heappop(self.free_slots)
-                req.status = RequestStatus.RUNNING
-                req.target_len = req.num_cached_tokens = req.blocks.cached_tokens
-                req.prefill_target = len(tokens)
-                self.running.append(req)
+                self._preempt(hog, queued=True)
+
+    def _newest_of_largest_group(self, held: Counter) -> Request | None:
+        """The running request to give back first: the newest of the group holding the most slots (the newest of
+        all when every group holds one)."""
+        return max(reversed(self.running), key=lambda r: held[r.group_key], default=None)
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:
         """(request, prompt tokens to prefill now), oldest first, within the step's prefill_chunk tokens."""
@@ -442,7 +459,7 @@ class LLMEngine:
                     ks[i] = 0
                     self._skipped(r, MEMORY)
                     continue
-                victim = self.running[-1]
+                victim = self._newest_of_largest_group(Counter(q.group_key for q in self.running))
                 if victim is r and len(self.running) == 1:
                     self._fail(r, RequestError(
                         f"the KV cache is full: this request alone holds all {self.blocks.num_blocks} blocks; "
@@ -452,15 +469,19 @@ class LLMEngine:
         kept = [i for i, r in enumerate(reqs) if r.status is RequestStatus.RUNNING]
         return [reqs[i] for i in kept], [ks[i] for i in kept]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, queued: bool = False) -> None:
+        """Give req's blocks and slot back; it waits first in line to resume. `queued`: the caller holds the queue's
+        lock."""
         self.stats.preemptions += 1
         self.running.remove(req)
         self.blocks.free(req.blocks)
         heapq.heappush(self.free_slots, req.slot)
+        if req.scoring:  # its prompt is scored again from the start, uncached: keep no half
+            req.prompt_logprobs = []
         req.slot, req.target_len, req.status = None, 0, RequestStatus.WAITING
         if self.proposer is not None:
             self.proposer.release(req)
-        with self._queue_lock:
+        with contextlib.nullcontext() if queued else self._queue_lock:
             self.waiting.appendleft(req)
 
     def _plan(self, reqs: list[Request]) -> list[int]:

@@ -44,6 +44,9 @@ class Request:
     speculation: str = "auto"  # "on"/"off" override the engine's gate for this request
     on_tokens: TokenCallback | None = None
     num_draft_tokens: int | None = None  # k for this request, at most the engine's; None = the engine's
+    # The requests that share a group (one client request's n choices) share the batch's slots with other groups
+    # fairly (LLMEngine._admit); None: a group of its own.
+    group: int | None = None
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -104,6 +107,10 @@ class Request:
         if est is None:
             est = self.estimates[self.source] = AcceptanceEstimate()
         return est
+
+    @property
+    def group_key(self) -> tuple:
+        return ("group", self.group) if self.group is not None else ("request", self.id)
 
     @property
     def all_ids(self) -> list[int]:

@@ -342,6 +342,8 @@ def create_app(settings: FrontendSettings):
         options = options_for(req, prompt_tokens, max_new, True, template, prompt_ids)
         if not req.stream:
             options = replace(options, stream_interval_ms=WHOLE_ANSWER_INTERVAL_MS)
+        if req.n > 1:  # the choices share the engine's slots with other clients' requests as one (interface.py)
+            options = replace(options, request_group=1 + secrets.randbelow(2**63))
         echoed = prompt_tokens if echoes_logprobs(req) else 0  # the prompt's log probs come back too
         limits.check_budget(req.n, prompt_tokens, max_new + echoed, req.num_logprobs())
         outcomes = [Outcome(prompt_tokens, max_new) for _ in range(req.n)]

@@ -67,6 +67,7 @@ class RequestOptions:
     prompt_logprobs: int | None = None  # None: none; N: the prompt's own log probs, N alternatives each
     prompt_ids: tuple[int, ...] | None = None  # the prompt as token ids, taken as they are (the text only names it)
     stream_interval_ms: int | None = None  # None: the server's cadence; more: fewer responses (interface.py)
+    request_group: int | None = None  # requests sharing one share the engine's slots fairly with others (interface.py)
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -90,6 +91,8 @@ class RequestOptions:
             from pipeline.triton.validate import check_stream_interval
 
             check_stream_interval(self.stream_interval_ms)
+        if self.request_group is not None and not 0 <= self.request_group < 2**64:
+            raise RequestError(f"request_group must be in [0, 2**64) (got {self.request_group})")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise RequestError(f"seed must be in [0, 2**64) (got {self.seed})")
         return self
@@ -293,6 +296,8 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
         tensors.append(tensor("prompt_logprobs", np.array([[options.prompt_logprobs]], np.int32), "INT32"))
     if options.stream_interval_ms is not None:
         tensors.append(tensor("stream_interval_ms", np.array([[options.stream_interval_ms]], np.int32), "INT32"))
+    if options.request_group is not None:
+        tensors.append(tensor("request_group", np.array([[options.request_group]], np.uint64), "UINT64"))
     if options.prompt_ids is not None:
         tensors.append(tensor("prompt_token_ids", np.array([options.prompt_ids], np.int32), "INT32"))
     if options.guide is not None:

@@ -48,6 +48,11 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # client is still noticed at the next one. vLLM's --stream-interval, per request and in time. The portable
     # engine's; the TensorRT-LLM routes respond at upstream's own cadence.
     TensorSpec("stream_interval_ms", "INT32", (1,), optional=True),
+    # Requests that carry the same request_group (one client request's n choices: the OpenAI frontend sends each as
+    # a request of its own) share the engine's batch slots fairly with every other group: while a request waits, a
+    # group holding two slots more than the waiting one's gives its newest back, to resume later. Absent or 0: a
+    # group of its own. The portable engine's; the TensorRT-LLM routes schedule by their own policy.
+    TensorSpec("request_group", "UINT64", (1,), optional=True),
 )
 STREAM_INTERVAL_MS, MAX_STREAM_INTERVAL_MS = 50, 1000
 # What a request must carry: upstream's required inputs. They are declared optional all the same, and the model
@@ -174,6 +179,7 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("logit_bias", "BYTES", (1,), optional=True),
     TensorSpec("prompt_logprobs", "INT32", (1,), optional=True),  # the ensemble's; -1: none
     TensorSpec("stream_interval_ms", "INT32", (1,), optional=True),  # the ensemble's; absent: STREAM_INTERVAL_MS
+    TensorSpec("request_group", "UINT64", (1,), optional=True),  # the ensemble's; absent or 0: a group of its own
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds

@@ -115,6 +115,7 @@ class ClientRequest:
     prompt_logprobs: int = -1  # -1: none; N: the prompt's log probs and N alternatives each
     prompt_ids: tuple[int, ...] | None = None  # prompt_token_ids, checked against the vocabulary; None: tokenize
     stream_interval_ms: int = STREAM_INTERVAL_MS
+    request_group: int = 0  # 0: a group of its own
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -173,7 +174,8 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
                          None if template is None else bool(template), *penalties, logprobs, num_logprobs, guide,
                          min_tokens, bool(scalar("ignore_eos", False)), bias, prompt_logprobs,
                          read_prompt_ids(get("prompt_token_ids"), max_seq_len, vocab_size),
-                         check_stream_interval(int(scalar("stream_interval_ms", STREAM_INTERVAL_MS))))
+                         check_stream_interval(int(scalar("stream_interval_ms", STREAM_INTERVAL_MS))),
+                         int(scalar("request_group", 0)))
 
 
 def check_stream_interval(ms: int) -> int:
@@ -293,6 +295,7 @@ def read_engine_request(get: Get) -> dict:
         "logit_bias": read_logit_bias(text_of(optional("logit_bias", b"{}"), "logit_bias")),
         "prompt_logprobs": _prompt_logprobs(int(optional("prompt_logprobs", -1))),
         "stream_interval_ms": check_stream_interval(int(optional("stream_interval_ms", STREAM_INTERVAL_MS))),
+        "request_group": int(optional("request_group", 0)) or None,
     }
 
 

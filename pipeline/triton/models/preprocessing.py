@@ -103,5 +103,6 @@ class TritonPythonModel:
                                                    np.object_)),
             pb_utils.Tensor("prompt_logprobs", row(r.prompt_logprobs, np.int32)),
             pb_utils.Tensor("stream_interval_ms", row(r.stream_interval_ms, np.int32)),
+            pb_utils.Tensor("request_group", row(r.request_group, np.uint64)),
         ]
 

@@ -300,7 +300,8 @@ class TritonPythonModel:
                                     ignore_eos=parsed["ignore_eos"], logit_bias=parsed["logit_bias"],
                                     prompt_logprobs=parsed["prompt_logprobs"])
             req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
-                                          on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"])
+                                          on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"],
+                                          group=parsed["request_group"])
         except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
             self._send_error(state, client_message(err, "torch_engine"))
         else:
