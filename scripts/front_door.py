@@ -299,6 +299,7 @@ def main() -> None:
                 rows.append({"case": number, "got": got, "seconds": round(seconds, 2),
                              "beside_n": len(beside.latencies),
                              "beside_slowest_s": round(max(beside.latencies, default=0), 3),
+                             "beside_s": [round(t, 3) for t in beside.latencies],
                              "beside_text_same": beside.same, "normal_after_s": round(after, 3),
                              "normal_text_same": same})
         finally:

@@ -174,9 +174,15 @@ def test_each_request_keeps_its_own_params(tiny_target, tiny_draft, reference):
     assert reqs[0].output_ids == reference(p1, 9) and reqs[0].finish_reason is FinishReason.LENGTH
     ref2 = reference(p2)
     assert reqs[1].output_ids == ref2[: ref2.index(stop)] and reqs[1].finish_reason is FinishReason.STOP
+    sampled = SamplingParams(max_tokens=30, temperature=0.9, top_k=20, top_p=0.9, seed=123)
     again = LLMEngine.load(tiny_target, config(), draft="ngram").generate(
-        [p3], SamplingParams(max_tokens=30, temperature=0.9, top_k=20, top_p=0.9, seed=123))[0]
-    assert again.output_ids == reqs[2].output_ids  # a seed reproduces a sampled request
+        [p1, p2, p3], [SamplingParams(max_tokens=9), SamplingParams(max_tokens=40, stop_token_ids=(stop,)), sampled])
+    assert again[2].output_ids == reqs[2].output_ids  # a seed reproduces a sampled request
+    # Without drafts each token takes one draw, so the seed reproduces it beside any others too. With them, a step's
+    # drafts (which the load decides) set how many draws it takes: the same distribution, another sample.
+    plain = [LLMEngine.load(tiny_target, config(), draft="ngram").generate(
+        prompts, sampled, speculation="off")[-1].output_ids for prompts in ([p3], [p1, p2, p3])]
+    assert plain[0] == plain[1] and len(plain[0]) > 3
 
 
 def test_generation_stops_at_max_seq_len(tiny_target):

@@ -183,6 +183,29 @@ def test_two_groups_end_up_with_half_the_slots_each_and_lone_requests_keep_first
     assert [r.status.value for r in lone] == ["running"] * 4 + ["waiting"] and engine.stats.preemptions == 0
 
 
+@pytest.mark.identity
+def test_beside_another_request_a_group_decodes_half_the_slots_rows_a_step_in_turn(tiny_target, reference):
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=8))
+    prompts = chat_prompts(7, system=20, seed=9)
+    group = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), group=1) for p in prompts]
+    engine.step()
+    engine.step()
+    lone = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the lone request's prefill: its first token
+    made = []
+    for _ in range(7):
+        before = [len(r.output_ids) for r in group]
+        engine.step()
+        made.append([len(r.output_ids) - b for r, b in zip(group, before)])
+    assert all(sum(1 for n in step if n) == 4 for step in made), made  # 4 of the 7 rows a step, beside one
+    assert all(sum(1 for step in made if step[i]) >= 3 for i in range(7)), made  # each in its turn
+    assert engine.stats.rows_held_back == 7 * 3 and engine.stats.preemptions == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert len(lone.output_ids) == 8
+    assert all(r.output_ids == reference(p) for p, r in zip(prompts, group))
+
+
 def test_a_request_given_back_while_its_prompt_is_scored_scores_it_again_from_the_start(tiny_target):
     prompt = chat_prompts(1, system=60, seed=8)[0]
     params = SamplingParams(max_tokens=4, prompt_logprobs=2)

@@ -208,3 +208,17 @@ def test_the_edges_of_the_sampling_ranges_are_accepted():
     for temperature in (0.0, MIN_TEMPERATURE, 1.0, MAX_TEMPERATURE):
         check_sampling_values(temperature, 1.0, 0)
     check_sampling_values(1.0, 1e-6, 50, vocab_size=50)
+
+
+def test_sample_draws_each_token_at_its_probability_and_never_one_of_probability_zero():
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = torch.bincount(torch.tensor([sample(probs, g) for _ in range(n)]), minlength=6).double()
+    assert counts[probs == 0].sum() == 0
+    sigma = (n * probs * (1 - probs)).sqrt()
+    assert ((counts - n * probs).abs() <= 4 * sigma + 1e-9).all(), counts
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2 and sample(torch.tensor([1.0, 0.0, 0.0]), g) == 0
+    for bad in (torch.tensor([0.5, float("nan")]), torch.zeros(3)):
+        with pytest.raises(ValueError, match="finite with a positive sum"):
+            sample(bad, g)

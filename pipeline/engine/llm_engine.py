@@ -90,6 +90,7 @@ class LLMEngine:
                 print(self.graph_error, file=sys.stderr)
         self.gate = SpeculationGate(config.gate)
         self.stats = EngineStats()
+        self._iteration = 0  # steps so far, as Request.decoded_at counts them
         self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -267,7 +268,8 @@ class LLMEngine:
             finished: list[Request] = []
             decoding = [r for r in self.running if not r.prefilling]
             self._admit()
-            decoding = [r for r in decoding if r.status is RequestStatus.RUNNING]  # _admit may give some back
+            decoding = self._fair_rows([r for r in decoding if r.status is RequestStatus.RUNNING])  # _admit may
+            # give some back
             chunks = self._prefill_chunks()
             if chunks:
                 self._prefill(chunks, finished)
@@ -305,6 +307,24 @@ class LLMEngine:
         """The running request to give back first: the newest of the group holding the most slots (the newest of
         all when every group holds one)."""
         return max(reversed(self.running), key=lambda r: held[r.group_key], default=None)
+
+    def _fair_rows(self, rows: list[Request]) -> list[Request]:
+        """The rows that decode this step. Beside another group's rows a group decodes at most half the slots' rows
+        (those that waited longest), so a request beside one client's many choices steps in a batch about half as
+        large: on a compute-bound CPU a step's time grows with its rows, and the group's own tokens per second
+        barely shrink. Skipping a step changes no row's output (the tests run every batch shape)."""
+        self._iteration += 1
+        held = Counter(r.group_key for r in rows)
+        cap = max(1, self.config.max_batch_size // 2)
+        if len(held) > 1 and max(held.values()) > cap:
+            over = {g for g, n in held.items() if n > cap}
+            keep = {g: sorted((r for r in rows if r.group_key == g), key=lambda r: r.decoded_at)[:cap] for g in over}
+            kept = {id(r) for rs in keep.values() for r in rs}
+            self.stats.rows_held_back += len(rows) - sum(1 for r in rows if r.group_key not in over or id(r) in kept)
+            rows = [r for r in rows if r.group_key not in over or id(r) in kept]
+        for r in rows:
+            r.decoded_at = self._iteration
+        return rows
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:
         """(request, prompt tokens to prefill now), oldest first, within the step's prefill_chunk tokens."""

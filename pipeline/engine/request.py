@@ -47,6 +47,7 @@ class Request:
     # The requests that share a group (one client request's n choices) share the batch's slots with other groups
     # fairly (LLMEngine._admit); None: a group of its own.
     group: int | None = None
+    decoded_at: int = 0  # the engine step it last decoded in (LLMEngine._fair_rows)
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -13,6 +13,7 @@ class EngineStats:
     prefill_steps: int = 0
     prefill_tokens: int = 0  # prompt tokens the target computed (prefix-cache hits aren't)
     preemptions: int = 0  # requests that gave their KV blocks back to wait and resume (the pool ran short)
+    rows_held_back: int = 0  # (row, step) pairs a group over its share of a shared batch sat out (_fair_rows)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verified_rows: int = 0  # (row, target forward) pairs that verified at least one draft
