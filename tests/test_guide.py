@@ -120,6 +120,29 @@ def test_a_recursive_grammar_with_a_way_out_compiles(target, tokenizer, gbnf):
     assert req.error is None
 
 
+def test_a_guide_compiled_off_the_stepping_thread_answers_as_one_compiled_in_add_request(target, tokenizer):
+    """The served engine compiles a request's guide where Triton hands it the request, not on the thread that
+    steps every request (torch_engine._parse); the answer is the same."""
+    import threading
+
+    spec = GuideSpec("regex", REGEX)
+    params = SamplingParams(max_tokens=30, guide=spec)
+    e = engine(target, tokenizer)
+    compiled = []
+    worker = threading.Thread(target=lambda: compiled.append(e.compile_guide(spec)))
+    worker.start()
+    worker.join()
+    handed = e.add_request([5, 6, 7], params, guide=compiled[0])
+    own = e.add_request([5, 6, 7], params)
+    while e.has_unfinished():
+        e.step()
+    assert handed.output_ids == own.output_ids and handed.guide is compiled[0]
+    with pytest.raises(ValueError, match="isn't the one params.guide names"):
+        e.add_request([5], SamplingParams(guide=GuideSpec("json")), guide=e.compile_guide(spec))
+    with pytest.raises(RequestError, match="matches no text"):
+        e.compile_guide(GuideSpec("regex", "a+[^\\s\\S]"))
+
+
 def test_a_guide_needs_the_engines_tokenizer(target):
     e = LLMEngine.load(target, EngineConfig(max_batch_size=1, max_seq_len=64))
     with pytest.raises(RequestError, match="guided decoding needs the engine's tokenizer"):

@@ -443,3 +443,24 @@ Signal (11) received.
     assert known_crash(crash) == CANCEL_RACE
     assert known_crash(other) is None and known_crash(started) is None
     assert known_crash(crash + started + other) is None  # the last crash decides
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_to_load_fails_its_model_with_the_loaders_error(tiny_target, tmp_path):
+    """The portable engine loads on its scheduler thread (one OpenMP team: torch_engine's docstring); an error
+    there still fails the model's load, in one line that names it."""
+    from pipeline.triton.assemble import AssembleOptions, assemble
+    from serving_checks import ngram_engine
+
+    engine = ngram_engine(tiny_target, tmp_path, slots=2)
+    repo = Path(assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo")).repo)
+    for weights in engine.rglob("*.safetensors"):
+        weights.unlink()
+    server = TritonServer(options_for(repo, log_file=tmp_path / "server.log"))
+    try:
+        server.start()
+        with pytest.raises(ServeError, match=r"model 'torch_engine' failed to load: ") as err:
+            server.wait_ready(120)
+    finally:
+        server.stop()
+    assert "\n" not in str(err.value) and "ModelFormatError: no *.safetensors in" in str(err.value)

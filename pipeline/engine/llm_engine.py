@@ -29,7 +29,7 @@ from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.device import is_cuda, kv_pool_blocks
 from pipeline.engine.draft_plan import EMPTY, MEMORY, PROPOSER_FAILED, Row, plan_drafts
 from pipeline.engine.gate import SpeculationGate
-from pipeline.engine.guide import Guide, apply_refusals, tokenizer_for
+from pipeline.engine.guide import Guide, GuideSpec, apply_refusals, tokenizer_for
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
@@ -193,9 +193,10 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",
                     on_tokens: TokenCallback | None = None, num_draft_tokens: int | None = None,
-                    group: int | None = None) -> Request:
+                    group: int | None = None, guide: Guide | None = None) -> Request:
         """Queue a request; it joins the running batch at the next step. Requests of one `group` (a client request's
-        n choices) share the slots fairly with other groups (_admit). Thread-safe."""
+        n choices) share the slots fairly with other groups (_admit). `guide`: params.guide already compiled
+        (compile_guide), else it is compiled here. Thread-safe."""
         max_len = self.config.max_seq_len
         if len(prompt_ids) >= max_len:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens but the engine's max_seq_len is {max_len}; "
@@ -222,10 +223,18 @@ class LLMEngine:
                                    "token ids instead")
             req.stop_strings = StopStrings(params.stop, self.detokenize)
         if params.guide is not None:
-            req.guide = Guide(params.guide, self.guide_tokenizer(), self.model.cfg.vocab_size)
+            if guide is not None and guide.spec != params.guide:
+                raise ValueError("add_request: the compiled guide isn't the one params.guide names")
+            req.guide = guide or self.compile_guide(params.guide)
         with self._queue_lock:
             self.waiting.append(req)
         return req
+
+    def compile_guide(self, spec: GuideSpec) -> Guide:
+        """A request's guide, compiled and checked (RequestError for one that can't be followed). A large grammar
+        takes a while: a server that steps the engine on one thread compiles on another and hands the Guide to
+        add_request, so the compile doesn't stall every running request's steps."""
+        return Guide(spec, self.guide_tokenizer(), self.model.cfg.vocab_size)
 
     def guide_tokenizer(self):
         """llguidance's view of the engine's tokenizer, made once (about a second)."""
