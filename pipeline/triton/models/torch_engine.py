@@ -224,6 +224,13 @@ class TritonPythonModel:
             self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
             self.engine.detokenize = self.decode
             self.engine.tokenizer = tokenizer  # guided decoding's grammars read its vocabulary
+            # llguidance's view of it, made now rather than at the first guided request: its 0.3 s (SmolLM2) in
+            # Python would hold the GIL while every running request's steps waited. A tokenizer llguidance can't
+            # read fails guided requests alone, as before, not the model.
+            try:
+                self.engine.guide_tokenizer()
+            except Exception as err:  # noqa: BLE001
+                pb_utils.Logger.log_warn(f"torch_engine: guided decoding unavailable: {client_message(err)}")
             self.text_vocab = len(tokenizer)
             self.special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
                 i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
