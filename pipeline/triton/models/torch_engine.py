@@ -253,8 +253,7 @@ class TritonPythonModel:
     def _parse(self, request):
         """The request's arguments, or the one line refusing it (sent by the scheduler thread). Its guide is compiled
         here, on the thread Triton calls execute on: a large grammar takes a while, and on the scheduler thread
-        every running request would wait for it (10 impossible regexes in a row slowed a normal request beside
-        them 3x)."""
+        every running request's steps would wait for it."""
         def get(name):
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             return None if tensor is None else tensor.as_numpy()
