@@ -1,4 +1,5 @@
-"""The paged KV cache: prefix caching, chunked prefill and preemption change no output, and memory follows use."""
+"""The paged KV cache: prefix caching, chunked prefill and preemption change no output, memory follows use, and request
+groups (one client's n choices) share the slots fairly."""
 
 import pytest
 import torch
