@@ -327,10 +327,11 @@ class LLMEngine:
         cap = max(1, self.config.max_batch_size // 2)
         if len(held) > 1 and max(held.values()) > cap:
             over = {g for g, n in held.items() if n > cap}
-            keep = {g: sorted((r for r in rows if r.group_key == g), key=lambda r: r.decoded_at)[:cap] for g in over}
-            kept = {id(r) for rs in keep.values() for r in rs}
-            self.stats.rows_held_back += len(rows) - sum(1 for r in rows if r.group_key not in over or id(r) in kept)
-            rows = [r for r in rows if r.group_key not in over or id(r) in kept]
+            kept = {id(r) for g in over
+                    for r in sorted((r for r in rows if r.group_key == g), key=lambda r: r.decoded_at)[:cap]}
+            chosen = [r for r in rows if r.group_key not in over or id(r) in kept]
+            self.stats.rows_held_back += len(rows) - len(chosen)
+            rows = chosen
         for r in rows:
             r.decoded_at = self._iteration
         return rows

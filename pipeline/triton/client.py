@@ -91,10 +91,10 @@ class RequestOptions:
             from pipeline.triton.validate import check_stream_interval
 
             check_stream_interval(self.stream_interval_ms)
-        if self.request_group is not None and not 0 <= self.request_group < 2**64:
-            raise RequestError(f"request_group must be in [0, 2**64) (got {self.request_group})")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise RequestError(f"seed must be in [0, 2**64) (got {self.seed})")
+        for name in ("seed", "request_group"):  # UINT64 tensors
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 2**64:
+                raise RequestError(f"{name} must be in [0, 2**64) (got {value})")
         return self
 
 
