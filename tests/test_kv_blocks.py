@@ -6,6 +6,7 @@ import torch
 
 from pipeline.engine.block_manager import BlockManager, BlockTable
 from pipeline.engine.config import EngineConfig, GatePolicy
+from pipeline.engine.cost_model import CostModel
 from pipeline.engine.kv_cache import BLOCK_SIZE, blocks_for
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
@@ -184,27 +185,50 @@ def test_two_groups_end_up_with_half_the_slots_each_and_lone_requests_keep_first
     assert [r.status.value for r in lone] == ["running"] * 4 + ["waiting"] and engine.stats.preemptions == 0
 
 
+def cost_model(ms_at_1_2_4_8: tuple[float, ...]) -> CostModel:
+    """A decode step's cost at 1, 2, 4 and 8 rows, whatever the width, no draft cost."""
+    K = EngineConfig().num_draft_tokens
+    return CostModel((1, 2, 4, 8), tuple(range(1, K + 2)), tuple((ms / 1000,) * (K + 1) for ms in ms_at_1_2_4_8),
+                     (0.0,) * 4, (0.0,) * 4, source="test")
+
+
+# A 2-core CPU (the embedded default's calibration there) and a bandwidth-bound GPU, where rows cost nothing.
+CPU_STEPS, FLAT_STEPS = (10.1, 10.6, 12.9, 21.0), (10.0, 10.0, 10.0, 10.1)
+
+
 @pytest.mark.identity
-def test_beside_another_request_a_group_decodes_half_the_slots_rows_a_step_in_turn(tiny_target, reference):
-    engine = LLMEngine.load(tiny_target, config(max_batch_size=8))
-    prompts = chat_prompts(7, system=20, seed=9)
-    group = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), group=1) for p in prompts]
-    engine.step()
-    engine.step()
-    lone = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.step()  # the lone request's prefill: its first token
-    made = []
-    for _ in range(7):
-        before = [len(r.output_ids) for r in group]
+def test_beside_another_request_a_group_decodes_the_rows_its_cost_allows_in_turn(tiny_target, reference):
+    """On the CPU's costs, 2 of the group's 7 rows keep a step within FAIR_STEP_GROWTH of the lone request's
+    (10.1 ms alone, 11.75 with 2 more rows, 12.9 with 3); each row takes its turn, and nothing changes what anyone
+    decodes. Where rows cost nothing the group keeps them all."""
+    for steps, rows in ((CPU_STEPS, 2), (FLAT_STEPS, 7)):
+        engine = LLMEngine.load(tiny_target, config(max_batch_size=8), cost_model=cost_model(steps))
+        prompts = chat_prompts(7, system=20, seed=9)
+        group = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), group=1) for p in prompts]
         engine.step()
-        made.append([len(r.output_ids) - b for r, b in zip(group, before)])
-    assert all(sum(1 for n in step if n) == 4 for step in made), made  # 4 of the 7 rows a step, beside one
-    assert all(sum(1 for step in made if step[i]) >= 3 for i in range(7)), made  # each in its turn
-    assert engine.stats.rows_held_back == 7 * 3 and engine.stats.preemptions == 0
-    while engine.has_unfinished():
         engine.step()
-    assert len(lone.output_ids) == 8
-    assert all(r.output_ids == reference(p) for p, r in zip(prompts, group))
+        lone = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        made = []
+        for _ in range(8):  # the lone request's prefill (its first token), then 7 decode steps
+            before = [len(r.output_ids) for r in group]
+            engine.step()
+            made.append([len(r.output_ids) - b for r, b in zip(group, before)])
+        assert all(sum(1 for n in step if n) == rows for step in made), made
+        assert all(sum(1 for step in made if step[i]) >= 8 * rows // 7 for i in range(7)), made  # each in turn
+        assert engine.stats.rows_held_back == 8 * (7 - rows) and engine.stats.preemptions == 0
+        while engine.has_unfinished():
+            engine.step()
+        assert len(lone.output_ids) == 8
+        assert all(r.output_ids == reference(p) for p, r in zip(prompts, group))
+
+
+def test_groups_of_one_size_never_hold_each_other_back(tiny_target):
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=8), cost_model=cost_model(CPU_STEPS))
+    a = [engine.add_request([1, 2, i], SamplingParams(max_tokens=200), group=1) for i in range(4)]
+    b = [engine.add_request([3, 4, i], SamplingParams(max_tokens=200), group=2) for i in range(4)]
+    for _ in range(4):
+        engine.step()
+    assert all(len(r.output_ids) == 4 for r in a + b) and engine.stats.rows_held_back == 0
 
 
 def test_a_request_given_back_while_its_prompt_is_scored_scores_it_again_from_the_start(tiny_target):

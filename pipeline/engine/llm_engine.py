@@ -44,6 +44,13 @@ from pipeline.engine.stats import EngineStats
 from pipeline.engine.stop_strings import Detokenize, StopStrings
 from pipeline.errors import ConfigError, DraftMismatchError, RequestError, one_line
 
+# Beside other clients' requests, a group of choices (one client's n) adds rows to a step only while the step stays
+# within this factor of the others' step alone (_fair_rows). On 2 cores (scripts/front_door.py case 1: a greedy
+# request beside 16 sampled choices), half the slots' rows made its steps 1.9x as long as alone and the request
+# 2.2x; 1.25 leaves the group 2 rows there, the steps 1.5x and the request 1.95x (the group's rows a second
+# 155 -> 96 while such requests come back to back; alone it takes all 8).
+FAIR_STEP_GROWTH = 1.25
+
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, proposer: Proposer | None = None,
@@ -277,9 +284,9 @@ class LLMEngine:
             finished: list[Request] = []
             decoding = [r for r in self.running if not r.prefilling]
             self._admit()
-            decoding = self._fair_rows([r for r in decoding if r.status is RequestStatus.RUNNING])  # _admit may
-            # give some back
             chunks = self._prefill_chunks()
+            decoding = self._fair_rows([r for r in decoding if r.status is RequestStatus.RUNNING],  # _admit may
+                                       {r.group_key for r, _ in chunks})  # give some back
             if chunks:
                 self._prefill(chunks, finished)
             if decoding:
@@ -317,23 +324,39 @@ class LLMEngine:
         all when every group holds one)."""
         return max(reversed(self.running), key=lambda r: held[r.group_key], default=None)
 
-    def _fair_rows(self, rows: list[Request]) -> list[Request]:
-        """The rows that decode this step. Beside another group's rows a group decodes at most half the slots' rows
-        (those that waited longest), so a request beside one client's many choices steps in a batch about half as
-        large: on a compute-bound CPU a step's time grows with its rows, and the group's own tokens per second
-        barely shrink. Skipping a step changes no row's output (the tests run every batch shape)."""
+    def _fair_rows(self, rows: list[Request], prefilling: set) -> list[Request]:
+        """The rows that decode this step. Beside smaller groups' rows or prefill (`prefilling`: the groups whose
+        prompts this step reads) a group decodes only as many rows as keep the step within FAIR_STEP_GROWTH of
+        the smaller ones' step alone, by the engine's cost model, and at least one, those that waited longest: a
+        request beside one client's many choices then steps nearly as fast as alone. Where rows cost nothing
+        (a bandwidth-bound GPU) the group keeps every row; on a compute-bound CPU it yields most. Groups of one
+        size never hold each other back. Skipping a step changes no row's output (the tests run every batch
+        shape)."""
         self._iteration += 1
         held = Counter(r.group_key for r in rows)
-        cap = max(1, self.config.max_batch_size // 2)
-        if len(held) > 1 and max(held.values()) > cap:
-            over = {g for g, n in held.items() if n > cap}
-            kept = {id(r) for g in over
+        load = held + Counter(prefilling)  # a prefill chunk counts as one row
+        caps = {}
+        for g, n in held.items():
+            smaller = sum(m for h, m in load.items() if h != g and held[h] < n)
+            if smaller and n > (cap := self._rows_beside(smaller)):
+                caps[g] = cap
+        if caps:
+            kept = {id(r) for g, cap in caps.items()
                     for r in sorted((r for r in rows if r.group_key == g), key=lambda r: r.decoded_at)[:cap]}
-            chosen = [r for r in rows if r.group_key not in over or id(r) in kept]
+            chosen = [r for r in rows if r.group_key not in caps or id(r) in kept]
             self.stats.rows_held_back += len(rows) - len(chosen)
             rows = chosen
         for r in rows:
             r.decoded_at = self._iteration
+        return rows
+
+    def _rows_beside(self, others: int) -> int:
+        """The most rows one group decodes in a step beside `others` rows of other groups (_fair_rows)."""
+        alone = self.cost_model.step_s(others, 1)
+        rows = 1
+        while rows < self.config.max_batch_size and \
+                self.cost_model.step_s(others + rows + 1, 1) <= FAIR_STEP_GROWTH * alone:
+            rows += 1
         return rows
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:

@@ -50,8 +50,9 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("stream_interval_ms", "INT32", (1,), optional=True),
     # Requests that carry the same request_group (one client request's n choices: the OpenAI frontend sends each as
     # a request of its own) share the engine's batch slots fairly with every other group: while a request waits, a
-    # group holding two slots more than the waiting one's gives its newest back, to resume later, and beside other
-    # rows a group decodes at most half the slots' rows a step. Absent or 0: a group of its own. The portable
+    # group holding two slots more than the waiting one's gives its newest back, to resume later, and beside smaller
+    # groups' rows a group decodes only the rows the engine's cost model says keep their steps quick (LLMEngine.
+    # _fair_rows). Absent or 0: a group of its own. The portable
     # engine's; the TensorRT-LLM routes schedule by their own policy.
     TensorSpec("request_group", "UINT64", (1,), optional=True),
 )
