@@ -198,12 +198,14 @@ def metrics(url: str) -> dict[str, float]:
 
 def ngram_engine(target: Path, folder: Path, slots: int, max_seq_len: int = 256) -> Path:
     """The served tests' portable engine folder: the target with n-gram drafts (K=3), `slots` requests at once,
-    max_seq_len tokens each, the engine's gate ceiling at its slots."""
+    max_seq_len tokens each, the engine's gate ceiling at its slots. Not calibrated: the draft planner reads the
+    rule-of-thumb cost model, so whether a row drafts never depends on how busy the machine was at build time (a
+    calibration timed during a full suite run once left the planner drafting nothing)."""
     from pipeline.compiler import CompileOptions, compile_model
 
     out = folder / "tiny"
     compile_model(CompileOptions("torch", target, out, draft="ngram", num_draft_tokens=3, max_batch_size=slots,
-                                 max_seq_len=max_seq_len, gate_batch_size=slots))
+                                 max_seq_len=max_seq_len, gate_batch_size=slots, calibrate=False))
     return out
 
 

@@ -154,7 +154,7 @@ def test_an_engines_eagle3_drafts_are_the_same_graphed_or_not(device, tmp_path, 
         propose = proposer.propose
         monkeypatch.setattr(proposer, "propose", lambda reqs, ks, propose=propose, seen=seen:
                             seen.append(propose(reqs, ks).tokens) or Proposal(tokens=seen[-1]))
-        outputs[graphs] = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=10),
+        outputs[graphs] = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=7),
                                                                  speculation="on")]
     assert drafts[True] == drafts[False] and len(drafts[True]) > 2
     assert outputs[True] == outputs[False]

@@ -552,11 +552,13 @@ def one_slot(tmp_path_factory) -> tuple[Path, str]:
     compile_model(CompileOptions("torch", target, engine_dir, draft="ngram", num_draft_tokens=3,
                                  max_batch_size=1, max_seq_len=8192, gate_batch_size=1))
     tokenizer, engine = load_tokenizer(engine_dir / "target"), load_engine(engine_dir)
-    candidates = [f"hold the slot {i}" for i in range(6)]
-    reqs = engine.generate([encode_prompt(tokenizer, p, raw=False) for p in candidates],
-                           SamplingParams(max_tokens=LONG_TOKENS, stop_token_ids=(tokenizer.eos_token_id,)),
-                           speculation="off")
-    return engine_dir, next(p for p, r in zip(candidates, reqs) if r.finish_reason.value == "length")
+    for prompt in (f"hold the slot {i}" for i in range(6)):  # one at a time: the first that holds it will do
+        [req] = engine.generate([encode_prompt(tokenizer, prompt, raw=False)],
+                                SamplingParams(max_tokens=LONG_TOKENS, stop_token_ids=(tokenizer.eos_token_id,)),
+                                speculation="off")
+        if req.finish_reason.value == "length":
+            return engine_dir, prompt
+    raise AssertionError("no candidate prompt holds the slot for LONG_TOKENS tokens")
 
 
 def hold_the_slot(srv, blocker: str):
