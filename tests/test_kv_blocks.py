@@ -222,13 +222,15 @@ def test_beside_another_request_a_group_decodes_the_rows_its_cost_allows_in_turn
         assert all(r.output_ids == reference(p) for p, r in zip(prompts, group))
 
 
-def test_groups_of_one_size_never_hold_each_other_back(tiny_target):
-    engine = LLMEngine.load(tiny_target, config(max_batch_size=8), cost_model=cost_model(CPU_STEPS))
-    a = [engine.add_request([1, 2, i], SamplingParams(max_tokens=200), group=1) for i in range(4)]
-    b = [engine.add_request([3, 4, i], SamplingParams(max_tokens=200), group=2) for i in range(4)]
-    for _ in range(4):
+def test_groups_of_one_size_never_hold_each_other_back_and_a_larger_keeps_the_smallers_rows(tiny_target):
+    for sizes, held_back in (((4, 4), 0), ((3, 5), 2)):  # 5 beside 3 on the CPU's costs: 3 rows (the cost says 1)
+        engine = LLMEngine.load(tiny_target, config(max_batch_size=8), cost_model=cost_model(CPU_STEPS))
+        for group, size in enumerate(sizes, 1):
+            for i in range(size):
+                engine.add_request([group, 2, i], SamplingParams(max_tokens=200), group=group)
+        engine.step()  # every prompt
         engine.step()
-    assert all(len(r.output_ids) == 4 for r in a + b) and engine.stats.rows_held_back == 0
+        assert engine.stats.rows_held_back == held_back, sizes
 
 
 def test_a_request_given_back_while_its_prompt_is_scored_scores_it_again_from_the_start(tiny_target):

@@ -327,19 +327,21 @@ class LLMEngine:
     def _fair_rows(self, rows: list[Request], prefilling: set) -> list[Request]:
         """The rows that decode this step. Beside smaller groups' rows or prefill (`prefilling`: the groups whose
         prompts this step reads) a group decodes only as many rows as keep the step within FAIR_STEP_GROWTH of
-        the smaller ones' step alone, by the engine's cost model, and at least one, those that waited longest: a
-        request beside one client's many choices then steps nearly as fast as alone. Where rows cost nothing
-        (a bandwidth-bound GPU) the group keeps every row; on a compute-bound CPU it yields most. Groups of one
-        size never hold each other back. Skipping a step changes no row's output (the tests run every batch
-        shape)."""
+        the smaller ones' step alone, by the engine's cost model, and at least as many as the largest of them,
+        those that waited longest: a request beside one client's many choices then steps nearly as fast as alone.
+        Where rows cost nothing (a bandwidth-bound GPU) the group keeps every row; on a compute-bound CPU it
+        yields most. Groups of one size never hold each other back. Skipping a step changes no row's output (the
+        tests run every batch shape)."""
         self._iteration += 1
         held = Counter(r.group_key for r in rows)
         load = held + Counter(prefilling)  # a prefill chunk counts as one row
         caps = {}
         for g, n in held.items():
-            smaller = sum(m for h, m in load.items() if h != g and held[h] < n)
-            if smaller and n > (cap := self._rows_beside(smaller)):
-                caps[g] = cap
+            if below := [h for h in load if h != g and held[h] < n]:
+                # never fewer rows than a group it yields to: a client of 5 choices beside one of 3 keeps 3
+                cap = max(self._rows_beside(sum(load[h] for h in below)), max(held[h] for h in below))
+                if n > cap:
+                    caps[g] = cap
         if caps:
             kept = {id(r) for g, cap in caps.items()
                     for r in sorted((r for r in rows if r.group_key == g), key=lambda r: r.decoded_at)[:cap]}
