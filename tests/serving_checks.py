@@ -199,8 +199,8 @@ def metrics(url: str) -> dict[str, float]:
 def ngram_engine(target: Path, folder: Path, slots: int, max_seq_len: int = 256) -> Path:
     """The served tests' portable engine folder: the target with n-gram drafts (K=3), `slots` requests at once,
     max_seq_len tokens each, the engine's gate ceiling at its slots. Not calibrated: the draft planner reads the
-    rule-of-thumb cost model, so whether a row drafts never depends on how busy the machine was at build time (a
-    calibration timed during a full suite run once left the planner drafting nothing)."""
+    rule-of-thumb cost model, so whether a row drafts never depends on how busy the machine was at build time (in
+    a full suite run a served test once saw nothing drafted, which it always does alone)."""
     from pipeline.compiler import CompileOptions, compile_model
 
     out = folder / "tiny"
