@@ -61,18 +61,7 @@ def smollm2(tmp_path_factory) -> Path:
 SLOW_FIXTURES = {"smollm2", "server", "url", "served", "echo_server", "llmapi_server", "served_repo"}
 
 
-# The files that take longest (a minute or more of a full run each), longest first. pytest-xdist hands a worker a
-# whole file at a time (--dist loadfile) in collection order (--no-loadscope-reorder; its own order is by test
-# count, which put the one-test soak last and left a worker running it alone): these go first, so the two workers
-# end together. Order only: a file missing here runs after them, as collected.
-LONGEST_FIRST = ("test_gpu_kernels.py", "test_serving.py", "test_openai_api.py", "test_isa_caps.py", "test_engine.py",
-                 "test_speculative.py", "test_soak.py", "test_draft_target.py", "test_cuda_graphs.py", "test_build.py",
-                 "test_serve.py")
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
