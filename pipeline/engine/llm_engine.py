@@ -337,6 +337,8 @@ class LLMEngine:
         load = held + Counter(prefilling)  # a prefill chunk counts as one row
         caps = {}
         for g, n in held.items():
+            if n == 1:  # at least one row each: a group of one never yields (and most requests are one)
+                continue
             if below := [h for h in load if h != g and held[h] < n]:
                 # never fewer rows than a group it yields to: a client of 5 choices beside one of 3 keeps 3
                 cap = max(self._rows_beside(sum(load[h] for h in below)), max(held[h] for h in below))
