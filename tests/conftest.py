@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_tiny_llama  # noqa: E402
 
-# Under pytest-xdist (the README's `-n 2`) each of the two workers computes on one core; two threads each would
+# Under pytest-xdist (`-n 2`) each of the two workers computes on one core; two threads each would
 # leave OpenMP teams spinning for a core the other worker holds.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
