@@ -42,6 +42,7 @@ import numpy as np
 from pipeline.engine.cost_model import CostModel, default_cost_model
 from pipeline.engine.draft_plan import EMPTY, AcceptanceEstimate, Row, plan_drafts
 from pipeline.errors import PipelineError
+from pipeline.triton.bls_streams import ENDED
 
 # Text-bearing tokens resent before each streamed chunk so postprocessing can rebuild a character split
 # across chunks (as models/torch_engine.py). Special tokens and ids past the tokenizer's vocabulary
@@ -169,15 +170,6 @@ def accepted_count(drafts: list[int], verified: list[int]) -> tuple[int, bool]:
     while n < len(drafts) and n < len(verified) and verified[n] == drafts[n]:
         n += 1
     return n, n == len(verified) and len(verified) < len(drafts) + 1
-
-
-def drain(responses) -> None:
-    """Read a BLS stream to its final response. One left unread (after an error, a cancel, an early stop)
-    keeps the calling model alive in Triton, which then waits out its 30 s exit timeout at unload. The
-    engine ends that request at once (it has the same stop rules, sent the error, or was cancelled), so
-    this is its last response or two, and the request stays counted in flight while the engine works on it."""
-    for _ in responses:
-        pass
 
 
 class Engines(Protocol):
@@ -369,8 +361,8 @@ class TritonEngines:
                     if hasattr(responses, "cancel"):  # python backend >= 24.04: tells the model to stop
                         responses.cancel()
                     return
-        finally:
-            drain(responses)  # also when the caller stopped early: the token budget, a stop word, a cancel
+        finally:  # also when the caller stopped early: the token budget, a stop word, a cancel
+            ENDED.end(responses)  # read to its end, and held until the stub lets go of it first (bls_streams)
 
     def propose(self, ids: list[int], n: int) -> list[int]:
         return [t for tokens, _ in self._call(self.draft_model, self._inputs(ids, n, greedy=True, streaming=False))

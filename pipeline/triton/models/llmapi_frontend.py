@@ -30,7 +30,7 @@ import triton_python_backend_utils as pb_utils
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text, template_opening
 from pipeline.triton.client_errors import client_message
-from pipeline.triton.draft_target import drain
+from pipeline.triton.bls_streams import ENDED
 from pipeline.triton.validate import check_length, read_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -163,7 +163,7 @@ class TritonPythonModel:
         sent_text, sent_tokens, text = "", 0, ""
         try:
             for response in responses:
-                if sender.is_cancelled():
+                if ENDED.is_cancelled(sender):  # this request's worker is the only one to ask (bls_streams)
                     if hasattr(responses, "cancel"):  # python backend >= 24.04: TensorRT-LLM aborts the request
                         responses.cancel()
                     return
@@ -177,7 +177,8 @@ class TritonPythonModel:
                 if stream:
                     sent_text, sent_tokens = self._answer(sender, text, sent_text, sent_tokens)
         finally:
-            drain(responses)
+            ENDED.end(responses)  # read to its end, and held until the stub lets go of it first (bls_streams)
+        ENDED.is_cancelled(sender)  # ended streams wait for an answer asked after them: this one's own
         if not stream or text != sent_text:
             self._answer(sender, text, sent_text, sent_tokens)
 

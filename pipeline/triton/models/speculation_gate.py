@@ -44,7 +44,7 @@ from pipeline.errors import PipelineError
 from pipeline.heap import release_memory
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
-from pipeline.triton.draft_target import drain
+from pipeline.triton.bls_streams import ENDED
 from pipeline.triton.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestClock
 from pipeline.triton.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 
@@ -293,8 +293,8 @@ class TritonPythonModel:
     def _run(self, request, sender, decision, stream_id: int, clock: RequestClock):
         # The client's cancel reaches us through postprocessing (cancel_marks); is_cancelled covers a
         # client calling this model directly.
-        def cancelled() -> bool:
-            return sender.is_cancelled() or cancel_marks.take(f"stream-{stream_id}")
+        def cancelled() -> bool:  # asked by this worker only (bls_streams)
+            return ENDED.is_cancelled(sender) or cancel_marks.take(f"stream-{stream_id}")
 
         def forward(outputs: dict):
             self._forward(sender, {**_defaults(outputs), "stream_id": np.array([[stream_id]], np.uint64)}, decision,
@@ -312,6 +312,7 @@ class TritonPythonModel:
                          reason=decision.reason, forced=decision.speculate and decision.reason == OVERRIDE)
             else:
                 self._relay_engine(request, decision, stream_id, forward, cancelled)
+            cancelled()  # ended streams wait for an answer asked after them (bls_streams): this one's own
         except Exception as err:  # noqa: BLE001  one failed stream must not take the model down
             error = client_message(err, "speculation_gate")  # an EngineError: the engine's own line, as it is
             code = err.code if isinstance(err, EngineError) else None
@@ -357,7 +358,7 @@ class TritonPythonModel:
                     forward({t.name(): np.array(t.as_numpy()) for t in tensors})
                 del response, tensors
         finally:
-            drain(responses)
+            ENDED.end(responses)  # read to its end, and held until the stub lets go of it first (bls_streams)
 
     def _forward(self, sender, outputs: dict, decision: Decision, clock: RequestClock):
         """Queue one generation response (GENERATION_OUTPUTS as numpy arrays) and count its drafts, the
