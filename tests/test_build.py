@@ -515,3 +515,19 @@ def test_eagle3_uses_a_head_trained_earlier_from_the_cache(tiny_target, tmp_path
     plan = plan_build(tiny_options(tiny_target, tmp_path, draft="eagle3"), env)
     assert [s.name for s in plan.stages] == ["compile", "assemble"]
     assert plan.stages[0].options.draft == f"eagle3:{head}" and "in the cache" in plan.settings.reasons["draft"]
+
+
+def test_a_repository_assembled_from_other_model_sources_is_assembled_again(tiny_target, tmp_path, monkeypatch):
+    """The repository holds copies of pipeline/triton/models/ that import this version's package: after an upgrade
+    that changed them, a reused repository's models failed to load (a name they imported had moved)."""
+    from pipeline.triton import assemble
+
+    run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    sources = tmp_path / "sources"
+    shutil.copytree(assemble.MODEL_SOURCES, sources)
+    gate = sources / assemble.PYTHON_MODELS["speculation_gate"]
+    gate.write_text(gate.read_text() + "\n# another version\n")
+    monkeypatch.setattr(assemble, "MODEL_SOURCES", sources)
+    again = run_build(tiny_options(tiny_target, tmp_path), cpu_env(tiny_target))
+    assert statuses(again) == {"compile": "reused", "assemble": "built"}
+    assert (tmp_path / "repo" / "speculation_gate" / "1" / "model.py").read_text().endswith("# another version\n")

@@ -238,10 +238,12 @@ def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:
     config = plain(dataclasses.asdict(stage.options)) if stage.options is not None else {"note": stage.note}
     config.pop("force", None)
     config.pop("dry_run", None)
-    if stage.name == "assemble":  # the repository's tensors are this version's, not only its options
+    if stage.name == "assemble":  # the repository's tensors and models are this version's, not only its options
+        from pipeline.triton.assemble import sources_digest
         from pipeline.triton.interface import layout_digest
 
         config["layout"] = layout_digest()
+        config["sources"] = sources_digest()
     blob = json.dumps({"stage": stage.name, "config": config, "deps": [keys[d] for d in stage.deps]}, sort_keys=True)
     return dataclasses.replace(stage, config_key=hashlib.sha256(blob.encode()).hexdigest()[:16])
 

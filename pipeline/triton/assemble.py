@@ -46,6 +46,19 @@ DRAFT_WORKSPACE_BYTES = 2 * 1024 ** 3  # the draft worker's activations, as the 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
+def sources_digest() -> str:
+    """A digest of the python models' sources a repository gets a copy of: a repository holding older copies is
+    stale, and `pipeline build` assembles it again (pipeline.build.plan keys its assemble stage on it). The copies
+    import this version's package: after an upgrade a reused repository's gate imported a name that had moved,
+    and every model it fed failed to load."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted({*PYTHON_MODELS.values(), LLMAPI_SOURCE}):
+        digest.update(name.encode() + b"\0" + (MODEL_SOURCES / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class AssembleOptions:
     engine: Path  # a `pipeline compile` folder
