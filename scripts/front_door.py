@@ -102,7 +102,9 @@ class Stack:
             time.sleep(1)
 
     def stop(self) -> None:
-        os.killpg(self.process.pid, signal.SIGINT)
+        # SIGTERM, not SIGINT: a shell without job control starts background commands with SIGINT ignored, and
+        # serve (like any Python program) then keeps ignoring it; its workspaces in /tmp were left behind.
+        os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(60)
         except subprocess.TimeoutExpired:
