@@ -1,6 +1,7 @@
 """The engine's decoder against Hugging Face transformers on the same weights.
 
-Every variant the engine supports (GQA, tied embeddings, Qwen2 qkv bias, Llama-3 rope scaling) is
+Every variant the engine supports (GQA, tied embeddings, Qwen2 qkv bias, Llama-3 rope scaling, Qwen3's
+q/k norms and own head_dim) is
 checked in fp32 (tight) and bf16 (loose), for a full prefill, for decoding one token at a time
 through the KV cache, and for a ragged padded batch whose rows sit in non-contiguous cache slots
 at different positions. Every linear back end is covered: auto (in bf16 the engine's AMX kernel where
@@ -28,6 +29,8 @@ VARIANTS = {
     "tied": dict(tie=True),
     "qwen2": dict(model_type="qwen2"),
     "llama3_rope": dict(rope_scaling=LLAMA3_ROPE),
+    # per-head q/k norms (random weights, not ones), and a head_dim that isn't hidden / heads
+    "qwen3": dict(model_type="qwen3", head_dim=32),
 }
 # (dtype, max |engine - HF| allowed). Logits have std ~0.8 on these models.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.06}

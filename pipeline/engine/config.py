@@ -10,9 +10,8 @@ import torch
 from pipeline.engine.device import check_fraction, parse_device
 from pipeline.engine.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.errors import ConfigError, ModelFormatError
+from pipeline.models.families import family_of
 from pipeline.models.shape import ModelShape, read_config
-
-SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "mistral"}
 
 LM_HEAD_CHOICES = ("auto", "checkpoint", "int8")
 
@@ -44,25 +43,22 @@ class RopeScaling:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(ModelShape):
-    """What the engine needs to run a Llama-family decoder: its ModelShape plus rope, norm epsilon, biases and
-    special tokens, read from a Hugging Face config.json."""
+    """What the engine needs to run a decoder of a supported family: its ModelShape plus rope, norm epsilon, the
+    family's features (pipeline.models.families) and special tokens, read from a Hugging Face config.json."""
 
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
     qkv_bias: bool
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before rope (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         shape = ModelShape.from_hf_config(cfg)
-        if shape.model_type not in SUPPORTED_ARCHITECTURES:
-            raise ModelFormatError(
-                f"model_type {shape.model_type!r} is not supported by the portable engine; "
-                f"use a Llama-family model ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-            )
+        features = family_of(shape.model_type).features(cfg)
         # transformers 5 moved rope_theta/rope_scaling into "rope_parameters"; accept both layouts.
         rope = dict(cfg.get("rope_parameters") or {})
         legacy = cfg.get("rope_scaling") or {}
@@ -87,8 +83,8 @@ class ModelConfig(ModelShape):
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            # Qwen2 always has q/k/v biases; Llama has them when attention_bias is set.
-            qkv_bias=shape.model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=features.qkv_bias,
+            qk_norm=features.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -178,6 +178,9 @@ def engine_tensors(hf: CheckpointTensors, cfg: ModelConfig, skip: frozenset[str]
         p = f"layers.{i}."
         yield p + "input_norm.weight", one(p + "input_layernorm.weight")
         yield p + "post_norm.weight", one(p + "post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            yield p + "attn.q_norm.weight", one(p + "self_attn.q_norm.weight")
+            yield p + "attn.k_norm.weight", one(p + "self_attn.k_norm.weight")
 
 
 def install_quantized_linears(model: Transformer, hf: CheckpointTensors, dtype: torch.dtype,

@@ -1,4 +1,5 @@
-"""Seeded tiny random Llama-family checkpoints, written as real Hugging Face folders.
+"""Seeded tiny random checkpoints of the supported families, written as real Hugging Face folders by transformers'
+own class for the family (pipeline.models.families).
 
 Small enough to build in a second and need no download: the tests' models, and the pair
 scripts/smoke_trtllm.py builds TensorRT-LLM engines from inside NVIDIA's container.
@@ -37,29 +38,35 @@ def byte_tokenizer(extra_tokens: int = 0):
 def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int = 2, intermediate: int = 128, vocab_size: int = 320, tie: bool = False,
                     model_type: str = "llama", rope_scaling: dict | None = None, attention_bias: bool = False,
-                    init_std: float = 0.1, extra_tokens: int = 0, max_positions: int = 1024) -> Path:
+                    init_std: float = 0.1, extra_tokens: int = 0, max_positions: int = 1024,
+                    head_dim: int | None = None) -> Path:
     """Write a seeded random model + byte tokenizer to `path`. init_std is larger than the usual 0.02
-    so that logits are well separated: greedy tests then don't hinge on near-ties."""
+    so that logits are well separated: greedy tests then don't hinge on near-ties. head_dim: where it isn't
+    hidden / heads (Qwen3's own)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
+    from pipeline.models.families import family_of
+
+    family = family_of(model_type)
     tok = byte_tokenizer(extra_tokens)
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=max_positions, tie_word_embeddings=tie, initializer_range=init_std,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, rms_norm_eps=1e-5)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     torch.manual_seed(seed)
-    if model_type == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        cfg = LlamaConfig(**common, attention_bias=attention_bias)
-        if rope_scaling:
-            cfg.rope_parameters = {"rope_theta": 500000.0, **rope_scaling}
-        model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # biases default to zero; make them matter
+    cfg = getattr(transformers, family.hf_config)(**common, attention_bias=attention_bias)
+    if rope_scaling:
+        cfg.rope_parameters = {"rope_theta": 500000.0, **rope_scaling}
+    model = getattr(transformers, family.hf_model)(cfg)
+    with torch.no_grad():  # biases default to zero and per-head q/k norms to one; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, init_std)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a missing or misplaced one
+                p.uniform_(0.5, 1.5)
     model.config.architectures = [type(model).__name__]
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)

@@ -14,8 +14,19 @@ from pipeline.models.shape import ModelShape
 
 KV_CACHE_DTYPES = ("fp8", "none")
 EXPORTS = ("hf", "trtllm")
-# ModelOpt's TensorRT-LLM export takes a decoder type; these are the ones the portable engine runs too.
-TRTLLM_DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen"}
+
+
+def trtllm_decoder_type(model_type: str) -> str | None:
+    """The decoder type ModelOpt's TensorRT-LLM export takes for a model_type (its family module says), or None."""
+    from pipeline.models.families import FAMILIES
+
+    return next((f.trtllm_decoder for f in FAMILIES if model_type in f.model_types), None)
+
+
+def trtllm_model_types() -> tuple[str, ...]:
+    from pipeline.models.families import FAMILIES
+
+    return tuple(sorted(t for f in FAMILIES if f.trtllm_decoder for t in f.model_types))
 
 
 @dataclass(frozen=True)
@@ -96,8 +107,8 @@ def block_size_for(fmt: QFormat, shape: ModelShape, export: str = "hf", tp_size:
 def check_model_fits(fmt: QFormat, shape: ModelShape, export: str = "hf", tp_size: int = 1, pp_size: int = 1) -> None:
     """Raise QuantizeError when `fmt` (exported as `export`, split tp x pp) can't take this model's shapes."""
     if export == "trtllm":
-        if shape.model_type not in TRTLLM_DECODER_TYPES:
-            raise QuantizeError(f"--export trtllm supports model types {', '.join(TRTLLM_DECODER_TYPES)}, "
+        if trtllm_decoder_type(shape.model_type) is None:
+            raise QuantizeError(f"--export trtllm supports model types {', '.join(trtllm_model_types())}, "
                                 f"not {shape.model_type!r}; use --export hf")
         for name, value in (("num_attention_heads", shape.num_heads), ("num_key_value_heads", shape.num_kv_heads),
                             ("intermediate_size", shape.intermediate_size)):

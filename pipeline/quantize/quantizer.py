@@ -16,8 +16,8 @@ from pathlib import Path
 from pipeline.errors import QuantizeError
 from pipeline.models.shape import ModelShape
 from pipeline.quantize.calib import BUILTIN
-from pipeline.quantize.formats import (TRTLLM_DECODER_TYPES, block_size_for, check_model_fits,
-                                      check_request, get_format)
+from pipeline.quantize.formats import (block_size_for, check_model_fits, check_request, get_format,
+                                      trtllm_decoder_type)
 from pipeline.quantize.report import QuantizeReport
 
 REPORT_FILE = "report.json"
@@ -140,7 +140,7 @@ def _export(model, stage: Path, options: QuantizeOptions, shape: ModelShape, sou
         return
     # TensorRT-LLM's quantized kernels run in 16-bit: a 32-bit source exports as bf16.
     dtype = source_dtype if source_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    export_trtllm(model, stage, TRTLLM_DECODER_TYPES[shape.model_type], dtype, options.tp_size, options.pp_size)
+    export_trtllm(model, stage, trtllm_decoder_type(shape.model_type), dtype, options.tp_size, options.pp_size)
 
 
 def _torch_dtype(config: dict):

@@ -1,0 +1,29 @@
+"""Model families: what sets each apart, one module per family (llama.py, qwen2.py, qwen3.py).
+
+The engine reads features, never a family's name. A family module turns a checkpoint's config.json into those
+features, names transformers' own classes for it (the reference the tests compare the engine against), and the
+decoder type ModelOpt's TensorRT-LLM export takes for it. A new family is a new module, listed in FAMILIES.
+Torch-free: the planner, quantizer and presets read it too.
+"""
+
+from __future__ import annotations
+
+from pipeline.errors import ModelFormatError
+from pipeline.models.families import llama, qwen2, qwen3
+from pipeline.models.families.base import Family, Features  # noqa: F401  (re-exported)
+
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(t for f in FAMILIES for t in f.model_types))
+
+
+def family_of(model_type: str) -> Family:
+    """The family of a config.json's model_type; one line naming the supported ones otherwise."""
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise ModelFormatError(f"model_type {model_type!r} is not supported by the portable engine; supported: "
+                           f"{', '.join(supported_model_types())}")

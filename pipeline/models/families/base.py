@@ -1,0 +1,24 @@
+"""What a family module declares (pipeline.models.families)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Features:
+    """The decoder parts that differ between families; the rest (rope, RMSNorm, SwiGLU, GQA) is common."""
+
+    qkv_bias: bool = False  # the q, k and v projections carry biases
+    qk_norm: bool = False  # each head of q and of k goes through its own RMSNorm before rope
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config.json's model_type values this family reads
+    features: Callable[[dict], Features]  # from config.json
+    hf_model: str  # transformers' ForCausalLM class for it: the reference
+    hf_config: str  # and its config class
+    trtllm_decoder: str | None  # ModelOpt's export_tensorrt_llm_checkpoint decoder_type; None: --export hf only
