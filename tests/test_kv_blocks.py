@@ -170,6 +170,41 @@ def test_a_request_beside_a_group_holding_every_slot_starts_at_the_next_step(tin
     assert engine.blocks.num_held == 0
 
 
+@pytest.mark.identity
+def test_the_slot_of_a_request_that_ended_beside_a_group_waits_for_the_next_request_before_the_group(
+        tiny_target, reference):
+    """A client sending requests back to back beside one client's many choices: each of its requests ends, and its
+    slot waits FAIR_HOLD_STEPS steps before the group takes it back, so its next request, arriving meanwhile, starts
+    at once without taking a slot from the group again (a preemption, and the group's return a step of all its rows
+    and a prefill, which that request used to wait behind). Past the hold the group takes the slot."""
+    from pipeline.engine.llm_engine import FAIR_HOLD_STEPS
+
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=4))
+    prompts = chat_prompts(8, system=20, seed=7)
+    group = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), group=1) for p in prompts]
+    engine.step()
+    first = engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    while not first.finished:
+        engine.step()
+    assert engine.stats.preemptions == 1  # the first request took a slot from the group
+    engine.step()  # the client's round trip: its next request comes a step later
+    assert sum(r.status.value == "running" for r in group) == 3  # the slot is held
+    second = engine.add_request([6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert second.status.value == "running" and engine.stats.preemptions == 1  # no slot taken from the group
+    while not second.finished:
+        engine.step()
+    for _ in range(FAIR_HOLD_STEPS):  # held through the next FAIR_HOLD_STEPS steps' admissions
+        engine.step()
+        assert sum(r.status.value == "running" for r in group) == 3
+    engine.step()
+    assert sum(r.status.value == "running" for r in group) == 4  # nobody came: the group has its slot back
+    while engine.has_unfinished():
+        engine.step()
+    assert first.output_ids == reference([5, 6, 7], 3) and second.output_ids == reference([6, 7, 8], 3)
+    assert all(r.output_ids == reference(p) for p, r in zip(prompts, group))
+
+
 def test_two_groups_end_up_with_half_the_slots_each_and_lone_requests_keep_first_come_first_served(tiny_target):
     engine = LLMEngine.load(tiny_target, config(max_batch_size=4))
     a = [engine.add_request([1, 2, i], SamplingParams(max_tokens=200), group=1) for i in range(8)]

@@ -50,6 +50,10 @@ METRICS_EVERY_S = 0.1  # metric updates are IPC round trips: at most this often
 # full for nobody once a slot freed, and a queue of such requests starved live ones. Clients already see
 # empty chunks (a character split across tokens); genai-perf skips them for time to first token.
 KEEPALIVE_S = 1.0
+# A sender's is_cancelled() is a round trip to tritonserver. Asked for every stream before every step, it took the
+# scheduler thread 0.9 ms a step (p90 3.2 ms) at 17 streams, with the steps 13-16 ms. A stream is asked at most this
+# often; a client of the ensemble that leaves is seen sooner, by its cancel mark (one listdir a step).
+CANCEL_POLL_S = 0.1
 
 
 class EngineMetrics:
@@ -138,6 +142,7 @@ class Stream:
     stream_id: str = ""  # the gate's id for this stream: its cancel mark is "engine-<id>"
     last_sent: float = 0.0  # time.monotonic() of the last response; 0 before the first
     probed_at: float = field(default_factory=time.monotonic)  # when it was queued, then its last keepalive
+    polled_at: float = 0.0  # when its sender was last asked is_cancelled() (CANCEL_POLL_S)
 
 
 def _since(counts: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -350,8 +355,15 @@ class TritonPythonModel:
 
     def _cancel_abandoned(self):
         marked = cancel_marks.take_all("engine-")
+        now = time.monotonic()
         for req, state in list(self.streams.items()):
-            if state.sender.is_cancelled() or (state.stream_id and state.stream_id in marked):
+            if state.stream_id and state.stream_id in marked:
+                cancelled = True
+            elif now - state.polled_at >= CANCEL_POLL_S:
+                state.polled_at, cancelled = now, state.sender.is_cancelled()
+            else:
+                continue
+            if cancelled:
                 self.engine.cancel(req)
                 state.sender.send(flags=FINAL)
                 del self.streams[req]
