@@ -435,9 +435,12 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
 
 
 @pytest.mark.identity
-@pytest.mark.parametrize("weights", ["int4_awq", "bf16"])
+@pytest.mark.parametrize("weights", ["int4_awq", "bf16", "qwen3"])
 def test_the_layer_stack_in_c_calls_gives_the_module_loops_bits(base, tmp_path_factory, weights):
     folder = export(base, tmp_path_factory, "int4_awq") if weights == "int4_awq" else base
+    if weights == "qwen3":  # base's shape in bf16, with Qwen3's per-head q/k norms (random weights) in the stack
+        folder = make_tiny_llama(tmp_path_factory.mktemp("qwen3"), seed=0, layers=2, hidden=128, intermediate=256,
+                                 heads=4, kv_heads=2, model_type="qwen3")
     model = load_transformer(folder, MAX_LEN, torch.bfloat16)
     if not cpu_kernels.usable():
         pytest.skip(f"no C kernels for {weights} here: {cpu_kernels.status()}")

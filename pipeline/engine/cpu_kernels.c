@@ -604,7 +604,9 @@ int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, v
 
 enum { STACK_DENSE = 2, STACK_INT4 = 4, STACK_AMX = 16 };  // a projection's kind (cpu_kernels.STACK_KINDS)
 enum { HEAD_NORM_TWICE = 1, HEAD_NORMED_RESIDUAL = 2 };  // head_layer's flags (eagle3.HEAD_FLAGS)
-enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, LAYER_ENTRIES = L_DOWN + 4 };
+// L_Q_NORM, L_K_NORM: per-head q and k norm weights (Qwen3), 0 for none
+enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, L_Q_NORM = L_DOWN + 4, L_K_NORM,
+       LAYER_ENTRIES };
 
 #define ELT bf16
 #define FN(name) name##_bf16

@@ -268,7 +268,7 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
 // x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
 // delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
 // weights, then per projection (qkv, o, gate_up, down) its kind (STACK_*) and the addresses of its weights,
-// scales and pre_quant_scale (0 for none). Returns 0; -1 when a position or block lies outside
+// scales and pre_quant_scale (0 for none), then the per-head q and k norms' weights (0 for none). Returns 0; -1 when a position or block lies outside
 // the table or the pool (nothing is written then); -2 when a projection's kernel refuses its shape (the plan checks
 // them, so a bug).
 
@@ -298,6 +298,13 @@ int FN(layers)(ELT *x, ELT *delta, int64_t B, int64_t T, int64_t layers, int64_t
         FN(rms_norm)(x, l ? delta : NULL, (const ELT *)(intptr_t)t[L_IN_NORM], eps, rows, hidden, l ? x : NULL,
                      normed, threads);
         if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads))) break;
+        if (t[L_Q_NORM])  // each head of q and of k through its own RMSNorm, in place, before rope (model.py's order)
+            for (int64_t r = 0; r < rows; r++) {
+                FN(rms_norm)(qkv + r * nqkv, NULL, (const ELT *)(intptr_t)t[L_Q_NORM], eps, H, D, NULL,
+                             qkv + r * nqkv, threads);
+                FN(rms_norm)(qkv + r * nqkv + H * D, NULL, (const ELT *)(intptr_t)t[L_K_NORM], eps, KV, D, NULL,
+                             qkv + r * nqkv + H * D, threads);
+            }
         if (FN(rope_attend)(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache, NB,
                             BS, block_table, MB, write_pos, scale, threads, attn)) {
             rc = -1;

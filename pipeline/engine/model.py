@@ -252,7 +252,7 @@ class LayerStack:
     projection's kind and tensors (see layers in cpu_kernels_layer.h); and the tensors behind them, held so the
     addresses stay valid."""
 
-    table: torch.Tensor  # int64 [layers, 18]
+    table: torch.Tensor  # int64 [layers, 20]
     group_size: int  # the int4 projections' (0 when there are none)
     held: list[torch.Tensor]
 
@@ -268,20 +268,24 @@ def _stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int]
 
 class StackRow(NamedTuple):
     """One layer's row of the C layer stack's table (its two norms' weights, then per projection its kind and its
-    tensors' addresses), the tensors behind the addresses, and its int4 projections' group sizes."""
+    tensors' addresses, then its per-head q and k norms' weights or 0), the tensors behind the addresses, and its
+    int4 projections' group sizes."""
 
     addresses: list[int]
     held: list[torch.Tensor]
     groups: set[int]
 
 
-def stack_row(norms: list[torch.Tensor], lins: tuple[nn.Module, ...], dtype: torch.dtype) -> StackRow | None:
-    """A layer's row (norms: the two before attention and before the MLP; lins: qkv, o, gate_up, down) when every
-    projection runs on the C kernels and each norm is a `dtype` weight on the CPU, else None."""
+def stack_row(norms: list[torch.Tensor], lins: tuple[nn.Module, ...], dtype: torch.dtype,
+              qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> StackRow | None:
+    """A layer's row (norms: the two before attention and before the MLP; lins: qkv, o, gate_up, down; qk_norms:
+    the per-head q and k norms, Qwen3's) when every projection runs on the C kernels and each norm is a `dtype`
+    weight on the CPU, else None."""
     entries = [_stack_entry(m, dtype) for m in lins]
-    if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
+    if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu"
+                                              for w in [*norms, *(qk_norms or ())]):
         return None
-    items = [*norms, *(item for e in entries for item in e)]
+    items = [*norms, *(item for e in entries for item in e), *(qk_norms or (None, None))]
     return StackRow([t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items],
                     [t for t in items if isinstance(t, torch.Tensor)],
                     {m.group_size for m in lins if isinstance(m, Int4Linear)})
@@ -330,13 +334,12 @@ class Transformer(nn.Module):
         return self._layer_stack or None
 
     def _plan_layer_stack(self) -> LayerStack | None:
-        if self.cfg.qk_norm:  # the C stack has no per-head q/k norm yet: the loop runs those layers (issue 54)
-            return None
         rows, held, groups = [], [], set()
         dtype = self.embed.weight.dtype
         for layer in self.layers:
+            qk = (layer.attn.q_norm.weight, layer.attn.k_norm.weight) if layer.attn.q_norm is not None else None
             row = stack_row([layer.input_norm.weight, layer.post_norm.weight],
-                            (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down), dtype)
+                            (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down), dtype, qk)
             if row is None:
                 return None
             rows.append(row.addresses)
