@@ -268,9 +268,9 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
 // x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
 // delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
 // weights, then per projection (qkv, o, gate_up, down) its kind (STACK_*) and the addresses of its weights,
-// scales and pre_quant_scale (0 for none), then the per-head q and k norms' weights (0 for none). Returns 0; -1 when a position or block lies outside
-// the table or the pool (nothing is written then); -2 when a projection's kernel refuses its shape (the plan checks
-// them, so a bug).
+// scales and pre_quant_scale (0 for none), then the per-head q and k norms' weights (0 for none). Returns 0; -1
+// when a position or block lies outside the table or the pool (nothing is written then); -2 when a projection's
+// kernel refuses its shape (the plan checks them, so a bug).
 
 static int FN(stack_linear)(const ELT *x, int64_t rows, int64_t K, const int64_t *lin, int64_t G, int64_t N,
                             ELT *y, int threads) {
