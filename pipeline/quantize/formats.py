@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import QuantizeError
+from pipeline.models.families import FAMILIES, family_for
 from pipeline.models.shape import ModelShape
 
 KV_CACHE_DTYPES = ("fp8", "none")
@@ -18,14 +19,11 @@ EXPORTS = ("hf", "trtllm")
 
 def trtllm_decoder_type(model_type: str) -> str | None:
     """The decoder type ModelOpt's TensorRT-LLM export takes for a model_type (its family module says), or None."""
-    from pipeline.models.families import FAMILIES
-
-    return next((f.trtllm_decoder for f in FAMILIES if model_type in f.model_types), None)
+    family = family_for(model_type)
+    return family.trtllm_decoder if family else None
 
 
 def trtllm_model_types() -> tuple[str, ...]:
-    from pipeline.models.families import FAMILIES
-
     return tuple(sorted(t for f in FAMILIES if f.trtllm_decoder for t in f.model_types))
 
 

@@ -20,10 +20,14 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(t for f in FAMILIES for t in f.model_types))
 
 
+def family_for(model_type: str) -> Family | None:
+    """The family of a config.json's model_type, or None."""
+    return next((f for f in FAMILIES if model_type in f.model_types), None)
+
+
 def family_of(model_type: str) -> Family:
     """The family of a config.json's model_type; one line naming the supported ones otherwise."""
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            return family
+    if family := family_for(model_type):
+        return family
     raise ModelFormatError(f"model_type {model_type!r} is not supported by the portable engine; supported: "
                            f"{', '.join(supported_model_types())}")
