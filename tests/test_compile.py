@@ -641,6 +641,7 @@ def test_a_torch_engine_with_a_draft_carries_the_cost_model_measured_here(tiny_t
     cost = CostModel.load(out)
     assert cost.rows == (1, 2, 4) and cost.widths == (1, 2, 3, 4) and cost.proposer == "ngram"
     assert cost.source.startswith("measured on ") and all(v > 0 for row in cost.target_s for v in row)
+    assert cost.context == 64 and cost.context_token_s < cost.target_s[0][0] / 64  # a token, not a step's worth
     assert "cost_model.json" in result.files and any("cost model measured in" in n for n in result.notes)
     assert load_engine(out).cost_model == cost
     plain = tmp_path / "plain"

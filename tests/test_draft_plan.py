@@ -1,5 +1,6 @@
 """The per-request draft planner and the cost model it reads: pure, with synthetic costs and acceptance."""
 
+import dataclasses
 import itertools
 import json
 
@@ -176,6 +177,19 @@ def test_cost_model_round_trips_through_its_file_and_refuses_nonsense(tmp_path):
         CostModel.from_json(data)
     with pytest.raises(ConfigError, match="widths"):
         CostModel((1,), (2, 3), ((1.0, 1.0),), (0.0,), (0.0,))
+
+
+def test_the_context_term_adds_what_rows_past_the_timed_context_cost_and_older_files_have_none(tmp_path):
+    cost = dataclasses.replace(default_cost_model(K, 64), context=64, context_token_s=2e-6)
+    assert cost.context_s([10, 64, 564, 1064]) == pytest.approx(2e-6 * (500 + 1000))
+    cost.save(tmp_path)
+    assert CostModel.load(tmp_path) == cost
+    data = json.loads((tmp_path / "cost_model.json").read_text())
+    del data["context"], data["context_token_s"]  # a file calibrated before the term: the table alone, as then
+    assert CostModel.from_json(data).context_s([2000]) == 0.0
+    data["context_token_s"] = -1.0
+    with pytest.raises(ConfigError, match="finite"):
+        CostModel.from_json(data)
 
 
 def test_calibration_noise_cannot_make_a_wider_or_larger_step_cheaper():

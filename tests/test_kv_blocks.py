@@ -220,11 +220,12 @@ def test_two_groups_end_up_with_half_the_slots_each_and_lone_requests_keep_first
     assert [r.status.value for r in lone] == ["running"] * 4 + ["waiting"] and engine.stats.preemptions == 0
 
 
-def cost_model(ms_at_1_2_4_8: tuple[float, ...]) -> CostModel:
-    """A decode step's cost at 1, 2, 4 and 8 rows, whatever the width, no draft cost."""
+def cost_model(ms_at_1_2_4_8: tuple[float, ...], context_token_s: float = 0.0) -> CostModel:
+    """A decode step's cost at 1, 2, 4 and 8 rows, whatever the width, no draft cost; each cached token a row
+    attends to adds context_token_s."""
     K = EngineConfig().num_draft_tokens
     return CostModel((1, 2, 4, 8), tuple(range(1, K + 2)), tuple((ms / 1000,) * (K + 1) for ms in ms_at_1_2_4_8),
-                     (0.0,) * 4, (0.0,) * 4, source="test")
+                     (0.0,) * 4, (0.0,) * 4, source="test", context_token_s=context_token_s)
 
 
 # A 2-core CPU (the embedded default's calibration there) and a bandwidth-bound GPU, where rows cost nothing.
@@ -235,9 +236,11 @@ CPU_STEPS, FLAT_STEPS = (10.1, 10.6, 12.9, 21.0), (10.0, 10.0, 10.0, 10.1)
 def test_beside_another_request_a_group_decodes_the_rows_its_cost_allows_in_turn(tiny_target, reference):
     """On the CPU's costs, 2 of the group's 7 rows keep a step within FAIR_STEP_GROWTH of the lone request's
     (10.1 ms alone, 11.75 with 2 more rows, 12.9 with 3); each row takes its turn, and nothing changes what anyone
-    decodes. Where rows cost nothing the group keeps them all."""
-    for steps, rows in ((CPU_STEPS, 2), (FLAT_STEPS, 7)):
-        engine = LLMEngine.load(tiny_target, config(max_batch_size=8), cost_model=cost_model(steps))
+    decodes. Where rows cost nothing the group keeps them all, unless its rows' contexts make them cost (1 ms a
+    token here: the group's prompts are about 30 tokens, the lone request's 3). In the lone request's first step
+    (its prompt) the group sits out: its rows would be a second forward."""
+    for steps, per_token, rows in ((CPU_STEPS, 0.0, 2), (FLAT_STEPS, 0.0, 7), (FLAT_STEPS, 1e-3, 1)):
+        engine = LLMEngine.load(tiny_target, config(max_batch_size=8), cost_model=cost_model(steps, per_token))
         prompts = chat_prompts(7, system=20, seed=9)
         group = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS), group=1) for p in prompts]
         engine.step()
@@ -248,13 +251,46 @@ def test_beside_another_request_a_group_decodes_the_rows_its_cost_allows_in_turn
             before = [len(r.output_ids) for r in group]
             engine.step()
             made.append([len(r.output_ids) - b for r, b in zip(group, before)])
-        assert all(sum(1 for n in step if n) == rows for step in made), made
-        assert all(sum(1 for step in made if step[i]) >= 8 * rows // 7 for i in range(7)), made  # each in turn
-        assert engine.stats.rows_held_back == 8 * (7 - rows) and engine.stats.preemptions == 0
+        assert not any(made[0]) and all(sum(1 for n in step if n) == rows for step in made[1:]), made
+        assert all(any(step[i] for step in made) for i in range(7)), made  # each in turn
+        assert engine.stats.rows_held_back == 7 + 7 * (7 - rows) and engine.stats.preemptions == 0
         while engine.has_unfinished():
             engine.step()
         assert len(lone.output_ids) == 8
         assert all(r.output_ids == reference(p) for p, r in zip(prompts, group))
+
+
+def test_a_group_sits_out_a_smaller_groups_prompt_step_but_never_two_in_a_row_and_never_a_long_prompts(
+        tiny_target, reference):
+    """Beside a prompt read in chunks, one client's choices decode every other step (their rows a second forward
+    the first time, the chunks never starving them); beside one long chunk, whose forward dwarfs theirs, every
+    step. A request of its own never sits out."""
+    for chunk, pattern in ((8, [0, 2, 0, 2, 0]), (512, [2])):
+        engine = LLMEngine.load(tiny_target, config(max_batch_size=8, prefill_chunk=chunk),
+                                cost_model=cost_model(CPU_STEPS))
+        prompts = chat_prompts(7, system=20, seed=9)
+        group = [engine.add_request(p, SamplingParams(max_tokens=200), group=1) for p in prompts]
+        while not all(r.output_ids for r in group):  # every prompt read, in chunks
+            engine.step()
+        long = chat_prompts(1, system=30, seed=3)[0][:40]
+        lone = engine.add_request(long, SamplingParams(max_tokens=4, ignore_eos=True))
+        made = []
+        while lone.prefilling or lone.status.value == "waiting":
+            before = sum(len(r.output_ids) for r in group)
+            engine.step()
+            made.append(sum(len(r.output_ids) for r in group) - before)
+        assert made == pattern, made
+        while not lone.finished:
+            engine.step()
+        assert lone.output_ids == reference(long, 4)
+        assert all(reference(p)[:len(r.output_ids)] == r.output_ids[:MAX_TOKENS] for p, r in zip(prompts, group))
+    engine = LLMEngine.load(tiny_target, config(max_batch_size=8), cost_model=cost_model(CPU_STEPS))
+    first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=MAX_TOKENS))
+    engine.step()
+    engine.add_request([4, 5, 6], SamplingParams(max_tokens=MAX_TOKENS))
+    before = len(first.output_ids)
+    engine.step()
+    assert len(first.output_ids) == before + 1
 
 
 def test_groups_of_one_size_never_hold_each_other_back_and_a_larger_keeps_the_smallers_rows(tiny_target):

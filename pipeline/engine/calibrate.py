@@ -7,6 +7,8 @@
   read B=16 as 312 ms at widths 1 to 4 alike during a CI run). Made monotone in B and W (noise must not
   make a wider step look cheaper). It writes into the engine's own cache slots: calibrate a fresh engine,
   before it serves.
+- The context term: one-token steps of CONTEXT_ROWS rows at CONTEXT and at LONG_CONTEXT cached tokens;
+  what each token past CONTEXT adds to a row is the difference over the tokens and rows (at least 0).
 - The proposer: real engine steps over B requests that always draft (speculation "on"), first K tokens a
   step and then one, timing only the proposer's calls (the fastest step of each). Its cost per step is
   then fixed + per_token * k.
@@ -30,6 +32,8 @@ from pipeline.engine.sampling import SamplingParams
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 64  # tokens each row attends to while timed: a short chat turn
+LONG_CONTEXT = 1024  # the context term's second point (capped by max_seq_len)
+CONTEXT_ROWS = 4  # rows of the context term's steps: enough for both threads to share the attention
 REPS = 3  # timed runs per shape at least; more while a shape has run under MIN_SHAPE_S
 MAX_REPS = 12
 MIN_SHAPE_S = 0.3
@@ -67,6 +71,15 @@ def calibrate(engine: LLMEngine, budget_s: float = BUDGET_S) -> Calibration:
         target.append(_time_target(engine, b, widths, context))
         rows.append(b)
 
+    n = min(CONTEXT_ROWS, cfg.max_batch_size)
+    cache = engine.cache  # the timed rows are slots 0..n-1: the last one's blocks must lie inside the pool
+    in_pool = (cache.num_blocks - (n - 1) * cache.blocks_per_slot) * cache.block_size
+    long_context = min(LONG_CONTEXT, cfg.max_seq_len - 8, in_pool - 8)
+    context_token_s = 0.0
+    if long_context > context:
+        (short,), (long,) = (_time_target(engine, n, (1,), c) for c in (context, long_context))
+        context_token_s = max(0.0, (long - short) / (n * (long_context - context)))
+
     fixed, per_token = [0.0] * len(rows), [0.0] * len(rows)
     if engine.proposer is not None:
         measured = []
@@ -86,7 +99,8 @@ def calibrate(engine: LLMEngine, budget_s: float = BUDGET_S) -> Calibration:
     source = (f"measured on {platform.machine()} {torch.get_num_threads()} threads, {cfg.device}, {cfg.dtype}, "
               f"context {context}")
     cost = CostModel(tuple(rows), widths, tuple(monotone(target)), tuple(fixed), tuple(per_token),
-                     proposer=engine.proposer.name if engine.proposer is not None else "", source=source)
+                     proposer=engine.proposer.name if engine.proposer is not None else "", source=source,
+                     context=context, context_token_s=context_token_s)
     return Calibration(cost, time.perf_counter() - t0, note)
 
 

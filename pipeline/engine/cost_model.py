@@ -8,6 +8,12 @@ and the time grows with B * W. The proposer adds its own time, which grows with 
 Both are measured (pipeline/engine/calibrate.py) on a grid of B and every W up to K + 1, and read back
 here by linear interpolation in B (extrapolated from the last two points past the grid). Pure: no torch,
 so the Triton models and configs can read it too.
+
+The grid is timed with every row attending to a short context. A row's attention grows with its own
+context (on 2 cores, bf16, SmolLM2-135M: three rows at 1000 cached tokens step in 20.6 ms, at 16 in
+10.8), so the model also carries what each cached token past that context adds to a one-token row
+(`context_token_s`). The fair share of a step (LLMEngine._fair_rows) reads it: a client's many choices
+grow long while another client's short requests come and go.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class CostModel:
     draft_per_token_s: tuple[float, ...]  # per rows[i]: what each drafted position adds
     proposer: str = ""  # the draft kind the proposal costs were measured with
     source: str = ""  # where the numbers come from: "measured on ...", or "default"
+    context: int = 0  # the cached tokens each row attended to while target_s was timed
+    context_token_s: float = 0.0  # what each cached token past `context` adds to a one-token row's step
 
     def __post_init__(self):
         n = len(self.rows)
@@ -46,8 +54,10 @@ class CostModel:
         if len(self.draft_fixed_s) != n or len(self.draft_per_token_s) != n:
             raise ConfigError("cost model draft costs must have one entry per batch size")
         values = [v for r in self.target_s for v in r] + [*self.draft_fixed_s, *self.draft_per_token_s]
-        if any(not (v >= 0.0 and v < float("inf")) for v in values):
+        if any(not (v >= 0.0 and v < float("inf")) for v in values + [self.context_token_s]):
             raise ConfigError("cost model times must be finite and >= 0")
+        if self.context < 0:
+            raise ConfigError("cost model context must be >= 0")
 
     @property
     def measured(self) -> bool:
@@ -64,6 +74,11 @@ class CostModel:
             return 0.0
         j = min(max(width, 1), len(self.widths)) - 1
         return _interpolate(self.rows, [r[j] for r in self.target_s], rows)
+
+    def context_s(self, contexts) -> float:
+        """What one-token rows attending to `contexts` cached tokens (one length a row) add to step_s, which was
+        timed at `context` tokens a row."""
+        return self.context_token_s * sum(max(0, c - self.context) for c in contexts)
 
     def draft_s(self, rows: int, k: int) -> float:
         """One proposal of k tokens for each of `rows` rows."""
@@ -86,7 +101,10 @@ class CostModel:
                        target_s=tuple(tuple(float(v) for v in r) for r in data["target_s"]),
                        draft_fixed_s=tuple(float(v) for v in data["draft_fixed_s"]),
                        draft_per_token_s=tuple(float(v) for v in data["draft_per_token_s"]),
-                       proposer=str(data.get("proposer", "")), source=str(data.get("source", "")))
+                       proposer=str(data.get("proposer", "")), source=str(data.get("source", "")),
+                       # absent from files written before the context term: the table alone, as then
+                       context=int(data.get("context", 0)),
+                       context_token_s=float(data.get("context_token_s", 0.0)))
         except (KeyError, TypeError, ValueError) as err:
             raise ConfigError(f"cost model is malformed ({err}); run the calibration again") from None
 

@@ -104,6 +104,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._iteration = 0  # steps so far, as Request.decoded_at counts them
         self._ended_beside_larger = -FAIR_HOLD_STEPS  # the step a request last ended beside a larger group (_admit)
+        self._yielded_to_prompts = -2  # the step whose decoding rows last sat out beside prompts (_fair_rows)
         self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -291,8 +292,11 @@ class LLMEngine:
             decoding = [r for r in self.running if not r.prefilling]
             self._admit()
             chunks = self._prefill_chunks()
+            prefilling = Counter()
+            for r, n in chunks:
+                prefilling[r.group_key] += n
             decoding = self._fair_rows([r for r in decoding if r.status is RequestStatus.RUNNING],  # _admit may
-                                       {r.group_key for r, _ in chunks})  # give some back
+                                       prefilling)  # give some back
             if chunks:
                 self._prefill(chunks, finished)
             if decoding:
@@ -312,8 +316,7 @@ class LLMEngine:
             while self.waiting:
                 held = Counter(r.group_key for r in self.running)
                 req = min(self.waiting, key=lambda r: held[r.group_key])  # the first of the least served
-                if held[req.group_key] and held[req.group_key] == max(held.values()) and \
-                        self._iteration - self._ended_beside_larger < FAIR_HOLD_STEPS:
+                if held[req.group_key] and held[req.group_key] == max(held.values()) and self._holding_slot():
                     break  # the largest group waits: the slot is held for the next request of a smaller one
                 if self.free_slots and self.blocks.admit(req.blocks, req.all_ids, lookup=not req.scoring):
                     # all_ids: a preempted request resumes with its output so far
@@ -329,47 +332,85 @@ class LLMEngine:
                     break
                 self._preempt(hog, queued=True)
 
+    def _holding_slot(self) -> bool:
+        """Whether a slot freed beside a larger group still waits for a smaller group's next request: the
+        FAIR_HOLD_STEPS steps after one ended (read in a step before _fair_rows counts it)."""
+        return self._iteration - self._ended_beside_larger < FAIR_HOLD_STEPS
+
     def _newest_of_largest_group(self, held: Counter) -> Request | None:
         """The running request to give back first: the newest of the group holding the most slots (the newest of
         all when every group holds one)."""
         return max(reversed(self.running), key=lambda r: held[r.group_key], default=None)
 
-    def _fair_rows(self, rows: list[Request], prefilling: set) -> list[Request]:
-        """The rows that decode this step. Beside smaller groups' rows or prefill (`prefilling`: the groups whose
-        prompts this step reads) a group decodes only as many rows as keep the step within FAIR_STEP_GROWTH of
+    def _fair_rows(self, decoding: list[Request], prefilling: Counter) -> list[Request]:
+        """The rows that decode this step. Beside smaller groups' rows or prefill (`prefilling`: the prompt tokens
+        this step reads, by group) a group decodes only as many rows as keep the step within FAIR_STEP_GROWTH of
         the smaller ones' step alone, by the engine's cost model, and at least as many as the largest of them,
         those that waited longest: a request beside one client's many choices then steps nearly as fast as alone.
         Where rows cost nothing (a bandwidth-bound GPU) the group keeps every row; on a compute-bound CPU it
         yields most. Groups of one size never hold each other back. Skipping a step changes no row's output (the
         tests run every batch shape)."""
+        # While a slot waits for a smaller group's next request (_admit), the group steps as if that request were
+        # already beside it: the request then arrives to a short step, not one of all the group's rows.
+        expected = [0] if self._holding_slot() else []
         self._iteration += 1
+        rows = decoding
         held = Counter(r.group_key for r in rows)
-        load = held + Counter(prefilling)  # a prefill chunk counts as one row
+        load = held + Counter(set(prefilling))  # a prefill chunk counts as one row
         caps = {}
         for g, n in held.items():
             if n == 1:  # at least one row each: a group of one never yields (and most requests are one)
                 continue
-            if below := [h for h in load if h != g and held[h] < n]:
+            below = [h for h in load if h != g and held[h] < n]
+            if below or expected:
+                # The others' rows by their contexts (a prefill chunk as one short row); this group's in the order
+                # they would be kept: those that waited longest first.
+                others = [r.target_len for r in rows if r.group_key in below] + \
+                    [0] * sum(1 for h in below if h in prefilling) or expected
+                mine = sorted((r for r in rows if r.group_key == g), key=lambda r: r.decoded_at)
                 # never fewer rows than a group it yields to: a client of 5 choices beside one of 3 keeps 3
-                cap = max(self._rows_beside(sum(load[h] for h in below)), max(held[h] for h in below))
+                cap = max(self._rows_beside(others, [r.target_len for r in mine]),
+                          max((held[h] for h in below), default=1))
                 if n > cap:
-                    caps[g] = cap
-        if caps:
-            kept = {id(r) for g, cap in caps.items()
-                    for r in sorted((r for r in rows if r.group_key == g), key=lambda r: r.decoded_at)[:cap]}
-            chosen = [r for r in rows if r.group_key not in caps or id(r) in kept]
-            self.stats.rows_held_back += len(rows) - len(chosen)
-            rows = chosen
+                    caps[g] = {id(r) for r in mine[:cap]}
+        rows = [r for r in rows if r.group_key not in caps or id(r) in caps[r.group_key]]
+        if self._yields_to_prompts(rows, held, prefilling):
+            rows = []
+        self.stats.rows_held_back += len(decoding) - len(rows)
         for r in rows:
             r.decoded_at = self._iteration
         return rows
 
-    def _rows_beside(self, others: int) -> int:
-        """The most rows one group decodes in a step beside `others` rows of other groups (_fair_rows)."""
-        alone = self.cost_model.step_s(others, 1)
+    def _yields_to_prompts(self, rows: list[Request], held: Counter, prefilling: Counter) -> bool:
+        """Whether this step's decoding rows sit out beside smaller groups' prompts. Their decode is a second
+        forward after the prompts' (_prefill, then _decode): a whole pass over the weights, which doubled a short
+        request's first step beside one client's many choices (34 ms against 15). They do when every decoding row
+        is a larger group's (a request of its own never waits), the pass would grow the step by more than
+        FAIR_STEP_GROWTH allows, and they didn't sit out the step before (a long prompt's chunks don't starve
+        them). `held`: every decoding row's group, before the caps."""
+        smallest = min((held[r.group_key] for r in rows), default=0)
+        if smallest < 2 or self._iteration - self._yielded_to_prompts <= 1:
+            return False
+        smaller = sum(n for h, n in prefilling.items() if held[h] < smallest)
+        cost = self.cost_model
+        decode = cost.step_s(len(rows), 1) + cost.context_s([r.target_len for r in rows])
+        if not smaller or decode <= (FAIR_STEP_GROWTH - 1) * cost.step_s(smaller, 1):
+            return False
+        self._yielded_to_prompts = self._iteration
+        return True
+
+    def _rows_beside(self, others: list[int], mine: list[int]) -> int:
+        """The most of a group's rows (`mine`: their contexts, in the order they're kept) that decode in a step
+        beside other groups' rows (`others`: their contexts), by the cost model, context included: a row that has
+        grown long costs a share of the step its table row doesn't show (cost_model.context_token_s)."""
+        cost = self.cost_model
+
+        def step(rows: list[int]) -> float:
+            return cost.step_s(len(rows), 1) + cost.context_s(rows)
+
+        limit = FAIR_STEP_GROWTH * step(others)
         rows = 1
-        while rows < self.config.max_batch_size and \
-                self.cost_model.step_s(others + rows + 1, 1) <= FAIR_STEP_GROWTH * alone:
+        while rows < len(mine) and step(others + mine[: rows + 1]) <= limit:
             rows += 1
         return rows
 
