@@ -7,6 +7,8 @@ verify steps. Here: whole greedy answers against transformers' `generate`, and t
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -18,7 +20,10 @@ from tiny_models import make_tiny_llama
 
 # Qwen3's own parts are exercised: its per-head q/k norms (random weights, see tiny.py) and a head_dim that isn't
 # hidden / heads (64 / 4 = 16; 32 here).
-FAMILIES = {"qwen3": dict(model_type="qwen3", head_dim=32)}
+# Qwen3-MoE: top 2 of 8 experts (renormalized) in layer 0, a dense MLP in layer 1; the draft's one layer has experts.
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+FAMILIES = {"qwen3": dict(model_type="qwen3", head_dim=32),
+            "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, moe={**MOE, "mlp_only_layers": [1]})}
 GENERATE_TOKENS = 64
 
 
@@ -34,7 +39,7 @@ def family(request, tmp_path_factory):
     kw = FAMILIES[request.param]
     target = make_tiny_llama(tmp_path_factory.mktemp(f"{request.param}_target"), seed=5, layers=2, **kw)
     draft = make_tiny_llama(tmp_path_factory.mktemp(f"{request.param}_draft"), seed=6, layers=1, hidden=32,
-                            heads=2, kv_heads=1, intermediate=64, **kw)
+                            heads=2, kv_heads=1, intermediate=64, **{**kw, "moe": MOE if "moe" in kw else None})
     return request.param, target, draft
 
 
@@ -76,6 +81,65 @@ def test_greedy_is_the_batch_one_plain_output_speculated_batched_cached_and_chun
         assert engine.blocks.hit_tokens > 0
 
 
+@pytest.mark.identity
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_tokens_experts_and_output_are_its_own_whatever_else_is_in_the_step(dtype):
+    """MoE routing is a row's own: a token routed alone and among 1..40 others (the batch, a verify's width, a
+    prefill chunk) gets the same experts, the same weights and the same output bits. 64 experts, top 4: many
+    tokens share an expert, so each expert runs on different row counts."""
+    from pipeline.engine.linear import pack_linears
+    from pipeline.engine.moe import SparseMoE
+    from pipeline.models.families import Moe
+
+    torch.manual_seed(0)
+    block = SparseMoE(64, Moe(num_experts=64, top_k=4, intermediate_size=32, norm_topk_prob=False, layers=(0,)))
+    for p in block.parameters():
+        p.data = (torch.randn_like(p) * 0.2).to(dtype)
+    pack_linears(block)
+    x = torch.randn(41, 64).to(dtype)
+    with torch.inference_mode():  # as the engine runs (the C kernels don't run under autograd)
+        weights, experts = block.route(x)
+        out = block(x)
+        assert len(torch.unique(experts)) > 32  # most experts run, on different row counts
+        for n in (1, 2, 5, 16, 41):
+            for i in range(0, 41, n):
+                w, e = block.route(x[i:i + n])
+                assert torch.equal(w, weights[i:i + n]) and torch.equal(e, experts[i:i + n])
+                assert torch.equal(block(x[i:i + n]), out[i:i + n]), (n, i)
+
+
+def test_sampling_with_a_draft_of_the_family_follows_the_targets_exact_distribution(family, tmp_path):
+    """test_speculative.py's end-to-end check on the family: a 16-token vocabulary, 8192 sampled answers of three
+    tokens drafted by a smaller model of the family, against P(x1, x2, x3) from transformers' own class."""
+    from test_speculative import E2E_PROMPT, E2E_VOCAB, PASS_P, engine_fits, run_engine, single_thread
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.engine.sampling import probs_from_logits
+
+    name, _, _ = family
+    kw = {**FAMILIES[name], "vocab_size": E2E_VOCAB, "init_std": 0.2}
+    target = make_tiny_llama(tmp_path / "target", seed=0, layers=2, **kw)
+    draft = make_tiny_llama(tmp_path / "draft", seed=1, layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64,
+                            **{**kw, "moe": MOE if "moe" in kw else None})
+    params = SamplingParams(temperature=1.0)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    V, prompt = E2E_VOCAB, torch.tensor([E2E_PROMPT])
+    with torch.no_grad():  # P(x1), P(x2 | x1), P(x3 | x1, x2) for every x1, x2
+        p1 = probs_from_logits(model(prompt).logits[0, -1].double(), params)
+        ctx1 = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p2 = probs_from_logits(model(ctx1).logits[:, -1].double(), params)
+        pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))
+        p3 = probs_from_logits(model(torch.cat([prompt.expand(V * V, -1), pairs], 1)).logits[:, -1].double(),
+                               params).view(V, V, V)
+    j = p1[:, None, None] * p2[:, :, None] * p3
+    joint = {combo: float(j[combo]) for combo in itertools.product(range(V), repeat=3)}
+    with single_thread():
+        streams, engine = run_engine(target, draft, params, n_requests=8192, batch=512)
+    assert engine.stats.drafted_tokens > 8192 and 0.0 < engine.stats.acceptance_rate < 1.0
+    for what, (pv, _, _, bad) in engine_fits(streams, joint).items():
+        assert bad == 0 and pv > PASS_P, (name, what, pv, bad)
+
+
 def test_an_unsupported_family_is_one_line_naming_the_supported_ones(tmp_path):
     import json
 
@@ -84,5 +148,5 @@ def test_an_unsupported_family_is_one_line_naming_the_supported_ones(tmp_path):
     path = make_tiny_llama(tmp_path / "m", seed=0, layers=1)
     cfg = json.loads((path / "config.json").read_text())
     with pytest.raises(ModelFormatError, match=r"model_type 'gemma3' is not supported .*supported: llama, mistral, "
-                                               r"qwen2, qwen3$"):
+                                               r"qwen2, qwen3, qwen3_moe$"):
         ModelConfig.from_hf_dict({**cfg, "model_type": "gemma3"})

@@ -31,6 +31,9 @@ VARIANTS = {
     "llama3_rope": dict(rope_scaling=LLAMA3_ROPE),
     # per-head q/k norms (random weights, not ones), and a head_dim that isn't hidden / heads
     "qwen3": dict(model_type="qwen3", head_dim=32),
+    # experts in layer 0, a dense MLP in layer 1 (mlp_only_layers); top 2 of 8, renormalized
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, moe=dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
 }
 # (dtype, max |engine - HF| allowed). Logits have std ~0.8 on these models.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.06}

@@ -188,6 +188,29 @@ def test_fp8_engine_matches_modelopts_own_calibrated_model(base, tmp_path):
     assert_matches_fake_quant(out, ref)
 
 
+def test_fp8_experts_match_modelopts_own_calibrated_qwen3_moe(tmp_path):
+    """A Qwen3-MoE checkpoint quantized by ModelOpt: each expert's projections are FP8 linears in the engine (the
+    router stays dense, as ModelOpt leaves it), and the logits are ModelOpt's own fake-quantized model's."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    base = make_tiny_llama(tmp_path / "base", seed=0, layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2,
+                           model_type="qwen3_moe", head_dim=32, moe=moe)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, lambda m: [m(ids(1, 64, seed=s)) for s in range(4)])
+    tokens = ids(2, 24, seed=3)
+    with torch.no_grad():
+        ref = model(tokens).logits
+    export_hf_checkpoint(model, export_dir=tmp_path / "fp8")
+    engine = load_transformer(tmp_path / "fp8", MAX_LEN, torch.float32)
+    block = engine.layers[0].mlp
+    assert all(type(e.gate_up) is not Linear and type(e.down) is not Linear for e in block.experts)
+    assert type(block.router) is Linear
+    assert_matches_fake_quant(engine_logits(engine, tokens), ref)
+
+
 # ---- kernels and memory ---------------------------------------------------------------------------
 
 
@@ -435,12 +458,15 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
 
 
 @pytest.mark.identity
-@pytest.mark.parametrize("weights", ["int4_awq", "bf16", "qwen3"])
+@pytest.mark.parametrize("weights", ["int4_awq", "bf16", "qwen3", "qwen3_moe"])
 def test_the_layer_stack_in_c_calls_gives_the_module_loops_bits(base, tmp_path_factory, weights):
     folder = export(base, tmp_path_factory, "int4_awq") if weights == "int4_awq" else base
-    if weights == "qwen3":  # base's shape in bf16, with Qwen3's per-head q/k norms (random weights) in the stack
-        folder = make_tiny_llama(tmp_path_factory.mktemp("qwen3"), seed=0, layers=2, hidden=128, intermediate=256,
-                                 heads=4, kv_heads=2, model_type="qwen3")
+    if weights.startswith("qwen3"):  # base's shape in bf16, with Qwen3's per-head q/k norms (random weights) in the
+        # stack; for Qwen3-MoE experts in layer 0 (the stack's MoE entry) before a dense layer 1
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                   mlp_only_layers=[1]) if weights == "qwen3_moe" else None
+        folder = make_tiny_llama(tmp_path_factory.mktemp(weights), seed=0, layers=2, hidden=128, intermediate=256,
+                                 heads=4, kv_heads=2, model_type=weights, moe=moe)
     model = load_transformer(folder, MAX_LEN, torch.bfloat16)
     if not cpu_kernels.usable():
         pytest.skip(f"no C kernels for {weights} here: {cpu_kernels.status()}")

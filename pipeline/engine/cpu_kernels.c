@@ -602,8 +602,11 @@ int bf16_linear(const bf16 *x, int64_t M, int64_t K, const bf16 *w, int64_t N, v
 
 // ---- the per-layer ops, for bf16 and for fp32 storage ---------------------------------------------------
 
-enum { STACK_DENSE = 2, STACK_INT4 = 4, STACK_AMX = 16 };  // a projection's kind (cpu_kernels.STACK_KINDS)
+// a projection's kind (cpu_kernels.STACK_KINDS); STACK_MOE: a layer's experts (moe in cpu_kernels_layer.h)
+enum { STACK_DENSE = 2, STACK_INT4 = 4, STACK_AMX = 16, STACK_MOE = 32 };
 enum { HEAD_NORM_TWICE = 1, HEAD_NORMED_RESIDUAL = 2 };  // head_layer's flags (eagle3.HEAD_FLAGS)
+// a MoE description's entries (moe in cpu_kernels_layer.h; moe.SparseMoE.c_plan writes them)
+enum { MOE_E, MOE_TOP_K, MOE_NORM, MOE_INTER, MOE_ROUTER, MOE_EXPERTS = MOE_ROUTER + 4 };
 // L_Q_NORM, L_K_NORM: per-head q and k norm weights (Qwen3), 0 for none
 enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, L_Q_NORM = L_DOWN + 4, L_K_NORM,
        LAYER_ENTRIES };

@@ -71,6 +71,7 @@ _LAYER_OPS = {  # the per-layer ops (cpu_kernels_layer.h), one copy per storage 
                                    _P]),
     "layers": (ctypes.c_int, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P, _P, _P, _I, _I, _P, _I, _P,
                               _F, ctypes.c_int]),
+    "moe": (ctypes.c_int, [_P, _I, _I, _P, _I, _P, ctypes.c_int]),
     "head_layer": (ctypes.c_int, [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _I, _F, _P, _P, _P, _P, _I, _I,
                                   _P, _I, _P, _F, ctypes.c_int]),
 }
@@ -86,7 +87,8 @@ _SIGNATURES = {  # name -> (return type, argument types)
 QUANT_BLOCK = 16  # output features per weight block (QN in cpu_kernels.c)
 DTYPES = (torch.bfloat16, torch.float32)  # what every kernel reads and writes (a dense weight too)
 QUANT_GROUP_MULTIPLE = 4  # a scale group covers a multiple of 4 inputs (the kernel's four accumulator chains)
-STACK_KINDS = {"dense": 2, "int4": 4, "amx": 16}  # a projection's kind in the layer stack (STACK_* in the C)
+# A projection's kind in the layer stack (STACK_* in the C); "moe": a layer's experts, in its gate_up entry.
+STACK_KINDS = {"dense": 2, "int4": 4, "amx": 16, "moe": 32}
 
 
 def _cpu_flags() -> str:
@@ -184,6 +186,17 @@ class CpuKernels:
         self._op("silu_mul", gate_up)(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr(),
                                       torch.get_num_threads())
         return out
+
+    def moe(self, x: torch.Tensor, desc: torch.Tensor, group: int) -> torch.Tensor:
+        """A mixture-of-experts MLP in one call (moe in the C source): x [..., hidden] -> [..., hidden]. desc: the
+        block's description (moe.SparseMoE.c_desc); group: its int4 projections' group size (0 for none)."""
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(flat)
+        rc = self._op("moe", flat)(flat.data_ptr(), flat.shape[0], flat.shape[1], desc.data_ptr(), group,
+                                   out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise ValueError("the experts were planned with a projection their kernels can't hold")
+        return out.view(x.shape)
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
                     cache_v: torch.Tensor, block_table: torch.Tensor, write_pos: torch.Tensor, n_heads: int,

@@ -268,7 +268,8 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
 // x [rows, hidden]: the first layer's input; on return, the residual after the last layer's attention.
 // delta: on return, the last layer's MLP output (the caller adds it). table: per layer, the two norms'
 // weights, then per projection (qkv, o, gate_up, down) its kind (STACK_*) and the addresses of its weights,
-// scales and pre_quant_scale (0 for none), then the per-head q and k norms' weights (0 for none). Returns 0; -1
+// scales and pre_quant_scale (0 for none), then the per-head q and k norms' weights (0 for none); a layer with
+// experts has STACK_MOE and its MoE description (moe above) in place of gate_up's kind and weights. Returns 0; -1
 // when a position or block lies outside the table or the pool (nothing is written then); -2 when a projection's
 // kernel refuses its shape (the plan checks them, so a bug).
 
@@ -281,6 +282,105 @@ static int FN(stack_linear)(const ELT *x, int64_t rows, int64_t K, const int64_t
                                                     (int)lin[0], (const float *)(intptr_t)lin[2], G, N, y, IS_F32,
                                                     threads);
     return rc ? -2 : 0;
+}
+
+// ---- a mixture-of-experts MLP in one call ----------------------------------------------------------------------
+//
+// moe.SparseMoE's forward on these kernels: the router's logits (a projection, ELT out), each row's softmax in fp32
+// (exp_poly, summed in SUM_LANES fixed chains), its top_k experts (ties go to the lower index), their probabilities
+// renormalized over the top_k where norm_topk_prob (summed in rank order), each rounded to ELT as transformers casts
+// them; then expert by expert in index order, the rows that picked it through its gate_up, silu_mul and down, each
+// output times its weight (rounded) added to its row (rounded): a row's sum runs in expert order, as transformers'
+// index_add_ adds. A row's routing and sum read that row alone and each projection's bits are a row's own whatever
+// rows ride along, so a row's output depends on nothing else in the step.
+//
+// x, out: [rows, hidden]. desc (moe.SparseMoE.c_desc): E, top_k, norm_topk_prob, the experts' intermediate size,
+// the router's 4 entries (kind, weights, scales, pre_quant_scale), then per expert its gate_up's 4 and its down's 4.
+// Returns 0, or -2 when a projection's kernel refuses its shape (a plan bug).
+static void FN(route_row)(const ELT *logits, int64_t E, int64_t K, int norm, float *p, int64_t *pick, float *w) {
+    float m = -INFINITY, lanes[SUM_LANES] = {0}, total = 0.0f;
+    for (int64_t e = 0; e < E; e++) m = LD(logits[e]) > m ? LD(logits[e]) : m;
+    for (int64_t e = 0; e < E; e++) p[e] = exp_poly(LD(logits[e]) - m);
+    int64_t e = 0;
+    for (; e + SUM_LANES <= E; e += SUM_LANES)
+        for (int c = 0; c < SUM_LANES; c++) lanes[c] += p[e + c];
+    for (int c = 0; e < E; e++, c++) lanes[c] += p[e];
+    for (int c = 0; c < SUM_LANES; c++) total += lanes[c];
+    for (int64_t e = 0; e < E; e++) p[e] = p[e] / total;
+    float kept = 0.0f;
+    for (int64_t s = 0; s < K; s++) {  // the largest not yet taken; a taken one is marked -1 (probabilities are >= 0)
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        pick[s] = best;
+        w[s] = p[best];
+        kept += p[best];
+        p[best] = -1.0f;
+    }
+    for (int64_t s = 0; s < K; s++) w[s] = RND(norm ? w[s] / kept : w[s]);
+}
+
+int FN(moe)(const ELT *x, int64_t rows, int64_t hidden, const int64_t *desc, int64_t G, ELT *out, int threads) {
+    const int64_t E = desc[MOE_E], K = desc[MOE_TOP_K], inter = desc[MOE_INTER], n = rows * K > 0 ? rows * K : 1;
+    ELT *logits = malloc(sizeof(ELT) * (rows > 0 ? rows : 1) * E);
+    int64_t *pick = malloc(sizeof(int64_t) * n), *member = malloc(sizeof(int64_t) * n);
+    int64_t *start = calloc(E + 1, sizeof(int64_t)), *active = malloc(sizeof(int64_t) * E);
+    float *w = malloc(sizeof(float) * n), *mw = malloc(sizeof(float) * n), *p = malloc(sizeof(float) * E);
+    // Each expert's rows side by side: xs (their inputs), gu, act and y, at the expert's start.
+    ELT *xs = malloc(sizeof(ELT) * n * hidden), *gu = malloc(sizeof(ELT) * n * 2 * inter);
+    ELT *act = malloc(sizeof(ELT) * n * inter), *y = malloc(sizeof(ELT) * n * hidden);
+    int rc = FN(stack_linear)(x, rows, hidden, desc + MOE_ROUTER, G, E, logits, threads);
+    if (!rc) {
+        for (int64_t r = 0; r < rows; r++)
+            FN(route_row)(logits + r * E, E, K, (int)desc[MOE_NORM], p, pick + r * K, w + r * K);
+        for (int64_t i = 0; i < rows * K; i++) start[pick[i] + 1]++;
+        int64_t na = 0;
+        for (int64_t e = 0; e < E; e++) {
+            if (start[e + 1]) active[na++] = e;
+            start[e + 1] += start[e];
+        }
+        for (int64_t e = 0, at = 0; e < E; e++)  // an expert's rows in row order
+            for (int64_t i = 0; i < rows * K; i++)
+                if (pick[i] == e) {
+                    member[at] = i / K;
+                    mw[at] = w[i];
+                    memcpy(xs + at++ * hidden, x + i / K * hidden, sizeof(ELT) * hidden);
+                }
+        // Experts side by side, each on one thread, when there are enough of them for the threads: a decode step's
+        // few experts otherwise paid a fork and a join per projection. Either way each projection's bits are a row's
+        // own, so how the work is split changes nothing.
+        const int outer = threads > 1 && na >= threads, inner = outer ? 1 : threads;
+        int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(outer ? threads : 1) reduction(| : failed)
+        for (int64_t a = 0; a < na; a++) {
+            const int64_t e = active[a], s0 = start[e], m = start[e + 1] - s0;
+            const int64_t *ex = desc + MOE_EXPERTS + 8 * e;
+            failed |= FN(stack_linear)(xs + s0 * hidden, m, hidden, ex, G, 2 * inter, gu + s0 * 2 * inter, inner) != 0;
+            FN(silu_mul)(gu + s0 * 2 * inter, m, inter, act + s0 * inter, inner);
+            failed |= FN(stack_linear)(act + s0 * inter, m, inter, ex + 4, G, hidden, y + s0 * hidden, inner) != 0;
+        }
+        rc = failed ? -2 : 0;
+        // Each output times its weight, added to its row expert by expert in index order (transformers' order).
+        for (int64_t i = 0; i < rows * hidden; i++) out[i] = ST(0.0f);
+        for (int64_t i = 0; i < rows * K && !rc; i++) {
+            ELT *o = out + member[i] * hidden;
+            const ELT *yi = y + i * hidden;
+            for (int64_t h = 0; h < hidden; h++) o[h] = ST(LD(o[h]) + RND(LD(yi[h]) * mw[i]));
+        }
+    }
+    free(logits);
+    free(pick);
+    free(member);
+    free(start);
+    free(active);
+    free(w);
+    free(mw);
+    free(p);
+    free(xs);
+    free(gu);
+    free(act);
+    free(y);
+    return rc;
 }
 
 int FN(layers)(ELT *x, ELT *delta, int64_t B, int64_t T, int64_t layers, int64_t hidden, int64_t H, int64_t KV,
@@ -312,6 +412,10 @@ int FN(layers)(ELT *x, ELT *delta, int64_t B, int64_t T, int64_t layers, int64_t
         }
         if ((rc = FN(stack_linear)(attn, rows, H * D, t + L_O, G, hidden, o, threads))) break;
         FN(rms_norm)(x, o, (const ELT *)(intptr_t)t[L_POST_NORM], eps, rows, hidden, x, normed, threads);
+        if (t[L_GU] == STACK_MOE) {  // experts: L_GU's second entry is the layer's MoE description
+            if ((rc = FN(moe)(normed, rows, hidden, (const int64_t *)(intptr_t)t[L_GU + 1], G, delta, threads))) break;
+            continue;
+        }
         if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads))) break;
         FN(silu_mul)(gate_up, rows, inter, act, threads);
         if ((rc = FN(stack_linear)(act, rows, inter, t + L_DOWN, G, hidden, delta, threads))) break;

@@ -85,7 +85,11 @@ class LLMEngine:
         # run eagerly.
         self.graphed: GraphedForward | None = None
         self.graph_error: str | None = None  # why no step replays a graph, where a capture failed
-        if config.cuda_graphs and config.gpu_kernels == "invariant" and gpu_kernels.runs_here(model.embed.weight):
+        if model.cfg.moe is not None and config.cuda_graphs and gpu_kernels.runs_here(model.embed.weight):
+            # Each expert runs on the tokens that picked it: a launch per expert hit, decided on the host from the
+            # router's output, which a graph of fixed launches can't hold.
+            self.graph_error = "mixture-of-experts layers route tokens on the host: steps run eagerly"
+        elif config.cuda_graphs and config.gpu_kernels == "invariant" and gpu_kernels.runs_here(model.embed.weight):
             replay, width = model.embed.weight.is_cuda, config.num_draft_tokens + 1
             try:
                 with self._on_device():  # captured on the engine's GPU

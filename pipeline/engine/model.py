@@ -1,6 +1,7 @@
-"""A Llama-shaped decoder in plain PyTorch: Llama 2/3 (with llama3 rope scaling), SmolLM2, Mistral, Qwen2 (qkv bias)
-and Qwen3 (per-head q/k RMSNorm), with GQA and tied embeddings, reading and writing a preallocated KV cache. What a
-family changes comes as features of its config (pipeline.models.families), never as its name.
+"""A Llama-shaped decoder in plain PyTorch: Llama 2/3 (with llama3 rope scaling), SmolLM2, Mistral, Qwen2 (qkv bias),
+Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (experts: engine/moe.py), with GQA and tied embeddings, reading and
+writing a preallocated KV cache. What a family changes comes as features of its config (pipeline.models.families),
+never as its name.
 
 Projections are fused (qkv, gate_up) so a decode step launches fewer ops: at batch 1 on a CPU the
 per-op overhead is a large share of a step. For the same reason, and so that a row's bits never depend on
@@ -25,8 +26,9 @@ from torch import nn
 from pipeline.engine import cpu_kernels, gpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
-from pipeline.engine.linear import OWN_LAYOUTS, Linear, pack_linears
-from pipeline.engine.quant import Int4Linear, QuantConfig, describe_model
+from pipeline.engine.linear import Linear, pack_linears
+from pipeline.engine.moe import SparseMoE
+from pipeline.engine.quant import Int4Linear, QuantConfig, describe_model, stack_entry
 from pipeline.errors import ConfigError
 
 
@@ -217,7 +219,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg.hidden_size, cfg.moe) if cfg.moe and layer in cfg.moe.layers else MLP(cfg)
 
     def forward(self, x, delta, cos, sin, cache, fb):
         """This layer's input is x + delta: the previous layer's MLP output (delta; None for none) arrives
@@ -257,15 +259,6 @@ class LayerStack:
     held: list[torch.Tensor]
 
 
-def _stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int] | None:
-    """[kind, weights, scales, pre_quant_scale] of a projection the C stack runs in a `dtype` model, or None."""
-    if isinstance(lin, Int4Linear) and lin.c_kernel and lin.bias is None:
-        return [cpu_kernels.STACK_KINDS["int4"], lin.blocks, lin.scales, lin.pre_scale]
-    if type(lin) is Linear and lin.layout in OWN_LAYOUTS and lin.dtype == dtype and lin.bias is None:
-        return [cpu_kernels.STACK_KINDS[lin.layout], lin.packed, None, None]
-    return None
-
-
 class StackRow(NamedTuple):
     """One layer's row of the C layer stack's table (its two norms' weights, then per projection its kind and its
     tensors' addresses, then its per-head q and k norms' weights or 0), the tensors behind the addresses, and its
@@ -278,17 +271,24 @@ class StackRow(NamedTuple):
 
 def stack_row(norms: list[torch.Tensor], lins: tuple[nn.Module, ...], dtype: torch.dtype,
               qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> StackRow | None:
-    """A layer's row (norms: the two before attention and before the MLP; lins: qkv, o, gate_up, down; qk_norms:
-    the per-head q and k norms, Qwen3's) when every projection runs on the C kernels and each norm is a `dtype`
-    weight on the CPU, else None."""
-    entries = [_stack_entry(m, dtype) for m in lins]
+    """A layer's row (norms: the two before attention and before the MLP; lins: qkv, o, gate_up, down, or qkv, o
+    and a SparseMoE; qk_norms: the per-head q and k norms, Qwen3's) when every projection runs on the C kernels and
+    each norm is a `dtype` weight on the CPU, else None."""
+    groups = {m.group_size for m in lins if isinstance(m, Int4Linear)}
+    if isinstance(lins[-1], SparseMoE):  # its entry stands for gate_up, and down's is empty
+        plan = lins[-1].c_plan(dtype)
+        if plan is None:
+            return None
+        entries = [stack_entry(m, dtype) for m in lins[:-1]] + [plan.entry, [0, None, None, None]]
+        groups |= {plan.group} - {0}
+    else:
+        entries = [stack_entry(m, dtype) for m in lins]
     if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu"
                                               for w in [*norms, *(qk_norms or ())]):
         return None
     items = [*norms, *(item for e in entries for item in e), *(qk_norms or (None, None))]
     return StackRow([t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items],
-                    [t for t in items if isinstance(t, torch.Tensor)],
-                    {m.group_size for m in lins if isinstance(m, Int4Linear)})
+                    [t for t in items if isinstance(t, torch.Tensor)], groups)
 
 
 class Transformer(nn.Module):
@@ -318,6 +318,9 @@ class Transformer(nn.Module):
         """Lay the linear weights out for the device they are on (oneDNN-packed on a CPU). Call again
         after moving or casting the model; load_transformer does it once."""
         self._layer_stack = None  # planned again on the next forward, from the new layouts
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.replan()
         return pack_linears(self, backend)
 
     def describe(self) -> dict:
@@ -338,8 +341,9 @@ class Transformer(nn.Module):
         dtype = self.embed.weight.dtype
         for layer in self.layers:
             qk = (layer.attn.q_norm.weight, layer.attn.k_norm.weight) if layer.attn.q_norm is not None else None
-            row = stack_row([layer.input_norm.weight, layer.post_norm.weight],
-                            (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down), dtype, qk)
+            mlp = (layer.mlp,) if isinstance(layer.mlp, SparseMoE) else (layer.mlp.gate_up, layer.mlp.down)
+            row = stack_row([layer.input_norm.weight, layer.post_norm.weight], (layer.attn.qkv, layer.attn.o, *mlp),
+                            dtype, qk)
             if row is None:
                 return None
             rows.append(row.addresses)

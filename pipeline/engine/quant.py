@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from pipeline.engine import cpu_kernels, gpu_kernels, row_invariance
-from pipeline.engine.linear import Linear
+from pipeline.engine.linear import OWN_LAYOUTS, Linear
 from pipeline.errors import ModelFormatError
 
 # ModelOpt quant_algo -> our name for it.
@@ -479,3 +479,13 @@ def describe_model(model: nn.Module) -> dict:
                             f"is kept in {desc['dtype']}")
     desc["layer_weight_bytes"] = layer_weight_bytes(model)
     return desc
+
+
+def stack_entry(lin: nn.Module, dtype: torch.dtype) -> list[torch.Tensor | int] | None:
+    """[kind, weights, scales, pre_quant_scale] of a projection the C layer stack (or the C experts) runs in a
+    `dtype` model, or None."""
+    if isinstance(lin, Int4Linear) and lin.c_kernel and lin.bias is None:
+        return [cpu_kernels.STACK_KINDS["int4"], lin.blocks, lin.scales, lin.pre_scale]
+    if type(lin) is Linear and lin.layout in OWN_LAYOUTS and lin.dtype == dtype and lin.bias is None:
+        return [cpu_kernels.STACK_KINDS[lin.layout], lin.packed, None, None]
+    return None

@@ -114,8 +114,15 @@ def linear_groups(cfg: ModelConfig) -> dict[str, list[str]]:
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         groups[f"layers.{i}.attn.qkv"] = [attn + f"{n}_proj" for n in "qkv"]
         groups[f"layers.{i}.attn.o"] = [attn + "o_proj"]
-        groups[f"layers.{i}.mlp.gate_up"] = [mlp + "gate_proj", mlp + "up_proj"]
-        groups[f"layers.{i}.mlp.down"] = [mlp + "down_proj"]
+        if cfg.moe is not None and i in cfg.moe.layers:  # the router, then each expert's SwiGLU
+            groups[f"layers.{i}.mlp.router"] = [mlp + "gate"]
+            for e in range(cfg.moe.num_experts):
+                expert = f"{mlp}experts.{e}."
+                groups[f"layers.{i}.mlp.experts.{e}.gate_up"] = [expert + "gate_proj", expert + "up_proj"]
+                groups[f"layers.{i}.mlp.experts.{e}.down"] = [expert + "down_proj"]
+        else:
+            groups[f"layers.{i}.mlp.gate_up"] = [mlp + "gate_proj", mlp + "up_proj"]
+            groups[f"layers.{i}.mlp.down"] = [mlp + "down_proj"]
     if not cfg.tie_word_embeddings:
         groups["lm_head"] = ["lm_head"]
     return groups

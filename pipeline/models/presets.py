@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.models.families import Moe
 from pipeline.models.shape import ModelShape
 
 
@@ -37,6 +38,16 @@ _ALL = (
            eagle3_head="yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", recommended_draft="llama-3.2-1b",
            shape=ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
                             intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False)),
+    Preset("qwen3-8b", "Qwen/Qwen3-8B", params_b=8.19, eagle3_head="AngelSlim/Qwen3-8B_eagle3",
+           shape=ModelShape(model_type="qwen3", num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                            head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)),
+    # 128 experts of 768, 8 a token, in all 48 layers: 30.5B parameters, 3.3B of them a token's
+    Preset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", params_b=30.5, aliases=("qwen3-moe",),
+           eagle3_head="AngelSlim/Qwen3-a3B_eagle3",
+           shape=ModelShape(model_type="qwen3_moe", num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+                            head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=False,
+                            moe=Moe(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True,
+                                    layers=tuple(range(48))))),
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import ModelFormatError
+from pipeline.models.families import Moe, family_for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +25,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     tie_word_embeddings: bool = False
+    moe: Moe | None = None  # mixture-of-experts MLPs (a family's feature: Qwen3-MoE)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelShape":
@@ -36,6 +38,7 @@ class ModelShape:
                                    "configs (Hugging Face layout)")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        family = family_for(str(cfg.get("model_type", "llama")))
         return cls(
             model_type=str(cfg.get("model_type", "llama")),
             vocab_size=int(cfg["vocab_size"]),
@@ -46,6 +49,7 @@ class ModelShape:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or cfg.get("head_size") or hidden // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("share_embedding_table", False))),
+            moe=family.features(cfg).moe if family is not None else None,
         )
 
     @classmethod
@@ -58,13 +62,29 @@ class ModelShape:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         layer = h * (2 * q + 2 * kv) + 3 * h * self.intermediate_size + 2 * h  # q,o + k,v + gate/up/down + 2 norms
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * layer + self.vocab_size * h + head + h
+        total = self.num_layers * layer + self.vocab_size * h + head + h
+        if self.moe is not None:  # its layers' experts and router in place of the dense MLP
+            m = self.moe
+            total += len(m.layers) * (m.num_experts * 3 * h * m.intermediate_size + m.num_experts * h
+                                      - 3 * h * self.intermediate_size)
+        return total
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters one token reads: all of them, but of each layer's experts only its top_k (and the router)."""
+        if self.moe is None:
+            return self.param_count
+        m = self.moe
+        return self.param_count - len(m.layers) * (m.num_experts - m.top_k) * 3 * self.hidden_size * m.intermediate_size
 
     @property
     def in_features(self) -> dict[str, int]:
         """Input features of each linear: q/k/v/gate/up read the hidden state, o_proj the heads, down_proj the MLP."""
-        return {"hidden_size": self.hidden_size, "num_heads*head_dim": self.num_heads * self.head_dim,
+        dims = {"hidden_size": self.hidden_size, "num_heads*head_dim": self.num_heads * self.head_dim,
                 "intermediate_size": self.intermediate_size}
+        if self.moe is not None:  # an expert's down_proj reads its own intermediate size
+            dims["moe_intermediate_size"] = self.moe.intermediate_size
+        return dims
 
 
 def read_config(folder: str | Path) -> dict:

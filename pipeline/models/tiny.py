@@ -39,10 +39,11 @@ def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int =
                     kv_heads: int = 2, intermediate: int = 128, vocab_size: int = 320, tie: bool = False,
                     model_type: str = "llama", rope_scaling: dict | None = None, attention_bias: bool = False,
                     init_std: float = 0.1, extra_tokens: int = 0, max_positions: int = 1024,
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, moe: dict | None = None) -> Path:
     """Write a seeded random model + byte tokenizer to `path`. init_std is larger than the usual 0.02
     so that logits are well separated: greedy tests then don't hinge on near-ties. head_dim: where it isn't
-    hidden / heads (Qwen3's own)."""
+    hidden / heads (Qwen3's own). moe: a mixture-of-experts family's config keys (num_experts,
+    num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers)."""
     import torch
     import transformers
 
@@ -56,6 +57,7 @@ def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int =
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, rms_norm_eps=1e-5)
     if head_dim is not None:
         common["head_dim"] = head_dim
+    common.update(moe or {})
     torch.manual_seed(seed)
     cfg = getattr(transformers, family.hf_config)(**common, attention_bias=attention_bias)
     if rope_scaling:

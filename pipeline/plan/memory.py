@@ -210,7 +210,14 @@ class MemoryPlan:
 
     @property
     def assumptions(self) -> tuple[str, ...]:
-        return ASSUMPTIONS
+        moe = self.inputs.target.moe
+        if moe is None:
+            return ASSUMPTIONS
+        t = self.inputs.target
+        return ASSUMPTIONS + (
+            f"mixture of experts: every expert is held ({t.param_count / 1e9:.1f}B parameters), a token reads "
+            f"{moe.top_k} of {moe.num_experts} in each of {len(moe.layers)} layers ({t.active_param_count / 1e9:.2f}B); "
+            "the routers stay 16-bit",)
 
     def to_dict(self) -> dict:
         i = self.inputs
@@ -221,6 +228,7 @@ class MemoryPlan:
             "tp": i.tp, "target_qformat": i.target_qformat, "draft_qformat": i.draft_qformat,
             "kv_cache_dtype": i.kv_cache_dtype, "draft_kv_cache_dtype": i.draft_kv,
             "max_batch_size": i.max_batch_size, "max_seq_len": i.max_seq_len,
+            "target_params": i.target.param_count, "target_active_params": i.target.active_param_count,
             "target_weight_bytes": {f: {"total": w.total, "per_gpu": w.per_gpu(i.tp)}
                                     for f, w in self.target_weights.items()},
             "draft_weight_bytes": {"total": self.draft_weights.total, "per_gpu": self.draft_weights_per_gpu},

@@ -64,13 +64,22 @@ def _layer_linears(shape: ModelShape, attn_in: int) -> list[tuple[int, int]]:
 
 
 def model_weight_bytes(shape: ModelShape, qformat: str) -> WeightBytes:
-    """A whole decoder model. A tied lm_head is still counted: TensorRT-LLM checkpoints store it as its own tensor."""
+    """A whole decoder model. A tied lm_head is still counted: TensorRT-LLM checkpoints store it as its own tensor.
+    A layer with experts holds every expert (quantized as the dense MLP would be) and its router (which ModelOpt
+    leaves unquantized) in place of the dense MLP."""
     h = shape.hidden_size
-    layer = sum(linear_bytes(qformat, i, o) for i, o in _layer_linears(shape, h))
+    linears = _layer_linears(shape, h)
+    layer = sum(linear_bytes(qformat, i, o) for i, o in linears)
+    layers = shape.num_layers * layer
+    if shape.moe is not None:
+        m = shape.moe
+        dense_mlp = sum(linear_bytes(qformat, i, o) for i, o in linears[4:])
+        expert = 2 * linear_bytes(qformat, h, m.intermediate_size) + linear_bytes(qformat, m.intermediate_size, h)
+        layers += len(m.layers) * (m.num_experts * expert + linear_bytes("none", h, m.num_experts) - dense_mlp)
     lm_head = 2 * shape.vocab_size * h
     embedding = 2 * shape.vocab_size * h
     norms = 2 * h * (2 * shape.num_layers + 1)
-    return WeightBytes(sharded=shape.num_layers * layer + lm_head, replicated=embedding + norms)
+    return WeightBytes(sharded=layers + lm_head, replicated=embedding + norms)
 
 
 def eagle3_weight_bytes(target: ModelShape, qformat: str, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> WeightBytes:

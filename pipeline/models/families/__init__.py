@@ -1,4 +1,4 @@
-"""Model families: what sets each apart, one module per family (llama.py, qwen2.py, qwen3.py).
+"""Model families: what sets each apart, one module per family (llama.py, qwen2.py, qwen3.py, qwen3_moe.py).
 
 The engine reads features, never a family's name. A family module turns a checkpoint's config.json into those
 features, names transformers' own classes for it (the reference the tests compare the engine against), and the
@@ -9,11 +9,11 @@ Torch-free: the planner, quantizer and presets read it too.
 from __future__ import annotations
 
 from pipeline.errors import ModelFormatError
-from pipeline.models.families import llama, qwen2, qwen3
-from pipeline.models.families.base import Family, Features  # noqa: F401  (re-exported)
+from pipeline.models.families import llama, qwen2, qwen3, qwen3_moe
+from pipeline.models.families.base import Family, Features, Moe  # noqa: F401  (re-exported)
 
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -7,11 +7,25 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Moe:
+    """A mixture-of-experts MLP: a router picks each token's top_k of num_experts SwiGLU experts (each of
+    intermediate_size), whose outputs are summed weighted by the router's probabilities, renormalized over the
+    top_k where norm_topk_prob. `layers`: the decoder layers that have one (the others keep a dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Features:
     """The decoder parts that differ between families; the rest (rope, RMSNorm, SwiGLU, GQA) is common."""
 
     qkv_bias: bool = False  # the q, k and v projections carry biases
     qk_norm: bool = False  # each head of q and of k goes through its own RMSNorm before rope
+    moe: Moe | None = None  # mixture-of-experts MLPs, in some or all layers
 
 
 @dataclass(frozen=True)
