@@ -13,7 +13,8 @@ round after round, and each keeps its fastest round: a shared machine's slow spe
 
 The MoE gate table (--gate): on a random Qwen3-MoE of SmolLM2's width (8 layers, 64 experts of 128, 4 a token),
 throughput of a batch of greedy requests with n-gram drafts (K=4) at 1, 4, 16 and 64 requests, speculation off,
-always on, and gated ("auto": the engine's gate and per-row planner over its calibrated cost model), with the
+always on, and gated ("auto": the engine's gate and per-row planner over its calibrated cost model, with the
+engine's defaults), the modes taking turns for GATE_ROUNDS rounds, each keeping its best, with the
 router as initialized (random routing: a verify's tokens pick the most experts, the worst case) and skewed (four
 experts' router rows scaled up, so most tokens pick them). Random models fall into loops that n-gram lookup then
 drafts well, so drafts are accepted. Target: gated >= 0.97 x max(off, on) everywhere.
@@ -53,6 +54,7 @@ GATE_MOE = dict(layers=8, hidden=576, heads=9, kv_heads=3, head_dim=64, intermed
                 moe=dict(num_experts=64, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True))
 GATE_BATCHES = (1, 4, 16, 64)
 GATE_TARGET = 0.97
+GATE_ROUNDS = 2
 SKEW = 4.0  # the skewed router: experts 0-3's rows times this
 
 
@@ -109,14 +111,19 @@ def gate_row(path: Path, batch: int, tokens: int) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 4000, (12,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    out = {}
-    for mode in ("off", "on", "auto"):
-        engine.generate(prompts[:1], SamplingParams(max_tokens=4), speculation=mode)  # warm-up
-        t0 = time.perf_counter()
-        reqs = engine.generate(prompts, params, speculation=mode)
-        out[mode] = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
-        if mode == "on":
-            out["acceptance"] = round(sum(r.num_accepted for r in reqs) / max(1, sum(r.num_drafted for r in reqs)), 2)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up (short: nothing drafted, nothing learned)
+    out = {"off": 0.0, "on": 0.0, "auto": 0.0}
+    for round_ in range(GATE_ROUNDS):  # the modes take turns; each keeps its best round
+        for mode in ("off", "on", "auto"):
+            t0 = time.perf_counter()
+            reqs = engine.generate(prompts, params, speculation=mode)
+            rate = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
+            out[mode] = max(out[mode], rate)
+            if mode == "auto" and round_ == 0:  # the engine's first gated batch: it has seen no draft yet
+                out["auto_first"] = rate
+            if mode == "on":
+                out["acceptance"] = round(sum(r.num_accepted for r in reqs) / max(1, sum(r.num_drafted for r in reqs)),
+                                          2)
     return out
 
 
@@ -176,11 +183,14 @@ def main() -> None:
               f"{r['ratio_to_llama']:>9}  {'yes' if r['stack'] else 'no'}{ok}")
     if gate:
         print(f"\nMoE gate: tok/s of a batch, n-gram drafts K=4, {args.gate_tokens} tokens a request")
-        print(f"{'router':<7} {'batch':>5} {'off':>8} {'on':>8} {'gated':>8} {'accept':>7} {'gated/best':>11}")
+        print(f"(best of {GATE_ROUNDS} rounds each; 'gated, first': the engine's first gated batch, before it had "
+              "seen a draft checked)")
+        print(f"{'router':<7} {'batch':>5} {'off':>8} {'on':>8} {'gated':>8} {'accept':>7} {'gated/best':>11} "
+              f"{'gated, first':>13}")
         for g in gate:
             ok = "  met" if g["gated_vs_best"] >= GATE_TARGET else "  NOT met"
             print(f"{g['router']:<7} {g['batch']:>5} {g['off']:>8} {g['on']:>8} {g['auto']:>8} {g['acceptance']:>7} "
-                  f"{g['gated_vs_best']:>11}{ok}")
+                  f"{g['gated_vs_best']:>11} {g['auto_first']:>13}{ok}")
 
 
 if __name__ == "__main__":

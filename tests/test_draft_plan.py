@@ -149,6 +149,23 @@ def test_acceptance_estimate_falls_with_rejections_and_a_probe_comes_due():
     assert est.first > 0.7 and not est.probe_due  # drafting resets the count; good drafts win it back
 
 
+def test_a_greedy_requests_prior_is_the_engines_recent_acceptance_and_thin_evidence_says_so():
+    from pipeline.engine.draft_plan import EXPLORE_CHECKS, PRIOR_ACCEPTANCE, SharedAcceptance
+
+    shared = SharedAcceptance()
+    assert shared.first == PRIOR_ACCEPTANCE and shared.thin
+    for _ in range(20):
+        shared.update(drafted=4, accepted=4)
+    assert shared.first > 0.9 and shared.checks >= EXPLORE_CHECKS and not shared.thin
+    fresh = AcceptanceEstimate(shared=shared)
+    assert fresh.first == pytest.approx(shared.first) and AcceptanceEstimate().first == PRIOR_ACCEPTANCE
+    fresh.update(drafted=4, accepted=0)  # its own evidence still counts first
+    assert fresh.first < shared.first
+    for _ in range(100):
+        shared.update(drafted=2, accepted=0)
+    assert shared.first < 0.1  # it follows the workload
+
+
 def test_acceptance_estimate_keeps_the_first_draft_and_the_later_ones_apart():
     est = AcceptanceEstimate()
     for _ in range(30):  # half the steps reject the first draft; the other half accept 3 of 4

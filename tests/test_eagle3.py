@@ -133,7 +133,9 @@ def test_drafts_equal_a_fresh_head_after_joins_leaves_and_gate_flips(target, hea
     for p, n, r in zip(prompts, budgets, reqs):
         assert r.output_ids == reference(p, n)
     assert engine.gate.flips >= 2 and engine.stats.nonspec_steps > 0
-    assert check_incremental_drafts(engine, rec, every=1) >= 5
+    # (The random head's drafts mostly fail, and the engine learns that from the first request's: the later ones
+    # draft less than with the fixed prior, which gave 5 and more proposals here.)
+    assert check_incremental_drafts(engine, rec, every=1) >= 4
     assert not engine.proposer.pending and not engine.proposer.head_len  # released with their requests
 
 
@@ -149,7 +151,7 @@ def test_drafts_equal_a_fresh_head_after_prefix_hits_and_chunked_prefills(target
     for p, r in zip(prompts, reqs):
         assert r.output_ids == reference(p)
     assert all(r.num_cached_tokens >= 16 for r in reqs[1:])
-    assert check_incremental_drafts(engine, rec, every=2) >= 5
+    assert check_incremental_drafts(engine, rec, every=2) >= 4  # (fewer from the 2nd request on: see above)
 
 
 def test_incremental_drafts_check_catches_a_proposer_that_drops_target_states(target, head, reference, monkeypatch):

@@ -410,3 +410,38 @@ def test_the_attention_mask_lets_a_query_see_keys_up_to_its_own_position_and_a_p
     assert fb.attn_mask[0, 0].tolist() == [[True] * 4 + [False], [True] * 5]
     assert fb.attn_mask[1, 0].tolist() == [[True, True, False, False, False], [True] + [False] * 4]
     assert ForwardBatch.build([0, 1], [7, 7], [1, 1], cache).attn_mask is None  # every key is visible to every row
+
+
+def test_a_batch_too_large_for_the_fixed_priors_drafts_learns_they_pay_and_a_seeded_request_still_replays(
+        tiny_target, monkeypatch):
+    """Four greedy requests whose drafts always pass (the target drafts for itself), where the cost model says
+    drafts pay at 4 rows only above the fixed prior's acceptance: with no draft ever checked nobody would draft
+    (as with the probes off). The engine probes a row while its evidence is thin, learns, and the batch speculates;
+    the output is the target's. A seeded sampled request gives the same answer before and after the engine learned."""
+    from pipeline.engine.draft_plan import EXPLORE_CHECKS, SharedAcceptance
+
+    K = 4
+    rows = (1, 2, 4, 8)  # 1 s a plain step at any batch; at 4+ rows each drafted position adds 0.8 s
+    target = tuple(tuple(1.0 + (0.8 * (w - 1) if b >= 4 else 0.0) for w in range(1, K + 2)) for b in rows)
+    cost = CostModel(rows, tuple(range(1, K + 2)), target, (0.0,) * 4, (0.0,) * 4, source="test")
+    prompts = chat_prompts(4, system=10, seed=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)  # all four to the end together: 4 rows throughout
+    plain = [r.output_ids for r in LLMEngine.load(tiny_target, config()).generate(prompts, params, speculation="off")]
+    for explore in (False, True):
+        if not explore:  # never thin: no row skipped for cost is ever probed
+            monkeypatch.setattr(SharedAcceptance, "thin", property(lambda self: False))
+        else:
+            monkeypatch.undo()
+        engine = LLMEngine.load(tiny_target, config(num_draft_tokens=K, prefill_chunk=256), draft=str(tiny_target),
+                                cost_model=cost)
+        sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
+        [first] = engine.generate([[7, 8, 9]], sampled)
+        reqs = engine.generate(prompts, params)
+        assert [r.output_ids for r in reqs] == plain
+        if not explore:
+            assert all(r.num_drafted == 0 for r in reqs) and engine.shared_acceptance[""].checks == 0
+            continue
+        assert all(r.num_drafted >= MAX_TOKENS // 2 for r in reqs) and engine.stats.spec_steps > 2 * engine.stats.nonspec_steps
+        assert engine.shared_acceptance[""].checks >= EXPLORE_CHECKS and engine.shared_acceptance[""].first > 0.9
+        [again] = engine.generate([[7, 8, 9]], sampled)
+        assert again.output_ids == first.output_ids

@@ -28,7 +28,10 @@ and three the engine adds after the plan: empty (the proposer had nothing, as an
 match), proposer_failed (the proposer raised for it once; it decodes on without drafts) and memory (the KV
 cache had no blocks free for its drafts this step).
 A row skipped for acceptance is probed with a short draft every `probe_every` steps, so a request whose
-text turns predictable can win its drafts back; no other request is affected by its history.
+text turns predictable can win its drafts back. A greedy request's estimate starts from the engine's own recent
+acceptance for that draft source (SharedAcceptance), not a fixed prior; while that has little evidence, a greedy
+row skipped for cost is probed now and then (LLMEngine._plan), so that a batch too large for the fixed prior's
+drafts to pay still learns whether its drafts do. Other requests' history changes which steps draft, never a token.
 
 Pure: no torch, no engine; the engine and the unit tests call it the same way.
 """
@@ -188,10 +191,42 @@ def read_counts(text) -> dict[str, int]:
 
 # ---- a request's acceptance -----------------------------------------------------------------------
 
-PRIOR_ACCEPTANCE = 0.6  # a new request's assumed acceptance: high enough that it tries drafting
+PRIOR_ACCEPTANCE = 0.6  # an engine's assumed acceptance before any draft was checked: high enough to try drafting
 PRIOR_TRIALS = 2.0  # the prior weighs as much as this many draft checks
 DECAY = 0.9  # per verify step: older evidence fades, so an estimate follows the text it drafts for
 PROBE_EVERY = 16  # steps skipped for acceptance before a probe
+SHARED_DECAY = 0.98  # per verified row, for the engine's own acceptance (SharedAcceptance): it follows the workload
+EXPLORE_CHECKS = 4.0  # the engine's evidence below which a row skipped for cost is probed (SharedAcceptance.thin)
+EXPLORE_EVERY = 4  # steps between those probes: a handful of steps, then a few verify checks tell
+
+
+@dataclass
+class SharedAcceptance:
+    """What one draft source's first drafts have achieved lately in this engine, over the greedy requests that let
+    the engine choose (speculation "auto"): the prior each greedy request's own estimate starts from, in place of the
+    fixed PRIOR_ACCEPTANCE (a sampled request keeps the fixed one: its drafts consume its random stream, so which
+    steps draft must follow from its own history for a seeded request to replay). A new request then drafts at once
+    where the workload's drafts pass (a loop, code being edited) and not where they don't, and a batch too large for
+    the fixed prior's drafts to pay still speculates once the engine has seen that they do. It changes which steps
+    draft, never a token (the verify decides those)."""
+
+    accepted: float = 0.0
+    checks: float = 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.accepted = self.accepted * SHARED_DECAY + (accepted > 0)
+            self.checks = self.checks * SHARED_DECAY + 1.0
+
+    @property
+    def first(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_TRIALS) / (self.checks + PRIOR_TRIALS)
+
+    @property
+    def thin(self) -> bool:
+        """Too little evidence to trust: a row skipped for cost is probed now and then (LLMEngine._plan), since
+        without drafts nobody would ever learn the prior is too low for this batch."""
+        return self.checks < EXPLORE_CHECKS
 
 
 @dataclass
@@ -200,7 +235,8 @@ class AcceptanceEstimate:
     ends the run with one more), with older steps decayed, starting from a prior; kept for a step's first draft and
     for its later ones apart (`first`, `continuation`: Row's two rates)."""
 
-    prior: float = PRIOR_ACCEPTANCE
+    prior: float = PRIOR_ACCEPTANCE  # used where there is no `shared` estimate
+    shared: SharedAcceptance | None = None  # the engine's for this draft source: the prior, as it stands now
     first_accepted: float = 0.0
     first_checks: float = 0.0
     later_accepted: float = 0.0
@@ -232,7 +268,8 @@ class AcceptanceEstimate:
 
     @property
     def first(self) -> float:
-        return (self.first_accepted + self.prior * PRIOR_TRIALS) / (self.first_checks + PRIOR_TRIALS)
+        prior = self.shared.first if self.shared is not None else self.prior
+        return (self.first_accepted + prior * PRIOR_TRIALS) / (self.first_checks + PRIOR_TRIALS)
 
     @property
     def continuation(self) -> float:

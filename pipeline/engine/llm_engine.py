@@ -11,11 +11,12 @@ number of drafts (0 for rows that don't speculate). Rows then advance by their o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +28,8 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.cost_model import CostModel, default_cost_model
 from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.device import is_cuda, kv_pool_blocks
-from pipeline.engine.draft_plan import EMPTY, MEMORY, PROPOSER_FAILED, Row, plan_drafts
+from pipeline.engine.draft_plan import (ACCEPTANCE, COST, EMPTY, EXPLORE_EVERY, MEMORY, PROPOSER_FAILED, Row,
+                                        SharedAcceptance, plan_drafts)
 from pipeline.engine.gate import SpeculationGate
 from pipeline.engine.guide import Guide, GuideSpec, apply_refusals, tokenizer_for
 from pipeline.engine.block_manager import BlockManager
@@ -109,6 +111,10 @@ class LLMEngine:
         self._iteration = 0  # steps so far, as Request.decoded_at counts them
         self._ended_beside_larger = -FAIR_HOLD_STEPS  # the step a request last ended beside a larger group (_admit)
         self._yielded_to_prompts = -2  # the step whose decoding rows last sat out beside prompts (_fair_rows)
+        # Per draft source, what first drafts of greedy "auto" requests achieved lately: each greedy request's prior
+        # (draft_plan.SharedAcceptance)
+        self.shared_acceptance: defaultdict[str, SharedAcceptance] = defaultdict(SharedAcceptance)
+        self._explored_at = -EXPLORE_EVERY  # the step a row skipped for cost was last probed (_plan)
         self.free_slots = list(range(config.max_batch_size))  # a heap: lowest slots first keeps the batch contiguous
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -229,7 +235,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
         req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
-                      num_draft_tokens=num_draft_tokens, group=group)
+                      num_draft_tokens=num_draft_tokens, group=group, shared_acceptance=self.shared_acceptance)
         # ignore_eos: the model's end tokens are just tokens (a guide's grammar still ends the answer at one).
         eos = () if params.ignore_eos and params.guide is None else self.eos_token_ids
         req.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
@@ -603,21 +609,37 @@ class LLMEngine:
         # A proposer with two sources (NgramFirst) names each row's this step: the row's estimate is that source's.
         # (Asked only for rows that may draft: under load, a lookup's scan of each context would be wasted.)
         row_sources = getattr(self.proposer, "row_sources", None)
-        if row_sources is not None:
+        row_hits = getattr(self.proposer, "row_hits", None)
+        known: dict[int, bool] = {}  # id(row) -> whether its proposer has drafts this step, where that is known
+        if row_sources is not None or row_hits is not None:
             asked = [r for r in reqs if not r.proposer_failed
                      and (r.speculation == "on" or (r.speculation == "auto" and load_open))]
-            for r, source in zip(asked, row_sources(asked)):
+            for r, source in zip(asked, row_sources(asked) if row_sources is not None else ()):
                 r.source = source
+            for r, hit in zip(asked, row_hits(asked) if row_hits is not None else ()):
+                if hit is not None:
+                    known[id(r)] = hit
         free = getattr(self.proposer, "FREE_SOURCES", frozenset())
         rows = [Row(cap=0 if r.proposer_failed else self.draft_budget(r), acceptance=r.acceptance.first,
                     continuation=r.acceptance.continuation,
-                    hit=r.acceptance.hit_rate, mode=r.speculation, short=r.params.max_tokens < min_tokens,
-                    probe=r.acceptance.probe_due, free=r.source in free)
+                    hit=float(known[id(r)]) if id(r) in known else r.acceptance.hit_rate, mode=r.speculation,
+                    short=r.params.max_tokens < min_tokens, probe=r.acceptance.probe_due and known.get(id(r), True),
+                    free=r.source in free)
                 for r in reqs]
         plan = plan_drafts(rows, self.cost_model, load_open)
+        # While the engine has little evidence of its drafts, a greedy row skipped for cost is probed every
+        # EXPLORE_EVERY steps: the fixed prior may be too low for drafts to pay at this batch, and with no drafts
+        # nobody would learn. (A sampled row's drafts consume its random stream: its steps follow its own history.)
+        explore = next((i for i, reason in enumerate(plan.reasons) if reason == COST and known.get(id(reqs[i]), True)
+                        and reqs[i].params.greedy and self.shared_acceptance[reqs[i].source].thin), None)
+        if explore is not None and self._iteration - self._explored_at >= EXPLORE_EVERY:
+            self._explored_at = self._iteration
+            rows[explore] = dataclasses.replace(rows[explore], probe=True)
+            plan = plan_drafts(rows, self.cost_model, load_open)
         for r, reason in zip(reqs, plan.reasons):
-            if reason is not None:
-                self._skipped(r, PROPOSER_FAILED if r.proposer_failed else reason)
+            if reason is not None:  # a row whose lookup has nothing this step: empty, as the proposal would say
+                empty = known.get(id(r)) is False and reason in (ACCEPTANCE, COST)
+                self._skipped(r, PROPOSER_FAILED if r.proposer_failed else EMPTY if empty else reason)
         return list(plan.ks)
 
     def _skipped(self, req: Request, reason: str) -> None:
@@ -673,6 +695,8 @@ class LLMEngine:
                     r.num_verify_steps += 1
                     r.accepted_per_step[str(m)] = r.accepted_per_step.get(str(m), 0) + 1
                     r.acceptance.update(len(d), m)
+                    if r.speculation == "auto" and r.params.greedy:  # what the engine's greedy choices learn from
+                        self.shared_acceptance[r.source].update(len(d), m)
                     self.stats.record_verification(len(d), m)
                     self.proposer.on_verified(r, prev_len, len(d), m)
                 if hidden is not None:  # the states of the pending token and the accepted drafts

@@ -42,9 +42,11 @@ class NgramProposer:
     (longest n first) and propose the tokens that followed it."""
 
     name = "ngram"
+    LOOKUP_MAX = 64  # tokens a lookup keeps (more than any k): one scan serves the planner and the proposal
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._found: dict[int, tuple[int, list[int]]] = {}  # request id -> (its length, its lookup's tokens)
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         n_ids = len(ids)
@@ -58,14 +60,28 @@ class NgramProposer:
                         return follow
         return []
 
+    def _cached(self, req: Request) -> list[int]:
+        """The row's lookup at its current length, scanned once a step for row_hits and then propose (which match
+        a lookup finds doesn't depend on how many tokens it keeps)."""
+        found = self._found.get(req.id)
+        if found is None or found[0] != req.num_tokens:
+            found = self._found[req.id] = (req.num_tokens, self.lookup(req.all_ids, self.LOOKUP_MAX))
+        return found[1]
+
+    def row_hits(self, reqs: list[Request]) -> list[bool | None]:
+        """Whether each row's lookup has drafts this step, known before the planner picks its k: a lookup costs
+        nothing to ask, so the planner needn't guess from the row's past (an answer's first tokens match nothing,
+        and a guess learned from them kept a batch from drafting once the answer began to repeat)."""
+        return [bool(self._cached(r)) for r in reqs]
+
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
-        return Proposal(tokens=[self.lookup(r.all_ids, k) for r, k in zip(reqs, ks)])
+        return Proposal(tokens=[self._cached(r)[:k] for r, k in zip(reqs, ks)])
 
     def on_verified(self, req, prev_len, drafted, accepted):
         pass
 
     def release(self, req):
-        pass
+        self._found.pop(req.id, None)
 
 
 class NgramFirst:
@@ -119,6 +135,10 @@ class NgramFirst:
         if found is None or found[0] != req.num_tokens:
             found = self._found[req.id] = (req.num_tokens, self.ngram.lookup(req.all_ids, self.LOOKUP_MAX))
         return found[1]
+
+    def row_hits(self, reqs: list[Request]) -> list[bool | None]:
+        """A lookup row has drafts this step; a head row's chance is the planner's estimate (None)."""
+        return [True if self._lookup(r) else None for r in reqs]
 
     def row_sources(self, reqs: list[Request]) -> list[str]:
         """Where each row's drafts come from this step, before the planner picks its k: the planner keeps an

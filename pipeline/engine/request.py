@@ -71,6 +71,9 @@ class Request:
     # context matches, a head elsewhere) sets `source` each step, and the planner reads that source's estimate.
     estimates: dict[str, AcceptanceEstimate] = field(default_factory=dict)
     source: str = ""
+    # The engine's acceptance per draft source (a defaultdict of draft_plan.SharedAcceptance), each estimate's prior
+    # for a greedy request; None: the fixed one
+    shared_acceptance: dict | None = None
     proposer_failed: bool = False  # the proposer raised for it: it decodes on without drafts
     generator: torch.Generator | None = None
     error: str | None = None  # one line, set when finish_reason is ERROR
@@ -106,7 +109,11 @@ class Request:
         """The estimate of this step's draft source."""
         est = self.estimates.get(self.source)
         if est is None:
-            est = self.estimates[self.source] = AcceptanceEstimate()
+            # A sampled request's drafts consume its random stream, so which steps draft must follow from its own
+            # history alone (a seeded request then replays): the engine's shared prior is a greedy request's only.
+            shared = self.shared_acceptance[self.source] \
+                if self.shared_acceptance is not None and self.params.greedy else None
+            est = self.estimates[self.source] = AcceptanceEstimate(shared=shared)
         return est
 
     @property
