@@ -29,6 +29,7 @@ from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
 from pipeline.engine.moe import SparseMoE
 from pipeline.engine.quant import Int4Linear, QuantConfig, describe_model, stack_entry
+from pipeline.engine.swiglu import SwiGLU
 from pipeline.errors import ConfigError
 
 
@@ -197,20 +198,11 @@ class Attention(nn.Module):
         return out[..., : G * T, :].to(q.dtype).reshape(B, H, T, D)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+class MLP(SwiGLU):
+    """A dense layer's MLP, at the model's intermediate size."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        kernels = cpu_kernels.for_tensor(gate_up)
-        if kernels is not None:
-            return self.down(kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size)
 
 
 class DecoderLayer(nn.Module):

@@ -20,31 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.engine import cpu_kernels
 from pipeline.engine.linear import Linear
 from pipeline.engine.quant import Int4Linear, stack_entry
+from pipeline.engine.swiglu import SwiGLU
 from pipeline.models.families import Moe
-
-
-class Expert(nn.Module):
-    """One expert: the dense MLP's SwiGLU at the expert's own intermediate size (gate and up fused)."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.inter = inter
-        self.gate_up = Linear(hidden, 2 * inter, bias=False)
-        self.down = Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        kernels = cpu_kernels.for_tensor(gate_up)
-        if kernels is not None:
-            return self.down(kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down(F.silu(gate) * up)
 
 
 @dataclass(frozen=True)
@@ -69,7 +51,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.inter = moe.top_k, moe.norm_topk_prob, moe.intermediate_size
         self.router = Linear(hidden, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(hidden, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.experts = nn.ModuleList(SwiGLU(hidden, moe.intermediate_size) for _ in range(moe.num_experts))
         self._plan: CPlan | bool | None = None  # see c_plan
 
     def replan(self) -> None:
