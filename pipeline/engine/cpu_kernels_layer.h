@@ -294,7 +294,7 @@ static int FN(stack_linear)(const ELT *x, int64_t rows, int64_t K, const int64_t
 // index_add_ adds. A row's routing and sum read that row alone and each projection's bits are a row's own whatever
 // rows ride along, so a row's output depends on nothing else in the step.
 //
-// x, out: [rows, hidden]. desc (moe.SparseMoE.c_desc): E, top_k, norm_topk_prob, the experts' intermediate size,
+// x, out: [rows, hidden]. desc (moe.SparseMoE.c_plan): E, top_k, norm_topk_prob, the experts' intermediate size,
 // the router's 4 entries (kind, weights, scales, pre_quant_scale), then per expert its gate_up's 4 and its down's 4.
 // Returns 0, or -2 when a projection's kernel refuses its shape (a plan bug).
 static void FN(route_row)(const ELT *logits, int64_t E, int64_t K, int norm, float *p, int64_t *pick, float *w) {
@@ -312,6 +312,8 @@ static void FN(route_row)(const ELT *logits, int64_t E, int64_t K, int norm, flo
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++)
             if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        for (int64_t e = 0; best < 0 && e < E; e++)  // a row of NaN logits: its lowest untaken experts (and NaN out)
+            if (p[e] != -1.0f) best = e;
         pick[s] = best;
         w[s] = p[best];
         kept += p[best];
