@@ -118,7 +118,7 @@ def test_ngram_first_drafts_by_lookup_where_it_matches_and_the_head_catches_up_e
     # The planner kept one acceptance estimate per source, from that source's own verifies.
     assert any(r.estimates["ngram"].first_checks > 0 and r.estimates["eagle3"].first_checks > 0 for r in reqs)
     assert not engine.proposer.inner.pending and not engine.proposer.inner.head_len  # released with their requests
-    assert not engine.proposer._found
+    assert not engine.proposer.ngram._found  # the lookups' cache too
 
 
 @pytest.mark.identity

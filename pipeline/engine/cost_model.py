@@ -80,6 +80,10 @@ class CostModel:
         timed at `context` tokens a row."""
         return self.context_token_s * sum(max(0, c - self.context) for c in contexts)
 
+    def decode_s(self, contexts: list[int]) -> float:
+        """One decode step of one-token rows attending to `contexts` cached tokens (one length a row)."""
+        return self.step_s(len(contexts), 1) + self.context_s(contexts)
+
     def draft_s(self, rows: int, k: int) -> float:
         """One proposal of k tokens for each of `rows` rows."""
         if rows <= 0 or k <= 0:

@@ -403,7 +403,7 @@ class LLMEngine:
             return False
         smaller = sum(n for h, n in prefilling.items() if held[h] < smallest)
         cost = self.cost_model
-        decode = cost.step_s(len(rows), 1) + cost.context_s([r.target_len for r in rows])
+        decode = cost.decode_s([r.target_len for r in rows])
         if not smaller or decode <= (FAIR_STEP_GROWTH - 1) * cost.step_s(smaller, 1):
             return False
         self._yielded_to_prompts = self._iteration
@@ -414,13 +414,9 @@ class LLMEngine:
         beside other groups' rows (`others`: their contexts), by the cost model, context included: a row that has
         grown long costs a share of the step its table row doesn't show (cost_model.context_token_s)."""
         cost = self.cost_model
-
-        def step(rows: list[int]) -> float:
-            return cost.step_s(len(rows), 1) + cost.context_s(rows)
-
-        limit = FAIR_STEP_GROWTH * step(others)
+        limit = FAIR_STEP_GROWTH * cost.decode_s(others)
         rows = 1
-        while rows < len(mine) and step(others + mine[: rows + 1]) <= limit:
+        while rows < len(mine) and cost.decode_s(others + mine[: rows + 1]) <= limit:
             rows += 1
         return rows
 

@@ -60,9 +60,9 @@ class NgramProposer:
                         return follow
         return []
 
-    def _cached(self, req: Request) -> list[int]:
-        """The row's lookup at its current length, scanned once a step for row_hits and then propose (which match
-        a lookup finds doesn't depend on how many tokens it keeps)."""
+    def lookup_of(self, req: Request) -> list[int]:
+        """The row's lookup at its current length, scanned once a step for the planner (row_hits, NgramFirst's
+        row_sources) and then propose (which match a lookup finds doesn't depend on how many tokens it keeps)."""
         found = self._found.get(req.id)
         if found is None or found[0] != req.num_tokens:
             found = self._found[req.id] = (req.num_tokens, self.lookup(req.all_ids, self.LOOKUP_MAX))
@@ -72,10 +72,10 @@ class NgramProposer:
         """Whether each row's lookup has drafts this step, known before the planner picks its k: a lookup costs
         nothing to ask, so the planner needn't guess from the row's past (an answer's first tokens match nothing,
         and a guess learned from them kept a batch from drafting once the answer began to repeat)."""
-        return [bool(self._cached(r)) for r in reqs]
+        return [bool(self.lookup_of(r)) for r in reqs]
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
-        return Proposal(tokens=[self._cached(r)[:k] for r, k in zip(reqs, ks)])
+        return Proposal(tokens=[self.lookup_of(r)[:k] for r, k in zip(reqs, ks)])
 
     def on_verified(self, req, prev_len, drafted, accepted):
         pass
@@ -97,14 +97,12 @@ class NgramFirst:
     MIN_MATCH = 2  # a 1-token match is mostly chance: the head drafts better there
     LOOKUP = "ngram"
     FREE_SOURCES = frozenset({LOOKUP})  # lookup costs the planner nothing but the verify's width
-    LOOKUP_MAX = 64  # tokens a lookup keeps (more than any k): one scan serves the planner and the proposal
 
     def __init__(self, inner: Proposer):
         self.inner = inner
         self.ngram = NgramProposer(min_ngram=self.MIN_MATCH)
         self.name = f"{inner.name}+ngram"
         self.sources = {self.LOOKUP: 0, inner.name: 0}  # rows drafted by each, for describe() and the benchmarks
-        self._found: dict[int, tuple[int, list[int]]] = {}  # request id -> (its length, its lookup's tokens)
 
     # The inner proposer's: the target states it reads, its head, its graphs.
     @property
@@ -129,25 +127,18 @@ class NgramFirst:
     def on_target_hidden(self, req: Request, aux: torch.Tensor) -> None:
         self.inner.on_target_hidden(req, aux)
 
-    def _lookup(self, req: Request) -> list[int]:
-        """The row's lookup at its current length: scanned once a step, for row_sources and then propose."""
-        found = self._found.get(req.id)
-        if found is None or found[0] != req.num_tokens:
-            found = self._found[req.id] = (req.num_tokens, self.ngram.lookup(req.all_ids, self.LOOKUP_MAX))
-        return found[1]
-
     def row_hits(self, reqs: list[Request]) -> list[bool | None]:
         """A lookup row has drafts this step; a head row's chance is the planner's estimate (None)."""
-        return [True if self._lookup(r) else None for r in reqs]
+        return [True if self.ngram.lookup_of(r) else None for r in reqs]
 
     def row_sources(self, reqs: list[Request]) -> list[str]:
         """Where each row's drafts come from this step, before the planner picks its k: the planner keeps an
         acceptance estimate per source (lookup rows in code accept far longer runs than the head's) and charges
         lookup rows no proposal time."""
-        return [self.LOOKUP if self._lookup(r) else self.inner.name for r in reqs]
+        return [self.LOOKUP if self.ngram.lookup_of(r) else self.inner.name for r in reqs]
 
     def propose(self, reqs: list[Request], ks: list[int]) -> Proposal:
-        tokens = [self._lookup(r)[:k] for r, k in zip(reqs, ks)]
+        tokens = [self.ngram.lookup_of(r)[:k] for r, k in zip(reqs, ks)]
         rest = [i for i, t in enumerate(tokens) if not t]
         self.sources[self.LOOKUP] += len(reqs) - len(rest)
         self.sources[self.inner.name] += len(rest)
@@ -167,7 +158,7 @@ class NgramFirst:
         self.inner.on_verified(req, prev_len, drafted, accepted)
 
     def release(self, req):
-        self._found.pop(req.id, None)
+        self.ngram.release(req)
         self.inner.release(req)
 
 
