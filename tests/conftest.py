@@ -38,16 +38,21 @@ def pipeline_home(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
-    """The embedded default, converted once per test session (about 25 s) for the slow end-to-end tests."""
-    import os
+    """The embedded default, converted once per test run (about 20 s) for the slow end-to-end tests. Under xdist
+    the workers share one conversion: the first converts it under a file lock in the run's common temp folder
+    (xdist's own recipe for a session fixture made once), the other waits and reads it."""
+    from filelock import FileLock
 
     from pipeline.models.resolve import resolve_model
 
-    home = tmp_path_factory.mktemp("smollm2-home")
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    home = root / "smollm2-home"
     old = os.environ.get("PIPELINE_HOME")
     os.environ["PIPELINE_HOME"] = str(home)
     try:
-        return resolve_model("smollm2-135m").path
+        with FileLock(str(root / "smollm2-home.lock")):
+            return resolve_model("smollm2-135m").path
     finally:
         if old is None:
             os.environ.pop("PIPELINE_HOME", None)
@@ -61,7 +66,23 @@ def smollm2(tmp_path_factory) -> Path:
 SLOW_FIXTURES = {"smollm2", "server", "url", "served", "echo_server", "llmapi_server", "served_repo"}
 
 
+# Seconds a file's tests take on one of CI's two xdist workers (a clean run's --durations, summed per file), for
+# the order files are handed out in: longest first, so the last file a worker takes is a short one and the two
+# finish together (xdist's own order, most tests first, left one worker idle for a minute at the end). Only the
+# order matters: a stale number costs balance, never a test. Files not listed are shorter than the last here.
+FILE_SECONDS = {
+    "test_openai_api.py": 190, "test_serving.py": 190, "test_isa_caps.py": 150, "test_draft_target.py": 135,
+    "test_engine.py": 115, "test_speculative.py": 110, "test_gpu_kernels.py": 100, "test_soak.py": 90,
+    "test_build.py": 55, "test_serve.py": 55, "test_smoke_trtllm.py": 50, "test_cuda_graphs.py": 45,
+    "test_bench.py": 40, "test_openai_edge.py": 30, "test_bench_gpu_script.py": 27, "test_cli.py": 27,
+    "test_assemble.py": 26, "test_gguf.py": 21, "test_triton_config.py": 20, "test_client.py": 20,
+    "test_families.py": 17, "test_draft_train.py": 16, "test_cpu_kernels.py": 14, "test_eagle3.py": 11,
+}
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    # A stable sort: a file's own tests keep their order (its module fixtures are made once either way).
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))

@@ -52,6 +52,7 @@ KEY_BLOCK = 32  # keys per step of the attention's loop: two of the cache's 16-t
 TILE_M = 64  # rows per linear tile, for every M: a 1-row decode pads its tile, which costs no weight traffic
 H200_SMS = 132  # the config under the interpreter (no GPU to ask): an H200's, so CI runs the configs it ships
 H200_NAME = "NVIDIA H200"
+INTERPRET_BLOCK_N = 128  # the linear's output tile under the interpreter (see linear)
 
 # The engine's own GPU kernels on a CPU, through Triton's interpreter: tests only (CI has no GPU).
 FORCE_ENV = "PIPELINE_GPU_KERNELS_ON_CPU"
@@ -340,17 +341,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # Each K-slice a whole number of K-blocks, so the blocks a slice sums are the same for every M.
     per_split = -(-K // (tiles.split * tiles.block_k)) * tiles.block_k
     interpret, ieee = interpreting(), x.dtype == torch.float32
-    grid = (-(-N // tiles.block_n), -(-M // TILE_M), tiles.split)
+    block_n = tiles.block_n
+    if interpret:
+        # The interpreter pays milliseconds per op per program, and a tile's width only says which outputs one
+        # program writes: an output's sum (its K-blocks in order, the K-slices in order) is the same in any tile.
+        # So it runs the GPU's sums in wider tiles: a few programs a weight instead of dozens.
+        block_n = max(block_n, min(INTERPRET_BLOCK_N, triton.next_power_of_2(N)))
+    grid = (-(-N // block_n), -(-M // TILE_M), tiles.split)
     has_bias = bias is not None
     speed = {} if interpret else {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     if tiles.split == 1:
         linear_kernel[grid](x2, weight, bias if has_bias else x2, out, M, N, K, per_split, x2.stride(0),
                             weight.stride(0), out.stride(0), 0, HAS_BIAS=has_bias, PARTIALS=False, BLOCK_M=TILE_M,
-                            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee, **speed)
+                            BLOCK_N=block_n, BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee, **speed)
     else:
         part = torch.empty(tiles.split, M, N, dtype=torch.float32, device=x.device)
         linear_kernel[grid](x2, weight, x2, part, M, N, K, per_split, x2.stride(0), weight.stride(0), N, M * N,
-                            HAS_BIAS=False, PARTIALS=True, BLOCK_M=TILE_M, BLOCK_N=tiles.block_n,
+                            HAS_BIAS=False, PARTIALS=True, BLOCK_M=TILE_M, BLOCK_N=block_n,
                             BLOCK_K=tiles.block_k, INTERPRET=interpret, IEEE=ieee, **speed)
         block = 1024
         split_sum_kernel[(-(-(M * N) // block),)](part, bias if has_bias else part, out, M, N, M * N,
