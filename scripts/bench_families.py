@@ -47,6 +47,8 @@ FAMILIES = {
     "qwen3": dict(model_type="qwen3"),
     "qwen3_moe": dict(model_type="qwen3_moe", moe=dict(num_experts=32, num_experts_per_tok=4,
                                                        moe_intermediate_size=384, norm_topk_prob=True)),
+    # Gemma 3 1B's layout: 5 local layers (a window of 512) to a global one
+    "gemma3": dict(model_type="gemma3_text", config=dict(sliding_window=512, query_pre_attn_scalar=64)),
 }
 TARGET = 0.9
 GATE_MOE = dict(layers=8, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab_size=49152,

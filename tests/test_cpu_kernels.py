@@ -76,6 +76,33 @@ def test_silu_mul_matches_the_torch_ops():
     assert mlp.inter == 160 and ulps(fused, ref) <= 1 and (fused == ref).float().mean() > 0.97
 
 
+def test_gelu_mul_and_an_fp32_weighted_norm_match_the_torch_ops():
+    """Gemma's parts on the C kernels: GeGLU (gelu, tanh approximation, times up) within 2^-7 (relative) and 1e-5
+    of torch's ops (the kernel's x / (1 + e^-2y) keeps the tiny values that torch's 0.5 x (1 + tanh y) cancels to 0 at
+    x < -5, and its rounding of the gelu moves the product by an ulp now and then), and the RMSNorm whose fp32 weight
+    (1 + w) scales the fp32 row before its one rounding within an ulp, the fused residual add's norm the separate
+    one's bits."""
+    from pipeline.engine.swiglu import SwiGLU
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(7, 320, generator=g) * 3).to(BF)
+    with torch.inference_mode():
+        fused = KERNELS.silu_mul(gate_up, "gelu_mul")
+    gate, up = gate_up.split(160, dim=-1)
+    ref = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    assert SwiGLU(8, 160, "gelu_tanh").activation == "gelu_tanh"
+    torch.testing.assert_close(fused.float(), ref.float(), atol=1e-5, rtol=2 ** -7)
+    assert (fused == ref).float().mean() > 0.9
+    w = 1 + torch.randn(96, generator=g) * 0.5  # fp32
+    x, delta = (torch.randn(64, 96, generator=g) * 3).to(BF), torch.randn(64, 96, generator=g).to(BF)
+    with torch.inference_mode():
+        total, normed = KERNELS.rms_norm(x, w, 1e-6, delta)
+        separate = KERNELS.rms_norm(x + delta, w, 1e-6)
+    ref = (torch.nn.functional.rms_norm((x + delta).float(), (96,), None, 1e-6) * w).to(BF)
+    assert torch.equal(total, x + delta) and torch.equal(normed, separate)
+    assert ulps(normed, ref) <= 1 and (normed == ref).float().mean() > 0.97
+
+
 def attention_setup(c: ModelConfig, seed: int):
     g = torch.Generator().manual_seed(seed)
     attn = Attention(c, layer=0).to(BF)

@@ -8,6 +8,7 @@ verify steps. Here: whole greedy answers against transformers' `generate`, and t
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +23,12 @@ from tiny_models import make_tiny_llama
 # hidden / heads (64 / 4 = 16; 32 here).
 # Qwen3-MoE: top 2 of 8 experts (renormalized) in layer 0, a dense MLP in layer 1; the draft's one layer has experts.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+# Gemma 3: a window of 8 keys in the local layers (the target's layer 0, the draft's one layer), shorter than the
+# prompts and answers, so a token's window moves on as it decodes, verifies and is prefilled in chunks.
+GEMMA3 = dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
 FAMILIES = {"qwen3": dict(model_type="qwen3", head_dim=32),
-            "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, moe={**MOE, "mlp_only_layers": [1]})}
+            "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, moe={**MOE, "mlp_only_layers": [1]}),
+            "gemma3": dict(model_type="gemma3_text", head_dim=32, config=GEMMA3)}
 GENERATE_TOKENS = 64
 
 
@@ -148,6 +153,54 @@ def test_an_unsupported_family_is_one_line_naming_the_supported_ones(tmp_path):
 
     path = make_tiny_llama(tmp_path / "m", seed=0, layers=1)
     cfg = json.loads((path / "config.json").read_text())
-    with pytest.raises(ModelFormatError, match=r"model_type 'gemma3' is not supported .*supported: llama, mistral, "
-                                               r"qwen2, qwen3, qwen3_moe$"):
-        ModelConfig.from_hf_dict({**cfg, "model_type": "gemma3"})
+    with pytest.raises(ModelFormatError, match=r"model_type 'gpt_oss' is not supported .*supported: gemma3_text, "
+                                               r"llama, mistral, qwen2, qwen3, qwen3_moe$"):
+        ModelConfig.from_hf_dict({**cfg, "model_type": "gpt_oss"})
+
+
+# Each part of Gemma 3's layer, and the family's features without it.
+GEMMA3_PARTS = {
+    "sliding window": lambda f: replace(f, window=None),
+    "the window's rope base": lambda f: replace(f, window=replace(f.window, rope_theta=1e6)),
+    "(1 + w) norms": lambda f: replace(f, norm_offset=False),
+    "norms after attention and MLP": lambda f: replace(f, sandwich_norms=False),
+    "GeGLU": lambda f: replace(f, activation="silu"),
+    "embedding scale": lambda f: replace(f, embed_scale=False),
+    "query_pre_attn_scalar": lambda f: replace(f, query_scale=None),
+    "per-head q/k norms": lambda f: replace(f, qk_norm=False),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma3_and_its_logits(tmp_path_factory):
+    """A tiny Gemma 3 (fp32) and transformers' logits for a 40-token sequence: 5 windows of 8."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("gemma3_parts"), seed=3, layers=2, **FAMILIES["gemma3"])
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return path, ids, model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("part", list(GEMMA3_PARTS))
+def test_the_engine_without_any_one_of_gemma3s_parts_no_longer_matches_transformers(part, gemma3_and_its_logits,
+                                                                                     monkeypatch):
+    """The negative control of the Gemma 3 checks above and in test_model.py: with the family's features as read,
+    the engine's logits are transformers' to 1e-4; with any one part left out, they are off by more than 0.1."""
+    from pipeline.engine.kv_cache import ForwardBatch
+    from pipeline.engine.weights import load_transformer
+    from pipeline.models import families
+
+    path, ids, want = gemma3_and_its_logits
+
+    def logits() -> torch.Tensor:
+        model = load_transformer(path, 128)
+        cache = model.new_cache(1, 128)
+        return model(torch.tensor([ids]), ForwardBatch.build([0], [0], [len(ids)], cache), cache)[0]
+
+    assert (logits() - want).abs().max() < 1e-4
+    gemma = families.family_of("gemma3_text")
+    without = replace(gemma, features=lambda cfg: GEMMA3_PARTS[part](gemma.features(cfg)))
+    monkeypatch.setattr(families, "FAMILIES", tuple(without if f is gemma else f for f in families.FAMILIES))
+    assert (logits() - want).abs().max() > 0.1, part

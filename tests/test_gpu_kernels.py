@@ -134,11 +134,13 @@ def test_the_tuner_runs_end_to_end_in_smoke_mode_and_writes_a_table_the_kernels_
         gpu_kernels.tuned_tiles.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rms_norm_with_its_residual_add_is_row_invariant_and_right(device, dtype):
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.bfloat16, None), (torch.float32, None),
+                                           (torch.bfloat16, torch.float32)], ids=["bf16", "fp32", "bf16-fp32 weight"])
+def test_rms_norm_with_its_residual_add_is_row_invariant_and_right(device, dtype, w_dtype):
+    """An fp32 weight on bf16 rows is Gemma's (1 + w): scaled in fp32, rounded once."""
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(65, 96, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-    w = (1 + torch.randn(96, generator=g) * 0.1).to(device=device, dtype=dtype)
+    w = (1 + torch.randn(96, generator=g) * 0.1).to(device=device, dtype=w_dtype or dtype)
     assert rows_alone_and_together(lambda t: gpu_kernels.rms_norm(t, w, 1e-5)[1], x)
     total, normed = gpu_kernels.rms_norm(x, w, 1e-5, r)
     for n in (1, 5, 64):
@@ -146,21 +148,28 @@ def test_rms_norm_with_its_residual_add_is_row_invariant_and_right(device, dtype
         assert torch.equal(t_n, total[:n]) and torch.equal(o_n, normed[:n])
     ref = torch.nn.functional.rms_norm((x + r).float(), (96,), w.float(), 1e-5)
     torch.testing.assert_close(normed.float(), ref, atol=1e-5 if dtype == torch.float32 else 0.05, rtol=0)
+    if w_dtype == torch.float32:  # one rounding: the bf16 of the fp32 product, to an ulp (two: the interpreter
+        # truncates where a GPU rounds)
+        torch.testing.assert_close(normed.float(), ref.to(dtype).float(), atol=0,
+                                   rtol=2 ** -7 if device == "cuda" else 2 ** -6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_token_attends_alike_in_a_decode_a_verify_a_prefill_and_a_batch(device, dtype):
+@pytest.mark.parametrize("window", [0, 20], ids=["global", "window20"])
+def test_a_token_attends_alike_in_a_decode_a_verify_a_prefill_and_a_batch(device, dtype, window):
     """Token (row 0, position 41) computed as a one-token decode, inside a 5-token verify, inside a 50-token
-    prefill, and beside another row whose keys run past 70: the same bits each time. Pads read nothing."""
+    prefill, and beside another row whose keys run past 70: the same bits each time. Pads read nothing. With a
+    sliding window of 20 (Gemma 3's local layers), it reads keys 22..41 only, scaled by a scale of its own."""
     g = torch.Generator().manual_seed(0)
     NB, KV, BS, D, H = 12, 2, 16, 32, 6
     ck, cv = (torch.randn(NB + 1, KV, BS, D, generator=g).to(device=device, dtype=dtype) for _ in range(2))
     table = torch.tensor([[3, 1, 7, 0, 5], [2, 4, 6, 8, 9]], device=device)
     q = torch.randn(2, 50, H, D, generator=g).to(device=device, dtype=dtype)
+    scale = 0.3 if window else D**-0.5
 
     def attend(rows: list[int], tokens: slice, positions: list[list[int]]) -> torch.Tensor:
         pos = torch.tensor(positions, device=device)
-        return gpu_kernels.paged_attention(q[rows, tokens], ck, cv, table[rows], pos)
+        return gpu_kernels.paged_attention(q[rows, tokens], ck, cv, table[rows], pos, scale, window)
 
     decode = attend([0], slice(41, 42), [[41]])[0, 0]
     verify = attend([0], slice(41, 46), [[41, 42, 43, 44, 45]])[0, 0]
@@ -168,9 +177,10 @@ def test_a_token_attends_alike_in_a_decode_a_verify_a_prefill_and_a_batch(device
     batch = attend([0, 1], slice(41, 44), [[41, -1, -1], [70, 71, 72]])
     assert torch.equal(decode, verify) and torch.equal(decode, prefill) and torch.equal(decode, batch[0, 0])
     assert not batch[0, 1:].any()
-    keys = ck[table[0]].transpose(0, 1).reshape(KV, -1, D)[:, :42].float()
-    values = cv[table[0]].transpose(0, 1).reshape(KV, -1, D)[:, :42].float()
-    scores = q[0, 41].float().view(KV, H // KV, D) @ keys.transpose(-1, -2) * D**-0.5
+    first = 42 - window if window else 0
+    keys = ck[table[0]].transpose(0, 1).reshape(KV, -1, D)[:, first:42].float()
+    values = cv[table[0]].transpose(0, 1).reshape(KV, -1, D)[:, first:42].float()
+    scores = q[0, 41].float().view(KV, H // KV, D) @ keys.transpose(-1, -2) * scale
     ref = (torch.softmax(scores, -1) @ values).reshape(H, D)
     torch.testing.assert_close(decode.float(), ref, atol=1e-5 if dtype == torch.float32 else 0.02, rtol=0)
 

@@ -1,7 +1,7 @@
 """The engine's decoder against Hugging Face transformers on the same weights.
 
 Every variant the engine supports (GQA, tied embeddings, Qwen2 qkv bias, Llama-3 rope scaling, Qwen3's
-q/k norms and own head_dim) is
+q/k norms and own head_dim, Qwen3-MoE's experts, Gemma 3's sliding window and norms) is
 checked in fp32 (tight) and bf16 (loose), for a full prefill, for decoding one token at a time
 through the KV cache, and for a ragged padded batch whose rows sit in non-contiguous cache slots
 at different positions. Every linear back end is covered: auto (in bf16 the engine's AMX kernel where
@@ -24,6 +24,7 @@ from pipeline.engine.weights import load_transformer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
+GEMMA3 = dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
 VARIANTS = {
     "llama_gqa": dict(heads=4, kv_heads=2),
     "tied": dict(tie=True),
@@ -34,6 +35,9 @@ VARIANTS = {
     # experts in layer 0, a dense MLP in layer 1 (mlp_only_layers); top 2 of 8, renormalized
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, moe=dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
+    # Gemma 3: layer 0 local (a window of 8 keys, shorter than every sequence here, rope base 10k), layer 1 global
+    # (1M); (1 + w) norms with random w, four a layer and per head; GeGLU; the embedding and query scales
+    "gemma3": dict(model_type="gemma3_text", head_dim=32, config=GEMMA3),
 }
 # (dtype, max |engine - HF| allowed). Logits have std ~0.8 on these models.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.06}

@@ -458,15 +458,18 @@ def test_fused_pieces_with_different_pre_quant_scales_are_folded_exactly():
 
 
 @pytest.mark.identity
-@pytest.mark.parametrize("weights", ["int4_awq", "bf16", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("weights", ["int4_awq", "bf16", "qwen3", "qwen3_moe", "gemma3_text"])
 def test_the_layer_stack_in_c_calls_gives_the_module_loops_bits(base, tmp_path_factory, weights):
     folder = export(base, tmp_path_factory, "int4_awq") if weights == "int4_awq" else base
-    if weights.startswith("qwen3"):  # base's shape in bf16, with Qwen3's per-head q/k norms (random weights) in the
-        # stack; for Qwen3-MoE experts in layer 0 (the stack's MoE entry) before a dense layer 1
+    if weights.startswith(("qwen3", "gemma3")):  # base's shape in bf16, with Qwen3's per-head q/k norms (random
+        # weights) in the stack; for Qwen3-MoE experts in layer 0 (the stack's MoE entry) before a dense layer 1; for
+        # Gemma 3 its fp32 (1 + w) norms, four a layer, GeGLU, and a window of 8 keys with its own rope in layer 0
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                    mlp_only_layers=[1]) if weights == "qwen3_moe" else None
+        gemma = dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
         folder = make_tiny_llama(tmp_path_factory.mktemp(weights), seed=0, layers=2, hidden=128, intermediate=256,
-                                 heads=4, kv_heads=2, model_type=weights, moe=moe)
+                                 heads=4, kv_heads=2, model_type=weights, moe=moe,
+                                 config=gemma if weights == "gemma3_text" else None)
     model = load_transformer(folder, MAX_LEN, torch.bfloat16)
     if not cpu_kernels.usable():
         pytest.skip(f"no C kernels for {weights} here: {cpu_kernels.status()}")

@@ -10,7 +10,7 @@ import torch
 from pipeline.engine.device import check_fraction, parse_device
 from pipeline.engine.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.errors import ConfigError, ModelFormatError
-from pipeline.models.families import family_of
+from pipeline.models.families import Features, family_of
 from pipeline.models.shape import ModelShape, read_config
 
 LM_HEAD_CHOICES = ("auto", "checkpoint", "int8")
@@ -33,12 +33,14 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent rope scaling ("rope_type": "llama3")."""
+    """Rope scaling: Llama 3's frequency-dependent kind ("rope_type": "llama3"), or every frequency divided by
+    `factor` ("linear": Gemma 3's global layers on its 4B and larger)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    kind: str = "llama3"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +54,7 @@ class ModelConfig(ModelShape):
     max_position_embeddings: int
     qkv_bias: bool
     qk_norm: bool = False  # an RMSNorm over each head of q and of k before rope (Qwen3)
+    features: Features = Features()  # the family's parts (pipeline.models.families.base), Gemma's read from here
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -63,6 +66,8 @@ class ModelConfig(ModelShape):
         rope = dict(cfg.get("rope_parameters") or {})
         legacy = cfg.get("rope_scaling") or {}
         rope = {**legacy, **rope}
+        if isinstance(rope.get("full_attention"), dict):  # one set per layer type (Gemma 3): the global layers'
+            rope = rope["full_attention"]
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None
@@ -73,8 +78,10 @@ class ModelConfig(ModelShape):
                 high_freq_factor=float(rope["high_freq_factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
+        elif rope_type == "linear":
+            scaling = RopeScaling(factor=float(rope["factor"]), kind="linear")
         elif rope_type not in ("default", None):
-            raise ModelFormatError(f"rope type {rope_type!r} is not supported; supported: default, llama3")
+            raise ModelFormatError(f"rope type {rope_type!r} is not supported; supported: default, llama3, linear")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -85,6 +92,7 @@ class ModelConfig(ModelShape):
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias=features.qkv_bias,
             qk_norm=features.qk_norm,
+            features=features,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -607,9 +607,13 @@ enum { STACK_DENSE = 2, STACK_INT4 = 4, STACK_AMX = 16, STACK_MOE = 32 };
 enum { HEAD_NORM_TWICE = 1, HEAD_NORMED_RESIDUAL = 2 };  // head_layer's flags (eagle3.HEAD_FLAGS)
 // a MoE description's entries (moe in cpu_kernels_layer.h; moe.SparseMoE.c_plan writes them)
 enum { MOE_E, MOE_TOP_K, MOE_NORM, MOE_INTER, MOE_ROUTER, MOE_EXPERTS = MOE_ROUTER + 4 };
-// L_Q_NORM, L_K_NORM: per-head q and k norm weights (Qwen3), 0 for none
+// L_Q_NORM, L_K_NORM: per-head q and k norm weights (Qwen3, Gemma 3), 0 for none; L_ATTN_OUT_NORM, L_MLP_OUT_NORM:
+// the norms of attention's and the MLP's outputs (Gemma's sandwich), 0 for none; L_WINDOW: the layer's sliding window
+// (0 for none), whose rope is the stack's local tables
 enum { L_IN_NORM, L_POST_NORM, L_QKV, L_O = L_QKV + 4, L_GU = L_O + 4, L_DOWN = L_GU + 4, L_Q_NORM = L_DOWN + 4, L_K_NORM,
-       LAYER_ENTRIES };
+       L_ATTN_OUT_NORM, L_MLP_OUT_NORM, L_WINDOW, LAYER_ENTRIES };
+// layers' flags (model.STACK_FLAGS): every norm weight is fp32 (Gemma's 1 + w); the MLP is GeGLU, not SwiGLU
+enum { STACK_NORM_F32 = 1, STACK_GELU = 2 };
 
 #define ELT bf16
 #define FN(name) name##_bf16

@@ -66,11 +66,13 @@ SETTINGS = ("auto", "off", *(isa for isa in ISA_MARCH if isa != "auto"))
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _LAYER_OPS = {  # the per-layer ops (cpu_kernels_layer.h), one copy per storage type: name_bf16 and name_f32
     "rms_norm": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
+    "rms_norm_w32": (None, [_P, _P, _P, _F, _I, _I, _P, _P, ctypes.c_int]),
     "silu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
-    "rope_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _P, _F, ctypes.c_int,
-                                   _P]),
+    "gelu_mul": (None, [_P, _I, _I, _P, ctypes.c_int]),
+    "rope_attend": (ctypes.c_int, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _P, _F, _I,
+                                   ctypes.c_int, _P]),
     "layers": (ctypes.c_int, [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P, _F, _P, _P, _P, _P, _I, _I, _P, _I, _P,
-                              _F, ctypes.c_int]),
+                              _F, ctypes.c_int, _I, _P, _P]),
     "moe": (ctypes.c_int, [_P, _I, _I, _P, _I, _P, ctypes.c_int]),
     "head_layer": (ctypes.c_int, [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P, _P, _I, _F, _P, _P, _P, _P, _I, _I,
                                   _P, _I, _P, _F, ctypes.c_int]),
@@ -163,28 +165,31 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """RMSNorm(x) (bf16 or fp32); with delta, (x + delta, RMSNorm(x + delta)), the residual add fused."""
+        """RMSNorm(x) (bf16 or fp32); with delta, (x + delta, RMSNorm(x + delta)), the residual add fused. An fp32
+        weight on bf16 rows (Gemma's 1 + w) scales in fp32 and rounds once."""
         x = x.contiguous()
         dim = x.shape[-1]
         out = torch.empty_like(x)
+        w32 = weight.dtype == torch.float32 and x.dtype != torch.float32
+        norm = self._op("rms_norm_w32" if w32 else "rms_norm", x, *(() if w32 else (weight,)),
+                        *(() if delta is None else (delta,)))
         if delta is None:
-            self._op("rms_norm", x, weight)(x.data_ptr(), None, weight.data_ptr(), eps, x.numel() // dim, dim, None,
-                                            out.data_ptr(), torch.get_num_threads())
+            norm(x.data_ptr(), None, weight.data_ptr(), eps, x.numel() // dim, dim, None, out.data_ptr(),
+                 torch.get_num_threads())
             return out
         delta = delta.contiguous()
         total = torch.empty_like(x)
-        self._op("rms_norm", x, weight, delta)(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps,
-                                               x.numel() // dim, dim, total.data_ptr(), out.data_ptr(),
-                                               torch.get_num_threads())
+        norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps, x.numel() // dim, dim, total.data_ptr(),
+             out.data_ptr(), torch.get_num_threads())
         return total, out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
+    def silu_mul(self, gate_up: torch.Tensor, op: str = "silu_mul") -> torch.Tensor:
+        """gate_up [..., 2I] -> silu(gate) * up [..., I]; op "gelu_mul": gelu(gate) * up (tanh approximation)."""
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        self._op("silu_mul", gate_up)(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr(),
-                                      torch.get_num_threads())
+        self._op(op, gate_up)(gate_up.data_ptr(), gate_up.numel() // (2 * inter), inter, out.data_ptr(),
+                              torch.get_num_threads())
         return out
 
     def moe(self, x: torch.Tensor, desc: torch.Tensor, group: int) -> torch.Tensor:
@@ -200,10 +205,11 @@ class CpuKernels:
 
     def rope_attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
                     cache_v: torch.Tensor, block_table: torch.Tensor, write_pos: torch.Tensor, n_heads: int,
-                    n_kv: int) -> torch.Tensor:
+                    n_kv: int, scale: float | None = None, window: int = 0) -> torch.Tensor:
         """qkv [B, T, H + 2KV, D]; cos/sin [B, T, 1, D]; cache_k/v one layer's block pool [NB, KV, BS, D];
         block_table [B, MB] and write_pos [B, T] (-1 for pads) int64 -> attention output [B, T, H, D]. Writes the
-        rotated K and V to the cache."""
+        rotated K and V to the cache. scale: the scores' (default D ** -0.5); window: a token attends to its last
+        `window` keys (0: all before it)."""
         B, T, _, D = qkv.shape
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         if not (cache_k.is_contiguous() and cache_v.is_contiguous()):
@@ -215,7 +221,8 @@ class CpuKernels:
         attend = self._op("rope_attend", qkv, cos, sin, cache_k, cache_v)
         if attend(qkv.data_ptr(), B, T, n_heads, n_kv, D, cos.data_ptr(), sin.data_ptr(), cache_k.data_ptr(),
                   cache_v.data_ptr(), cache_k.shape[0], cache_k.shape[2], table.data_ptr(), table.shape[1],
-                  write_pos.data_ptr(), D**-0.5, torch.get_num_threads(), out.data_ptr()):
+                  write_pos.data_ptr(), D**-0.5 if scale is None else scale, window, torch.get_num_threads(),
+                  out.data_ptr()):
             raise IndexError(f"a position or block is outside the KV cache ({cache_k.shape[0]} blocks of "
                              f"{cache_k.shape[2]}): table {table.tolist()}")
         return out
@@ -266,11 +273,13 @@ class CpuKernels:
         return out
 
     def layers(self, x: torch.Tensor, table: torch.Tensor, group: int, cfg, cos: torch.Tensor, sin: torch.Tensor,
-               cache, fb, first: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cache, fb, first: int = 0, end: int | None = None, flags: int = 0, scale: float | None = None,
+               local: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layers first..end-1 (default all) in one call (see Transformer.layer_stack and layers_bf16 in the
         C source): x [B, T, hidden], the first layer's input (the embeddings, or a captured layer's input with its
         residual added) -> (the residual after the last attention, the last MLP output), which the caller adds.
-        Writes those layers' K and V to the cache, and overwrites x."""
+        Writes those layers' K and V to the cache, and overwrites x. flags: model.STACK_FLAGS; scale: attention's
+        (default head_dim ** -0.5); local: the sliding-window layers' rope tables (cos, sin) where they differ."""
         end = cfg.num_layers if end is None else end
         if not 0 <= first < end <= cfg.num_layers:
             raise ValueError(f"layers {first}..{end - 1} of {cfg.num_layers}")
@@ -278,14 +287,16 @@ class CpuKernels:
         x = x.contiguous()
         delta = torch.empty_like(x)
         cos, sin = cos.contiguous(), sin.contiguous()
+        local = tuple(t.contiguous() for t in local) if local is not None else None
         k, v, blocks, write_pos = _stack_cache(cache, fb, "the layer stack")  # k, v: [layers, NB, KV, BS, D]
-        layers = self._op("layers", x, cos, sin, k, v)
+        layers = self._op("layers", x, cos, sin, k, v, *(local or ()))
         rows = table[first:end].contiguous()
         rc = layers(x.data_ptr(), delta.data_ptr(), B, T, end - first, hidden, cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim, cfg.intermediate_size, group, rows.data_ptr(), cfg.rms_norm_eps, cos.data_ptr(),
                     sin.data_ptr(), k[first].data_ptr(), v[first].data_ptr(), k.shape[1], k.shape[3],
-                    blocks.data_ptr(), blocks.shape[1], write_pos.data_ptr(), cfg.head_dim**-0.5,
-                    torch.get_num_threads())
+                    blocks.data_ptr(), blocks.shape[1], write_pos.data_ptr(),
+                    cfg.head_dim**-0.5 if scale is None else scale, torch.get_num_threads(), flags,
+                    *((local[0].data_ptr(), local[1].data_ptr()) if local else (None, None)))
         _stack_check(rc, "the layer stack", "the KV cache", k, blocks)
         return x, delta
 

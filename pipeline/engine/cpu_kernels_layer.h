@@ -7,15 +7,16 @@
 // don't depend on the batch around it, on how many tokens its forward feeds (a verify's k+1 or a decode's 1),
 // or on the other rows' lengths.
 
-// out = w * RND(x * rsqrt(mean(x^2) + eps)), the rounding transformers' LlamaRMSNorm does in bf16.
-// With delta: sum = RND(x + delta) first (the residual add), written to `sum`, and normalised.
+// out = w * RND(x * rsqrt(mean(x^2) + eps)), the rounding transformers' LlamaRMSNorm does in bf16; with an fp32
+// weight (w32: Gemma's 1 + w), out = w * (x * rsqrt(...)) in fp32, rounded once, as Gemma3RMSNorm does.
+// With delta: sum = RND(x + delta) first (the residual add), written to `sum`, and normalised. out may be x.
 //
 // The sum of squares runs in NORM_LANES fixed chains (element i in chain i mod NORM_LANES), then the chains in
 // order: a vectorized reduction (omp simd reduction) sums in whatever order the compiler picks for this loop on
 // this ISA, and gcc picked another for the with-delta and the without-delta copies of it, so a row's norm
 // moved between the fused residual add and a separate one (EAGLE-3's captured layers take the latter).
-static void FN(norm_row)(const ELT *x, const ELT *delta, const ELT *w, float eps, int64_t dim, ELT *sum,
-                         ELT *out, float *tmp) {
+static void FN(norm_row)(const ELT *x, const ELT *delta, const void *wv, int w32, float eps, int64_t dim,
+                         ELT *sum, ELT *out, float *tmp) {
     for (int64_t i = 0; i < dim; i++) tmp[i] = delta ? RND(LD(x[i]) + LD(delta[i])) : LD(x[i]);
     float lanes[NORM_LANES] = {0}, ss = 0.0f;
     int64_t i = 0;
@@ -24,25 +25,42 @@ static void FN(norm_row)(const ELT *x, const ELT *delta, const ELT *w, float eps
     for (int j = 0; i < dim; i++, j++) lanes[j] += tmp[i] * tmp[i];
     for (int j = 0; j < NORM_LANES; j++) ss += lanes[j];
     float rstd = 1.0f / sqrtf(ss / (float)dim + eps);
+    if (delta)
+        for (int64_t i = 0; i < dim; i++) sum[i] = ST(tmp[i]);
+    if (w32) {
+        const float *w = wv;
 #pragma omp simd
-    for (int64_t i = 0; i < dim; i++) {
-        if (delta) sum[i] = ST(tmp[i]);
-        out[i] = ST(LD(w[i]) * RND(tmp[i] * rstd));
+        for (int64_t i = 0; i < dim; i++) out[i] = ST(w[i] * (tmp[i] * rstd));
+    } else {
+        const ELT *w = wv;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) out[i] = ST(LD(w[i]) * RND(tmp[i] * rstd));
     }
 }
 
-void FN(rms_norm)(const ELT *x, const ELT *delta, const ELT *w, float eps, int64_t rows, int64_t dim, ELT *sum,
-                  ELT *out, int threads) {
+static void FN(norm_rows)(const ELT *x, const ELT *delta, const void *w, int w32, float eps, int64_t rows,
+                          int64_t dim, ELT *sum, ELT *out, int threads) {
     int nt = rows * dim >= PAR_WORK ? threads : 1;
 #pragma omp parallel num_threads(nt)
     {
         float *tmp = malloc(sizeof(float) * dim);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            FN(norm_row)(x + r * dim, delta ? delta + r * dim : NULL, w, eps, dim, sum ? sum + r * dim : NULL,
+            FN(norm_row)(x + r * dim, delta ? delta + r * dim : NULL, w, w32, eps, dim, sum ? sum + r * dim : NULL,
                          out + r * dim, tmp);
         free(tmp);
     }
+}
+
+void FN(rms_norm)(const ELT *x, const ELT *delta, const ELT *w, float eps, int64_t rows, int64_t dim, ELT *sum,
+                  ELT *out, int threads) {
+    FN(norm_rows)(x, delta, w, 0, eps, rows, dim, sum, out, threads);
+}
+
+// RMSNorm with an fp32 weight (Gemma's 1 + w) on rows of ELT.
+void FN(rms_norm_w32)(const ELT *x, const ELT *delta, const float *w, float eps, int64_t rows, int64_t dim, ELT *sum,
+                      ELT *out, int threads) {
+    FN(norm_rows)(x, delta, w, 1, eps, rows, dim, sum, out, threads);
 }
 
 // Split into loops through an fp32 buffer: written as one loop, gcc 12 vectorized none of it.
@@ -65,6 +83,31 @@ void FN(silu_mul)(const ELT *gate_up, int64_t rows, int64_t inter, ELT *out, int
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             FN(silu_row)(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
+        free(tmp);
+    }
+}
+
+// GeGLU: gelu(gate) * up with gelu's tanh approximation (torch's gelu(approximate="tanh"), Gemma's
+// gelu_pytorch_tanh), 0.5 x (1 + tanh(y)) with y = sqrt(2/pi) (x + 0.044715 x^3), written as x / (1 + e^(-2y)), the
+// same function, on exp_poly: RND(RND(gelu(gate)) * up), as torch rounds the two ops in bf16.
+static void FN(gelu_row)(const ELT *g, const ELT *u, int64_t n, ELT *o, float *tmp) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        float x = LD(g[i]);
+        tmp[i] = 1.0f + exp_poly(-1.5957691216057308f * (x + 0.044715f * x * x * x));
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) o[i] = ST(RND(LD(g[i]) / tmp[i]) * LD(u[i]));
+}
+
+void FN(gelu_mul)(const ELT *gate_up, int64_t rows, int64_t inter, ELT *out, int threads) {
+    int nt = rows * inter >= PAR_WORK ? threads : 1;
+#pragma omp parallel num_threads(nt)
+    {
+        float *tmp = malloc(sizeof(float) * inter);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            FN(gelu_row)(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
         free(tmp);
     }
 }
@@ -95,7 +138,7 @@ static inline void FN(rope_head)(const ELT *x, const ELT *cos, const ELT *sin, i
 #define KV_AT(b, pos) (((table[(b) * MB + (pos) / BS] * KV + j) * BS + (pos) % BS) * D)
 int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D, const ELT *cos,
                     const ELT *sin, ELT *cache_k, ELT *cache_v, int64_t NB, int64_t BS, const int64_t *table,
-                    int64_t MB, const int64_t *write_pos, float scale, int threads, ELT *out) {
+                    int64_t MB, const int64_t *write_pos, float scale, int64_t window, int threads, ELT *out) {
     const int64_t W = H + 2 * KV, G = H / KV;
     for (int64_t b = 0; b < B; b++) {
         int64_t last = -1;
@@ -195,8 +238,13 @@ int FN(rope_attend)(const ELT *qkv, int64_t B, int64_t T, int64_t H, int64_t KV,
                 }
             }
             for (int64_t x = 0; x < nl; x++) {
-                int64_t len = n[live[x] / G];
+                // A sliding window (window > 0) drops the keys before a token's last `window`: their
+                // probabilities are exact zeros, which the weighted sum below adds as nothing.
+                int64_t len = n[live[x] / G], lo = window > 0 && len > window ? len - window : 0;
                 float *pg = p + live[x] * stride, m = -INFINITY, total = 0.0f;
+                for (int64_t k = 0; k < lo; k++) pg[k] = 0.0f;
+                pg += lo;
+                len -= lo;
 #pragma omp simd reduction(max : m)
                 for (int64_t k = 0; k < len; k++) m = pg[k] > m ? pg[k] : m;  // a max: the same in any order
 #pragma omp simd
@@ -388,40 +436,49 @@ int FN(moe)(const ELT *x, int64_t rows, int64_t hidden, const int64_t *desc, int
 int FN(layers)(ELT *x, ELT *delta, int64_t B, int64_t T, int64_t layers, int64_t hidden, int64_t H, int64_t KV,
                int64_t D, int64_t inter, int64_t G, const int64_t *table, float eps, const ELT *cos, const ELT *sin,
                ELT *cache_k, ELT *cache_v, int64_t NB, int64_t BS, const int64_t *block_table, int64_t MB,
-               const int64_t *write_pos, float scale, int threads) {
+               const int64_t *write_pos, float scale, int threads, int64_t flags, const ELT *cos_local,
+               const ELT *sin_local) {
     const int64_t rows = B * T, nqkv = (H + 2 * KV) * D, layer_cache = NB * KV * BS * D;
+    const int w32 = (flags & STACK_NORM_F32) != 0;
     ELT *normed = malloc(sizeof(ELT) * rows * hidden), *qkv = malloc(sizeof(ELT) * rows * nqkv);
     ELT *attn = malloc(sizeof(ELT) * rows * H * D), *o = malloc(sizeof(ELT) * rows * hidden);
     ELT *gate_up = malloc(sizeof(ELT) * rows * 2 * inter), *act = malloc(sizeof(ELT) * rows * inter);
     int rc = 0;
+#define NORM(w) (const void *)(intptr_t)(w), w32, eps
     for (int64_t l = 0; l < layers; l++) {
         const int64_t *t = table + l * LAYER_ENTRIES;
         // The residual add runs in place: norm_row reads a row whole before it writes the sum.
-        FN(rms_norm)(x, l ? delta : NULL, (const ELT *)(intptr_t)t[L_IN_NORM], eps, rows, hidden, l ? x : NULL,
-                     normed, threads);
+        FN(norm_rows)(x, l ? delta : NULL, NORM(t[L_IN_NORM]), rows, hidden, l ? x : NULL, normed, threads);
         if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_QKV, G, nqkv, qkv, threads))) break;
         if (t[L_Q_NORM])  // each head of q and of k through its own RMSNorm, in place, before rope (model.py's order)
             for (int64_t r = 0; r < rows; r++) {
-                FN(rms_norm)(qkv + r * nqkv, NULL, (const ELT *)(intptr_t)t[L_Q_NORM], eps, H, D, NULL,
-                             qkv + r * nqkv, threads);
-                FN(rms_norm)(qkv + r * nqkv + H * D, NULL, (const ELT *)(intptr_t)t[L_K_NORM], eps, KV, D, NULL,
-                             qkv + r * nqkv + H * D, threads);
+                FN(norm_rows)(qkv + r * nqkv, NULL, NORM(t[L_Q_NORM]), H, D, NULL, qkv + r * nqkv, threads);
+                FN(norm_rows)(qkv + r * nqkv + H * D, NULL, NORM(t[L_K_NORM]), KV, D, NULL, qkv + r * nqkv + H * D,
+                              threads);
             }
-        if (FN(rope_attend)(qkv, B, T, H, KV, D, cos, sin, cache_k + l * layer_cache, cache_v + l * layer_cache, NB,
-                            BS, block_table, MB, write_pos, scale, threads, attn)) {
+        const int local = t[L_WINDOW] > 0 && cos_local;  // a sliding-window layer: its own rope (Gemma 3)
+        if (FN(rope_attend)(qkv, B, T, H, KV, D, local ? cos_local : cos, local ? sin_local : sin,
+                            cache_k + l * layer_cache, cache_v + l * layer_cache, NB, BS, block_table, MB, write_pos,
+                            scale, t[L_WINDOW], threads, attn)) {
             rc = -1;
             break;
         }
         if ((rc = FN(stack_linear)(attn, rows, H * D, t + L_O, G, hidden, o, threads))) break;
-        FN(rms_norm)(x, o, (const ELT *)(intptr_t)t[L_POST_NORM], eps, rows, hidden, x, normed, threads);
+        if (t[L_ATTN_OUT_NORM]) FN(norm_rows)(o, NULL, NORM(t[L_ATTN_OUT_NORM]), rows, hidden, NULL, o, threads);
+        FN(norm_rows)(x, o, NORM(t[L_POST_NORM]), rows, hidden, x, normed, threads);
         if (t[L_GU] == STACK_MOE) {  // experts: L_GU's second entry is the layer's MoE description
             if ((rc = FN(moe)(normed, rows, hidden, (const int64_t *)(intptr_t)t[L_GU + 1], G, delta, threads))) break;
-            continue;
+        } else {
+            if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads))) break;
+            if (flags & STACK_GELU)
+                FN(gelu_mul)(gate_up, rows, inter, act, threads);
+            else
+                FN(silu_mul)(gate_up, rows, inter, act, threads);
+            if ((rc = FN(stack_linear)(act, rows, inter, t + L_DOWN, G, hidden, delta, threads))) break;
         }
-        if ((rc = FN(stack_linear)(normed, rows, hidden, t + L_GU, G, 2 * inter, gate_up, threads))) break;
-        FN(silu_mul)(gate_up, rows, inter, act, threads);
-        if ((rc = FN(stack_linear)(act, rows, inter, t + L_DOWN, G, hidden, delta, threads))) break;
+        if (t[L_MLP_OUT_NORM]) FN(norm_rows)(delta, NULL, NORM(t[L_MLP_OUT_NORM]), rows, hidden, NULL, delta, threads);
     }
+#undef NORM
     free(normed);
     free(qkv);
     free(attn);
@@ -471,7 +528,7 @@ int FN(head_layer)(const ELT *emb, const ELT *state, ELT *out, int64_t B, int64_
     }
     if ((rc = FN(stack_linear)(x2, rows, 2 * dim, row + L_QKV, G, nqkv, qkv, threads))) goto done;
     if (FN(rope_attend)(qkv, B, T, H, KV, D, cos, sin, cache_k, cache_v, NB, BS, block_table, MB, write_pos, scale,
-                        threads, attn)) {
+                        0, threads, attn)) {
         rc = -1;
         goto done;
     }

@@ -71,7 +71,7 @@ class LayerRow:
     """What cpu_kernels.head_layer needs of the head's weights: its layer's entries in the layer stack's table
     layout, and the tensors behind the addresses, held so they stay valid."""
 
-    row: torch.Tensor  # int64 [20]
+    row: torch.Tensor  # int64 [23]
     group_size: int  # the int4 projections' (0 when there are none)
     flags: int
     held: list[torch.Tensor]

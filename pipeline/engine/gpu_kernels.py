@@ -53,6 +53,7 @@ TILE_M = 64  # rows per linear tile, for every M: a 1-row decode pads its tile, 
 H200_SMS = 132  # the config under the interpreter (no GPU to ask): an H200's, so CI runs the configs it ships
 H200_NAME = "NVIDIA H200"
 INTERPRET_BLOCK_N = 128  # the linear's output tile under the interpreter (see linear)
+NO_WINDOW = 1 << 30  # attention's window where a layer has none: past every position a cache holds
 
 # The engine's own GPU kernels on a CPU, through Triton's interpreter: tests only (CI has no GPU).
 FORCE_ENV = "PIPELINE_GPU_KERNELS_ON_CPU"
@@ -153,11 +154,12 @@ def _compile(interpret: bool):
         tl.store(out_ptr + row * stride + cols, y.to(out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, T, scale, stride_qt, stride_qh,
+    def attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, T, scale, window, stride_qt, stride_qh,
                          stride_cb, stride_ch, stride_cs, stride_tb, G: tl.constexpr, BLOCK_G: tl.constexpr,
                          D: tl.constexpr, BS: tl.constexpr, BLOCK_KEYS: tl.constexpr, INTERPRET: tl.constexpr,
                          IEEE: tl.constexpr):
-        """One token's G query heads of one KV head, against keys 0..its position in its row's blocks."""
+        """One token's G query heads of one KV head, against keys 0..its position in its row's blocks (window > 0:
+        its last `window` keys only; the blocks before them aren't read)."""
         tok, kvh = tl.program_id(0), tl.program_id(1)
         b = tok // T
         wp = tl.load(pos_ptr + tok)
@@ -170,9 +172,10 @@ def _compile(interpret: bool):
         l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_G, D), dtype=tl.float32)
         keys = tl.arange(0, BLOCK_KEYS)
-        for start in range(0, wp + 1, BLOCK_KEYS):
+        lo = tl.maximum(wp + 1 - window, 0)  # the first key it sees (no window: window is past every position)
+        for start in range(lo // BLOCK_KEYS * BLOCK_KEYS, wp + 1, BLOCK_KEYS):
             kpos = start + keys
-            seen = kpos <= wp
+            seen = (kpos <= wp) & (kpos >= lo)
             block = tl.load(table_ptr + b * stride_tb + kpos // BS, mask=seen, other=0)
             c_off = block[:, None] * stride_cb + kvh * stride_ch + (kpos % BS)[:, None] * stride_cs + d[None, :]
             k = tl.load(k_ptr + c_off, mask=seen[:, None], other=0.0)
@@ -378,7 +381,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     total = torch.empty_like(x2) if r2 is not None else x2
     if x2.shape[0]:
         rms_norm_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, total, out, H, eps, H,
-                                        HAS_RESIDUAL=r2 is not None, FP32=x.dtype == torch.float32,
+                                        HAS_RESIDUAL=r2 is not None,
+                                        # an fp32 weight (Gemma's 1 + w) scales the fp32 row: one rounding
+                                        FP32=torch.float32 in (x.dtype, weight.dtype),
                                         BLOCK=max(16, 1 << (H - 1).bit_length()))
     return total.view(x.shape), out.view(x.shape)
 
@@ -386,9 +391,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 # ---- attention over the paged cache -------------------------------------------------------------------------
 
 def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor,
-                    write_pos: torch.Tensor) -> torch.Tensor:
+                    write_pos: torch.Tensor, scale: float | None = None, window: int = 0) -> torch.Tensor:
     """q [B, T, H, D] (its K/V already written to the cache); cache_k/v: one layer's [NB + 1, KV, BS, D];
-    block_table [B, MB]; write_pos [B, T] (-1: a pad) -> [B, T, H, D]: each token against its own keys."""
+    block_table [B, MB]; write_pos [B, T] (-1: a pad) -> [B, T, H, D]: each token against its own keys (its last
+    `window` where window > 0), scores scaled by `scale` (default D ** -0.5)."""
     attention_kernel = _kernels()[3]
     B, T, H, D = q.shape
     KV, BS = cache_k.shape[1], cache_k.shape[2]
@@ -397,7 +403,8 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
     out = torch.empty_like(q)
     table, pos = block_table.contiguous(), write_pos.contiguous()  # int64, read as they are: no cast per layer
     ieee = q.dtype == torch.float32
-    attention_kernel[(B * T, KV)](q, cache_k, cache_v, table, pos, out, T, D**-0.5, q.stride(1), q.stride(2),
+    attention_kernel[(B * T, KV)](q, cache_k, cache_v, table, pos, out, T, D**-0.5 if scale is None else scale,
+                                  window or NO_WINDOW, q.stride(1), q.stride(2),
                                   cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), table.stride(0),
                                   G=G, BLOCK_G=max(16, 1 << (G - 1).bit_length()), D=D, BS=BS,
                                   BLOCK_KEYS=KEY_BLOCK, INTERPRET=interpreting(), IEEE=ieee)

@@ -33,11 +33,15 @@ from pipeline.engine.swiglu import SwiGLU
 from pipeline.errors import ConfigError
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-    s = cfg.rope_scaling
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """local: a sliding-window layer's frequencies (Gemma 3's: a base of their own, never scaled)."""
+    theta = cfg.features.window.rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq
+    if s.kind == "linear":
+        return inv_freq / s.factor
     # Llama 3.1 scaling: long wavelengths are divided by `factor`, short ones kept, and the band
     # between is interpolated smoothly.
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -60,25 +64,35 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as transformers does (bf16 variance loses too much), then round to the
-        # model dtype *before* scaling by the weight, again as transformers does.
+        # model dtype *before* scaling by the weight, again as transformers does. An fp32 weight on a bf16 row
+        # (Gemma's 1 + w, made at load: unit_offset_norm) scales in fp32 and rounds once, as Gemma's norm does.
         if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x):
             return gpu_kernels.rms_norm(x, self.weight, self.eps)[1]
-        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype == x.dtype else None
+        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype in (x.dtype, torch.float32) else None
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if self.weight.dtype == torch.float32:
+            return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * self.weight).to(x.dtype)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on a bf16 CPU or a GPU."""
         if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x):
             return gpu_kernels.rms_norm(x, self.weight, self.eps, delta)
-        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype == x.dtype == delta.dtype else None
+        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype in (x.dtype, torch.float32) and \
+            x.dtype == delta.dtype else None
         if kernels is not None:
             return kernels.rms_norm(x, self.weight, self.eps, delta)
         total = x + delta
         return total, self(total)
+
+
+def unit_offset_norm(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm weight w as the engine holds it: 1 + w in fp32, whatever the model's dtype, so the norm
+    scales by it in fp32 and rounds once (transformers' Gemma3RMSNorm: output * (1.0 + weight.float()))."""
+    return 1.0 + weight.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,6 +121,10 @@ class Attention(nn.Module):
         # Qwen3: each head of q and of k through an RMSNorm of its own weights, before rope
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        feats = cfg.features
+        self.scale = feats.query_scale or self.hd ** -0.5
+        # A local layer (Gemma 3's): a token sees its last `window` keys; 0: every key before it
+        self.window = feats.window.size if feats.window and layer in feats.window.layers else 0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -119,12 +137,13 @@ class Attention(nn.Module):
         ck, cv = cache.k[self.layer], cache.v[self.layer]  # [NB + 1, KV, BS, D]
         kernels = cpu_kernels.for_tensor(qkv) if ck.dtype == cos.dtype == qkv.dtype else None
         if kernels is not None:  # rope, the cache write and attention in one call (cpu_kernels.c)
-            out = kernels.rope_attend(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads, self.n_kv)
+            out = kernels.rope_attend(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads, self.n_kv,
+                                      self.scale, self.window)
             return self.o(out.view(B, T, self.n_heads * self.hd))
         if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(qkv):  # each token against its own keys
             q = gpu_kernels.rope_and_write(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads,
                                            self.n_kv)
-            out = gpu_kernels.paged_attention(q, ck, cv, fb.block_table, fb.write_pos)
+            out = gpu_kernels.paged_attention(q, ck, cv, fb.block_table, fb.write_pos, self.scale, self.window)
             return self.o(out.view(B, T, self.n_heads * self.hd))
         nq = self.n_heads
         qk = apply_rope(qkv[:, :, : nq + self.n_kv], cos, sin)  # q and k in one go
@@ -138,7 +157,11 @@ class Attention(nn.Module):
             out = self.token_by_token_attention(q, ck, cv, fb)
         else:
             keys, values = fb.keys(ck, None, fb.kv_len), fb.keys(cv, None, fb.kv_len)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=fb.attn_mask,
+            mask = fb.attn_mask
+            if self.window:  # [B, 1, T, L]: and only the window's keys
+                pos = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (pos > fb.positions[:, None, :, None] - self.window)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=self.n_kv != self.n_heads)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
@@ -158,7 +181,10 @@ class Attention(nn.Module):
                 # matmul shape, which oneDNN builds a kernel for (1.0 against 0.2 ms a call).
                 W = -(-(wp + 1) // SCORE_ALIGN) * SCORE_ALIGN
                 keys, values = fb.keys(ck, b, W), fb.keys(cv, b, W)
-                out[b, :, t] = self.grouped_attention(q[b:b + 1, :, t:t + 1], keys, values, None, wp + 1)[0, :, 0]
+                mask = None
+                if self.window and wp + 1 > self.window:  # a local layer: the keys before its window, out
+                    mask = (torch.arange(wp + 1) > wp - self.window).view(1, 1, 1, wp + 1)
+                out[b, :, t] = self.grouped_attention(q[b:b + 1, :, t:t + 1], keys, values, mask, wp + 1)[0, :, 0]
         return out
 
     def grouped_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -171,7 +197,7 @@ class Attention(nn.Module):
         B, H, T, D = q.shape
         G = H // self.n_kv
         L = keys.shape[-2] if kv_len is None else kv_len
-        scores = (q.reshape(B, self.n_kv, G * T, D) @ keys.transpose(-1, -2)).float() * D**-0.5  # [B, KV, G*T, W]
+        scores = (q.reshape(B, self.n_kv, G * T, D) @ keys.transpose(-1, -2)).float() * self.scale  # [B, KV, G*T, W]
         if mask is not None:
             scores[..., :L].masked_fill_(~mask.repeat(1, 1, G, 1), float("-inf"))
         scores[..., L:] = float("-inf")  # keys read past the real ones (see Attention.forward)
@@ -202,7 +228,7 @@ class MLP(SwiGLU):
     """A dense layer's MLP, at the model's intermediate size."""
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.features.activation)
 
 
 class DecoderLayer(nn.Module):
@@ -210,16 +236,24 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # before the MLP
         self.mlp = SparseMoE(cfg.hidden_size, cfg.moe) if cfg.moe and layer in cfg.moe.layers else MLP(cfg)
+        # Gemma's sandwich: attention's and the MLP's outputs normed before their residual adds
+        sandwich = cfg.features.sandwich_norms
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
 
     def forward(self, x, delta, cos, sin, cache, fb):
         """This layer's input is x + delta: the previous layer's MLP output (delta; None for none) arrives
         unadded, so the residual add runs in one kernel with this layer's norm. Returns the same pair for the
         next layer: the residual after attention and this layer's MLP output."""
         x, normed = (x, self.input_norm(x)) if delta is None else self.input_norm.add_forward(x, delta)
-        x, normed = self.post_norm.add_forward(x, self.attn(normed, cos, sin, cache, fb))
-        return x, self.mlp(normed)
+        attn = self.attn(normed, cos, sin, cache, fb)
+        if self.attn_out_norm is not None:
+            attn = self.attn_out_norm(attn)
+        x, normed = self.post_norm.add_forward(x, attn)
+        out = self.mlp(normed)
+        return x, out if self.mlp_out_norm is None else self.mlp_out_norm(out)
 
 
 def use_gpu_kernels(model: nn.Module, choice: str) -> None:
@@ -240,21 +274,26 @@ def use_gpu_kernels(model: nn.Module, choice: str) -> None:
             m.gpu_kernels = choice
 
 
+STACK_NORM_F32, STACK_GELU = 1, 2  # cpu_kernels.layers' flags (the C source's enum of the same names)
+
+
 @dataclass(frozen=True)
 class LayerStack:
     """What cpu_kernels.layers needs of the weights: per layer, the addresses of the norms' weights and of each
     projection's kind and tensors (see layers in cpu_kernels_layer.h); and the tensors behind them, held so the
     addresses stay valid."""
 
-    table: torch.Tensor  # int64 [layers, 20]
+    table: torch.Tensor  # int64 [layers, 23]
     group_size: int  # the int4 projections' (0 when there are none)
     held: list[torch.Tensor]
+    flags: int = 0  # STACK_NORM_F32, STACK_GELU
 
 
 class StackRow(NamedTuple):
     """One layer's row of the C layer stack's table (its two norms' weights, then per projection its kind and its
-    tensors' addresses, then its per-head q and k norms' weights or 0), the tensors behind the addresses, and its
-    int4 projections' group sizes."""
+    tensors' addresses, then its per-head q and k norms' weights, its attention-output and MLP-output norms'
+    weights (each 0 for none) and its sliding window (0 for none)), the tensors behind the addresses, and its int4
+    projections' group sizes."""
 
     addresses: list[int]
     held: list[torch.Tensor]
@@ -262,10 +301,13 @@ class StackRow(NamedTuple):
 
 
 def stack_row(norms: list[torch.Tensor], lins: tuple[nn.Module, ...], dtype: torch.dtype,
-              qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> StackRow | None:
+              qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+              out_norms: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
+              norm_dtype: torch.dtype | None = None) -> StackRow | None:
     """A layer's row (norms: the two before attention and before the MLP; lins: qkv, o, gate_up, down, or qkv, o
-    and a SparseMoE; qk_norms: the per-head q and k norms, Qwen3's) when every projection runs on the C kernels and
-    each norm is a `dtype` weight on the CPU, else None."""
+    and a SparseMoE; qk_norms: the per-head q and k norms, Qwen3's and Gemma's; out_norms: attention's and the MLP's
+    output norms, Gemma's; window: its sliding window) when every projection runs on the C kernels and each norm is
+    a `norm_dtype` (default `dtype`) weight on the CPU, else None."""
     groups = {m.group_size for m in lins if isinstance(m, Int4Linear)}
     if isinstance(lins[-1], SparseMoE):  # its entry stands for gate_up, and down's is empty
         plan = lins[-1].c_plan(dtype)
@@ -275,10 +317,11 @@ def stack_row(norms: list[torch.Tensor], lins: tuple[nn.Module, ...], dtype: tor
         groups |= {plan.group} - {0}
     else:
         entries = [stack_entry(m, dtype) for m in lins]
-    if any(e is None for e in entries) or any(w.dtype != dtype or w.device.type != "cpu"
-                                              for w in [*norms, *(qk_norms or ())]):
+    if any(e is None for e in entries) or any(w.dtype != (norm_dtype or dtype) or w.device.type != "cpu"
+                                              for w in [*norms, *(qk_norms or ()), *(out_norms or ())]):
         return None
-    items = [*norms, *(item for e in entries for item in e), *(qk_norms or (None, None))]
+    items = [*norms, *(item for e in entries for item in e), *(qk_norms or (None, None)),
+             *(out_norms or (None, None)), window]
     return StackRow([t if isinstance(t, int) else 0 if t is None else t.data_ptr() for t in items],
                     [t for t in items if isinstance(t, torch.Tensor)], groups)
 
@@ -294,15 +337,22 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = self.rope_tables(cfg, max_seq_len)
-        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D]
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.set_rope_tables(max_seq_len, None)
         self._layer_stack: LayerStack | bool | None = None  # see layer_stack
 
+    def set_rope_tables(self, max_seq_len: int, device: torch.device | str | None) -> None:
+        """The rope tables (buffers [max_seq_len, D]), and the local layers' where a window has a base of its own;
+        made again off the meta device after loading."""
+        for suffix, local in (("", False), ("_local", True)):
+            if local and self.cfg.features.window is None:
+                continue
+            for name, table in zip(("rope_cos", "rope_sin"), self.rope_tables(self.cfg, max_seq_len, local)):
+                self.register_buffer(name + suffix, table if device is None else table.to(device), persistent=False)
+
     @staticmethod
-    def rope_tables(cfg: ModelConfig, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(cfg: ModelConfig, max_seq_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.device("cpu"):
-            freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(cfg))
+            freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), rope_inv_freq(cfg, local))
             # sin's first half is negated: apply_rope's roll then yields rotate_half's sign.
             return torch.cat((freqs, freqs), -1).cos().float(), torch.cat((-freqs, freqs), -1).sin().float()
 
@@ -329,13 +379,15 @@ class Transformer(nn.Module):
         return self._layer_stack or None
 
     def _plan_layer_stack(self) -> LayerStack | None:
+        f = self.cfg.features
         rows, held, groups = [], [], set()
         dtype = self.embed.weight.dtype
         for layer in self.layers:
             qk = (layer.attn.q_norm.weight, layer.attn.k_norm.weight) if layer.attn.q_norm is not None else None
+            outs = (layer.attn_out_norm.weight, layer.mlp_out_norm.weight) if f.sandwich_norms else None
             mlp = (layer.mlp,) if isinstance(layer.mlp, SparseMoE) else (layer.mlp.gate_up, layer.mlp.down)
             row = stack_row([layer.input_norm.weight, layer.post_norm.weight], (layer.attn.qkv, layer.attn.o, *mlp),
-                            dtype, qk)
+                            dtype, qk, outs, layer.attn.window, torch.float32 if f.norm_offset else dtype)
             if row is None:
                 return None
             rows.append(row.addresses)
@@ -343,7 +395,9 @@ class Transformer(nn.Module):
             groups |= row.groups
         if len(groups) > 1:
             return None
-        return LayerStack(torch.tensor(rows, dtype=torch.int64), groups.pop() if groups else 0, held)
+        flags = (STACK_NORM_F32 if f.norm_offset and dtype != torch.float32 else 0) | \
+            (STACK_GELU if f.activation == "gelu_tanh" else 0)
+        return LayerStack(torch.tensor(rows, dtype=torch.int64), groups.pop() if groups else 0, held, flags)
 
     def new_cache(self, num_slots: int, max_seq_len: int, num_blocks: int | None = None) -> KVCache:
         """num_blocks: a pool of that many blocks; default one max_seq_len run per slot."""
@@ -362,8 +416,14 @@ class Transformer(nn.Module):
         """
         x = self.embed(input_ids)
         dtype = x.dtype
+        if self.cfg.features.embed_scale:  # Gemma: times sqrt(hidden), the factor rounded to the dtype first
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(dtype)  # fp32, then the dtype: transformers'
         cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]  # [B, T, 1, D]
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
+        local = None  # a window's own rope (Gemma 3's local layers)
+        if self.cfg.features.window is not None:
+            local = (self.rope_cos_local[fb.positions].to(dtype)[:, :, None, :],
+                     self.rope_sin_local[fb.positions].to(dtype)[:, :, None, :])
         captured, delta = [], None
         kernels = cpu_kernels.for_tensor(x) if cache.k.dtype == dtype else None
         stack = self.layer_stack() if kernels is not None else None
@@ -377,7 +437,8 @@ class Transformer(nn.Module):
                         x, delta = x + delta, None
                     captured.append(x)
                     x = x.clone()  # the C call overwrites its input
-                x, delta = kernels.layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb, first, end)
+                x, delta = kernels.layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb, first, end,
+                                          stack.flags, self.cfg.features.query_scale, local)
         for i, layer in enumerate(self.layers if stack is None else ()):
             if i in capture_layers:
                 if delta is not None:  # the layer's input, added here (the same bits as the fused add)
@@ -385,7 +446,8 @@ class Transformer(nn.Module):
                     # The GPU kernel's own add: the same rounding by construction, not by torch agreeing with it.
                     x, delta = (layer.input_norm.add_forward(x, delta)[0] if fused else x + delta), None
                 captured.append(x)
-            x, delta = layer(x, delta, cos, sin, cache, fb)
+            rope = local if local is not None and layer.attn.window else (cos, sin)
+            x, delta = layer(x, delta, *rope, cache, fb)
         if delta is not None:
             x = x + delta
         if self.cfg.num_layers in capture_layers:

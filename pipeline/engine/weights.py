@@ -18,7 +18,7 @@ from torch import nn
 from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.linear import Linear
-from pipeline.engine.model import Transformer
+from pipeline.engine.model import Transformer, unit_offset_norm
 from pipeline.engine.quant import Int4Linear, Int8Head, QuantizedWeight, build_quantized_linear, read_quant_config
 from pipeline.errors import ModelFormatError
 
@@ -161,6 +161,11 @@ def engine_tensors(hf: CheckpointTensors, cfg: ModelConfig, skip: frozenset[str]
     def one(hf_name):
         return lambda dtype: hf.read(name_of(hf_name), dtype)
 
+    def norm(hf_name):  # Gemma's (1 + w), held in fp32 whatever the dtype (model.unit_offset_norm)
+        if cfg.features.norm_offset:
+            return lambda dtype: unit_offset_norm(hf.read(name_of(hf_name), torch.float32))
+        return one(hf_name)
+
     def fused(hf_names):
         def build(dtype):
             names = [name_of(n) for n in hf_names]
@@ -174,7 +179,7 @@ def engine_tensors(hf: CheckpointTensors, cfg: ModelConfig, skip: frozenset[str]
         return build
 
     yield "embed.weight", one("embed_tokens.weight")
-    yield "norm.weight", one("norm.weight")
+    yield "norm.weight", norm("norm.weight")
     for engine_name, hf_names in linear_groups(cfg).items():
         if engine_name in skip:
             continue
@@ -183,11 +188,16 @@ def engine_tensors(hf: CheckpointTensors, cfg: ModelConfig, skip: frozenset[str]
             yield engine_name + ".bias", fused([n + ".bias" for n in hf_names])
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        yield p + "input_norm.weight", one(p + "input_layernorm.weight")
-        yield p + "post_norm.weight", one(p + "post_attention_layernorm.weight")
+        yield p + "input_norm.weight", norm(p + "input_layernorm.weight")
+        if cfg.features.sandwich_norms:  # Gemma's post_attention_layernorm norms attention's output
+            yield p + "attn_out_norm.weight", norm(p + "post_attention_layernorm.weight")
+            yield p + "post_norm.weight", norm(p + "pre_feedforward_layernorm.weight")
+            yield p + "mlp_out_norm.weight", norm(p + "post_feedforward_layernorm.weight")
+        else:  # Llama's post_attention_layernorm is the MLP's input norm
+            yield p + "post_norm.weight", norm(p + "post_attention_layernorm.weight")
         if cfg.qk_norm:
-            yield p + "attn.q_norm.weight", one(p + "self_attn.q_norm.weight")
-            yield p + "attn.k_norm.weight", one(p + "self_attn.k_norm.weight")
+            yield p + "attn.q_norm.weight", norm(p + "self_attn.q_norm.weight")
+            yield p + "attn.k_norm.weight", norm(p + "self_attn.k_norm.weight")
 
 
 def install_quantized_linears(model: Transformer, hf: CheckpointTensors, dtype: torch.dtype,
@@ -256,9 +266,7 @@ def load_transformer(folder: str | Path, max_seq_len: int, dtype: torch.dtype = 
     for module in model.modules():  # the tied head, and quantized linears that fell back to dense
         if isinstance(module, Linear) and module.packed is None and not module.weight.is_meta:
             _pack(module, keep_plain)
-    # Rope tables are buffers computed at construction; rebuild them off the meta device.
-    rebuilt = Transformer.rope_tables(cfg, max_seq_len)
-    model.rope_cos, model.rope_sin = (t.to(device) for t in rebuilt)
+    model.set_rope_tables(max_seq_len, device)  # buffers made at construction: made again off the meta device
     missing = [n for n, p in model.named_parameters() if p.is_meta and not _released(model, n)]
     if missing:
         raise ModelFormatError(f"checkpoint in {folder} is missing {missing[0]}")

@@ -41,6 +41,10 @@ _ALL = (
     Preset("qwen3-8b", "Qwen/Qwen3-8B", params_b=8.19, eagle3_head="AngelSlim/Qwen3-8B_eagle3",
            shape=ModelShape(model_type="qwen3", num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8,
                             head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)),
+    # Gemma 3 1B (text only, model_type gemma3_text): 26 layers, 5 local (a window of 512) to each global one
+    Preset("gemma-3-1b", "google/gemma-3-1b-it", params_b=1.0, aliases=("gemma3-1b",),
+           shape=ModelShape(model_type="gemma3_text", num_layers=26, hidden_size=1152, num_heads=4, num_kv_heads=1,
+                            head_dim=256, intermediate_size=6912, vocab_size=262144, tie_word_embeddings=True)),
     # 128 experts of 768, 8 a token, in all 48 layers: 30.5B parameters, 3.3B of them a token's
     Preset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", params_b=30.5, aliases=("qwen3-moe",),
            eagle3_head="AngelSlim/Qwen3-a3B_eagle3",

@@ -39,11 +39,12 @@ def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int =
                     kv_heads: int = 2, intermediate: int = 128, vocab_size: int = 320, tie: bool = False,
                     model_type: str = "llama", rope_scaling: dict | None = None, attention_bias: bool = False,
                     init_std: float = 0.1, extra_tokens: int = 0, max_positions: int = 1024,
-                    head_dim: int | None = None, moe: dict | None = None) -> Path:
+                    head_dim: int | None = None, moe: dict | None = None, config: dict | None = None) -> Path:
     """Write a seeded random model + byte tokenizer to `path`. init_std is larger than the usual 0.02
     so that logits are well separated: greedy tests then don't hinge on near-ties. head_dim: where it isn't
     hidden / heads (Qwen3's own). moe: a mixture-of-experts family's config keys (num_experts,
-    num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers)."""
+    num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers). config: other
+    config keys of the family (Gemma 3's sliding_window, sliding_window_pattern, query_pre_attn_scalar)."""
     import torch
     import transformers
 
@@ -58,15 +59,20 @@ def make_tiny_llama(path: Path, seed: int = 0, *, layers: int = 2, hidden: int =
     if head_dim is not None:
         common["head_dim"] = head_dim
     common.update(moe or {})
+    common.update(config or {})
     torch.manual_seed(seed)
     cfg = getattr(transformers, family.hf_config)(**common, attention_bias=attention_bias)
     if rope_scaling:
         cfg.rope_parameters = {"rope_theta": 500000.0, **rope_scaling}
     model = getattr(transformers, family.hf_model)(cfg)
+    # Norms that scale by 1 + w (Gemma's) start at w = 0: random ones make the offset, and each norm's place, matter
+    offset = family.features(cfg.to_dict()).norm_offset
     with torch.no_grad():  # biases default to zero and per-head q/k norms to one; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, init_std)
+            elif offset and name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ones would hide a missing or misplaced one
                 p.uniform_(0.5, 1.5)
     model.config.architectures = [type(model).__name__]

@@ -1,4 +1,5 @@
-"""Model families: what sets each apart, one module per family (llama.py, qwen2.py, qwen3.py, qwen3_moe.py).
+"""Model families: what sets each apart, one module per family (llama.py, qwen2.py, qwen3.py, qwen3_moe.py,
+gemma3.py).
 
 The engine reads features, never a family's name. A family module turns a checkpoint's config.json into those
 features, names transformers' own classes for it (the reference the tests compare the engine against), and the
@@ -9,11 +10,11 @@ Torch-free: the planner, quantizer and presets read it too.
 from __future__ import annotations
 
 from pipeline.errors import ModelFormatError
-from pipeline.models.families import llama, qwen2, qwen3, qwen3_moe
-from pipeline.models.families.base import Family, Features, Moe  # noqa: F401  (re-exported)
+from pipeline.models.families import gemma3, llama, qwen2, qwen3, qwen3_moe
+from pipeline.models.families.base import Family, Features, Moe, Window  # noqa: F401  (re-exported)
 
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, gemma3.FAMILY)
 
 
 def supported_model_types() -> tuple[str, ...]:

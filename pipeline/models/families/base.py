@@ -20,12 +20,29 @@ class Moe:
 
 
 @dataclass(frozen=True)
+class Window:
+    """Sliding-window attention in some layers: a token there attends to its last `size` keys, itself included
+    (transformers' sliding_window_overlay: key > query - size), with rope of its own base."""
+
+    size: int
+    layers: tuple[int, ...]
+    rope_theta: float
+
+
+@dataclass(frozen=True)
 class Features:
-    """The decoder parts that differ between families; the rest (rope, RMSNorm, SwiGLU, GQA) is common."""
+    """The decoder parts that differ between families; the rest (rope, RMSNorm, a gated MLP, GQA) is common."""
 
     qkv_bias: bool = False  # the q, k and v projections carry biases
     qk_norm: bool = False  # each head of q and of k goes through its own RMSNorm before rope
     moe: Moe | None = None  # mixture-of-experts MLPs, in some or all layers
+    # Gemma's RMSNorm: the normalized row times (1 + w), in fp32, rounded once (Llama's rounds, then times w)
+    norm_offset: bool = False
+    sandwich_norms: bool = False  # attention's and the MLP's outputs are normed too, before their residual adds
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False  # the embedding times sqrt(hidden_size), rounded to the model's dtype
+    query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5
+    window: Window | None = None
 
 
 @dataclass(frozen=True)
