@@ -204,3 +204,55 @@ def test_the_engine_without_any_one_of_gemma3s_parts_no_longer_matches_transform
     without = replace(gemma, features=lambda cfg: GEMMA3_PARTS[part](gemma.features(cfg)))
     monkeypatch.setattr(families, "FAMILIES", tuple(without if f is gemma else f for f in families.FAMILIES))
     assert (logits() - want).abs().max() > 0.1, part
+
+
+def test_a_multimodal_gemma3_checkpoint_gives_its_text_models_logits(tmp_path):
+    """Gemma 3 4B and up are published as Gemma3ForConditionalGeneration (model_type gemma3): the engine reads its
+    text_config, whose keys at their defaults transformers leaves out, and its language model's tensors (the vision
+    tower left unread), and gives transformers' own logits for text."""
+    import json
+
+    import transformers
+
+    from pipeline.engine.kv_cache import ForwardBatch
+    from pipeline.engine.weights import load_transformer
+    from pipeline.models.families import gemma3
+    from pipeline.models.tiny import byte_tokenizer
+
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, sliding_window=8, sliding_window_pattern=2,
+                query_pre_attn_scalar=24)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=1)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    path = tmp_path / "gemma3"
+    model.save_pretrained(path)
+    byte_tokenizer(0).save_pretrained(path)
+    # As Google publishes it: text_config holds only what differs from Gemma3TextConfig's defaults
+    written = json.loads((path / "config.json").read_text())
+    default = transformers.Gemma3TextConfig().to_dict()
+    written["text_config"] = {k: v for k, v in written["text_config"].items()
+                              if k == "model_type" or default.get(k, object()) != v}
+    assert "rms_norm_eps" not in written["text_config"] and "rope_parameters" not in written["text_config"]
+    (path / "config.json").write_text(json.dumps(written))
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[0]
+    engine = load_transformer(path, 64)
+    cache = engine.new_cache(1, 64)
+    got = engine(ids, ForwardBatch.build([0], [0], [30], cache), cache)[0]
+    assert engine.cfg.features.window.layers == (0,) and engine.cfg.rms_norm_eps == 1e-6
+    # the family's defaults are transformers' own (the rope bases under rope_parameters in transformers 5; the
+    # pattern as the layer_types it builds)
+    rope = default["rope_parameters"]
+    theirs = {**default, "rope_theta": rope["full_attention"]["rope_theta"],
+              "rope_local_base_freq": rope["sliding_attention"]["rope_theta"],
+              "sliding_window_pattern": default["layer_types"].index("full_attention") + 1}
+    assert {k: theirs[k] for k in gemma3.DEFAULTS} == gemma3.DEFAULTS
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -10,7 +10,7 @@ import torch
 from pipeline.engine.device import check_fraction, parse_device
 from pipeline.engine.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.errors import ConfigError, ModelFormatError
-from pipeline.models.families import Features, family_of
+from pipeline.models.families import Features, family_of, text_config
 from pipeline.models.shape import ModelShape, read_config
 
 LM_HEAD_CHOICES = ("auto", "checkpoint", "int8")
@@ -60,6 +60,7 @@ class ModelConfig(ModelShape):
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        cfg = text_config(cfg)
         shape = ModelShape.from_hf_config(cfg)
         features = family_of(shape.model_type).features(cfg)
         # transformers 5 moved rope_theta/rope_scaling into "rope_parameters"; accept both layouts.

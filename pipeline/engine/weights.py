@@ -128,10 +128,15 @@ def linear_groups(cfg: ModelConfig) -> dict[str, list[str]]:
     return groups
 
 
+# Where a checkpoint keeps its decoder's tensors: a CausalLM's "model.", none, or a multimodal checkpoint's text model
+# (Gemma 3 4B and up: "language_model.model." as published, "model.language_model." as transformers 5 saves it).
+PREFIXES = ("model.", "", "language_model.model.", "model.language_model.")
+
+
 def _namer(hf: Mapping[str, torch.Tensor]) -> Callable[[str], str]:
-    """A Hugging Face tensor's name as this checkpoint spells it (with or without the "model." prefix)."""
+    """A Hugging Face tensor's name as this checkpoint spells it (PREFIXES)."""
     def name_of(name: str) -> str:
-        for prefix in ("model.", ""):
+        for prefix in PREFIXES:
             if prefix + name in hf:
                 return prefix + name
         raise ModelFormatError(f"checkpoint is missing tensor {name!r}; is this a Llama-family checkpoint?")
@@ -145,7 +150,7 @@ def _taker(hf: Mapping[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
 
 
 def _hf_prefix(hf: dict[str, torch.Tensor], name: str) -> str:
-    return "model." + name if f"model.{name}.weight" in hf else name
+    return next((p + name for p in PREFIXES if f"{p}{name}.weight" in hf), name)
 
 
 def engine_tensors(hf: CheckpointTensors, cfg: ModelConfig, skip: frozenset[str] = frozenset()

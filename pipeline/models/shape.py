@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import ModelFormatError
-from pipeline.models.families import Moe, family_for
+from pipeline.models.families import Moe, family_for, text_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,9 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelShape":
         """From a Hugging Face config.json, or a TensorRT-LLM checkpoint's, which spells two keys its own way
-        (tensorrt_llm/models/modeling_utils.py, PretrainedConfig: head_size, share_embedding_table)."""
+        (tensorrt_llm/models/modeling_utils.py, PretrainedConfig: head_size, share_embedding_table). A multimodal
+        checkpoint's text model where a family reads it (families.text_config)."""
+        cfg = text_config(cfg)
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in cfg]
         if missing:

@@ -26,6 +26,18 @@ def family_for(model_type: str) -> Family | None:
     return next((f for f in FAMILIES if model_type in f.model_types), None)
 
 
+def text_config(cfg: dict) -> dict:
+    """config.json as the engine reads it: a multimodal checkpoint's text model where a family reads it (Gemma 3's
+    model_type gemma3: its text_config; the vision tower is left out), with the family's defaults under what the
+    file says."""
+    outer = cfg.get("model_type")
+    wrapping = next((f for f in FAMILIES if outer in f.wrappers), None)
+    if wrapping is not None and isinstance(cfg.get("text_config"), dict):
+        cfg = {"model_type": wrapping.model_types[0], **cfg["text_config"]}
+    family = family_for(str(cfg.get("model_type", "llama")))
+    return {**family.defaults, **cfg} if family is not None else cfg
+
+
 def family_of(model_type: str) -> Family:
     """The family of a config.json's model_type; one line naming the supported ones otherwise."""
     if family := family_for(model_type):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,8 @@ class Family:
     hf_model: str  # transformers' ForCausalLM class for it: the reference
     hf_config: str  # and its config class
     trtllm_decoder: str | None  # ModelOpt's export_tensorrt_llm_checkpoint decoder_type; None: --export hf only
+    # config.json keys a checkpoint may leave out, at transformers' defaults for the family's class (transformers
+    # writes a nested text_config as its difference from them)
+    defaults: dict = field(default_factory=dict)
+    # model_types of multimodal checkpoints whose text model is this family, under their config's text_config
+    wrappers: tuple[str, ...] = ()

@@ -34,5 +34,15 @@ def features(cfg: dict) -> Features:
                     query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5, window=window)
 
 
-# No TensorRT-LLM export: not checked against upstream's converter (issue 54).
-FAMILY = Family("gemma3", ("gemma3_text",), features, "Gemma3ForCausalLM", "Gemma3TextConfig", None)
+# transformers' Gemma3TextConfig defaults (models/gemma3/configuration_gemma3.py, 5.25), which the published
+# multimodal configs' text_config leaves out
+DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+            "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
+            "sliding_window": 4096, "sliding_window_pattern": 6}
+
+# No TensorRT-LLM export: not checked against upstream's converter (issue 54). The 4B and larger checkpoints are
+# Gemma3ForConditionalGeneration (model_type gemma3): their text model is read, the vision tower left out.
+FAMILY = Family("gemma3", ("gemma3_text",), features, "Gemma3ForCausalLM", "Gemma3TextConfig", None,
+                defaults=DEFAULTS, wrappers=("gemma3",))
