@@ -1,9 +1,14 @@
 """Schemathesis hooks for the fuzzing test (tests/test_openai_api.py): loaded by `st run` through
 $SCHEMATHESIS_HOOKS. After every generated request, a normal one must still get its usual answer, which the
-test puts in $FUZZ_EXPECTED_TEXT: a server that stopped answering, or answered differently, fails the run."""
+test puts in $FUZZ_EXPECTED_TEXT: a server that stopped answering, or answered differently, fails the run.
+
+Harm that lasts is still there at the next check, so a refused request (a 4xx: most of the coverage phase's
+negative cases) is followed by one every REFUSED_EVERY-th time; a request the engine ran, every time. The normal
+request after each of about 1,200 cases was two thirds of the test's time on a busy CI worker."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import urllib.request
@@ -12,8 +17,14 @@ from urllib.parse import urlsplit
 import schemathesis
 
 
+REFUSED_EVERY = 6
+_refused = itertools.count()  # next() on it is atomic: `st run --workers 2` checks from two threads
+
+
 @schemathesis.check
 def serves_on(ctx, response, case):
+    if 400 <= response.status_code < 500 and next(_refused) % REFUSED_EVERY:
+        return
     url = urlsplit(response.request.url)
     body = json.dumps({"model": os.environ["FUZZ_MODEL"], "prompt": os.environ["FUZZ_PROMPT"], "max_tokens": 8,
                        "temperature": 0}).encode()

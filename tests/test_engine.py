@@ -283,7 +283,7 @@ def test_smollm2_bf16_greedy_is_the_targets_with_every_draft_kind_drafting_every
     spec.loader.exec_module(bench_cpu)
     tok = load_tokenizer(smollm2)
     prompts = [tok.encode(p) for p in bench_cpu.PROMPTS]
-    params = SamplingParams(max_tokens=64)
+    params = SamplingParams(max_tokens=40)  # past issue 27's two tokens (22 and 37)
     cfg = config(dtype="bf16", max_seq_len=512, num_draft_tokens=4)
     plain = LLMEngine.load(smollm2, cfg)
     want = [plain.generate([p], params)[0].output_ids for p in prompts]
@@ -298,7 +298,7 @@ def test_smollm2_bf16_greedy_is_the_targets_with_every_draft_kind_drafting_every
             assert not moved, f"{name} {how}: prompt -> first token that differs from plain greedy: {moved}"
         assert engine.stats.drafted_tokens > 0, name
         if name == "eagle3":  # a draft every step: k tokens per verify
-            assert engine.stats.drafted_tokens >= 4 * 64, engine.stats.drafted_tokens
+            assert engine.stats.drafted_tokens >= 4 * 40, engine.stats.drafted_tokens
         if name == "draft model":  # its own draft: every row of a verify is accepted
             assert engine.stats.acceptance_rate > 0.9, engine.stats.acceptance_rate
 

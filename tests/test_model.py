@@ -330,12 +330,12 @@ def test_short_calls_from_two_threads_never_share_a_padding_buffer():
         assert torch.equal(got[j].view(200, 1, 32), want[j])
 
 
-def bare_attention(kv_heads: int):
-    """An Attention with no weights: enough to call grouped_attention, which reads only n_kv."""
+def bare_attention(kv_heads: int, head_dim: int):
+    """An Attention with no weights: enough to call grouped_attention, which reads n_kv and the scale."""
     from pipeline.engine.model import Attention
 
     attn = Attention.__new__(Attention)
-    attn.n_kv = kv_heads
+    attn.n_kv, attn.scale = kv_heads, head_dim ** -0.5
     return attn
 
 
@@ -345,7 +345,7 @@ def test_attention_row_is_the_same_whatever_keys_the_batch_pads_it_with():
     the output must equal the row's output alone. Queries are scaled so softmax is peaked, as real
     attention is: that is when bf16's kernel choice by key count showed (seed 20 with 191 keys + 5)."""
     kv, d = 3, 64
-    attn = bare_attention(kv)
+    attn = bare_attention(kv, d)
     for seed in range(40):
         g = torch.Generator().manual_seed(seed)
         n = int(torch.randint(20, 300, (1,), generator=g))
@@ -373,7 +373,7 @@ def test_a_prompt_prefilled_beside_a_longer_one_gets_the_same_attention():
     fewer than 16 visible keys are where softmax's CPU kernel changes code path (prompts of 3-15
     tokens moved in a batch)."""
     kv, d = 3, 64
-    attn = bare_attention(kv)
+    attn = bare_attention(kv, d)
     g = torch.Generator().manual_seed(0)
     for n in range(1, 20):
         q = (torch.randn(1, 3 * kv, n + 40, d, generator=g) * 3).bfloat16()
