@@ -110,7 +110,7 @@ def test_an_eagle3_heads_graphed_forward_gives_its_eager_logits_and_cache(device
     head = load_eagle3_head(make_tiny_eagle3_head(tmp_path / "h", folder, seed=0), target.cfg, 64, torch.bfloat16,
                             device)
     eager_cache, graph_cache = head.new_cache(4, 64), head.new_cache(4, 64)
-    graphed = GraphedHead(head, target.embed, graph_cache, max_batch=4, max_width=3, replay=device == "cuda")
+    graphed = GraphedHead(head, target.embed_tokens, graph_cache, max_batch=4, max_width=3, replay=device == "cuda")
     graphed.capture()
     g = torch.Generator().manual_seed(0)
     H = head.cfg.hidden_size

@@ -189,6 +189,31 @@ def test_the_head_starts_as_the_targets_last_layer_and_output_side_reading_the_h
     assert torch.equal(head.fc.weight, torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1))
 
 
+def test_a_gemma3_targets_head_starts_from_its_last_layer_as_a_llama_layer_reads_it(tmp_path):
+    """Gemma 3's norms scale by (1 + w) and its norm before the MLP is pre_feedforward_layernorm: the head's Llama
+    layer starts with 1 + w in each norm's place, and its rope is the one the architecture asks for, not the
+    target's two (a per-layer-type rope_parameters, which a Llama layer can't read)."""
+    from safetensors.torch import load_file
+
+    from pipeline.draft.train import _modelopt_eagle, head_architecture
+
+    target = make_tiny_llama(tmp_path / "gemma3", seed=0, layers=8, model_type="gemma3_text", head_dim=16,
+                             config=dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24))
+    cfg = json.loads((target / "config.json").read_text())
+    d2t = draft_vocab([[5, 6, 7, 5]], cfg["vocab_size"], 64)
+    arch = head_architecture(cfg, 64)
+    head = _modelopt_eagle(target, arch, d2t).eagle_module
+    sd = {k: v.float() for k, v in load_file(str(target / "model.safetensors")).items()}
+    last, layer = f"model.layers.{cfg['num_hidden_layers'] - 1}.", head.layers[0]
+    for ours, theirs in (("input_layernorm", "input_layernorm"), ("post_attention_layernorm",
+                                                                  "pre_feedforward_layernorm")):
+        assert torch.equal(layer.get_submodule(ours).weight, sd[f"{last}{theirs}.weight"] + 1), ours
+    assert torch.equal(layer.hidden_norm.weight, sd[f"{last}input_layernorm.weight"] + 1)
+    assert torch.equal(head.norm.weight, sd["model.norm.weight"] + 1)
+    assert arch["rope_theta"] == 1_000_000.0  # the global layers' base
+    assert torch.allclose(head.rotary_emb.inv_freq[1], torch.tensor(1e6 ** (-2 / 16)))
+
+
 def test_answer_states_load_chunk_by_chunk_and_drop_a_chunk_its_answers_never_counted(tmp_path):
     from pipeline.draft.train import _load_answer_states, _save
 

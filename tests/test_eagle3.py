@@ -253,9 +253,18 @@ def test_no_capture_without_an_eagle3_proposer(target, monkeypatch):
     assert seen and not any(seen)
 
 
-def test_head_matches_modelopt_drafts(tmp_path, target):
+# Targets of the other families a head is trained for: the head reads the target's embeddings as ModelOpt's
+# training does, through the base model's embed_tokens (Gemma's scaled by sqrt(hidden)).
+HEAD_TARGETS = {"qwen3": dict(model_type="qwen3", head_dim=32),
+                "gemma3_text": dict(model_type="gemma3_text", head_dim=16,
+                                    config=dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24))}
+
+
+@pytest.mark.parametrize("family", ["llama", *HEAD_TARGETS])
+def test_head_matches_modelopt_drafts(tmp_path, target, family):
     """Our head, loaded from ModelOpt's export, drafts exactly what ModelOpt's own
-    pseudo_speculative_generate drafts (random weights, norms far from 1, a random d2t)."""
+    pseudo_speculative_generate drafts (random weights, norms far from 1, a random d2t), on a target of each
+    family."""
     import copy
 
     import modelopt.torch.speculative as mtsp
@@ -264,6 +273,8 @@ def test_head_matches_modelopt_drafts(tmp_path, target):
     from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+    if family != "llama":
+        target = make_tiny_llama(tmp_path / family, seed=0, layers=8, **HEAD_TARGETS[family])
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
@@ -273,7 +284,9 @@ def test_head_matches_modelopt_drafts(tmp_path, target):
     cfg.update(eagle_use_torch_compile=False, eagle_export_rope_scaling={})
     mtsp.convert(m, [("eagle", cfg)])
     em = m.eagle_module
-    em.rotary_emb = LlamaRotaryEmbedding(config=em.config)
+    rope_config = copy.copy(em.config)  # as train.py builds it: one rope, whatever the target's layer types
+    rope_config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    em.rotary_emb = LlamaRotaryEmbedding(config=rope_config)
     with torch.no_grad():
         for n, prm in em.named_parameters():
             prm.copy_(1 + 0.5 * torch.randn_like(prm) if "norm" in n else 0.1 * torch.randn_like(prm))

@@ -211,6 +211,46 @@ def test_fp8_experts_match_modelopts_own_calibrated_qwen3_moe(tmp_path):
     assert_matches_fake_quant(engine_logits(engine, tokens), ref)
 
 
+# Each family's own parts under FP8: Qwen3's per-head q/k norms and wide heads; Gemma 3's (1 + w) norms after
+# attention and the MLP, GeGLU and a window of 8 keys in layer 0, shorter than the 24 tokens compared.
+FAMILY_MODELS = {"qwen3": dict(model_type="qwen3", head_dim=32),
+                 "gemma3_text": dict(model_type="gemma3_text", head_dim=32,
+                                     config=dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24))}
+
+
+@pytest.mark.parametrize("qformat", ["fp8", "int4_awq"])
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_each_family_quantized_matches_modelopts_own_calibrated_model(family, qformat, tmp_path):
+    """ModelOpt's export of a family's checkpoint: every projection a quantized linear in the engine. FP8's logits are
+    ModelOpt's own fake-quantized model's. AWQ's are the export's, dequantized into transformers' class for the
+    family (its scales folded into Gemma's (1 + w) norms as ModelOpt folds them): ModelOpt's model in memory is not
+    that reference, since its export averages the scales of the linears that share a norm (a Llama is 2.3 off)."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    base = make_tiny_llama(tmp_path / "base", seed=0, layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2,
+                           **FAMILY_MODELS[family])
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    config = {"fp8": mtq.FP8_DEFAULT_CFG, "int4_awq": mtq.INT4_AWQ_CFG}[qformat]
+    mtq.quantize(model, config, lambda m: [m(ids(1, 64, seed=s)) for s in range(4)])
+    tokens = ids(2, 24, seed=3)
+    with torch.no_grad():
+        ref = model(tokens).logits
+    export_hf_checkpoint(model, export_dir=tmp_path / qformat)
+    engine = load_transformer(tmp_path / qformat, MAX_LEN, torch.float32)
+    layer = engine.layers[0]
+    assert all(type(lin) is not Linear for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down))
+    assert engine.describe()["weights"] == qformat
+    out = engine_logits(engine, tokens)
+    if qformat == "int4_awq":  # the int4 kernel's activations and scales are bf16: bf16-model accuracy
+        with torch.no_grad():
+            ref = reference_model(tmp_path / qformat)(tokens).logits
+        assert (out - ref).abs().max() <= 0.15 and (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    else:
+        assert_matches_fake_quant(out, ref)
+
+
 # ---- kernels and memory ---------------------------------------------------------------------------
 
 

@@ -212,7 +212,11 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
             hf_logging.enable_progress_bar()
     if not getattr(model.config, "architectures", None):
         model.config.architectures = [type(model).__name__]
-    donor = _last_layer(model)  # offline mode drops the base layers: take the last one's weights first
+    from pipeline.engine.config import ModelConfig
+
+    features = ModelConfig.from_hf_dict(model.config.to_dict()).features
+    # offline mode drops the base layers: take the last one's weights first, as a Llama layer reads them
+    donor = _as_llama_layer(_last_layer(model), features)
     cfg = copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
     cfg["eagle_architecture_config"].update(arch)
     # On CPU torch.compile makes the first step take minutes; a yarn rope_scaling is injected into the
@@ -220,8 +224,12 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
     cfg.update(eagle_use_torch_compile=False, eagle_export_rope_scaling={}, eagle_offline=True)
     mtsp.convert(model, [("eagle", cfg)])
     em = model.eagle_module
-    # ModelOpt 0.47 builds this lazily with a `device=` argument transformers 5 no longer takes.
-    em.rotary_emb = LlamaRotaryEmbedding(config=em.config)
+    # ModelOpt 0.47 builds this lazily with a `device=` argument transformers 5 no longer takes. Its config is the
+    # target's with the head's sizes over it, so a Gemma 3 target leaves rope_parameters per layer type, which
+    # the head's one Llama layer can't read: it gets the one rope the architecture asks for.
+    rope_config = copy.copy(em.config)
+    rope_config.rope_parameters = {"rope_type": "default", "rope_theta": arch["rope_theta"]}
+    em.rotary_emb = LlamaRotaryEmbedding(config=rope_config)
     hd = arch["head_dim"]
     if not torch.allclose(em.rotary_emb.inv_freq[1:2].double(), torch.tensor([arch["rope_theta"] ** (-2 / hd)]).double()):
         raise DraftTrainError("ModelOpt built the head's rope with another rope_theta than the target's; "
@@ -237,7 +245,7 @@ def _modelopt_eagle(target: Path, arch: dict, d2t: torch.Tensor):
             em.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
         norm = model._base_model_norm if hasattr(model, "_base_model_norm") else None
         if norm is not None and hasattr(em, "norm"):
-            em.norm.weight.copy_(norm.weight)
+            em.norm.weight.copy_(norm.weight + 1 if features.norm_offset else norm.weight)
         _init_from_layer(em.layers[0], donor)
         if hasattr(em, "fc"):
             _init_fc(em.fc, arch["hidden_size"])
@@ -253,6 +261,21 @@ def _last_layer(model) -> dict[str, torch.Tensor]:
     """The target's last decoder layer's weights (a copy), or {} where the model doesn't expose its layers."""
     layers = getattr(model.get_decoder(), "layers", None)
     return {k: v.detach().clone() for k, v in layers[-1].state_dict().items()} if layers else {}
+
+
+def _as_llama_layer(donor: dict[str, torch.Tensor], features) -> dict[str, torch.Tensor]:
+    """A target layer's weights under the names and meaning of the head's Llama layer: Gemma's norms scale by
+    (1 + w) where a Llama norm scales by w, and its norm before the MLP is pre_feedforward_layernorm (its
+    post_attention_layernorm norms attention's output, which a Llama layer doesn't)."""
+    donor = dict(donor)
+    if features.sandwich_norms:
+        for name in ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"):
+            donor.pop(name, None)
+        if "pre_feedforward_layernorm.weight" in donor:
+            donor["post_attention_layernorm.weight"] = donor.pop("pre_feedforward_layernorm.weight")
+    if features.norm_offset:
+        donor = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in donor.items()}
+    return donor
 
 
 def _init_from_layer(layer, donor: dict[str, torch.Tensor]) -> None:

@@ -19,6 +19,7 @@ A forward whose shape no graph holds (a prefill, a batch past the largest bucket
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -186,8 +187,8 @@ class GraphedHead(_StaticGraphs):
     to max_width tokens (a catch-up after a verify, then one token a draft step), replayed like GraphedForward.
     A pad's hidden state is zeros and its `last` 0; it reads no key and writes to the trash block."""
 
-    def __init__(self, head: torch.nn.Module, embed: torch.nn.Module, cache: KVCache, max_batch: int,
-                 max_width: int, replay: bool = True):
+    def __init__(self, head: torch.nn.Module, embed: Callable[[torch.Tensor], torch.Tensor], cache: KVCache,
+                 max_batch: int, max_width: int, replay: bool = True):
         dev = head.fc.weight.device
         super().__init__(dev, cache, max_batch, max_width, replay)
         self.head, self.embed = head, embed

@@ -186,7 +186,7 @@ class Eagle3Proposer:
         """The head's catch-up (up to max_width tokens: a verify's accepted drafts and its bonus) and draft steps
         from CUDA graphs; a longer catch-up (a prompt, or tokens decoded while the gate kept speculation off) runs
         eagerly."""
-        self.graphed = GraphedHead(self.head, self.target.embed, self.cache, max_batch, max_width, replay=replay)
+        self.graphed = GraphedHead(self.head, self.target.embed_tokens, self.cache, max_batch, max_width, replay=replay)
         self.graphed.capture()
 
     def _head(self, ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch,
@@ -194,7 +194,7 @@ class Eagle3Proposer:
         """(logits [b, Vd], pre-norm outputs [b, 1, H]) at each row's position `last`, graphed where a graph
         holds the shape. The graph's outputs are overwritten by its next replay: callers index them (a copy)."""
         graphed = self.graphed(ids, hidden, fb, last) if self.graphed is not None else None
-        logits, out = graphed if graphed is not None else self.head(self.target.embed(ids), hidden, fb, self.cache,
+        logits, out = graphed if graphed is not None else self.head(self.target.embed_tokens(ids), hidden, fb, self.cache,
                                                                     last)
         return logits[:, 0], out
 

@@ -405,6 +405,14 @@ class Transformer(nn.Module):
         return KVCache(self.cfg.num_layers, num_slots, max_seq_len, self.cfg.num_kv_heads, self.cfg.head_dim,
                        p.dtype, p.device, num_blocks=num_blocks)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' input embeddings as the first layer reads them, and as an EAGLE-3 head reads them (ModelOpt
+        trains a head on the base model's embed_tokens module, which for Gemma includes its scale)."""
+        x = self.embed(input_ids)
+        if self.cfg.features.embed_scale:  # Gemma: times sqrt(hidden), the factor rounded to the dtype first
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(x.dtype)  # fp32, then the dtype: transformers'
+        return x
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, fb: ForwardBatch, cache: KVCache,
                 logits_index: torch.Tensor | None = None,
@@ -414,10 +422,8 @@ class Transformer(nn.Module):
         Returns logits [B, N, V] in fp32, plus the hidden states entering each layer in capture_layers
         (index num_layers means the final, pre-norm output) when that is non-empty.
         """
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         dtype = x.dtype
-        if self.cfg.features.embed_scale:  # Gemma: times sqrt(hidden), the factor rounded to the dtype first
-            x = x * torch.tensor(self.cfg.hidden_size ** 0.5).to(dtype)  # fp32, then the dtype: transformers'
         cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]  # [B, T, 1, D]
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
         local = None  # a window's own rope (Gemma 3's local layers)
