@@ -39,4 +39,4 @@ def test_no_doc_or_comment_cites_a_file_the_repository_lacks():
 def test_the_readme_is_what_a_newcomer_needs_and_no_more():
     text = (ROOT / "README.md").read_text()
     assert len(text.encode()) <= 8 * 1024, len(text.encode())
-    assert "pip install -e '.[test]'" in text and "pytest" in text  # the test command CI runs
+    assert "pip install --no-compile -e '.[test]'" in text and "pytest" in text  # the test command CI runs

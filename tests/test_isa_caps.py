@@ -53,14 +53,16 @@ def _refusal(kernels: str, vendor: dict) -> str | None:
 
 @pytest.mark.slow  # four pytest runs of the identity tests, about 30 s each
 @pytest.mark.parametrize("cap", list(CAPS))
-def test_the_identity_tests_pass_under_the_cap(cap, tmp_path):
+def test_the_identity_tests_pass_under_the_cap(cap, tmp_path, tmp_path_factory):
     kernels, vendor = CAPS[cap]
     if why := _refusal(kernels, vendor):
         pytest.skip(why)
     # Under xdist the run inherits its worker's one thread (conftest.py): two would contend with the other worker
     # (84 s instead of 28). The kernels' threaded path is still compared with the one-thread path, end to end: the
     # served tests' engines compute on the machine's threads and must answer as the in-process engine does.
-    env = {**os.environ, "PIPELINE_KERNELS": kernels, **vendor, "PIPELINE_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "PIPELINE_KERNELS": kernels, **vendor, "PIPELINE_HOME": str(tmp_path / "home"),
+           # one ModelOpt export a format for the four runs (test_quantized_engine.py's export())
+           "PIPELINE_TEST_EXPORTS": str(tmp_path_factory.getbasetemp() / "caps-exports")}
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "identity and not slow",
            "--deselect", ONCE, *identity_files()]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,15 +46,25 @@ def base(tmp_path_factory):
 _exports: dict = {}
 
 
+# test_isa_caps.py's runs of the identity tests share their exports through this folder: the seeded base is the
+# same in each, and ModelOpt's import and calibration were a fifth of a run's time.
+SHARED_EXPORTS = "PIPELINE_TEST_EXPORTS"
+
+
 def export(base, tmp_path_factory, qformat: str, kv_cache_dtype: str = "none"):
-    """A ModelOpt export of `base`, made once per module through `pipeline quantize`'s library."""
-    from pipeline.quantize import QuantizeOptions, quantize
+    """A ModelOpt export of `base`, made once per module (or once in $PIPELINE_TEST_EXPORTS) through `pipeline
+    quantize`'s library."""
+    import os
 
     key = (qformat, kv_cache_dtype)
     if key not in _exports:
-        out = tmp_path_factory.mktemp("q") / f"{qformat}-{kv_cache_dtype}"
-        quantize(QuantizeOptions(model=str(base), output=out, qformat=qformat, kv_cache_dtype=kv_cache_dtype,
-                                 calib_size=4, calib_seq_len=64, eval_size=1, batch_size=4))
+        shared = os.environ.get(SHARED_EXPORTS)
+        out = (Path(shared) if shared else tmp_path_factory.mktemp("q")) / f"{qformat}-{kv_cache_dtype}"
+        if not out.is_dir():  # quantize writes a temp folder and renames it: whole or absent
+            from pipeline.quantize import QuantizeOptions, quantize
+
+            quantize(QuantizeOptions(model=str(base), output=out, qformat=qformat, kv_cache_dtype=kv_cache_dtype,
+                                     calib_size=4, calib_seq_len=64, eval_size=1, batch_size=4))
         _exports[key] = out
     return _exports[key]
 
