@@ -16,6 +16,11 @@ from tiny_models import make_tiny_llama  # noqa: E402
 # Under pytest-xdist (`-n 2`) each of the two workers computes on one core; two threads each would
 # leave OpenMP teams spinning for a core the other worker holds.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The servers the tests start compute on both cores (two threads an engine), beside the other worker: an
+    # OpenMP team's idle thread then spins (libgomp's default, right for a server alone on its machine) on a core
+    # the other worker needs. Passive waiting sleeps instead; every process the tests start inherits it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
@@ -80,9 +85,14 @@ FILE_SECONDS = {
 }
 
 
+# The two files the workers start with, one each: the longest with servers beside the longest without. The two
+# longest (test_serving, test_openai_api) both run servers; started together, each took a third longer.
+FIRST = ("test_serving.py", "test_isa_caps.py")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     # A stable sort: a file's own tests keep their order (its module fixtures are made once either way).
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
+    items.sort(key=lambda item: (item.path.name not in FIRST, -FILE_SECONDS.get(item.path.name, 0)))
