@@ -1,6 +1,6 @@
 """Schemathesis hooks for the fuzzing test (tests/test_openai_api.py): loaded by `st run` through
-$SCHEMATHESIS_HOOKS. After every generated request, a normal one must still get its usual answer, which the
-test puts in $FUZZ_EXPECTED_TEXT: a server that stopped answering, or answered differently, fails the run.
+$SCHEMATHESIS_HOOKS. After a generated request, a normal one must still get its usual answer, which the test
+puts in $FUZZ_EXPECTED_TEXT: a server that stopped answering, or answered differently, fails the run.
 
 Harm that lasts is still there at the next check, so a refused request (a 4xx: most of the coverage phase's
 negative cases) is followed by one every REFUSED_EVERY-th time; a request the engine ran, every time. The normal
@@ -45,6 +45,7 @@ def serves_on(ctx, response, case):
 
 @schemathesis.hook
 def before_call(context, case, kwargs):
+    """A generation request's answer length to at most ANSWER_CAP, as the comment above says."""
     if not isinstance(case.body, dict) or case.method.upper() != "POST":
         return
     if not any(field in case.body for field in LENGTHS):

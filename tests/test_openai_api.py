@@ -975,7 +975,8 @@ def grpc_text_raw(server, prompt: str, max_tokens: int) -> str:
 def test_schemathesis_fuzzing_the_published_api_finds_no_5xx_no_reset_and_no_lasting_harm(served, tmp_path):
     """Schemathesis (positive and negative cases from /openapi.json, its coverage and fuzzing phases) against
     the served frontend: every answer is documented, in its documented type and schema, never a 5xx or a
-    dropped connection, and after each a normal request still gets its usual text (fuzz_hooks.serves_on)."""
+    dropped connection, and after each request the engine ran (and every 6th refused one) a normal request still
+    gets its usual text (fuzz_hooks.serves_on)."""
     import os
     import shutil
     import subprocess
