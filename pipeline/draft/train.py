@@ -42,6 +42,7 @@ from pipeline.errors import ConfigError, MissingDependencyError, PipelineError
 
 if TYPE_CHECKING:
     from pipeline.draft.budget import PhasePlan
+    from pipeline.models.families import Features
 
 METHODS = ("eagle3",)
 CHECKPOINT_EVERY_S = 60.0
@@ -263,7 +264,7 @@ def _last_layer(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in layers[-1].state_dict().items()} if layers else {}
 
 
-def _as_llama_layer(donor: dict[str, torch.Tensor], features) -> dict[str, torch.Tensor]:
+def _as_llama_layer(donor: dict[str, torch.Tensor], features: Features) -> dict[str, torch.Tensor]:
     """A target layer's weights under the names and meaning of the head's Llama layer: Gemma's norms scale by
     (1 + w) where a Llama norm scales by w, and its norm before the MLP is pre_feedforward_layernorm (its
     post_attention_layernorm norms attention's output, which a Llama layer doesn't)."""

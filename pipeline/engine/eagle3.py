@@ -194,8 +194,9 @@ class Eagle3Proposer:
         """(logits [b, Vd], pre-norm outputs [b, 1, H]) at each row's position `last`, graphed where a graph
         holds the shape. The graph's outputs are overwritten by its next replay: callers index them (a copy)."""
         graphed = self.graphed(ids, hidden, fb, last) if self.graphed is not None else None
-        logits, out = graphed if graphed is not None else self.head(self.target.embed_tokens(ids), hidden, fb, self.cache,
-                                                                    last)
+        if graphed is None:
+            graphed = self.head(self.target.embed_tokens(ids), hidden, fb, self.cache, last)
+        logits, out = graphed
         return logits[:, 0], out
 
     def on_target_hidden(self, req: Request, aux: torch.Tensor) -> None:
