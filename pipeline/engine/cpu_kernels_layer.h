@@ -73,18 +73,24 @@ static void FN(silu_row)(const ELT *g, const ELT *u, int64_t n, ELT *o, float *t
     for (int64_t i = 0; i < n; i++) o[i] = ST(RND(LD(g[i]) / tmp[i]) * LD(u[i]));
 }
 
-// gate_up: [rows, 2*inter] (gate then up, as the fused projection lays them out) -> out [rows, inter]:
-// RND(RND(silu(gate)) * up), as F.silu(gate) * up rounds in bf16.
-void FN(silu_mul)(const ELT *gate_up, int64_t rows, int64_t inter, ELT *out, int threads) {
+// gate_up: [rows, 2*inter] (gate then up, as the fused projection lays them out) -> out [rows, inter], each row by
+// `row` (silu_row, gelu_row) on the threads, with an fp32 scratch row each.
+static void FN(glu_mul)(const ELT *gate_up, int64_t rows, int64_t inter, ELT *out, int threads,
+                        void (*row)(const ELT *, const ELT *, int64_t, ELT *, float *)) {
     int nt = rows * inter >= PAR_WORK ? threads : 1;
 #pragma omp parallel num_threads(nt)
     {
         float *tmp = malloc(sizeof(float) * inter);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
-            FN(silu_row)(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
+            row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
         free(tmp);
     }
+}
+
+// RND(RND(silu(gate)) * up), as F.silu(gate) * up rounds in bf16.
+void FN(silu_mul)(const ELT *gate_up, int64_t rows, int64_t inter, ELT *out, int threads) {
+    FN(glu_mul)(gate_up, rows, inter, out, threads, FN(silu_row));
 }
 
 // GeGLU: gelu(gate) * up with gelu's tanh approximation (torch's gelu(approximate="tanh"), Gemma's
@@ -101,15 +107,7 @@ static void FN(gelu_row)(const ELT *g, const ELT *u, int64_t n, ELT *o, float *t
 }
 
 void FN(gelu_mul)(const ELT *gate_up, int64_t rows, int64_t inter, ELT *out, int threads) {
-    int nt = rows * inter >= PAR_WORK ? threads : 1;
-#pragma omp parallel num_threads(nt)
-    {
-        float *tmp = malloc(sizeof(float) * inter);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
-            FN(gelu_row)(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, out + r * inter, tmp);
-        free(tmp);
-    }
+    FN(glu_mul)(gate_up, rows, inter, out, threads, FN(gelu_row));
 }
 
 // Rotate-half rope on one head, with the rounding of apply_rope in bf16: RND(RND(x*cos) +
