@@ -17,7 +17,7 @@ from pipeline.engine.config import EngineConfig, GatePolicy
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.model import Transformer
 from pipeline.engine.sampling import SamplingParams
-from tiny_models import make_tiny_llama
+from tiny_models import GEMMA3_WINDOW, make_tiny_llama
 
 # The speculative module takes 7-10 s to import on 2 cores; import it once here, so the budget tests
 # time the training run rather than whichever test happens to import it first.
@@ -198,7 +198,7 @@ def test_a_gemma3_targets_head_starts_from_its_last_layer_as_a_llama_layer_reads
     from pipeline.draft.train import _modelopt_eagle, head_architecture
 
     target = make_tiny_llama(tmp_path / "gemma3", seed=0, layers=8, model_type="gemma3_text", head_dim=16,
-                             config=dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24))
+                             config=GEMMA3_WINDOW)
     cfg = json.loads((target / "config.json").read_text())
     d2t = draft_vocab([[5, 6, 7, 5]], cfg["vocab_size"], 64)
     arch = head_architecture(cfg, 64)

@@ -16,8 +16,8 @@ from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.request import Request
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import DraftMismatchError, ModelFormatError
-from tiny_models import (DRAFT_VOCAB, flip_gate, greedy_reference, make_tiny_eagle3_head, make_tiny_llama,
-                         staggered_past_the_gate)
+from tiny_models import (DRAFT_VOCAB, GEMMA3_WINDOW, flip_gate, greedy_reference, make_tiny_eagle3_head,
+                         make_tiny_llama, staggered_past_the_gate)
 
 MAX_TOKENS = 24
 
@@ -256,8 +256,7 @@ def test_no_capture_without_an_eagle3_proposer(target, monkeypatch):
 # Targets of the other families a head is trained for: the head reads the target's embeddings as ModelOpt's
 # training does, through the base model's embed_tokens (Gemma's scaled by sqrt(hidden)).
 HEAD_TARGETS = {"qwen3": dict(model_type="qwen3", head_dim=32),
-                "gemma3_text": dict(model_type="gemma3_text", head_dim=16,
-                                    config=dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24))}
+                "gemma3_text": dict(model_type="gemma3_text", head_dim=16, config=GEMMA3_WINDOW)}
 
 
 @pytest.mark.parametrize("family", ["llama", *HEAD_TARGETS])

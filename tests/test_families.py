@@ -17,18 +17,16 @@ from pipeline.engine.config import EngineConfig, GatePolicy
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import ModelFormatError
-from tiny_models import make_tiny_llama
+from tiny_models import GEMMA3_WINDOW, make_tiny_llama
 
 # Qwen3's own parts are exercised: its per-head q/k norms (random weights, see tiny.py) and a head_dim that isn't
 # hidden / heads (64 / 4 = 16; 32 here).
 # Qwen3-MoE: top 2 of 8 experts (renormalized) in layer 0, a dense MLP in layer 1; the draft's one layer has experts.
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
-# Gemma 3: a window of 8 keys in the local layers (the target's layer 0, the draft's one layer), shorter than the
-# prompts and answers, so a token's window moves on as it decodes, verifies and is prefilled in chunks.
-GEMMA3 = dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
+# Gemma 3: GEMMA3_WINDOW (the target's layer 0 and the draft's one layer are local).
 FAMILIES = {"qwen3": dict(model_type="qwen3", head_dim=32),
             "qwen3_moe": dict(model_type="qwen3_moe", head_dim=32, moe={**MOE, "mlp_only_layers": [1]}),
-            "gemma3": dict(model_type="gemma3_text", head_dim=32, config=GEMMA3)}
+            "gemma3": dict(model_type="gemma3_text", head_dim=32, config=GEMMA3_WINDOW)}
 GENERATE_TOKENS = 64
 
 

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_tiny_llama
+from tiny_models import GEMMA3_WINDOW, make_tiny_llama
 
 from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
@@ -24,7 +24,6 @@ from pipeline.engine.weights import load_transformer
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
-GEMMA3 = dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
 VARIANTS = {
     "llama_gqa": dict(heads=4, kv_heads=2),
     "tied": dict(tie=True),
@@ -37,7 +36,7 @@ VARIANTS = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
     # Gemma 3: layer 0 local (a window of 8 keys, shorter than every sequence here, rope base 10k), layer 1 global
     # (1M); (1 + w) norms with random w, four a layer and per head; GeGLU; the embedding and query scales
-    "gemma3": dict(model_type="gemma3_text", head_dim=32, config=GEMMA3),
+    "gemma3": dict(model_type="gemma3_text", head_dim=32, config=GEMMA3_WINDOW),
 }
 # (dtype, max |engine - HF| allowed). Logits have std ~0.8 on these models.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.06}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tiny_llama
+from tiny_models import GEMMA3_WINDOW, make_tiny_llama
 
 from pipeline.engine import cpu_kernels
 from pipeline.engine.config import EngineConfig, GatePolicy
@@ -225,8 +225,7 @@ def test_fp8_experts_match_modelopts_own_calibrated_qwen3_moe(tmp_path):
 # Each family's own parts under FP8: Qwen3's per-head q/k norms and wide heads; Gemma 3's (1 + w) norms after
 # attention and the MLP, GeGLU and a window of 8 keys in layer 0, shorter than the 24 tokens compared.
 FAMILY_MODELS = {"qwen3": dict(model_type="qwen3", head_dim=32),
-                 "gemma3_text": dict(model_type="gemma3_text", head_dim=32,
-                                     config=dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24))}
+                 "gemma3_text": dict(model_type="gemma3_text", head_dim=32, config=GEMMA3_WINDOW)}
 
 
 @pytest.mark.parametrize("qformat", ["fp8", "int4_awq"])
@@ -517,10 +516,9 @@ def test_the_layer_stack_in_c_calls_gives_the_module_loops_bits(base, tmp_path_f
         # Gemma 3 its fp32 (1 + w) norms, four a layer, GeGLU, and a window of 8 keys with its own rope in layer 0
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                    mlp_only_layers=[1]) if weights == "qwen3_moe" else None
-        gemma = dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
         folder = make_tiny_llama(tmp_path_factory.mktemp(weights), seed=0, layers=2, hidden=128, intermediate=256,
                                  heads=4, kv_heads=2, model_type=weights, moe=moe,
-                                 config=gemma if weights == "gemma3_text" else None)
+                                 config=GEMMA3_WINDOW if weights == "gemma3_text" else None)
     model = load_transformer(folder, MAX_LEN, torch.bfloat16)
     if not cpu_kernels.usable():
         pytest.skip(f"no C kernels for {weights} here: {cpu_kernels.status()}")

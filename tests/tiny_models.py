@@ -7,6 +7,10 @@ from pathlib import Path
 from pipeline.models.tiny import BYTE_VOCAB, CHAT_TEMPLATE, SPECIALS, byte_tokenizer, make_tiny_llama  # noqa: F401
 
 DRAFT_VOCAB = 100  # make_tiny_eagle3_head's default draft vocabulary
+# A tiny Gemma 3's own config keys (make_tiny_llama's config=): a window of 8 keys in every other layer (from layer
+# 0), shorter than the tests' prompts and answers, so a token's window moves on as it decodes, verifies and is
+# prefilled in chunks; and a query scale that isn't head_dim's.
+GEMMA3_WINDOW = dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
 
 
 def greedy_reference(engine, default_max_tokens: int):
