@@ -288,4 +288,5 @@ def test_compile_device_auto_picks_the_cpu_here_and_says_so(tiny_target, tmp_pat
 
 def test_compile_refuses_a_device_for_tensorrt_llm(tiny_target, tmp_path):
     result = run("compile", "-b", "trtllm", "-t", tiny_target, "--dry-run", "-o", tmp_path / "t", "--device", "cuda:0")
-    assert_one_line_error(result, "--device cuda:0 is for --backend torch", "drop --device")
+    assert_one_line_error(result, "--device cuda:0 places the portable engine, and --backend trtllm is for "
+                                  "TensorRT-LLM", "drop --device")

@@ -85,9 +85,10 @@ def test_the_cycle_check_sees_a_cycle():
     assert cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_gate_and_the_draft_vocabulary_load_without_torch():
-    """The Triton configs and the serving gate read these; `pipeline.engine`'s own names load lazily."""
+def test_the_gate_the_routes_and_the_draft_vocabulary_load_without_torch():
+    """The Triton configs, the serving gate and every command's planning read these; `pipeline.engine`'s own names
+    load lazily."""
     code = ("import sys; import pipeline.triton.serving_gate, pipeline.engine.draft_plan, pipeline.engine.cost_model, "
-            "pipeline.draft_spec, pipeline.engine; print('torch' in sys.modules)")
+            "pipeline.draft_spec, pipeline.engine, pipeline.routes; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -412,7 +412,7 @@ def test_serve_picks_the_device_as_it_starts_and_refuses_one_for_tensorrt_llm(mo
     with pytest.raises(ConfigError, match="torch sees no GPU"):
         engine_device(ServeOptions(device="cuda"), torch_repo)
     assert engine_device(ServeOptions(), engine) == ("", "")
-    with pytest.raises(ConfigError, match="serves TensorRT-LLM .* drop --device"):
+    with pytest.raises(ConfigError, match="this repository \\(engine route\\) is for TensorRT-LLM, .* drop --device"):
         engine_device(ServeOptions(device="cuda:0"), engine, check=False)
 
 

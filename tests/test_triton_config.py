@@ -667,7 +667,8 @@ def test_torch_engine_config_carries_the_device_and_stays_one_cpu_instance():
 def test_repo_spec_refuses_a_bad_device_and_a_device_for_tensorrt_llm():
     with pytest.raises(ConfigError, match="unknown device 'gpu'"):
         replace(TORCH, device="gpu")
-    with pytest.raises(ConfigError, match="is for the portable engine"):
+    with pytest.raises(ConfigError, match="--device cuda:0 places the portable engine, and a repository of backend "
+                                          "'trtllm' is for TensorRT-LLM"):
         replace(TRTLLM, device="cuda:0")
     assert replace(TRTLLM, device="auto").device == "auto"
 

@@ -24,6 +24,7 @@ from pipeline.errors import ConfigError
 from pipeline.triton import upstream
 from pipeline.triton.config import GATE, TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, read_config, repository_configs
 from pipeline.triton.draft_target import SENT_INPUTS
+from pipeline.routes import ENGINE, LLMAPI, PORTABLE
 from pipeline.triton.launch import LAUNCH_FILE, ORCHESTRATOR_ENV, Launch, launch_command, plan_launch
 from pipeline.triton.trtllm_template import TrtllmModel, check_config, container_config, escape, find_container_tools
 
@@ -265,9 +266,9 @@ def test_every_tritonserver_flag_we_launch_with_is_in_the_real_tritonservers_hel
     binary = find_tritonserver()
     done = subprocess.run([str(binary.path), "--help"], capture_output=True, text=True, env=server_env(binary))
     help_text = done.stdout + done.stderr
-    launches = [plan_launch("torch"), plan_launch("engine", world_size=2, trtllm_models=(TRTLLM_TARGET,)),
-                plan_launch("engine", world_size=2, trtllm_models=(TRTLLM_TARGET, TRTLLM_DRAFT)),
-                plan_launch("llmapi", world_size=2)]
+    launches = [plan_launch(PORTABLE), plan_launch(ENGINE, world_size=2, trtllm_models=(TRTLLM_TARGET,)),
+                plan_launch(ENGINE, world_size=2, trtllm_models=(TRTLLM_TARGET, TRTLLM_DRAFT)),
+                plan_launch(LLMAPI, world_size=2)]
     flags = set()
     for launch in launches:
         argv, _ = launch_argv(ServeOptions(repo=Path("/r")), binary, Path("/b"), "p_", launch)
@@ -281,7 +282,7 @@ def test_every_tritonserver_flag_we_launch_with_is_in_the_real_tritonservers_hel
 def test_launch_modes_check_their_world_size():
     with pytest.raises(ConfigError, match="orchestrator mode runs one rank"):
         Launch("engine", "orchestrator", world_size=2)
-    argv, env = launch_command(plan_launch("torch"), "tritonserver", ["--x"], "p_")
+    argv, env = launch_command(plan_launch(PORTABLE), "tritonserver", ["--x"], "p_")
     assert argv == ["tritonserver", "--x", "--backend-config=python,shm-region-prefix-name=p_",
                     f"--backend-config=python,shm-default-byte-size={16 << 20}",
                     f"--backend-config=python,shm-growth-byte-size={16 << 20}"] and env == {}
@@ -292,8 +293,8 @@ def test_the_multi_node_launch_emits_only_what_its_launch_facts_name():
     from pipeline.triton.launch import LLMAPI_LAUNCHER, multinode_command
 
     hosts_fact = upstream.LAUNCH_FACTS["hosts"].what
-    for launch in (plan_launch("engine", world_size=4, trtllm_models=(TRTLLM_TARGET,)),
-                   plan_launch("llmapi", world_size=4)):
+    for launch in (plan_launch(ENGINE, world_size=4, trtllm_models=(TRTLLM_TARGET,)),
+                   plan_launch(LLMAPI, world_size=4)):
         argv = multinode_command(launch, "tritonserver", ["--x"], "p_", ["a", "b"], 2, "kubessh")
         head = argv[:argv.index("tritonserver") if launch.mode == "llmapi" else argv.index("-n")]
         for option in head[1:]:
@@ -303,7 +304,7 @@ def test_the_multi_node_launch_emits_only_what_its_launch_facts_name():
         if launch.mode == "llmapi":
             assert head[-1] == LLMAPI_LAUNCHER and LLMAPI_LAUNCHER in upstream.LAUNCH_FACTS["llmapi_ranks"].what
     with pytest.raises(ConfigError, match="spawns its workers on one node"):
-        multinode_command(plan_launch("engine", world_size=2, trtllm_models=(TRTLLM_TARGET, "tensorrt_llm_draft")),
+        multinode_command(plan_launch(ENGINE, world_size=2, trtllm_models=(TRTLLM_TARGET, "tensorrt_llm_draft")),
                           "tritonserver", [], "p_", ["a", "b"], 1, "kubessh")
 
 
@@ -315,7 +316,7 @@ def mpi_repo(tmp_path, version: str = upstream.TRTLLM_VERSION) -> Path:
     (repo / "tensorrt_llm").mkdir(parents=True)
     (repo / "tensorrt_llm" / "config.pbtxt").write_text('name: "tensorrt_llm"\n')
     (repo / LAUNCH_FILE).write_text(json.dumps(plan_launch(
-        "engine", world_size=2, trtllm_models=(TRTLLM_TARGET,), tensorrt_llm_version=version).to_dict()))
+        ENGINE, world_size=2, trtllm_models=(TRTLLM_TARGET,), tensorrt_llm_version=version).to_dict()))
     return repo
 
 

@@ -15,8 +15,10 @@ from pipeline.draft_spec import AUTO, EAGLE3, DraftSpec, parse_draft
 from pipeline.home import pipeline_home
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.plan.gpus import GPU
+from pipeline.routes import BACKENDS as ALL_BACKENDS
+from pipeline.routes import backend_named
 
-BACKENDS = ("auto", "torch", "trtllm")
+BACKENDS = ("auto", *(b.name for b in ALL_BACKENDS))  # --backend
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
@@ -97,7 +99,7 @@ def detect_environment(options: BuildOptions) -> Environment:
 
 def _engine_dtype(options: BuildOptions) -> tuple[str, str]:
     """The portable engine's dtype here (without building its kernels: this probe creates nothing)."""
-    if options.backend == "trtllm":
+    if options.backend != "auto" and not backend_named(options.backend).places_device:
         return Environment.engine_dtype
     from pipeline.engine.cpu_kernels import fast_lossless_dtype
 

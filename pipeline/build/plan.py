@@ -95,7 +95,7 @@ def plan_build(options: BuildOptions, env: Environment) -> BuildPlan:
     build_dir = Path(options.engines_dir).expanduser().absolute() / name
     repo = Path(options.repo).expanduser().absolute()
     stages, skipped = _stages(settings, options, env, build_dir, repo)
-    preview = _preview(settings, memory_plan, stages, repo) if settings.backend == "trtllm" else None
+    preview = _preview(settings, memory_plan, stages, repo) if settings.runs_on.trtllm_release else None
     return BuildPlan(options, settings, name, build_dir, repo, tuple(stages), tuple(skipped), memory_plan,
                      _missing(settings, env), preview)
 
@@ -154,7 +154,7 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
     stages.append(_keyed(_compile_stage(s, target_ckpt, draft_arg, engine, tuple(deps), tuple(models)), stages))
     aopts, note = _assemble_options(s, engine, repo)
     cmd = ("pipeline", "assemble", "--engine", str(engine), "--repo", str(repo), "--gate-batch-size",
-           str(s.gate_batch_size), *(("--device", s.device) if s.backend == "torch" else ()), "--force")
+           str(s.gate_batch_size), *(("--device", s.device) if s.runs_on.places_device else ()), "--force")
     stages.append(_keyed(Stage("assemble", "assemble", aopts, cmd, repo, ("compile",), note=note), stages))
     return stages, skipped
 
@@ -182,7 +182,7 @@ def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path,
                    models: tuple[str, ...]) -> Stage:
     from pipeline.compiler.compiler import CompileOptions
 
-    trt = s.backend == "trtllm"
+    trt = s.runs_on.trtllm_release
     # On the portable engine the Triton speculation_gate model decides load and short outputs for every
     # request, and the served engine leaves them to it (pipeline/triton/models/torch_engine.py). So the engine
     # folder keeps compile's default gate (used only by `pipeline generate --model engines/...`) and the gate
@@ -255,7 +255,7 @@ def _missing(s: Settings, env: Environment) -> tuple[str, ...]:
     from pipeline.trtllm_version import for_version
 
     out = []
-    if s.backend == "trtllm":
+    if s.runs_on.trtllm_release:
         if env.gpu is None:
             out.append("an NVIDIA GPU (TensorRT-LLM builds and runs on one; use a GPU machine)")
         if not env.trtllm:

@@ -72,11 +72,11 @@ def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_k
                                          max_position_embeddings=max_pos, is_eagle3=True)
     r = resolve(o, target, draft, draft_ckpt)
     generated = route_files(o, Path(o.output).absolute(), target, draft, draft_ckpt, r, target_shape)
-    models = (TRTLLM_TARGET, TRTLLM_DRAFT) if r.route == "engine" and draft.kind == "model" else (TRTLLM_TARGET,)
-    launch = plan_launch(r.route, world_size=r.tp * r.pp, trtllm_models=models if r.route == "engine" else (),
+    models = (TRTLLM_TARGET, TRTLLM_DRAFT) if draft.kind == "model" else (TRTLLM_TARGET,)
+    launch = plan_launch(r.route, world_size=r.tp * r.pp, trtllm_models=models,
                          tensorrt_llm_version=r.tensorrt_llm_version)
     argv, env = launch_argv(ServeOptions(repo=repo), ServerBinary(Path(CONTAINER_TRITONSERVER)), None,
                             "triton_python_backend_shm_region_pipeline_", launch)
-    return Preview(route=r.route, tensorrt_llm_version=r.tensorrt_llm_version,
+    return Preview(route=r.route.name, tensorrt_llm_version=r.tensorrt_llm_version,
                    commands={k: shlex.join(v) for k, v in generated.commands.items()}, files=generated.files,
                    launch=launch.to_dict(), serve_command=shell_line(argv, env), notes=list(generated.notes))

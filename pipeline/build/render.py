@@ -26,7 +26,7 @@ def render_plan(plan: BuildPlan) -> str:
     sizes = f"max batch {s.max_batch_size} x {s.max_seq_len or 'auto'} tokens"
     lines += [line("sizes", f"{sizes}, K={s.num_draft_tokens}, kv cache {s.kv_cache_dtype}"),
               line("gate", f"speculate at batch <= {s.gate_batch_size}", "gate_batch_size")]
-    if s.backend == "trtllm":
+    if s.runs_on.trtllm_release:
         lines += [line("gpu", f"{s.gpu}", "gpu"), line("tp", str(s.tp_size), "tp_size"),
                   line("trtllm", str(s.trtllm_version), "trtllm_version")]
     else:
@@ -45,7 +45,7 @@ def render_plan(plan: BuildPlan) -> str:
         lines.append(f"skipped: {name}: {reason}")
     if plan.preview is not None:
         lines += ["", *render_preview(plan.preview)]
-    elif plan.settings.backend == "trtllm":
+    elif plan.settings.runs_on.trtllm_release:
         lines += ["", "TensorRT-LLM commands: not shown until the target's config.json is here (a preset or a folder)"]
     if plan.memory_plan is not None:
         from pipeline.plan.render import render_table

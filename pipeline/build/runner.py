@@ -83,7 +83,7 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
     t_start = time.perf_counter()
     env = env if env is not None else detect_environment(options)
     plan = plan_build(options, env)
-    if plan.settings.backend == "torch" and env.device is None:  # before anything converts: the stages take it
+    if plan.settings.runs_on.places_device and env.device is None:  # before anything converts: the stages take it
         from pipeline.engine.device import choose_device
 
         env = dataclasses.replace(env, device=choose_device(options.device))
@@ -122,7 +122,7 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
                          str(plan.manifest_file), str(plan.engine_dir), str(plan.repo), skipped=list(plan.skipped),
                          notes=notes, prepare_s=prepare_s, device_line=plan.settings.reasons.get("device", ""),
                          dtype_line=(f"{plan.settings.engine_dtype}: {plan.settings.reasons['engine_dtype']}"
-                                     if plan.settings.backend == "torch" else ""))
+                                     if plan.settings.runs_on.places_device else ""))
     keys: dict[str, str] = {}
     for stage in plan.stages:
         key = mf.input_key(stage.config_key, [keys[d] for d in stage.deps],

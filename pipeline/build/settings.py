@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment, model_name
@@ -18,23 +17,31 @@ from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_dra
 from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import ConfigError
+from pipeline.routes import PORTABLE_BACKEND, TRTLLM_BACKEND, Backend, backend_named
 from pipeline.plan.gpus import GPU, get_gpu
 from pipeline.trtllm_version import for_version
 
 PLAN_GPU = "h100-80gb"  # what a trtllm plan assumes when there is no GPU here and no --gpu
-# Per backend: (max batch size, max sequence length, gate batch size).
-TORCH_SIZES = (8, 2048, PORTABLE_CEILING)
-TRTLLM_SIZES = (16, 4096, 32)  # `pipeline plan`'s defaults; speculation pays up to batch ~32 on a GPU
+# The gate's batch size when --gate-batch-size is left out, and why. (The other sizes are the backend's own:
+# Backend.max_batch_size and max_seq_len, `pipeline plan`'s defaults on TensorRT-LLM.)
+GATE_BATCH_SIZE = {
+    PORTABLE_BACKEND: (PORTABLE_CEILING, "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 "
+                                         "(0.87x)"),
+    TRTLLM_BACKEND: (32, "the gate's default (TensorRT-LLM's max_concurrency, or its draft_len_schedule's last "
+                         "bound): above it decoding is compute-bound"),
+}
 QFORMAT_REASONS = {
-    ("trtllm", "target", True): "fp8: FP8 tensor cores halve the weight reads (perplexity +2-5% measured on SmolLM2)",
-    ("trtllm", "target", False): "none (bf16): this GPU has no FP8; --target-qformat int4_awq makes the weights ~3.5x smaller",
-    ("trtllm", "model"): "int4_awq: a draft model is memory-bound, and its quality never changes the output",
-    ("trtllm", "eagle3"): "none: an EAGLE-3 head is one layer, kept in bf16 as published",
-    ("torch", "target"): "none (bf16): fastest on CPU; fp8 is dequantized at load (0.93x), int4_awq costs "
-                         "+30% perplexity on SmolLM2",
-    ("torch", "model"): "int4_awq: torch's CPU int4 kernel decodes 1.6x faster, and a draft's quality never "
-                        "changes the output",
-    ("torch", "eagle3"): "none: an EAGLE-3 head is one layer",
+    (TRTLLM_BACKEND, "target", True): "fp8: FP8 tensor cores halve the weight reads (perplexity +2-5% measured on "
+                                      "SmolLM2)",
+    (TRTLLM_BACKEND, "target", False): "none (bf16): this GPU has no FP8; --target-qformat int4_awq makes the weights "
+                                       "~3.5x smaller",
+    (TRTLLM_BACKEND, "model"): "int4_awq: a draft model is memory-bound, and its quality never changes the output",
+    (TRTLLM_BACKEND, "eagle3"): "none: an EAGLE-3 head is one layer, kept in bf16 as published",
+    (PORTABLE_BACKEND, "target"): "none (bf16): fastest on CPU; fp8 is dequantized at load (0.93x), int4_awq costs "
+                                  "+30% perplexity on SmolLM2",
+    (PORTABLE_BACKEND, "model"): "int4_awq: torch's CPU int4 kernel decodes 1.6x faster, and a draft's quality never "
+                                 "changes the output",
+    (PORTABLE_BACKEND, "eagle3"): "none: an EAGLE-3 head is one layer",
 }
 
 
@@ -62,15 +69,19 @@ class Settings:
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property
+    def runs_on(self) -> Backend:
+        return backend_named(self.backend)
+
+    @property
     def draft_label(self) -> str:
         return self.draft.kind if self.draft.kind in ("none", NGRAM) else f"{self.draft.kind} {self.draft.ref}"
 
 
-def _trtllm_version(o: BuildOptions, backend: str, reasons: dict[str, str]) -> str | None:
+def _trtllm_version(o: BuildOptions, backend: Backend, reasons: dict[str, str]) -> str | None:
     """The TensorRT-LLM release a trtllm build writes for (pipeline.trtllm_version.pick)."""
     from pipeline import trtllm_version
 
-    if backend != "trtllm":
+    if not backend.trtllm_release:
         if o.trtllm_version is not None:
             raise ConfigError("--trtllm-version is for --backend trtllm; drop it for the portable engine")
         return None
@@ -93,45 +104,42 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     draft_q = (_qformat(o.draft_qformat, backend, draft.kind, gpu, reasons, "draft_qformat")
                if draft.kind in (MODEL, EAGLE3) else "none")
     kv = "bf16" if o.kv_cache_dtype in ("auto", "bf16") else "fp8"
-    if backend == "torch" and kv == "fp8":
+    if not backend.kv_fp8 and kv == "fp8":
         raise ConfigError("the portable engine keeps its KV cache in the compute dtype; drop --kv-cache-dtype fp8 "
                           "(or build with --backend trtllm)")
-    if kv == "fp8" and draft.kind == MODEL and backend == "trtllm" and target_q != "fp8":
+    if kv == "fp8" and draft.kind == MODEL and backend.trtllm_release and target_q != "fp8":
         # The engine route: each engine's KV dtype comes from its checkpoint, and only an FP8 one can hold FP8 KV.
         raise ConfigError(f"--kv-cache-dtype fp8 needs an fp8 target on TensorRT-LLM engines (trtllm-build refuses "
                           f"an FP8 KV cache beside {target_q} weights); add --target-qformat fp8, or drop "
                           f"--kv-cache-dtype fp8")
-    batch, seq, gate = TORCH_SIZES if backend == "torch" else TRTLLM_SIZES
+    batch, seq, (gate, gate_reason) = backend.max_batch_size, backend.max_seq_len, GATE_BATCH_SIZE[backend]
     max_seq = o.max_seq_len
     if max_seq is None:  # the backend's default, at most the model's own limit where its config.json is here
         max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
     version = _trtllm_version(o, backend, reasons)
-    device = env.device[0] if env.device is not None and backend == "torch" else parse_device(o.device)
-    if backend == "trtllm" and device != "auto":
-        raise ConfigError(f"--device {o.device} places the portable engine; TensorRT-LLM places its engines on the "
-                          f"GPUs of its tp/pp mapping: drop --device, or build with --backend torch")
+    device = env.device[0] if env.device is not None and backend.places_device else parse_device(o.device)
+    backend.check_device(o.device, f"--backend {backend.name}")
+    if backend.one_device and (o.tp_size or 1) > 1:
+        raise ConfigError("the portable engine runs on one device; drop --tp-size (or build with --backend trtllm)")
     settings = Settings(
-        backend=backend, target=o.target, draft=draft, target_qformat=target_q,
+        backend=backend.name, target=o.target, draft=draft, target_qformat=target_q,
         draft_qformat=draft_q, kv_cache_dtype=kv, num_draft_tokens=o.num_draft_tokens,
         gate_batch_size=o.gate_batch_size if o.gate_batch_size is not None else gate,
         max_batch_size=o.max_batch_size if o.max_batch_size is not None else batch,
         max_input_len=o.max_input_len, max_seq_len=max_seq, tp_size=o.tp_size or 1,
         gpu=gpu.key if gpu is not None else None,
-        export="trtllm" if backend == "trtllm" and draft.kind == MODEL and for_version(version).engine_route else "hf",
+        # a draft model runs as a second TensorRT engine where the release still builds them (the engine route)
+        export="trtllm" if backend.trtllm_release and draft.kind == MODEL and for_version(version).engine_route
+        else "hf",
         engine_dtype="bf16" if device.startswith("cuda") else env.engine_dtype[0], trtllm_version=version,
         device=device, reasons=reasons)
     if o.gate_batch_size is None:
-        reasons["gate_batch_size"] = (f"{settings.gate_batch_size}: " + (
-            "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 (0.87x)"
-            if backend == "torch" else "the gate's default (TensorRT-LLM's max_concurrency, or its draft_len_schedule's "
-                                     "last bound): above it decoding is compute-bound"))
-    if backend == "torch":
+        reasons["gate_batch_size"] = f"{settings.gate_batch_size}: {gate_reason}"
+    if not backend.plans_gpu_memory:
         if env.device is not None:
             reasons["device"] = env.device[1]
         reasons["engine_dtype"] = "bf16 on a GPU (its tensor cores' dtype)" if device.startswith("cuda") else \
             env.engine_dtype[1]
-        if (o.tp_size or 1) > 1:
-            raise ConfigError("the portable engine runs on one device; drop --tp-size (or build with --backend trtllm)")
         return settings, None
     return _with_memory_plan(settings, o, shape, gpu, reasons)
 
@@ -148,7 +156,7 @@ def _with_memory_plan(s: Settings, o: BuildOptions, shape, gpu: GPU, reasons: di
     inputs = PlanInputs(target_name=model_name(o.target), target=shape, gpu=gpu, tp=s.tp_size,
                         target_qformat=s.target_qformat, draft=draft, draft_qformat=s.draft_qformat,
                         kv_cache_dtype=s.kv_cache_dtype, draft_kv_cache_dtype=draft_kv,
-                        max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len or TRTLLM_SIZES[1])
+                        max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len or TRTLLM_BACKEND.max_seq_len)
     plan = plan_memory(inputs)
     if o.tp_size is None and plan.min_tp is not None and plan.min_tp != s.tp_size:
         s = dataclasses.replace(s, tp_size=plan.min_tp)
@@ -160,28 +168,28 @@ def _with_memory_plan(s: Settings, o: BuildOptions, shape, gpu: GPU, reasons: di
     return s, plan
 
 
-def _backend(o: BuildOptions, env: Environment, shape, reasons: dict) -> str:
+def _backend(o: BuildOptions, env: Environment, shape, reasons: dict) -> Backend:
     if o.backend != "auto":
-        return o.backend
+        return backend_named(o.backend)
     if parse_device(o.device) != "auto":
         reasons["backend"] = f"torch: --device {o.device} places the portable engine"
-        return "torch"
+        return PORTABLE_BACKEND
     if env.gpu is not None and env.trtllm:
         reasons["backend"] = f"trtllm: a {env.gpu.name} and TensorRT-LLM are here"
-        return "trtllm"
+        return TRTLLM_BACKEND
     bf16_bytes = 2 * shape.param_count if shape is not None else 0
     if env.host_memory_bytes and bf16_bytes > env.host_memory_bytes // 2:
         reasons["backend"] = (f"trtllm: {bf16_bytes / 1e9:.0f} GB of bf16 weights is too much for this machine's "
                               f"{env.host_memory_bytes / 1e9:.0f} GB on the portable engine")
-        return "trtllm"
+        return TRTLLM_BACKEND
     reasons["backend"] = "torch: the portable engine (no GPU with TensorRT-LLM here)"
-    return "torch"
+    return PORTABLE_BACKEND
 
 
-def _plan_gpu(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> GPU | None:
+def _plan_gpu(o: BuildOptions, env: Environment, backend: Backend, reasons: dict) -> GPU | None:
     if o.gpu is not None:
         return get_gpu(o.gpu)
-    if backend != "trtllm":
+    if not backend.plans_gpu_memory:
         return None
     if env.gpu is not None:
         return env.gpu
@@ -189,7 +197,7 @@ def _plan_gpu(o: BuildOptions, env: Environment, backend: str, reasons: dict) ->
     return get_gpu(PLAN_GPU)
 
 
-def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> DraftSpec:
+def _draft(o: BuildOptions, env: Environment, backend: Backend, reasons: dict) -> DraftSpec:
     """--draft resolved: auto picks, and a bare eagle3 names the head (published, trained earlier, or "" for one
     this build trains)."""
     from pipeline.models.presets import get_preset
@@ -198,17 +206,17 @@ def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> Dr
     preset = get_preset(o.target)
     head = preset.eagle3_head if preset is not None else None
     if draft.kind == AUTO:
-        if backend == "trtllm" and head:
+        if head and not backend.trains_heads:  # TensorRT-LLM serves the published head
             reasons["draft"] = f"eagle3: {head} is published for {preset.name}"
             return DraftSpec(EAGLE3, head)
         reasons["draft"] = "ngram: needs no weights and pays when answers copy from the prompt"
         return DraftSpec(NGRAM)
     if draft.kind != EAGLE3 or draft.ref:
         return draft
-    if backend == "torch" and env.trained_head is not None:
+    if backend.trains_heads and env.trained_head is not None:
         reasons["draft"] = f"eagle3: the head trained for {o.target} in the cache ({env.trained_head})"
         return DraftSpec(EAGLE3, str(env.trained_head))
-    if backend == "torch":
+    if backend.trains_heads:
         # "" = the build trains the head (a train_draft stage), reused by later builds like any stage.
         reasons["draft"] = (f"eagle3: no head given, so the build trains one for {o.target} with ModelOpt "
                             f"(`pipeline draft train`, at most {o.draft_budget_minutes:g} minutes) and reuses "
@@ -220,14 +228,14 @@ def _draft(o: BuildOptions, env: Environment, backend: str, reasons: dict) -> Dr
     return DraftSpec(EAGLE3, head)
 
 
-def _qformat(requested: str, backend: str, role: str, gpu: GPU | None, reasons: dict, key: str) -> str:
+def _qformat(requested: str, backend: Backend, role: str, gpu: GPU | None, reasons: dict, key: str) -> str:
     from pipeline.quantize.formats import get_format
 
     value = requested.strip().lower()
     if value != "auto":
         return get_format(value, "--" + key.replace("_", "-")).name  # raises with the list of formats
-    if backend == "trtllm" and role == "target":
-        reason = QFORMAT_REASONS[("trtllm", "target", bool(gpu and gpu.fp8))]
+    if backend.plans_gpu_memory and role == "target":  # the GPU decides: FP8 where it has FP8 tensor cores
+        reason = QFORMAT_REASONS[(backend, role, bool(gpu and gpu.fp8))]
     else:
         reason = QFORMAT_REASONS[(backend, role)]
     reasons[key] = reason

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.device import device_option
+from pipeline.routes import BACKEND_NAMES
 
 
 @click.command()
@@ -16,7 +17,7 @@ from pipeline.cli.device import device_option
               help="Engine folder from `pipeline compile` (--backend torch, or trtllm: engine or llmapi route).")
 @click.option("--repo", "-r", type=click.Path(path_type=Path), default=Path("triton_repo"), show_default=True,
               help="Model repository to write.")
-@click.option("--backend", "-b", type=click.Choice(["auto", "torch", "trtllm"]), default="auto", show_default=True,
+@click.option("--backend", "-b", type=click.Choice(["auto", *BACKEND_NAMES]), default="auto", show_default=True,
               help="Which engine folder this is; auto: engine.json means torch, a TensorRT-LLM compile.json trtllm.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="trtllm: the target's Hugging Face tokenizer folder (default: the checkpoint compile.json names).")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from pipeline.models.presets import DEFAULT_MODEL
+from pipeline.routes import BACKEND_NAMES
 
 BUILD_FLAGS = (
     click.option("--target", "-t", default=DEFAULT_MODEL, show_default=True,
@@ -31,7 +32,7 @@ BUILD_FLAGS = (
     click.option("gate_batch_size", "--gate-batch-size", type=int,
                  help="Speculate only while at most this many requests decode [default: 4 on the portable engine, "
                       "32 on TensorRT-LLM]. `pipeline bench --apply` fits it on this machine."),
-    click.option("--backend", "-b", default="auto", show_default=True, type=click.Choice(["auto", "torch", "trtllm"]),
+    click.option("--backend", "-b", default="auto", show_default=True, type=click.Choice(["auto", *BACKEND_NAMES]),
                  help="auto: TensorRT-LLM where it is importable and a GPU is present (or the target is too big for "
                       "this machine's memory), else the portable engine (torch)."),
     click.option("max_batch_size", "--max-batch-size", type=int,

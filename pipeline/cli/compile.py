@@ -8,16 +8,17 @@ from pathlib import Path
 import click
 
 from pipeline.cli.device import device_option
+from pipeline.routes import BACKEND_NAMES, ROUTE_CHOICES
 
 
 @click.command("compile")
-@click.option("--backend", "-b", required=True, type=click.Choice(["trtllm", "torch"]),
+@click.option("--backend", "-b", required=True, type=click.Choice(BACKEND_NAMES),
               help="trtllm: TensorRT-LLM engines or LLM-API config; torch: the portable engine folder.")
 @click.option("--target", "-t", required=True, type=click.Path(path_type=Path),
               help="Target checkpoint folder from `pipeline quantize` (--export trtllm for --route engine).")
 @click.option("--draft", "-d", default="none", show_default=True,
               help="none, ngram, a draft checkpoint folder, or eagle3:FOLDER (an EAGLE-3 head).")
-@click.option("--route", default="auto", show_default=True, type=click.Choice(["auto", "engine", "llmapi"]),
+@click.option("--route", default="auto", show_default=True, type=click.Choice(ROUTE_CHOICES),
               help="trtllm only. engine: trtllm-build; llmapi: PyTorch backend YAML. auto: from the checkpoint "
                    "layout (and llmapi for ngram/eagle3).")
 @click.option("num_draft_tokens", "--num-draft-tokens", "-k", type=int, default=4, show_default=True,

@@ -9,6 +9,7 @@ import click
 from pipeline.cli.aliased import Aliased
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.weights import WEIGHT_FORMATS
+from pipeline.routes import BACKEND_NAMES
 
 
 @click.command()
@@ -28,7 +29,7 @@ from pipeline.plan.weights import WEIGHT_FORMATS
               help="Requests decoding at once.")
 @click.option("max_seq_len", "--max-seq-len", type=int, default=4096, show_default=True,
               help="Prompt + generated tokens per request.")
-@click.option("--backend", "-b", default="trtllm", show_default=True, type=click.Choice(["trtllm", "torch"]),
+@click.option("--backend", "-b", default="trtllm", show_default=True, type=click.Choice(BACKEND_NAMES),
               help="trtllm: TensorRT-LLM's engines on tp GPUs; torch: the portable engine on one GPU (--device "
                    "cuda): its weights, the KV pool it sizes from the free memory, and the --max-seq-len requests it "
                    "holds.")
@@ -51,11 +52,12 @@ def plan(target, draft, gpu, tp, target_qformat, draft_qformat, kv_cache_dtype, 
     """
     from pipeline.errors import PlanError
     from pipeline.plan import plan_inputs, plan_memory, plan_portable, render_portable, render_table
+    from pipeline.routes import backend_named
 
     inputs = plan_inputs(
         target=target, gpu=gpu, draft=draft, tp=tp, target_qformat=target_qformat, draft_qformat=draft_qformat,
         kv_cache_dtype=kv_cache_dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-    if backend == "torch":
+    if not backend_named(backend).plans_gpu_memory:  # the portable engine sizes its KV pool from what is left
         result = plan_portable(inputs, 0.9 if free_gpu_memory_fraction is None else free_gpu_memory_fraction)
         click.echo(json.dumps(result.to_dict(), indent=2) if json_ else render_portable(result))
     else:

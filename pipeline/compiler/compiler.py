@@ -24,10 +24,11 @@ from pipeline.compiler.checkpoint import Checkpoint, read_checkpoint
 from pipeline.compiler.reference import GUIDE_INFO_FILE, TRTLLM_CONTAINER
 from pipeline.compiler.trtllm_build import (BuildSizes, build_command, derive_sizes, feature_notes, guide_info_command,
                                             run_command)
-from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan, pick_route
+from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.folder import ENGINE_FILE, write_engine_manifest
 from pipeline.errors import ConfigError, MissingDependencyError
+from pipeline.routes import Route, backend_named, pick_route
 
 MANIFEST_FILE = "compile.json"
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -105,7 +106,7 @@ def trtllm_available() -> bool:
 class Resolved:
     """What compile decides from the options and the checkpoints' config files, before anything is written."""
 
-    route: str
+    route: Route
     sizes: BuildSizes
     kv_cache_dtype: str
     tp: int
@@ -126,12 +127,13 @@ def resolve(options: CompileOptions, target: Checkpoint, draft: DraftSpec, draft
     sizes = derive_sizes(options.max_batch_size, k, target.max_position_embeddings, options.max_seq_len,
                          options.max_input_len, options.max_num_tokens)
     kv_dtype = _kv_cache_dtype(options.kv_cache_dtype, target, route)
-    if route != "torch" and draft_ckpt is not None and draft.kind == "model":
+    if route.backend.kv_fp8 and draft_ckpt is not None and draft.kind == "model":
         # An engine's KV dtype comes from its own checkpoint; the LLM API's kv_cache_config covers both models.
-        _kv_cache_dtype(options.kv_cache_dtype if route == "llmapi" else "auto", draft_ckpt, route, role="draft")
+        _kv_cache_dtype("auto" if route.kv_from_checkpoint else options.kv_cache_dtype, draft_ckpt, route,
+                        role="draft")
     tp, pp = _parallel(options, target, route)
     version = _tensorrt_llm_version(route, options.trtllm_version)
-    if route == "engine" and not trtllm_version.for_version(version).engine_route:
+    if route.builds_engines and not trtllm_version.for_version(version).engine_route:
         raise ConfigError(f"TensorRT-LLM {version} has no TensorRT engine route (trtllm-build and the tensorrtllm "
                           f"backend were removed after 1.3.0rc20, NVIDIA/TensorRT-LLM PRs #15907 and #15918); use "
                           f"--route llmapi with a Hugging Face checkpoint, or --trtllm-version "
@@ -158,7 +160,7 @@ def route_files(options: CompileOptions, output: Path, target: Checkpoint, draft
     release = trtllm_version.for_version(r.tensorrt_llm_version)
     where = release.container or "an image you build with it: no Triton container ships it"
     header = f"#!/usr/bin/env bash\n# TensorRT-LLM {r.tensorrt_llm_version} ({where})\n"
-    if r.route == "engine":
+    if r.route.builds_engines:
         out.commands["build_target"] = build_command(target, output / "target", r.sizes, role="target")
         if draft_ckpt is not None:
             out.commands["build_draft"] = build_command(draft_ckpt, output / "draft", r.sizes, role="draft")
@@ -232,17 +234,17 @@ def compile_model(options: CompileOptions) -> CompileResult:
     check_draft_matches(target, draft, draft_ckpt)
     plan = check_plan(target, draft, draft_ckpt, options.gpu, r.sizes.max_batch_size, r.sizes.max_seq_len,
                       r.kv_cache_dtype, force=options.force, tp=r.tp, route=r.route)
-    if r.route == "engine" and not options.dry_run and not trtllm_available():
+    if r.route.builds_engines and not options.dry_run and not trtllm_available():
         raise MissingDependencyError(
             f"trtllm-build is not installed here (TensorRT-LLM needs NVIDIA's own build); run this in "
             f"NVIDIA's TensorRT-LLM container {TRTLLM_CONTAINER}, or add --dry-run to write the commands only")
 
-    result = CompileResult(options.backend, r.route, str(output), options.dry_run, device=device,
+    result = CompileResult(options.backend, r.route.name, str(output), options.dry_run, device=device,
                            device_line=device_line)
     manifest = {
         "tensorrt_llm_version": r.tensorrt_llm_version,
         "container": trtllm_version.for_version(r.tensorrt_llm_version).container,
-        "backend": options.backend, "route": r.route, "dry_run": options.dry_run,
+        "backend": options.backend, "route": r.route.name, "dry_run": options.dry_run,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "target": _describe(target), "draft": {"kind": draft.kind, **(_describe(draft_ckpt) if draft_ckpt else {})},
         "sizes": asdict(r.sizes), "gate_batch_size": options.gate_batch_size, "kv_cache_dtype": r.kv_cache_dtype,
@@ -251,7 +253,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
     if device is not None:
         manifest["device"] = device
     with staged_output(output, options.force, ConfigError, "-o") as stage:
-        if r.route == "torch":
+        if r.route.portable:
             _torch_route(stage, target, draft, draft_ckpt, r.sizes, options, result, manifest)
         else:
             from pipeline.compiler.validate import model_shape
@@ -264,7 +266,7 @@ def compile_model(options: CompileOptions) -> CompileResult:
             result.commands, result.files, result.notes = generated.commands, list(generated.files), generated.notes
             if generated.configs:
                 manifest["configs"] = generated.configs
-            if r.route == "engine" and not options.dry_run:
+            if r.route.builds_engines and not options.dry_run:
                 _run_builds(stage, result)
         manifest["commands"] = {name: shlex.join(cmd) for name, cmd in result.commands.items()}
         result.manifest = manifest
@@ -331,10 +333,9 @@ def _device(o: CompileOptions) -> tuple[str | None, str]:
     run (nothing loads; the spelling only). TensorRT-LLM places its engines by its own mapping: (None, "")."""
     from pipeline.engine.device import choose_device, parse_device
 
-    if o.backend != "torch":
-        if parse_device(o.device) != "auto":
-            raise ConfigError(f"--device {o.device} is for --backend torch; TensorRT-LLM places its engines on the "
-                              f"GPUs of its tp/pp mapping: drop --device")
+    backend = backend_named(o.backend)
+    if not backend.places_device:
+        backend.check_device(o.device, f"--backend {backend.name}")
         return None, ""
     if o.dry_run:
         return parse_device(o.device), ""
@@ -357,48 +358,48 @@ def _check_options(o: CompileOptions) -> None:
     for flag, value in (("--tp-size", o.tp_size), ("--pp-size", o.pp_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
-    if o.backend == "torch" and o.trtllm_version is not None:
+    if not backend_named(o.backend).trtllm_release and o.trtllm_version is not None:
         raise ConfigError("--trtllm-version is for --backend trtllm; drop it for the portable engine")
     if o.dtype not in ("auto", "fp32", "bf16", "fp16"):
         raise ConfigError(f"unknown --dtype {o.dtype!r}; pick one of auto, fp32, bf16, fp16")
 
 
-def _kv_cache_dtype(requested: str, ckpt: Checkpoint, route: str, role: str = "target") -> str:
+def _kv_cache_dtype(requested: str, ckpt: Checkpoint, route: Route, role: str = "target") -> str:
     """The KV cache dtype for one checkpoint; on the engine route an FP8 KV cache needs an FP8 checkpoint."""
     from pipeline.compiler.reference import FP8_KV_QUANT_ALGOS
 
     quantized = (ckpt.kv_cache_quant_algo or "").upper() == "FP8"
-    if route == "engine" and requested == "fp8" and not quantized:
+    if route.kv_from_checkpoint and requested == "fp8" and not quantized:
         # trtllm-build takes the KV cache dtype from the checkpoint's quantization.kv_cache_quant_algo.
         raise ConfigError(f"the TensorRT-LLM {role} checkpoint {ckpt.path.name} has no FP8 KV cache; re-quantize with "
                           f"`pipeline quantize --kv-cache-dtype fp8 --export trtllm`, or drop --kv-cache-dtype fp8")
-    if route == "engine" and quantized and (ckpt.quant_algo or "") not in FP8_KV_QUANT_ALGOS:
+    if route.kv_from_checkpoint and quantized and (ckpt.quant_algo or "") not in FP8_KV_QUANT_ALGOS:
         # builder.py: FP8 paged context FMHA "only works with fp8 quantization workflow"; the draft-target
         # recipe needs --use_paged_context_fmha enable for KV reuse.
         raise ConfigError(f"the {role} checkpoint {ckpt.path.name} is {ckpt.quant_algo or 'unquantized'} with an FP8 KV "
                           f"cache, which trtllm-build refuses with paged context FMHA (\"FP8 Paged Context FMHA only "
                           f"works with fp8 quantization workflow\"); re-quantize it with --kv-cache-dtype none, or as fp8")
-    if route == "llmapi" and requested == "fp8" and (ckpt.quant_algo or "").startswith("W4A16"):
+    if not route.int4_fp8_kv and requested == "fp8" and (ckpt.quant_algo or "").startswith("W4A16"):
         # The PyTorch flow fails the same way ("FMHA kernels are not found", NVIDIA/TensorRT-LLM#8862).
         raise ConfigError(f"the {role} checkpoint {ckpt.path.name} is {ckpt.quant_algo}, and TensorRT-LLM's PyTorch "
                           f"backend has no attention kernels for INT4-AWQ with an FP8 KV cache; drop --kv-cache-dtype "
                           f"fp8, or quantize the {role} as fp8")
-    if route == "torch" and requested == "fp8":
+    if not route.backend.kv_fp8 and requested == "fp8":
         raise ConfigError("the portable engine keeps its KV cache in the compute dtype; drop --kv-cache-dtype fp8")
     return "fp8" if requested == "fp8" or quantized else "auto"
 
 
-def _tensorrt_llm_version(route: str, requested: str | None) -> str:
+def _tensorrt_llm_version(route: Route, requested: str | None) -> str:
     """The TensorRT-LLM the output is for: the installed one in NVIDIA's container (refused unless its names are
     the ones this pipeline writes, and unless --trtllm-version names another), else --trtllm-version, else the
     newest stable release."""
-    if route == "torch":
+    if not route.probes_installed_trtllm:
         return trtllm_version.pick(requested, None, "pipeline compile")
     return trtllm_version.pick(requested, trtllm_version.installed(), "pipeline compile")
 
 
-def _parallel(options: CompileOptions, target: Checkpoint, route: str) -> tuple[int, int]:
-    if route == "engine":
+def _parallel(options: CompileOptions, target: Checkpoint, route: Route) -> tuple[int, int]:
+    if route.parallel_from_checkpoint:
         for flag, given, have in (("--tp-size", options.tp_size, target.tp_size),
                                   ("--pp-size", options.pp_size, target.pp_size)):
             if given is not None and given != have:
@@ -406,7 +407,7 @@ def _parallel(options: CompileOptions, target: Checkpoint, route: str) -> tuple[
                                   f"route takes TP/PP from the checkpoint: re-export with "
                                   f"`pipeline quantize --export trtllm {flag} {given}`, or drop {flag}")
         return target.tp_size, target.pp_size
-    if route == "torch" and ((options.tp_size or 1) > 1 or (options.pp_size or 1) > 1):
+    if route.backend.one_device and ((options.tp_size or 1) > 1 or (options.pp_size or 1) > 1):
         raise ConfigError("the portable engine runs on one device; drop --tp-size/--pp-size")
     return options.tp_size or 1, options.pp_size or 1
 

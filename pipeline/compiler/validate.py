@@ -5,34 +5,7 @@ from __future__ import annotations
 from pipeline.compiler.checkpoint import Checkpoint
 from pipeline.draft_spec import DraftSpec
 from pipeline.errors import ConfigError, DraftMismatchError
-
-BACKENDS = ("trtllm", "torch")
-ROUTES = ("auto", "engine", "llmapi")
-
-
-def pick_route(backend: str, route: str, target: Checkpoint, draft: DraftSpec) -> str:
-    """The route that will run: "torch" for the portable engine, else "engine" (trtllm-build) or "llmapi"."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown --backend {backend!r}; pick one of {', '.join(BACKENDS)}")
-    if route not in ROUTES:
-        raise ConfigError(f"unknown --route {route!r}; pick one of {', '.join(ROUTES)}")
-    if backend == "torch":
-        if target.layout != "hf":
-            raise ConfigError(f"--backend torch loads Hugging Face checkpoints, and {target.path} is a TensorRT-LLM "
-                              f"checkpoint; quantize with --export hf for the portable engine")
-        return "torch"
-    if route == "auto":
-        route = "llmapi" if draft.kind in ("eagle3", "ngram") or target.layout == "hf" else "engine"
-    if route == "engine":
-        if target.layout != "trtllm":
-            raise ConfigError(f"--route engine builds from a TensorRT-LLM checkpoint, and {target.path} is a Hugging "
-                              f"Face folder; quantize with --export trtllm, or use --route llmapi")
-        if draft.kind in ("eagle3", "ngram"):
-            raise ConfigError(f"--draft {draft.kind} runs on TensorRT-LLM's PyTorch backend; use --route llmapi")
-    elif target.layout != "hf":
-        raise ConfigError(f"--route llmapi (PyTorch backend) loads Hugging Face checkpoints, and {target.path} is a "
-                          f"TensorRT-LLM checkpoint; quantize with --export hf, or use --route engine")
-    return route
+from pipeline.routes import ENGINE, Route
 
 
 def check_draft_len(draft: DraftSpec, num_draft_tokens: int) -> None:
@@ -70,7 +43,7 @@ def check_draft_matches(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkp
 
 def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None, gpu: str | None,
                max_batch_size: int, max_seq_len: int, kv_cache_dtype: str, force: bool = False,
-               tp: int | None = None, route: str = "engine") -> dict | None:
+               tp: int | None = None, route: Route = ENGINE) -> dict | None:
     """Sizes within the GPU plan: the one call into pipeline.plan, for --gpu or else the GPU nvidia-smi
     reports. Skipped when neither names a GPU. A plan that doesn't fit is refused unless `force`."""
     from pipeline.plan.gpus import detect_gpu, get_gpu
@@ -87,7 +60,7 @@ def check_plan(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | No
         plan_draft = PlanDraft("model", draft_ckpt.path.name, model_shape(draft_ckpt))
     kv = "fp8" if kv_cache_dtype == "fp8" else "bf16"
     draft_kv = kv
-    if route == "engine" and draft_ckpt is not None:  # a draft engine takes its own checkpoint's KV dtype
+    if route.kv_from_checkpoint and draft_ckpt is not None:  # a draft engine takes its own checkpoint's KV dtype
         draft_kv = "fp8" if (draft_ckpt.kv_cache_quant_algo or "").upper() == "FP8" else "bf16"
     plan = plan_memory(PlanInputs(
         target_name=target.path.name, target=model_shape(target), gpu=gpu_spec, tp=tp or target.tp_size,

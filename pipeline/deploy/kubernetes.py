@@ -18,6 +18,7 @@ from pipeline.deploy.dashboard import SIDECAR_LABEL, UID, dashboard
 from pipeline.deploy.plan import (ADMIN_SECRET_KEY, GPU_PRODUCT_LABEL, GPU_RESOURCE, HF_SECRET_KEY, MODELS_MOUNT,
                                   OPENAI_PORT, OPENAI_SECRET_KEY, PORTS, PROBE_PERIOD_S, REPO_DIR, DeployPlan)
 from pipeline.errors import ConfigError
+from pipeline.routes import PORTABLE_BACKEND, TRTLLM_BACKEND, backend_named
 
 RESOURCES = ("pvc.yaml", "build-job.yaml", "deployment.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml",
              "pdb.yaml", "grafana-dashboard.yaml")
@@ -29,7 +30,7 @@ MULTINODE_RESOURCES = ("pvc.yaml", "build-job.yaml", "serviceaccount.yaml", "rol
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 ADAPTER_RULES = "prometheus-adapter-rules.yaml"  # merged into the adapter's own config, not applied here
 DASHBOARD_JSON = "grafana-dashboard.json"  # the same dashboard, for Grafana's Import outside the cluster
-SHM_SIZE = {"trtllm": "16Gi", "torch": "2Gi"}  # /dev/shm: Triton's Python backend moves tensors through it
+SHM_SIZE = {TRTLLM_BACKEND: "16Gi", PORTABLE_BACKEND: "2Gi"}  # /dev/shm: Triton's Python backend moves tensors through it
 
 
 def manifests(plan: DeployPlan) -> dict[str, dict]:
@@ -91,7 +92,7 @@ def pvc(plan: DeployPlan) -> dict:
 
 def _volumes(plan: DeployPlan) -> list[dict]:
     return [{"name": "models", "persistentVolumeClaim": {"claimName": f"{plan.name}-models"}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE[plan.backend]}}]
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE[backend_named(plan.backend)]}}]
 
 
 def _mounts(read_only: bool) -> list[dict]:
@@ -328,7 +329,7 @@ WEB_STACK = ("fastapi>=0.165", "uvicorn>=0.30")  # pyproject.toml's; a test chec
 def dockerfile(plan: DeployPlan) -> str:
     """The image the pods run: the base plus this project, whose Python models (speculation_gate, the
     frontends) the repository loads. Built from the project's root: docker build -f deploy/<name>/Dockerfile ."""
-    if plan.backend == "trtllm":
+    if backend_named(plan.backend).trtllm_release:
         install = ("# --no-deps: keep the container's own torch, TensorRT-LLM and transformers; the OpenAI frontend's\n"
                    "# web stack is added (pyproject.toml's pins)\n"
                    "RUN pip install --no-deps --no-build-isolation /opt/specdec-pipeline && \\\n"

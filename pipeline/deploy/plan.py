@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import ConfigError
+from pipeline.routes import PORTABLE, PORTABLE_BACKEND, TRTLLM_BACKEND, route_named
 
 POLICIES = ("gate", "queue")
 MODELS_MOUNT = "/models"  # the volume, in every container
@@ -48,7 +49,7 @@ HF_SECRET_KEY = "token"
 # loads engines, allocates the KV cache and captures CUDA graphs; the portable engine starts Python stubs),
 # doubled so a slow volume or a cold node doesn't get the pod killed while it loads.
 READ_BYTES_PER_S = 500e6
-FIXED_START_S = {"trtllm": 180, "torch": 60}
+FIXED_START_S = {TRTLLM_BACKEND: 180, PORTABLE_BACKEND: 60}
 PROBE_PERIOD_S = 10
 # The queue policy's target: scale out when requests wait in Triton's queue longer than they compute. NVIDIA's
 # Triton autoscaling tutorial (triton-inference-server/tutorials, Deployment/Kubernetes/
@@ -157,8 +158,8 @@ def plan_deploy(build, options: DeployOptions) -> DeployPlan:
     options.validate()
     s = build.settings
     name = options.name or dns_label(build.name)
-    trt = s.backend == "trtllm"
-    route = build.preview.route if trt else "torch"
+    trt = s.runs_on.trtllm_release
+    route = route_named(build.preview.route) if trt else PORTABLE
     gpus = _gpus(build) if trt else 0
     pods = _pods_per_replica(build.name, gpus, options.gpus_per_node)
     version = s.trtllm_version if trt else __version__
@@ -172,7 +173,7 @@ def plan_deploy(build, options: DeployOptions) -> DeployPlan:
     image = options.image or f"specdec-pipeline-{'trtllm' if trt else 'cpu'}:{version}"
     command, env, line = _serve_command(build, trt, pods, gpus // pods)
     weight_bytes = _weight_bytes(build)
-    startup = 2 * (FIXED_START_S[s.backend] + weight_bytes / READ_BYTES_PER_S)
+    startup = 2 * (FIXED_START_S[s.runs_on] + weight_bytes / READ_BYTES_PER_S)
     labels = {
         "app.kubernetes.io/name": "triton-speculative",
         "app.kubernetes.io/instance": name,
@@ -181,14 +182,14 @@ def plan_deploy(build, options: DeployOptions) -> DeployPlan:
         "app.kubernetes.io/managed-by": "kustomize",
     }
     notes = []
-    if options.policy == "gate" and route == "llmapi":
+    if options.policy == "gate" and route.gates_in_trtllm:
         notes.append("the LLM-API route gates inside TensorRT-LLM (max_concurrency), so the gate policy reads our "
                      "frontend's in-flight count; TensorRT-LLM turns speculation off at the same ceiling")
     if pods > 1:
         notes.append(f"a replica spans {pods} nodes: the manifests use a LeaderWorkerSet, so the LWS controller "
                      "(kubernetes-sigs/lws) must be installed in the cluster")
     return DeployPlan(
-        name=name, namespace=options.namespace, labels=labels, backend=s.backend, route=route, image=image,
+        name=name, namespace=options.namespace, labels=labels, backend=s.backend, route=route.name, image=image,
         base_image=base, gpus=gpus // pods, serve_command=command, serve_env=env, launch_line=line,
         build_command=_build_command(build), gate_batch_size=s.gate_batch_size, policy=options.policy,
         min_replicas=options.min_replicas, max_replicas=options.max_replicas,
@@ -290,7 +291,7 @@ def _memory_request(build, weight_bytes: float) -> str:
     """Host memory: TensorRT-LLM stages an engine through host memory rank by rank (a tenth of the weights
     is plenty with mmap'd engines; 32 GiB at least); the portable engine holds its weights there (2.5x, for
     the loading copy and the KV cache), 2 GiB at least."""
-    if build.settings.backend == "trtllm":
+    if build.settings.runs_on.trtllm_release:
         return f"{max(32, math.ceil(weight_bytes / 10 / 2**30))}Gi"
     return f"{max(2, math.ceil(2.5 * weight_bytes / 2**30))}Gi"
 

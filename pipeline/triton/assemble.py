@@ -24,6 +24,8 @@ from pipeline.compiler.reference import GUIDE_INFO_FILE
 from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
+from pipeline.routes import BACKENDS as ALL_BACKENDS
+from pipeline.routes import ENGINE, LLMAPI, PORTABLE, TRTLLM_BACKEND, Route, route_named
 from pipeline.staging import check_output, staged_output
 from pipeline.triton.config import (GATE, LLMAPI_FRONTEND, LLMAPI_MODEL, LLMAPI_MODEL_DIR, LLMAPI_YAML,
                                     POSTPROCESSING, PREPROCESSING,
@@ -38,7 +40,7 @@ MODEL_SOURCES = Path(__file__).parent / "models"
 PYTHON_MODELS = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py",
                  GATE: "speculation_gate.py", TORCH_ENGINE: "torch_engine.py", LLMAPI_FRONTEND: "llmapi_frontend.py"}
 LLMAPI_SOURCE = "llmapi.py"  # the llmapi route's tensorrt_llm: a loader for TensorRT-LLM's own model.py
-BACKENDS = ("auto", "torch", "trtllm")
+BACKENDS = ("auto", *(b.name for b in ALL_BACKENDS))  # --backend
 DEFAULT_KV_FRACTION = 0.9  # TensorRT-LLM's own default free_gpu_memory_fraction
 SHARED_KV_FRACTION = 0.5  # examples/draft_target_model/README.md, both models on one GPU
 MIN_KV_FRACTION = 0.05
@@ -94,14 +96,15 @@ class Plan:
     """What assemble will write: the RepoSpec plus the route's extra files and how to launch it."""
 
     spec: RepoSpec
-    route: str
+    route: Route
     llmapi_yaml: dict | None = None
     notes: tuple[str, ...] = ()
-    launch: Launch = Launch("torch", "plain")
+    launch: Launch = Launch(PORTABLE, "plain")
 
 
-def detect_backend(engine: Path, requested: str = "auto") -> str:
-    """torch for a folder with engine.json, trtllm for one with compile.json from `compile -b trtllm`."""
+def detect_route(engine: Path, requested: str = "auto") -> Route:
+    """The portable engine for a folder with engine.json; for one with compile.json from `compile -b trtllm`, the
+    route it names. `requested`: --backend (auto, or the one the folder must be)."""
     from pipeline.compiler.compiler import MANIFEST_FILE
     from pipeline.engine.folder import ENGINE_FILE
 
@@ -109,15 +112,15 @@ def detect_backend(engine: Path, requested: str = "auto") -> str:
         raise ConfigError(f"unknown --backend {requested!r}; pick one of {', '.join(BACKENDS)}")
     manifest = engine / MANIFEST_FILE
     if (engine / ENGINE_FILE).is_file():
-        found = "torch"
-    elif manifest.is_file() and _read_json(manifest).get("backend") == "trtllm":
-        found = "trtllm"
+        found = PORTABLE
+    elif manifest.is_file() and _read_json(manifest).get("backend") == TRTLLM_BACKEND.name:
+        found = route_named(_read_json(manifest).get("route", ENGINE.name))
     else:
         raise ConfigError(f"{engine} has neither engine.json (`pipeline compile -b torch`) nor a TensorRT-LLM "
                           f"compile.json (`pipeline compile -b trtllm`); pass an engine folder that compile wrote")
-    if requested not in ("auto", found):
-        raise ConfigError(f"--backend {requested} but {engine} is a {found} engine folder; drop --backend or pass "
-                          f"a folder from `pipeline compile -b {requested}`")
+    if requested not in ("auto", found.backend.name):
+        raise ConfigError(f"--backend {requested} but {engine} is a {found.backend.name} engine folder; drop "
+                          f"--backend or pass a folder from `pipeline compile -b {requested}`")
     return found
 
 
@@ -139,16 +142,14 @@ def repo_spec(options: AssembleOptions) -> RepoSpec:
 def plan_repository(options: AssembleOptions) -> Plan:
     """Read the engine folder and decide everything assemble writes (reads files, writes nothing)."""
     engine = Path(options.engine).expanduser().absolute()
-    backend = detect_backend(engine, options.backend)
-    if backend != "torch" and parse_device(options.device) != "auto":
-        raise ConfigError(f"--device {options.device} places the portable engine; {engine} is a TensorRT-LLM folder, "
-                          f"whose engines run on the GPUs of their tp/pp mapping: drop --device")
-    if backend == "torch":
-        return Plan(_torch_spec(engine, options), "torch")
+    route = detect_route(engine, options.backend)
+    route.check_device(options.device, str(engine))
+    if route.portable:
+        return Plan(_torch_spec(engine, options), route)
     from pipeline.compiler.compiler import MANIFEST_FILE
 
     manifest = _read_json(engine / MANIFEST_FILE)
-    if manifest.get("route") == "llmapi":
+    if route.upstream_llmapi_model:
         return _llmapi_plan(engine, manifest, options)
     return _engine_plan(engine, manifest, options)
 
@@ -158,7 +159,7 @@ def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     from pipeline.engine.folder import read_engine_manifest
 
     manifest = read_engine_manifest(engine)
-    return RepoSpec(backend="torch", tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
+    return RepoSpec(backend=PORTABLE.repo_backend, tokenizer_dir=str(engine / manifest["tokenizer"]), engine_dir=str(engine),
                     max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                     num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
                     max_input_bytes=options.max_input_bytes, max_queue_size=options.max_queue_size,
@@ -237,10 +238,10 @@ def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
     sizes = manifest["sizes"]
     models = (TRTLLM_TARGET, TRTLLM_DRAFT) if has_draft else (TRTLLM_TARGET,)
     world = int(manifest.get("tp_size", 1)) * int(manifest.get("pp_size", 1))
-    launch = plan_launch("engine", world_size=world, trtllm_models=models,
+    launch = plan_launch(ENGINE, world_size=world, trtllm_models=models,
                          tensorrt_llm_version=manifest.get("tensorrt_llm_version"))
     kv = kv_budget(manifest.get("plan"), sizes["max_batch_size"], sizes["max_seq_len"], has_draft)
-    spec = RepoSpec(backend="trtllm", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(target),
+    spec = RepoSpec(backend=ENGINE.repo_backend, tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(target),
                     draft_engine_dir=str(draft) if has_draft else "", max_batch_size=sizes["max_batch_size"],
                     max_seq_len=sizes["max_seq_len"], num_draft_tokens=max(1, sizes["max_draft_len"]),
                     gate=_gate(options), max_input_bytes=options.max_input_bytes,
@@ -248,7 +249,7 @@ def _engine_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
                     draft_max_tokens=kv.draft_max_tokens, gpu_device_ids=gpu_device_ids(launch),
                     guide_tokenizer_info=guide_info)
     notes += [n for n in (kv.note, _launch_note(launch)) if n]
-    return Plan(spec, "engine", notes=tuple(notes), launch=launch)
+    return Plan(spec, ENGINE, notes=tuple(notes), launch=launch)
 
 
 def _guide_info(engine: Path, manifest: dict) -> str:
@@ -286,7 +287,7 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
                 "max_batch_size": sizes["max_batch_size"], "max_num_tokens": sizes["max_num_tokens"],
                 "max_seq_len": sizes["max_seq_len"], **extra}
     model = manifest["target"]["path"]
-    spec = RepoSpec(backend="llmapi", tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(engine),
+    spec = RepoSpec(backend=LLMAPI.repo_backend, tokenizer_dir=str(_tokenizer(manifest, options)), engine_dir=str(engine),
                     max_batch_size=sizes["max_batch_size"], max_seq_len=sizes["max_seq_len"],
                     num_draft_tokens=max(1, sizes["max_draft_len"]), gate=_gate(options),
                     max_input_bytes=options.max_input_bytes,
@@ -300,10 +301,10 @@ def _llmapi_plan(engine: Path, manifest: dict, options: AssembleOptions) -> Plan
                    else f"speculative_config.max_concurrency={spec_cfg.get('max_concurrency', 'unset (always)')}")
         notes.append(f"speculation is TensorRT-LLM's ({spec_cfg.get('decoding_type')}): on at batch sizes up to "
                      f"{ceiling}; requests can't switch it per request on this route")
-    launch = plan_launch("llmapi", world_size=int(manifest.get("tp_size", 1)) * int(manifest.get("pp_size", 1)),
+    launch = plan_launch(LLMAPI, world_size=int(manifest.get("tp_size", 1)) * int(manifest.get("pp_size", 1)),
                          tensorrt_llm_version=manifest.get("tensorrt_llm_version"))
     notes.append(_launch_note(launch))
-    return Plan(spec, "llmapi", llmapi_model_yaml(model, llm_args), tuple(notes), launch)
+    return Plan(spec, LLMAPI, llmapi_model_yaml(model, llm_args), tuple(notes), launch)
 
 
 def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = None, launch: Launch | None = None,
@@ -313,7 +314,7 @@ def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = No
     from pipeline.triton.draft_target import SENT_INPUTS
 
     configs = repository_configs(spec)
-    for model in trtllm_models(spec) if spec.backend == "trtllm" else ():
+    for model in trtllm_models(spec) if spec.route.upstream_engine_models else ():
         if container is not None:
             configs[model.name] = container_config(container, model, max_batch_size=spec.max_batch_size,
                                                    tokenizer_dir=spec.tokenizer_dir)
@@ -321,7 +322,7 @@ def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = No
     for name, msg in configs.items():
         write_config(folder / name, msg)
         (folder / name / "1").mkdir()
-        if spec.backend == "llmapi" and name == LLMAPI_MODEL:
+        if spec.route.upstream_llmapi_model and name == LLMAPI_MODEL:
             import yaml
 
             shutil.copyfile(MODEL_SOURCES / LLMAPI_SOURCE, folder / name / "1" / "model.py")
@@ -329,7 +330,7 @@ def write_repository(folder: Path, spec: RepoSpec, llmapi_yaml: dict | None = No
             (folder / name / "1" / LLMAPI_YAML).write_text(yaml.safe_dump(llmapi_yaml or {}, sort_keys=False))
         elif name in PYTHON_MODELS:
             shutil.copyfile(MODEL_SOURCES / PYTHON_MODELS[name], folder / name / "1" / "model.py")
-    write_launch(folder, launch or Launch("torch", "plain"))
+    write_launch(folder, launch or Launch(PORTABLE, "plain"))
     return sorted(configs)
 
 
@@ -337,16 +338,16 @@ def assemble(options: AssembleOptions) -> AssembleResult:
     repo = Path(options.repo).expanduser().absolute()
     check_output(repo, options.force, ConfigError, "--repo")
     plan = plan_repository(options)
-    if options.max_queue_size is not None and plan.route != "torch":
+    if options.max_queue_size is not None and not plan.route.own_queue:
         raise ConfigError("--max-queue-size bounds the portable engine's queue; on TensorRT-LLM the queue is "
                           "the tensorrt_llm model's own (max_queue_size in its config.pbtxt)")
-    container = find_container_tools() if plan.spec.backend == "trtllm" else None
+    container = find_container_tools() if plan.route.upstream_engine_models else None
     notes = list(plan.notes)
     if container is not None:
         notes.append(f"tensorrt_llm config: the container's {container.template}, filled by {container.fill_template}")
     with staged_output(repo, options.force, ConfigError, "--repo") as stage:
         models = write_repository(stage, plan.spec, plan.llmapi_yaml, plan.launch, container)
-    engine = plan.spec.engine_dir if plan.route == "torch" else str(Path(options.engine).expanduser().absolute())
+    engine = plan.spec.engine_dir if plan.route.portable else str(Path(options.engine).expanduser().absolute())
     return AssembleResult(repo=str(repo), engine=engine, models=models, backend=plan.spec.backend,
-                          route=plan.route, notes=notes, launch=plan.launch.mode,
-                          device=parse_device(plan.spec.device) if plan.route == "torch" else None)
+                          route=plan.route.name, notes=notes, launch=plan.launch.mode,
+                          device=parse_device(plan.spec.device) if plan.route.portable else None)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal, Mapping
 from pipeline.engine.device import parse_device
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
+from pipeline.routes import ROUTES, Route, route_named
 from pipeline.triton.model_config_pb import model_config_pb2
 from pipeline.triton.trtllm_template import TrtllmModel, table_config
 from pipeline.triton.interface import (
@@ -64,13 +65,14 @@ BYTES_PER_TOKEN = 32
 # the python backend's stubs: a model's config.pbtxt is fixed when assemble writes it, and the device is the
 # serving machine's choice. Set, it wins over the config's `device` parameter.
 DEVICE_ENV = "PIPELINE_DEVICE"
+REPO_BACKENDS = tuple(route.repo_backend for route in ROUTES)  # RepoSpec.backend: torch, trtllm, llmapi
 
 
 @dataclass(frozen=True)
 class RepoSpec:
     """Everything the repository's configs depend on, validated here and nowhere else."""
 
-    backend: Literal["torch", "trtllm", "llmapi"]
+    backend: Literal["torch", "trtllm", "llmapi"]  # the route's repo_backend (pipeline.routes)
     tokenizer_dir: str  # a Hugging Face folder with the tokenizer (and chat template); llmapi: the model
     engine_dir: str  # torch: the portable engine folder; trtllm: the target's engine folder; llmapi: compile's
     draft_engine_dir: str = ""  # trtllm only: the draft's engine folder; "" serves the target alone
@@ -102,8 +104,8 @@ class RepoSpec:
     device: str = "auto"
 
     def __post_init__(self):
-        if self.backend not in ("torch", "trtllm", "llmapi"):
-            raise ConfigError(f"unknown backend {self.backend!r}; use 'torch', 'trtllm' or 'llmapi'")
+        if self.backend not in REPO_BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}; use {', '.join(map(repr, REPO_BACKENDS))}")
         if not self.tokenizer_dir or not self.engine_dir:
             raise ConfigError("tokenizer_dir and engine_dir must be set; pass the model and engine folders")
         if self.max_batch_size < 1:
@@ -121,12 +123,10 @@ class RepoSpec:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
         if self.draft_max_tokens is not None and self.draft_max_tokens < 1:
             raise ConfigError("draft_max_tokens must be >= 1")
-        if self.guide_tokenizer_info and self.backend != "trtllm":
+        if self.guide_tokenizer_info and not self.route.guide_tokenizer_info:
             raise ConfigError("guide_tokenizer_info is the engine route's (backend 'trtllm'); the portable engine "
                               "and the LLM-API route take guides without it")
-        if parse_device(self.device) != "auto" and self.backend != "torch":
-            raise ConfigError(f"device {self.device!r} is for the portable engine (backend 'torch'); TensorRT-LLM "
-                              f"places its engines by its tp/pp mapping: leave device 'auto'")
+        self.route.check_device(self.device, f"a repository of backend {self.backend!r}")
 
     @property
     def queue_limit(self) -> int:
@@ -137,12 +137,20 @@ class RepoSpec:
         return self.max_input_bytes or self.max_seq_len * BYTES_PER_TOKEN
 
     @property
+    def route(self) -> Route:
+        return route_named(self.backend)
+
+    @property
     def has_draft(self) -> bool:
-        return self.backend == "trtllm" and bool(self.draft_engine_dir)
+        """A draft model of its own in the repository (the engine route's tensorrt_llm_draft)."""
+        return self.route.upstream_engine_models and bool(self.draft_engine_dir)
 
     @property
     def engine_model(self) -> str:
-        return {"trtllm": TRTLLM_TARGET, "llmapi": LLMAPI_MODEL}.get(self.backend, TORCH_ENGINE)
+        """The model the gate (or the LLM API's frontend step) sends a request on to."""
+        if self.route.upstream_engine_models:
+            return TRTLLM_TARGET
+        return LLMAPI_MODEL if self.route.upstream_llmapi_model else TORCH_ENGINE
 
 
 def _flag(value: bool) -> str:
@@ -206,11 +214,11 @@ def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
         "gate_hysteresis": str(spec.gate.hysteresis),
         "gate_min_tokens": str(spec.gate.min_tokens),
     }
-    if spec.backend == "torch" and spec.queue_limit:
+    if spec.route.own_queue and spec.queue_limit:
         # The gate refuses a request the engine has no room for, before the BLS call (serving_gate.Busy).
         params["engine_slots"] = str(spec.max_batch_size)
         params["engine_max_queue_size"] = str(spec.queue_limit)
-    if spec.backend == "trtllm":
+    if spec.route.upstream_engine_models:
         if spec.has_draft:
             params["draft_model"] = TRTLLM_DRAFT
         params["tokenizer_dir"] = spec.tokenizer_dir  # draft_target counts text tokens for the prefix resend
@@ -341,12 +349,12 @@ def llmapi_model_yaml(model: str, llm_args: dict) -> dict:
 
 def repository_configs(spec: RepoSpec) -> dict[str, ModelConfig]:
     """Every model's config for the chosen backend, by model name."""
-    if spec.backend == "llmapi":
+    if spec.route.upstream_llmapi_model:
         return {c.name: c for c in (llmapi_ensemble_config(spec), llmapi_frontend_config(spec),
                                     llmapi_model_config(spec))}
     configs = [preprocessing_config(spec), postprocessing_config(spec), speculation_gate_config(spec),
                ensemble_config(spec)]
-    if spec.backend == "trtllm":
+    if spec.route.upstream_engine_models:
         configs += [tensorrt_llm_config(spec, draft=m.name == TRTLLM_DRAFT) for m in trtllm_models(spec)]
     else:
         configs.append(torch_engine_config(spec))

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.errors import ConfigError
+from pipeline.routes import PORTABLE, Route, route_named
 
 LAUNCH_FILE = "launch.json"
 MODES = ("plain", "leader", "orchestrator", "llmapi")
@@ -51,7 +52,7 @@ def python_backend_args(shm_prefix: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Launch:
-    route: str  # torch | engine | llmapi
+    route: Route  # given as the object or its name (launch.json's spelling: torch | engine | llmapi)
     mode: str  # plain | leader | orchestrator | llmapi
     world_size: int = 1  # MPI ranks mpirun starts (leader: tp*pp; the others: 1)
     gpus: int = 0  # GPUs the models use (each TensorRT-LLM model's tp*pp; the draft shares the target's)
@@ -59,6 +60,8 @@ class Launch:
     tensorrt_llm_version: str | None = None  # the TensorRT-LLM the engines / YAML were made with
 
     def __post_init__(self):
+        if isinstance(self.route, str):
+            object.__setattr__(self, "route", route_named(self.route))
         if self.mode not in MODES:
             raise ConfigError(f"unknown launch mode {self.mode!r}; one of {', '.join(MODES)}")
         if self.world_size < 1:
@@ -71,26 +74,25 @@ class Launch:
         return self.mode != "plain"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "trtllm_models": list(self.trtllm_models)}
+        return {**asdict(self), "route": self.route.name, "trtllm_models": list(self.trtllm_models)}
 
     @classmethod
     def from_dict(cls, d: dict) -> Launch:
         return cls(**{**d, "trtllm_models": tuple(d.get("trtllm_models", ()))})
 
 
-def plan_launch(route: str, *, world_size: int = 1, trtllm_models: tuple[str, ...] = (),
+def plan_launch(route: Route, *, world_size: int = 1, trtllm_models: tuple[str, ...] = (),
                 tensorrt_llm_version: str | None = None) -> Launch:
     """The launch a route needs. world_size: the target engine's tp*pp (the draft's is the same)."""
-    if route == "torch":
-        return Launch("torch", "plain")
-    if route == "llmapi":
-        return Launch("llmapi", "llmapi", 1, world_size, (), tensorrt_llm_version)
-    if route != "engine":
-        raise ConfigError(f"unknown route {route!r}")
-    if len(trtllm_models) > 1:
+    mode = route.launch_mode
+    if mode == "leader" and len(trtllm_models) > 1:
         # Two TensorRT-LLM models in one server need the orchestrator (LAUNCH_FACTS["two_models"]).
-        return Launch("engine", "orchestrator", 1, world_size, trtllm_models, tensorrt_llm_version)
-    return Launch("engine", "leader", world_size, world_size, trtllm_models, tensorrt_llm_version)
+        mode = "orchestrator"
+    if mode == "plain":
+        return Launch(route, mode)
+    # leader: mpirun starts a rank per GPU; orchestrator and llmapi: one rank, which starts the workers itself
+    return Launch(route, mode, world_size if mode == "leader" else 1, world_size,
+                  trtllm_models if route.upstream_engine_models else (), tensorrt_llm_version)
 
 
 def gpu_device_ids(launch: Launch) -> str | None:
@@ -179,7 +181,7 @@ def read_launch(repo: Path) -> Launch:
     """The repository's launch; a repository without one (written by hand, or before launch.json) is plain."""
     path = Path(repo) / LAUNCH_FILE
     if not path.is_file():
-        return Launch("torch", "plain")
+        return Launch(PORTABLE, "plain")
     try:
         return Launch.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as err:

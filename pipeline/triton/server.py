@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.engine.device import parse_device
-from pipeline.errors import ConfigError, ServeError
+from pipeline.errors import ServeError
 from pipeline.polling import wait_until
+from pipeline.routes import PORTABLE
 from pipeline.triton.config import DEVICE_ENV
 from pipeline.triton.launch import Launch, launch_command, read_launch
 from pipeline.triton.ports import port_in_use
@@ -126,7 +127,7 @@ def check_launchable(launch: Launch, binary: ServerBinary) -> None:
     """One line, before anything starts, when this machine can't run the launch."""
     if not launch.mpi:
         return
-    what = "TensorRT-LLM engines" if launch.route == "engine" else "TensorRT-LLM's LLM API"
+    what = launch.route.label
     where = (f"serve it in NVIDIA's container {TRITON_CONTAINER}; `pipeline serve --dry-run` prints the command")
     if not binary.path.is_file():
         raise ServeError(f"this repository serves {what} and there is no tritonserver with the tensorrtllm backend "
@@ -136,9 +137,10 @@ def check_launchable(launch: Launch, binary: ServerBinary) -> None:
     from pipeline import trtllm_version
 
     running = trtllm_version.installed()
-    trtllm_version.check_same(launch.tensorrt_llm_version, running,
-                              "the engines" if launch.route == "engine" else "the LLM-API options",
-                              exact=launch.route == "engine")
+    # TensorRT engines run only on the release that built them; the LLM API's options are read by any same-minor one
+    built = launch.route.builds_engines
+    trtllm_version.check_same(launch.tensorrt_llm_version, running, "the engines" if built else "the LLM-API options",
+                              exact=built)
 
 
 def shell_line(argv: list[str], env: dict[str, str] | None = None) -> str:
@@ -213,12 +215,11 @@ ARENA_ENV, ARENA_MAX = "MALLOC_ARENA_MAX", "2"
 def launch_argv(options: ServeOptions, binary: ServerBinary, backend_directory: Path | None = None,
                 shm_prefix: str = SHM_PREFIX, launch: Launch | None = None) -> tuple[list[str], dict[str, str]]:
     """argv and the environment to add, for the repository's launch (plain when None)."""
-    launch = launch or Launch("torch", "plain")
+    launch = launch or Launch(PORTABLE, "plain")
     argv, env = launch_command(launch, str(binary.path), server_args(options, binary, backend_directory), shm_prefix)
-    if launch.route == "torch" and ARENA_ENV not in os.environ:
-        env = {ARENA_ENV: ARENA_MAX, **env}
-    if launch.route == "torch":
-        env = {DEVICE_ENV: parse_device(options.device), **env}
+    if launch.route.portable:
+        env = {DEVICE_ENV: parse_device(options.device), **({} if ARENA_ENV in os.environ else {ARENA_ENV: ARENA_MAX}),
+               **env}
     return argv, env
 
 
@@ -228,11 +229,8 @@ def engine_device(options: ServeOptions, launch: Launch, check: bool = True) -> 
     which refuses a --device other than auto: its engines run on the GPUs of their tp/pp mapping."""
     from pipeline.engine.device import choose_device
 
-    if launch.route != "torch":
-        if parse_device(options.device) != "auto":
-            raise ConfigError(f"--device {options.device} places the portable engine, and this repository serves "
-                              f"TensorRT-LLM ({launch.route} route), whose engines run on the GPUs of their tp/pp "
-                              f"mapping: drop --device")
+    if not launch.route.portable:
+        launch.route.check_device(options.device, f"this repository ({launch.route.name} route)")
         return "", ""
     return choose_device(options.device) if check else (parse_device(options.device), "")
 

@@ -42,6 +42,7 @@ from pipeline.engine.draft_plan import read_counts
 from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import PipelineError
 from pipeline.heap import release_memory
+from pipeline.routes import PORTABLE, route_named
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.bls_streams import ENDED
@@ -225,11 +226,12 @@ class Metrics:
 class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
-        self.backend = params.get("backend", "torch")
+        # The engine route's repository: the gate runs the draft-target loop over upstream's tensorrt_llm models
+        self.drives_engines = route_named(params.get("backend", PORTABLE.repo_backend)).upstream_engine_models
         self.engine_model = params["engine_model"]
         self.draft_model = params.get("draft_model", "")
         self.is_text = None
-        if self.backend == "trtllm":  # which ids are text, for the streamed prefix resend
+        if self.drives_engines:  # which ids are text, for the streamed prefix resend
             from pipeline.triton.draft_target import text_token_filter
             self.is_text = text_token_filter(params["tokenizer_dir"])
         self.num_draft_tokens = int(params.get("num_draft_tokens", "4"))
@@ -251,7 +253,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             arrival = time.monotonic()
-            refusal = _trtllm_refusal(request, self.guided) if self.backend == "trtllm" else None
+            refusal = _trtllm_refusal(request, self.guided) if self.drives_engines else None
             if refusal is not None:
                 self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)), FINAL)
                 continue
@@ -266,9 +268,9 @@ class TritonPythonModel:
                 self._send(sender, pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(client_message(err, "speculation_gate"))), FINAL)
                 continue
-            if self.backend == "trtllm" and decision.speculate and not self.draft_model:
+            if self.drives_engines and decision.speculate and not self.draft_model:
                 decision = Decision(False, "no_draft")  # a repository serving the target engine alone
-            elif self.backend == "trtllm" and decision.speculate and (reason := _trtllm_plain_reason(request)):
+            elif self.drives_engines and decision.speculate and (reason := _trtllm_plain_reason(request)):
                 # The TensorRT-LLM loop speculates for greedy requests without a guide, penalties or log probs only
                 # (draft_target): guided, sampled, penalties, log_probs.
                 decision = Decision(False, reason)
@@ -301,7 +303,7 @@ class TritonPythonModel:
                           clock)
 
         try:
-            if self.backend == "trtllm":
+            if self.drives_engines:
                 from pipeline.triton.draft_target import serve_request
 
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
