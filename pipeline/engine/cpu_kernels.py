@@ -470,14 +470,20 @@ def usable() -> bool:
     return _enabled and load() is not None
 
 
-def for_tensor(x: torch.Tensor) -> CpuKernels | None:
-    """The kernels when they apply to a forward on x: a dtype they take (DTYPES), on a CPU, no autograd, not
-    switched off."""
-    if not _enabled or x.dtype not in DTYPES or x.device.type != "cpu" or torch.is_grad_enabled():
-        return None
-    if gpu_kernels.runs_here(x):  # a test running the GPU kernels on a CPU, under Triton's interpreter
+def for_dtype(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels for a forward on x on a model whose kernel set is the C one (pipeline.engine.kernels): where
+    they take x's dtype (DTYPES), no autograd is on, and they are not switched off."""
+    if not _enabled or x.dtype not in DTYPES or torch.is_grad_enabled():
         return None
     return load()
+
+
+def for_tensor(x: torch.Tensor) -> CpuKernels | None:
+    """for_dtype, where x is on a CPU and the GPU kernels don't run there: a layer with no kernel set of its own
+    (kernels.AUTO) asks this each call."""
+    if x.device.type != "cpu" or gpu_kernels.runs_here(x):  # runs_here: a test under Triton's interpreter
+        return None
+    return for_dtype(x)
 
 
 def status() -> str:

@@ -28,6 +28,7 @@ from torch import nn
 from pipeline.engine import cpu_kernels
 from pipeline.engine.config import ModelConfig
 from pipeline.engine.cuda_graphs import GraphedHead
+from pipeline.engine.kernels import AUTO, KernelSet
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
 from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer, stack_row
@@ -79,6 +80,7 @@ class LayerRow:
 
 class Eagle3Head(nn.Module):
     fused = True  # the decoder layer in one C call where the kernels run all of it (tests compare the modules)
+    kernels: KernelSet = AUTO  # the engine's (model.choose_kernels)
 
     def __init__(self, cfg: Eagle3Config, max_seq_len: int):
         super().__init__()
@@ -137,10 +139,10 @@ class Eagle3Head(nn.Module):
         dtype = hidden.dtype
         cos = self.rope_cos[fb.positions].to(dtype)[:, :, None, :]
         sin = self.rope_sin[fb.positions].to(dtype)[:, :, None, :]
-        kernels = cpu_kernels.for_tensor(hidden) if self.fused and embeds.dtype == cache.k.dtype == dtype else None
-        plan = self.layer_row() if kernels is not None else None
+        c = self.kernels.c(hidden) if self.fused and embeds.dtype == cache.k.dtype == dtype else None
+        plan = self.layer_row() if c is not None else None
         if plan is not None:  # the same kernels and bits as the modules below, without their dispatch
-            out = kernels.head_layer(embeds, hidden, plan.row, self.hidden_norm.weight, plan.flags, plan.group_size,
+            out = c.head_layer(embeds, hidden, plan.row, self.hidden_norm.weight, plan.flags, plan.group_size,
                                      self.cfg.layer, cos, sin, cache, fb)
         else:
             h = self.hidden_norm(self.embed_norm(hidden) if self.cfg.hidden_norm_after_input_norm else hidden)

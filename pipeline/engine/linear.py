@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.engine import cpu_kernels, gpu_kernels, row_invariance
+from pipeline.engine.kernels import AUTO, KernelSet
 
 # PIPELINE_LINEAR: "auto" (the default): the engine's C kernels on a CPU where they are built, else a checked
 # vendor kernel; "onednn": oneDNN for every weight (tests), checked; "torch": F.linear, checked.
@@ -65,7 +66,7 @@ def _onednn_reorder(w: torch.Tensor) -> torch.Tensor | None:
 class Linear(nn.Module):
     """nn.Linear's parameters and semantics, plus an optional device-specific packed weight."""
 
-    gpu_kernels = "invariant"  # config.GPU_KERNEL_CHOICES, per model (model.use_gpu_kernels)
+    kernels: KernelSet = AUTO  # the model's (model.choose_kernels)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
@@ -78,19 +79,19 @@ class Linear(nn.Module):
         self._vendor: row_invariance.CheckedKernel | None = None  # a VENDOR_LAYOUTS kernel, checked at pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x) and not self.weight.is_meta:
+        if self.kernels.triton(x) and not self.weight.is_meta:
             return gpu_kernels.linear(x, self.weight, self.bias)
-        if x.device.type != "cpu" or self.layout is None:
+        if self.layout is None:  # packed for no kernel of ours: a GPU's vendor kernel, or a weight too small to pack
             return F.linear(x, self.weight, self.bias)
         p = self.packed
         if self.layout in OWN_LAYOUTS:  # any number of rows in one call: each row's bits are its own
-            kernels = cpu_kernels.for_tensor(x)
-            if kernels is None or x.dtype != self.dtype:  # switched off (tests compare) or autograd: through torch
+            c = self.kernels.c(x)
+            if c is None or x.dtype != self.dtype:  # switched off (tests compare) or autograd: through torch
                 return F.linear(x, self.plain_weight().to(x.dtype), self.bias)
             if self.layout == "amx":
-                y = kernels.bf16_linear(x, p)
+                y = c.bf16_linear(x, p)
             else:
-                y = kernels.dense_linear(x, p, self.out_features)
+                y = c.dense_linear(x, p, self.out_features)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self._vendor is None or x.dtype != self.dtype:
@@ -177,7 +178,7 @@ class Linear(nn.Module):
                  "rowwise": "oneDNN one row a call" if self.packed is not None else "F.linear one row a call",
                  None: "F.linear"}
         if self.layout is None and gpu_kernels.runs_here(self.weight):
-            return "gpu_kernels.linear (Triton)" if self.gpu_kernels == "invariant" else "F.linear (cuBLAS)"
+            return "F.linear (cuBLAS)" if self.kernels.name == "vendor" else "gpu_kernels.linear (Triton)"
         return names[self.layout]
 
     def extra_repr(self) -> str:

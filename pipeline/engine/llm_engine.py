@@ -35,7 +35,7 @@ from pipeline.engine.guide import Guide, GuideSpec, apply_refusals, tokenizer_fo
 from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.kv_cache import ForwardBatch, blocks_for
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
-from pipeline.engine.model import Transformer, use_gpu_kernels
+from pipeline.engine.model import Transformer, choose_kernels
 from pipeline.engine.logit_rules import adjust
 from pipeline.engine.proposers import DraftModelProposer, NgramFirst, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
@@ -65,7 +65,7 @@ class LLMEngine:
         self.model, self.config, self.proposer = model, config, proposer
         for module in (model, getattr(proposer, "model", None), getattr(proposer, "head", None)):
             if module is not None:  # the target, a draft model, an EAGLE-3 head: one kernel choice for all
-                use_gpu_kernels(module, config.gpu_kernels)
+                choose_kernels(module, config.gpu_kernels)
         # A model measured for fewer drafts than this engine may take can't price them: use the default.
         if cost_model is None or cost_model.max_drafts < config.num_draft_tokens:
             cost_model = default_cost_model(config.num_draft_tokens, config.max_batch_size,

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.engine import cpu_kernels, gpu_kernels
+from pipeline.engine import gpu_kernels
 from pipeline.engine.config import ModelConfig
+from pipeline.engine.kernels import AUTO, KernelSet, for_device, use_kernels
 from pipeline.engine.kv_cache import ForwardBatch, KVCache
 from pipeline.engine.linear import Linear, pack_linears
 from pipeline.engine.moe import SparseMoE
@@ -55,7 +56,7 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    gpu_kernels = "invariant"  # config.GPU_KERNEL_CHOICES (use_gpu_kernels)
+    kernels: KernelSet = AUTO  # the model's (choose_kernels)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -66,11 +67,11 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 as transformers does (bf16 variance loses too much), then round to the
         # model dtype *before* scaling by the weight, again as transformers does. An fp32 weight on a bf16 row
         # (Gemma's 1 + w, made at load: unit_offset_norm) scales in fp32 and rounds once, as Gemma's norm does.
-        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x):
+        if self.kernels.triton(x):
             return gpu_kernels.rms_norm(x, self.weight, self.eps)[1]
-        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype in (x.dtype, torch.float32) else None
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)
+        c = self.kernels.c(x) if self.weight.dtype in (x.dtype, torch.float32) else None
+        if c is not None:
+            return c.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if self.weight.dtype == torch.float32:
@@ -79,12 +80,11 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on a bf16 CPU or a GPU."""
-        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(x):
+        if self.kernels.triton(x):
             return gpu_kernels.rms_norm(x, self.weight, self.eps, delta)
-        kernels = cpu_kernels.for_tensor(x) if self.weight.dtype in (x.dtype, torch.float32) and \
-            x.dtype == delta.dtype else None
-        if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps, delta)
+        c = self.kernels.c(x) if self.weight.dtype in (x.dtype, torch.float32) and x.dtype == delta.dtype else None
+        if c is not None:
+            return c.rms_norm(x, self.weight, self.eps, delta)
         total = x + delta
         return total, self(total)
 
@@ -110,7 +110,7 @@ SCORE_ALIGN = 32  # softmax rows are padded to a multiple of this many keys (see
 
 
 class Attention(nn.Module):
-    gpu_kernels = "invariant"  # config.GPU_KERNEL_CHOICES (use_gpu_kernels)
+    kernels: KernelSet = AUTO  # the model's (choose_kernels)
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -135,12 +135,12 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(qkv[:, :, :nq].contiguous()), self.k_norm(qkv[:, :, nq:nq + nk].contiguous()),
                              qkv[:, :, nq + nk:]], dim=2)
         ck, cv = cache.k[self.layer], cache.v[self.layer]  # [NB + 1, KV, BS, D]
-        kernels = cpu_kernels.for_tensor(qkv) if ck.dtype == cos.dtype == qkv.dtype else None
-        if kernels is not None:  # rope, the cache write and attention in one call (cpu_kernels.c)
-            out = kernels.rope_attend(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads, self.n_kv,
+        c = self.kernels.c(qkv) if ck.dtype == cos.dtype == qkv.dtype else None
+        if c is not None:  # rope, the cache write and attention in one call (cpu_kernels.c)
+            out = c.rope_attend(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads, self.n_kv,
                                       self.scale, self.window)
             return self.o(out.view(B, T, self.n_heads * self.hd))
-        if self.gpu_kernels == "invariant" and gpu_kernels.runs_here(qkv):  # each token against its own keys
+        if self.kernels.triton(qkv):  # each token against its own keys
             q = gpu_kernels.rope_and_write(qkv, cos, sin, ck, cv, fb.block_table, fb.write_pos, self.n_heads,
                                            self.n_kv)
             out = gpu_kernels.paged_attention(q, ck, cv, fb.block_table, fb.write_pos, self.scale, self.window)
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         ck[block, :, offset] = k
         cv[block, :, offset] = v
         q = q.transpose(1, 2)  # [B, H, T, D]
-        if q.device.type == "cpu":
+        if self.kernels.per_row(q):
             out = self.token_by_token_attention(q, ck, cv, fb)
         else:
             keys, values = fb.keys(ck, None, fb.kv_len), fb.keys(cv, None, fb.kv_len)
@@ -256,10 +256,11 @@ class DecoderLayer(nn.Module):
         return x, out if self.mlp_out_norm is None else self.mlp_out_norm(out)
 
 
-def use_gpu_kernels(model: nn.Module, choice: str) -> None:
-    """Run model's forwards on a GPU with the engine's own Triton kernels ("invariant") or the vendor's ("vendor":
-    cuBLAS and SDPA, whose bits move with the batch). A CPU ignores it. On a GPU, "invariant" first checks the
-    one vendor reduction it keeps (greedy's argmax) on this GPU."""
+def choose_kernels(model: nn.Module, choice: str = "invariant") -> None:
+    """Choose model's kernel set once, for the device its weights are on, and hand it to every layer
+    (pipeline.engine.kernels). choice: on a GPU, the engine's own Triton kernels ("invariant") or the vendor's
+    ("vendor": cuBLAS and SDPA, whose bits move with the batch); a CPU ignores it. On a GPU, "invariant" first checks
+    the one vendor reduction it keeps (greedy's argmax) on this GPU."""
     weight = next(model.parameters())
     if choice == "invariant" and weight.is_cuda:
         if (why := gpu_kernels.available()) is not None:
@@ -269,9 +270,7 @@ def use_gpu_kernels(model: nn.Module, choice: str) -> None:
             raise ConfigError(f"torch's argmax on {torch.cuda.get_device_name(weight.device)} gave a row another "
                               "token in a batch than alone; greedy output can't be kept lossless here: load the engine with "
                               "EngineConfig(gpu_kernels='vendor') to accept that")
-    for m in model.modules():
-        if isinstance(m, (Linear, RMSNorm, Attention)):
-            m.gpu_kernels = choice
+    use_kernels(model, for_device(weight.device, choice))
 
 
 STACK_NORM_F32, STACK_GELU = 1, 2  # cpu_kernels.layers' flags (the C source's enum of the same names)
@@ -327,6 +326,8 @@ def stack_row(norms: list[torch.Tensor], lins: tuple[nn.Module, ...], dtype: tor
 
 
 class Transformer(nn.Module):
+    kernels: KernelSet = AUTO  # the model's (choose_kernels): the layer stack's C call
+
     def __init__(self, cfg: ModelConfig, max_seq_len: int):
         super().__init__()
         self.cfg = cfg
@@ -431,8 +432,8 @@ class Transformer(nn.Module):
             local = (self.rope_cos_local[fb.positions].to(dtype)[:, :, None, :],
                      self.rope_sin_local[fb.positions].to(dtype)[:, :, None, :])
         captured, delta = [], None
-        kernels = cpu_kernels.for_tensor(x) if cache.k.dtype == dtype else None
-        stack = self.layer_stack() if kernels is not None else None
+        c = self.kernels.c(x) if cache.k.dtype == dtype else None
+        stack = self.layer_stack() if c is not None else None
         if stack is not None:  # the layers in C calls: the same kernels and bits as the loop below
             # One call, or one per run of layers between captured inputs (EAGLE-3's), each captured input with its
             # residual added as the loop adds it.
@@ -443,12 +444,12 @@ class Transformer(nn.Module):
                         x, delta = x + delta, None
                     captured.append(x)
                     x = x.clone()  # the C call overwrites its input
-                x, delta = kernels.layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb, first, end,
+                x, delta = c.layers(x, stack.table, stack.group_size, self.cfg, cos, sin, cache, fb, first, end,
                                           stack.flags, self.cfg.features.query_scale, local)
         for i, layer in enumerate(self.layers if stack is None else ()):
             if i in capture_layers:
                 if delta is not None:  # the layer's input, added here (the same bits as the fused add)
-                    fused = layer.input_norm.gpu_kernels == "invariant" and gpu_kernels.runs_here(x)
+                    fused = layer.input_norm.kernels.triton(x)
                     # The GPU kernel's own add: the same rounding by construction, not by torch agreeing with it.
                     x, delta = (layer.input_norm.add_forward(x, delta)[0] if fused else x + delta), None
                 captured.append(x)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pipeline.engine import cpu_kernels
+from pipeline.engine.kernels import AUTO, KernelSet
 from pipeline.engine.linear import Linear
 from pipeline.engine.quant import Int4Linear, stack_entry
 from pipeline.engine.swiglu import SwiGLU
@@ -47,6 +48,8 @@ class CPlan:
 
 
 class SparseMoE(nn.Module):
+    kernels: KernelSet = AUTO  # the model's (model.choose_kernels)
+
     def __init__(self, hidden: int, moe: Moe):
         super().__init__()
         self.top_k, self.norm_topk_prob, self.inter = moe.top_k, moe.norm_topk_prob, moe.intermediate_size
@@ -88,10 +91,10 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_tensor(x)
-        plan = self.c_plan(x.dtype) if kernels is not None else None
+        c = self.kernels.c(x)
+        plan = self.c_plan(x.dtype) if c is not None else None
         if plan is not None:  # routing and experts in one C call (the same one the layer stack makes)
-            return kernels.moe(x, plan.desc, plan.group)
+            return c.moe(x, plan.desc, plan.group)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.route(x)

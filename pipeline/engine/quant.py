@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from pipeline.engine import cpu_kernels, gpu_kernels, row_invariance
+from pipeline.engine.kernels import AUTO, KernelSet
 from pipeline.engine.linear import OWN_LAYOUTS, Linear
 from pipeline.errors import ModelFormatError
 
@@ -212,6 +213,8 @@ class Int4Linear(nn.Module):
     activation's dtype with AWQ's pre_quant_scale applied in fp32; without them, on torch's int4 kernel
     with bf16 activations, its packed copy made on first use."""
 
+    kernels: KernelSet = AUTO  # the model's (model.choose_kernels)
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, act: ActivationQuant,
                  kind: str, pre_quant_scale: torch.Tensor | None = None):
         """q: int8 [N, K] in [-8, 7]; scale: [N, K/group]; pre_quant_scale: [K] as the checkpoint stores it (the
@@ -270,10 +273,10 @@ class Int4Linear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_tensor(x) if self.c_kernel else None
+        c = self.kernels.c(x) if self.c_kernel else None
         lead = x.shape[:-1]
-        if kernels is not None:
-            y = kernels.quant_linear(x, self.blocks, 4, self.scales, self.pre_scale)
+        if c is not None:
+            y = c.quant_linear(x, self.blocks, 4, self.scales, self.pre_scale)
         else:
             if not self.act.identity:  # skipping the call saves ~5% of an int4 decode step
                 x = self.act(x)
@@ -305,6 +308,7 @@ class Int8Head(nn.Module):
     rounding per weight (at most scale/2, under 0.4% of its group's largest), far under INT4's."""
 
     group = 64
+    kernels: KernelSet = AUTO  # the model's (model.choose_kernels)
 
     def __init__(self, weight: torch.Tensor):
         """weight: [vocab, hidden], quantized 4096 rows at a time so no fp32 copy of the whole head is made."""
@@ -334,9 +338,9 @@ class Int8Head(nn.Module):
         return cpu_kernels.quant_layout_reason(out_features, in_features, cls.group_for(in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.for_tensor(x)
-        if kernels is not None:
-            y = kernels.quant_linear(x, self.blocks, 8, self.scales, out_dtype=torch.float32)
+        c = self.kernels.c(x)
+        if c is not None:
+            y = c.quant_linear(x, self.blocks, 8, self.scales, out_dtype=torch.float32)
             return y.view(*x.shape[:-1], self.out_features)
         # The kernels switched off (tests): the same weights dequantized, in fp32.
         q = cpu_kernels.unblock_weights(self.blocks, 8).float()
@@ -462,7 +466,7 @@ def describe_model(model: nn.Module) -> dict:
     if gpu_kernels.runs_here(w):
         # "invariant" (the engine's Triton kernels) or "vendor" (cuBLAS and SDPA: an explicit opt-out, whose
         # greedy output moves with the batch): named wherever the engine describes itself.
-        choice = model.norm.gpu_kernels
+        choice = "vendor" if model.norm.kernels.name == "vendor" else "invariant"
         desc["gpu_kernels"] = choice
         desc["kernels"]["norm, attention"] = (
             "gpu_kernels.rms_norm and gpu_kernels.paged_attention (Triton): a row's bits are its own"

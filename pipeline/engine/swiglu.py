@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.engine import cpu_kernels
+from pipeline.engine.kernels import AUTO, KernelSet
 from pipeline.engine.linear import Linear
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class SwiGLU(nn.Module):
+    kernels: KernelSet = AUTO  # the model's (model.choose_kernels)
+
     def __init__(self, hidden: int, inter: int, activation: str = "silu"):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -28,13 +30,13 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
         gelu = self.activation == "gelu_tanh"
-        kernels = cpu_kernels.for_tensor(gate_up)
-        if kernels is not None:
-            return self.down(kernels.silu_mul(gate_up, "gelu_mul" if gelu else "silu_mul"))
+        c = self.kernels.c(gate_up)
+        if c is not None:
+            return self.down(c.silu_mul(gate_up, "gelu_mul" if gelu else "silu_mul"))
         gate, up = gate_up.split(self.inter, dim=-1)
         if not gelu:
             return self.down(F.silu(gate) * up)
-        if gate.device.type == "cpu":  # row by row, see gelu_rows
+        if self.kernels.per_row(gate):  # row by row, see gelu_rows
             return self.down(gelu_rows(gate) * up)
         return self.down(F.gelu(gate, approximate="tanh") * up)
 
