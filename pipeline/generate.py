@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pipeline.draft_spec import DraftSpec, parse_draft
-from pipeline.engine.draft_plan import speculation_summary
-from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.engine.stats import cost_line, drafted_by
 from pipeline.errors import ConfigError, RequestError
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.models.tokenizer import answer_text
+from pipeline.policy.draft_plan import speculation_summary
+from pipeline.policy.gate_policy import PORTABLE_CEILING
 from pipeline.records import read_records
 
 
@@ -54,7 +54,7 @@ class Output:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" or "length"
-    # Its decode steps that drafted, and those that didn't by reason (engine/draft_plan.py).
+    # Its decode steps that drafted, and those that didn't by reason (policy/draft_plan.py).
     draft_steps: int = 0
     skipped_steps: dict[str, int] = field(default_factory=dict)
 

@@ -10,8 +10,8 @@ from pipeline.bench.report import fitted_threshold
 from pipeline.bench.sweep import Point
 from pipeline.cli import main
 from pipeline.compiler import CompileOptions, compile_model
-from pipeline.engine.cost_model import CostModel
-from pipeline.engine.draft_plan import expected_tokens
+from pipeline.policy.cost_model import CostModel
+from pipeline.policy.draft_plan import expected_tokens
 
 LEVELS = [1, 2, 4, 8, 16, 32, 64]
 

@@ -633,7 +633,7 @@ def test_torch_engine_folder_generates_what_the_source_folders_do(tiny_target, t
 
 
 def test_a_torch_engine_with_a_draft_carries_the_cost_model_measured_here(tiny_target, tmp_path):
-    from pipeline.engine.cost_model import CostModel
+    from pipeline.policy.cost_model import CostModel
 
     out = tmp_path / "engine"
     result = compile_model(CompileOptions("torch", tiny_target, out, draft="ngram", num_draft_tokens=3, max_batch_size=4,

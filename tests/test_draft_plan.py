@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from pipeline.engine.cost_model import CostModel, default_cost_model
-from pipeline.engine.draft_plan import (
+from pipeline.errors import ConfigError
+from pipeline.policy.cost_model import CostModel, default_cost_model
+from pipeline.policy.draft_plan import (
     ACCEPTANCE, COST, END, LOAD, OVERRIDE, PROBE_EVERY, PROBE_K, SHORT, AcceptanceEstimate, Row, _step_time,
     expected_tokens, plan_drafts)
-from pipeline.errors import ConfigError
 
 K = 4
 
@@ -150,7 +150,7 @@ def test_acceptance_estimate_falls_with_rejections_and_a_probe_comes_due():
 
 
 def test_a_greedy_requests_prior_is_the_engines_recent_acceptance_and_thin_evidence_says_so():
-    from pipeline.engine.draft_plan import EXPLORE_CHECKS, PRIOR_ACCEPTANCE, SharedAcceptance
+    from pipeline.policy.draft_plan import EXPLORE_CHECKS, PRIOR_ACCEPTANCE, SharedAcceptance
 
     shared = SharedAcceptance()
     assert shared.first == PRIOR_ACCEPTANCE and shared.thin

@@ -4,7 +4,7 @@ and the schedule follows the cost model rather than a fixed shape."""
 import pytest
 
 from pipeline.compiler.draft_schedule import best_draft_len, draft_len_schedule, roofline
-from pipeline.engine.cost_model import CostModel
+from pipeline.policy.cost_model import CostModel
 
 
 def flat(k: int, rows=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:

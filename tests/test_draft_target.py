@@ -153,7 +153,7 @@ def test_a_draft_that_keeps_failing_stops_drafting_for_this_request_and_says_why
     """A draft that never agrees with the target: after a few rejected steps the loop calls the target
     alone, with a short probe every PROBE_EVERY steps; the answer stays the target's, and every step
     without drafts is counted under its reason."""
-    from pipeline.engine.draft_plan import PROBE_EVERY
+    from pipeline.policy.draft_plan import PROBE_EVERY
 
     target = toy(7)
     engines = ToyEngines(target, lambda ids: (target(ids) + 1) % 40)  # always wrong
@@ -378,7 +378,7 @@ DRAFT_MAX_INPUT_LEN = 120  # past every test prompt + MAX_TOKENS
 
 
 def standin_repo(root: Path, target: Path, draft: Path, guided: bool = False) -> Path:
-    from pipeline.engine.gate_policy import GatePolicy
+    from pipeline.policy.gate_policy import GatePolicy
     from pipeline.triton.assemble import write_repository
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, read_config, write_config
 

@@ -361,3 +361,18 @@ def test_compile_takes_published_and_speculators_heads_and_output_stays_the_targ
     plain = json.loads(runner.invoke(main, [*args, "--model", str(target)]).output)
     assert served["stats"]["drafted_tokens"] > 0
     assert served["outputs"][0]["token_ids"] == plain["outputs"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("model_type, read_as, bias", [("llama", "llama", False), ("qwen2", "qwen2", True),
+                                                       ("qwen3", "llama", False), ("gemma3_text", "llama", False),
+                                                       ("no_such_family", "llama", False)])
+def test_a_heads_layer_is_its_named_familys_only_where_the_family_takes_heads(model_type, read_as, bias):
+    """Published and ModelOpt heads are Llama layers whatever their target (families' head_layer); Qwen2's keeps
+    its q/k/v biases."""
+    from pipeline.engine.eagle3 import read_eagle3_config
+
+    target = ModelConfig.from_hf_dict(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    head = read_eagle3_config(dict(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2), {"layers.0.x"}, target)
+    assert head.layer.model_type == read_as and head.layer.qkv_bias == bias

@@ -3,8 +3,8 @@
 import pytest
 
 from pipeline.engine.config import GatePolicy
-from pipeline.engine.gate import SpeculationGate
 from pipeline.errors import ConfigError
+from pipeline.policy.gate import SpeculationGate
 
 
 def test_gate_turns_off_above_threshold_and_back_on_only_below_the_hysteresis_band():

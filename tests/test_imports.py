@@ -85,10 +85,13 @@ def test_the_cycle_check_sees_a_cycle():
     assert cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_gate_the_routes_and_the_draft_vocabulary_load_without_torch():
-    """The Triton configs, the serving gate and every command's planning read these; `pipeline.engine`'s own names
+def test_the_policy_the_routes_and_the_draft_vocabulary_load_without_torch():
+    """Every module of pipeline.policy (the gate, the draft planner, the cost model, the serving gate), the routes and
+    the draft vocabulary: the Triton configs and every command's planning read them; `pipeline.engine`'s own names
     load lazily."""
-    code = ("import sys; import pipeline.triton.serving_gate, pipeline.engine.draft_plan, pipeline.engine.cost_model, "
-            "pipeline.draft_spec, pipeline.engine, pipeline.routes; print('torch' in sys.modules)")
+    policy = sorted(f"pipeline.policy.{f.stem}" for f in (PACKAGE / "policy").glob("*.py") if f.stem != "__init__")
+    assert len(policy) >= 6
+    code = (f"import sys; import {', '.join(policy)}, pipeline.draft_spec, pipeline.engine, pipeline.routes; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

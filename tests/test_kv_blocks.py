@@ -6,11 +6,11 @@ import torch
 
 from pipeline.engine.block_manager import BlockManager, BlockTable
 from pipeline.engine.config import EngineConfig, GatePolicy
-from pipeline.engine.cost_model import CostModel
 from pipeline.engine.kv_cache import BLOCK_SIZE, blocks_for
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import RequestError
+from pipeline.policy.cost_model import CostModel
 from tiny_models import greedy_reference
 
 MAX_TOKENS = 30
@@ -418,7 +418,7 @@ def test_a_batch_too_large_for_the_fixed_priors_drafts_learns_they_pay_and_a_see
     drafts pay at 4 rows only above the fixed prior's acceptance: with no draft ever checked nobody would draft
     (as with the probes off). The engine probes a row while its evidence is thin, learns, and the batch speculates;
     the output is the target's. A seeded sampled request gives the same answer before and after the engine learned."""
-    from pipeline.engine.draft_plan import EXPLORE_CHECKS, SharedAcceptance
+    from pipeline.policy.draft_plan import EXPLORE_CHECKS, SharedAcceptance
 
     K = 4
     rows = (1, 2, 4, 8)  # 1 s a plain step at any batch; at 4+ rows each drafted position adds 0.8 s

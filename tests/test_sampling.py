@@ -189,8 +189,8 @@ def test_sample_never_draws_zero_probability():
     (1.0, 1.0, -1, "top_k must be >= 0"),
 ])
 def test_sampling_values_are_refused_never_clamped(temperature, top_p, top_k, message):
-    """One rule for the engine, the Triton models and the client (pipeline.engine.sampling_limits)."""
-    from pipeline.engine.sampling_limits import check_sampling_values
+    """One rule for the engine, the Triton models and the client (pipeline.policy.sampling_limits)."""
+    from pipeline.policy.sampling_limits import check_sampling_values
     from pipeline.errors import RequestError
     from pipeline.triton.client import RequestOptions
 
@@ -203,7 +203,7 @@ def test_sampling_values_are_refused_never_clamped(temperature, top_p, top_k, me
 
 
 def test_the_edges_of_the_sampling_ranges_are_accepted():
-    from pipeline.engine.sampling_limits import MAX_TEMPERATURE, MIN_TEMPERATURE, check_sampling_values
+    from pipeline.policy.sampling_limits import MAX_TEMPERATURE, MIN_TEMPERATURE, check_sampling_values
 
     for temperature in (0.0, MIN_TEMPERATURE, 1.0, MAX_TEMPERATURE):
         check_sampling_values(temperature, 1.0, 0)

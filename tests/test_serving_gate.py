@@ -1,11 +1,11 @@
-"""The serving gate's policy (pipeline.triton.serving_gate), without a server."""
+"""The serving gate's policy (pipeline.policy.serving_gate), without a server."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.engine.gate_policy import GatePolicy
-from pipeline.triton.serving_gate import LOAD, OPEN, OVERRIDE, SHORT, Busy, ServingGate
+from pipeline.policy.gate_policy import GatePolicy
+from pipeline.policy.serving_gate import LOAD, OPEN, OVERRIDE, SHORT, Busy, ServingGate
 
 
 def gate(max_batch=8, hysteresis=3, min_tokens=50, **kw) -> ServingGate:
@@ -62,7 +62,7 @@ def test_zero_threshold_never_speculates_on_auto():
 
 
 def test_bad_acceptance_never_turns_the_server_off():
-    """Acceptance is each request's own business (engine/draft_plan.py): however badly drafts have done,
+    """Acceptance is each request's own business (policy/draft_plan.py): however badly drafts have done,
     the next auto request is let in to speculate; the rolling numbers only feed the metrics."""
     g = gate(max_batch=64, window=100)
     for _ in range(10):

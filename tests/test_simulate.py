@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pipeline.deploy.simulate import Replica, Traffic, crossover, day_of_traffic, gpu_profile, simulate
-from pipeline.engine.draft_plan import expected_tokens
+from pipeline.policy.draft_plan import expected_tokens
 
 # A replica whose step is 10 ms memory-bound until 100 tokens, then 0.1 ms a token (plus 1 ms overhead).
 COST = gpu_profile(8e9, 1e9, 1, 1.0, 40.0, bandwidth_efficiency=0.8, compute_efficiency=0.5, overhead_s=0.001)

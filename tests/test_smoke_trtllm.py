@@ -69,7 +69,7 @@ def port_args() -> list[str]:
 
 @pytest.mark.slow
 def test_every_check_passes_on_a_served_standin_repository_with_forty_concurrent_requests(pair, tmp_path, capsys):
-    from pipeline.engine.gate_policy import GatePolicy
+    from pipeline.policy.gate_policy import GatePolicy
     from pipeline.triton.server import find_tritonserver
 
     find_tritonserver()

@@ -46,7 +46,7 @@ def staggered_past_the_gate(engine, prompts: list[list[int]], budgets: list[int]
 
 def flip_gate():
     """Speculate at <= 2 decoding, off above 2, back on at <= 1; every request long enough to speculate."""
-    from pipeline.engine.gate_policy import GatePolicy
+    from pipeline.policy.gate_policy import GatePolicy
 
     return GatePolicy(max_batch_size=2, hysteresis=1, min_tokens=0)
 

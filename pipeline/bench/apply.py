@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.engine.cost_model import FILENAME, CostModel
 from pipeline.errors import ConfigError
+from pipeline.policy.cost_model import FILENAME, CostModel
 
 
 def apply_threshold(repo: Path, threshold: int) -> str:
-    from pipeline.engine.gate_policy import default_hysteresis
+    from pipeline.policy.gate_policy import default_hysteresis
     from pipeline.triton.config import CONFIG_FILE, GATE, config_text, read_config
 
     gate_dir = Path(repo) / GATE

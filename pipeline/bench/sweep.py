@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.bench.prompts import PromptSet
-from pipeline.engine.draft_plan import add_counts
 from pipeline.errors import ConfigError
+from pipeline.policy.draft_plan import add_counts
 
 MODES = ("off", "on", "gated")
 SPECULATION = {"off": "off", "on": "on", "gated": "auto"}

@@ -15,10 +15,10 @@ from typing import Any
 from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment, model_name
 from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_draft
 from pipeline.engine.device import parse_device
-from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import ConfigError
-from pipeline.routes import PORTABLE_BACKEND, TRTLLM_BACKEND, Backend, backend_named
 from pipeline.plan.gpus import GPU, get_gpu
+from pipeline.policy.gate_policy import PORTABLE_CEILING
+from pipeline.routes import PORTABLE_BACKEND, TRTLLM_BACKEND, Backend, backend_named
 from pipeline.trtllm_version import for_version
 
 PLAN_GPU = "h100-80gb"  # what a trtllm plan assumes when there is no GPU here and no --gpu

@@ -110,7 +110,7 @@ def bench(engine, url, sets, concurrency, modes, requests, max_tokens, repeats, 
 
 def _gate_min_tokens(repo: Path | None) -> int:
     """The gate's min tokens: --repo's speculation_gate setting, else the default every build starts from."""
-    from pipeline.engine.gate_policy import GatePolicy
+    from pipeline.policy.gate_policy import GatePolicy
 
     from pipeline.triton.config import CONFIG_FILE, GATE, read_config
 

@@ -10,10 +10,10 @@ from click.core import ParameterSource
 
 from pipeline.cli.aliased import Aliased
 from pipeline.cli.device import device_option
-from pipeline.engine.gate_policy import PORTABLE_CEILING
 from pipeline.errors import RequestError
 from pipeline.generate import GenerateOptions
 from pipeline.models.presets import DEFAULT_MODEL
+from pipeline.policy.gate_policy import PORTABLE_CEILING
 
 # Settings of the in-process engine: a served repository fixes them at `pipeline compile` / `assemble`.
 IN_PROCESS_ONLY = ("model", "draft", "dtype", "device", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",

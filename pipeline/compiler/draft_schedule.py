@@ -3,13 +3,13 @@
 On releases whose one-model path reads it (reference.LLM_API_TABLES[...].eagle3_gate == "one-model"), the schedule
 is the gate: {bound: draft_len, ...} drafts draft_len tokens while at most `bound` requests run, and nothing past
 the largest bound (reference.DRAFT_LEN_SCHEDULE). We fill it the way the portable engine plans its drafts
-(pipeline.engine.draft_plan): at each batch size b, the k in 0..K with the most expected tokens per second,
+(pipeline.policy.draft_plan): at each batch size b, the k in 0..K with the most expected tokens per second,
 E(a, k) / (step_s(b, k + 1) + draft_s(b, k)), for a request of the engine's prior acceptance a. Upstream's rules
 shape it: the smallest bound gets max_draft_len, no value exceeds it, and the schedule ends at the first batch
 size where drafting doesn't pay, or at the operator's ceiling (--gate-batch-size), whichever comes first. A
 draft length never grows with the batch (each extra row makes every drafted token dearer).
 
-The cost model is the roofline of pipeline.engine.cost_model.gpu_profile for the planned GPU (a GPU's step time is
+The cost model is the roofline of pipeline.policy.cost_model.gpu_profile for the planned GPU (a GPU's step time is
 not measurable here); pure, so compile, the plan and the tests compute the same schedule.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.engine.cost_model import CostModel
-from pipeline.engine.draft_plan import PRIOR_ACCEPTANCE, expected_tokens
+from pipeline.policy.cost_model import CostModel
+from pipeline.policy.draft_plan import PRIOR_ACCEPTANCE, expected_tokens
 
 # Share of a GPU's dense peak a decode step's skinny GEMMs reach (scripts/simulate_scale.py assumes the same).
 COMPUTE_EFFICIENCY = 0.25
@@ -65,7 +65,7 @@ def draft_len_schedule(cost: CostModel, max_draft_len: int, ceiling: int,
 
 def roofline(weight_bytes_per_gpu: float, params: float, tp: int, bandwidth_tb_s: float, tflops: float,
              max_draft_len: int) -> CostModel:
-    from pipeline.engine.cost_model import gpu_profile
+    from pipeline.policy.cost_model import gpu_profile
 
     return gpu_profile(weight_bytes_per_gpu, params, tp, bandwidth_tb_s, tflops, max_drafts=max_draft_len,
                        compute_efficiency=COMPUTE_EFFICIENCY)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.engine.cost_model import CostModel, gpu_profile  # noqa: F401  (the replica a GPU profile gives)
-from pipeline.engine.draft_plan import expected_tokens
+from pipeline.policy.cost_model import CostModel, gpu_profile  # noqa: F401  (the replica a GPU profile gives)
+from pipeline.policy.draft_plan import expected_tokens
 
 DAY_S = 86_400
 HPA_PERIOD_S = 15

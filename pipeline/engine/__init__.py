@@ -5,8 +5,9 @@
     engine = load_engine("engines/smollm2-135m/engine")   # a `pipeline compile --backend torch` folder
     [req] = engine.generate([prompt_ids], SamplingParams(max_tokens=64))
 
-The names below load on first use, so the torch-free modules here (gate_policy, cost_model, draft_plan), which
-the Triton configs and the serving gate import, don't pull torch in through this package.
+The names below load on first use, so the torch-free module here (device: a --device's spelling), which the
+routes and the Triton configs import, doesn't pull torch in through this package. The speculation policy the
+engine runs (the gate, the draft planner, the cost model) is pipeline.policy's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Measure the cost model (engine/cost_model.py) on this machine, with the engine that will serve.
+"""Measure the cost model (policy/cost_model.py) on this machine, with the engine that will serve.
 
 - The target: one verify forward per (rows B, width W) on the grid, every W from 1 to K + 1, the rows
   attending to CONTEXT tokens each. The widths of one B are timed in turn, round after round (at least
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.engine.cost_model import CostModel
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
+from pipeline.policy.cost_model import CostModel
 
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT = 64  # tokens each row attends to while timed: a short chat turn

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from pipeline.engine.device import check_fraction, parse_device
-from pipeline.engine.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.errors import ConfigError, ModelFormatError
 from pipeline.models.families import Features, family_of, text_config
 from pipeline.models.shape import ModelShape, read_config
+from pipeline.policy.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 
 LM_HEAD_CHOICES = ("auto", "checkpoint", "int8")
 

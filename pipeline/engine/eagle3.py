@@ -37,6 +37,7 @@ from pipeline.engine.request import Request
 from pipeline.engine.sampling import probs_from_logits, sample
 from pipeline.engine.speculative import Proposal
 from pipeline.errors import DraftMismatchError, ModelFormatError
+from pipeline.models.families import family_for
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     """Target layers whose *outputs* the head fuses: low, middle, high. The same rule as ModelOpt's
@@ -314,9 +315,9 @@ def read_eagle3_config(cfg: dict, keys: set[str], target_cfg: ModelConfig) -> Ea
     """The head's architecture from its config.json, whichever layout wrote it."""
     layout = _detect_layout(cfg, keys)
     layer_dict = dict(cfg.get("transformer_layer_config") or cfg) if layout == "speculators" else dict(cfg)
-    layer_dict.setdefault("model_type", "llama")
-    layer_dict["model_type"] = "llama" if layer_dict["model_type"] not in ("llama", "qwen2", "mistral") \
-        else layer_dict["model_type"]
+    family = family_for(str(layer_dict.get("model_type", "llama")))
+    if family is None or not family.head_layer:  # a head's layer is a Llama one unless its family says otherwise
+        layer_dict["model_type"] = "llama"
     layer_dict["num_hidden_layers"] = 1
     layer_dict.setdefault("vocab_size", target_cfg.vocab_size)
     layer = ModelConfig.from_hf_dict(layer_dict)

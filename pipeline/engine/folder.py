@@ -5,7 +5,7 @@ so reading it needs nothing from compile. Layout:
   engine.json    sizes (max batch, max sequence length, max draft length), dtypes, gate, draft kind
   target/        the target's Hugging Face checkpoint files: config, *.safetensors, tokenizer
   draft/         a draft model's checkpoint, or an EAGLE-3 head's (only with one of those)
-  cost_model.json  the calibration (pipeline/engine/cost_model.py), when compile measured one
+  cost_model.json  the calibration (pipeline/policy/cost_model.py), when compile measured one
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline.draft_spec import DraftSpec
-from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ModelFormatError
+from pipeline.policy.gate_policy import GatePolicy
 
 ENGINE_FILE = "engine.json"
 FORMAT = "pipeline-torch-engine"
@@ -73,7 +73,7 @@ def load_engine(path: str | Path, device: str | None = None, dtype: str | None =
     be overridden at load). device: auto, cpu, cuda or cuda:N (None: cpu); a GPU torch doesn't see raises
     ConfigError. On a GPU the KV pool takes engine.json's gpu_memory_fraction of the memory free after the weights,
     up to max_batch_size requests of max_seq_len."""
-    from pipeline.engine.cost_model import CostModel
+    from pipeline.policy.cost_model import CostModel
     from pipeline.engine.llm_engine import LLMEngine
 
     folder = Path(path)

@@ -24,27 +24,27 @@ import torch
 
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine import gpu_kernels
+from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.config import EngineConfig
-from pipeline.engine.cost_model import CostModel, default_cost_model
 from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.device import is_cuda, kv_pool_blocks
-from pipeline.engine.draft_plan import (ACCEPTANCE, COST, EMPTY, EXPLORE_EVERY, MEMORY, PROPOSER_FAILED, Row,
-                                        SharedAcceptance, plan_drafts)
-from pipeline.engine.gate import SpeculationGate
 from pipeline.engine.guide import Guide, GuideSpec, apply_refusals, tokenizer_for
-from pipeline.engine.block_manager import BlockManager
 from pipeline.engine.kv_cache import ForwardBatch, blocks_for
+from pipeline.engine.logit_rules import adjust
 from pipeline.engine.logprobs import TokenLogprob, token_logprobs
 from pipeline.engine.model import Transformer, choose_kernels
-from pipeline.engine.logit_rules import adjust
 from pipeline.engine.proposers import DraftModelProposer, NgramFirst, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
 from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
-from pipeline.engine.sampling_limits import check_logit_bias, check_num_draft_tokens
 from pipeline.engine.speculative import accept_greedy, accept_sampled
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.stop_strings import Detokenize, StopStrings
 from pipeline.errors import ConfigError, DraftMismatchError, RequestError, one_line
+from pipeline.policy.cost_model import CostModel, default_cost_model
+from pipeline.policy.draft_plan import (ACCEPTANCE, COST, EMPTY, EXPLORE_EVERY, MEMORY, PROPOSER_FAILED, Row,
+                                        SharedAcceptance, plan_drafts)
+from pipeline.policy.gate import SpeculationGate
+from pipeline.policy.sampling_limits import check_logit_bias, check_num_draft_tokens
 
 # Beside other clients' requests, a group of choices (one client's n) adds rows to a step only while the step stays
 # within this factor of the others' step alone (_fair_rows). On 2 cores (scripts/front_door.py case 1: a greedy

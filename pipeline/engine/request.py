@@ -10,9 +10,9 @@ from typing import Callable
 import torch
 
 from pipeline.engine.block_manager import BlockTable
-from pipeline.engine.draft_plan import AcceptanceEstimate
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import RequestError
+from pipeline.policy.draft_plan import AcceptanceEstimate
 
 
 class RequestStatus(enum.Enum):
@@ -63,7 +63,7 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verify_steps: int = 0  # target steps that verified at least one drafted token
-    # Decode steps in which it drafted nothing, by reason (see engine/draft_plan.py).
+    # Decode steps in which it drafted nothing, by reason (see policy/draft_plan.py).
     skip_reasons: dict[str, int] = field(default_factory=dict)
     # Verification steps by how many drafts they accepted ("0", "1", ...): vLLM's per-request histogram.
     accepted_per_step: dict[str, int] = field(default_factory=dict)

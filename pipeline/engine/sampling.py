@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.engine.guide import GuideSpec
-from pipeline.engine.sampling_limits import (check_logit_bias, check_logprobs, check_min_tokens, check_penalty_values,
-                                             check_sampling_values, check_stop_strings)
 from pipeline.errors import RequestError
+from pipeline.policy.sampling_limits import (check_logit_bias, check_logprobs, check_min_tokens, check_penalty_values,
+                                             check_sampling_values, check_stop_strings)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class EngineStats:
     plain_verifies: int = 0
     spec_verify_s: float = 0.0
     spec_verifies: int = 0
-    # Row-steps that drafted nothing, by reason (engine/draft_plan.py), summed over requests.
+    # Row-steps that drafted nothing, by reason (policy/draft_plan.py), summed over requests.
     skip_reasons: dict[str, int] = field(default_factory=dict)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)

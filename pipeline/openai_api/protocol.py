@@ -21,11 +21,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.engine.guide import GuideSpec
-from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS,
-                                             MAX_STOP_STRINGS, check_num_draft_tokens, check_penalty_values,
-                                             check_sampling_values, check_stop_strings, check_top_k)
 from pipeline.errors import RequestError
 from pipeline.openai_api import tools
+from pipeline.policy.sampling_limits import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP_CHARS,
+                                             MAX_STOP_STRINGS, check_num_draft_tokens, check_penalty_values,
+                                             check_sampling_values, check_stop_strings, check_top_k)
 from pipeline.triton.validate import logit_bias_pairs
 
 SPECULATION = ("auto", "on", "off")
@@ -257,7 +257,7 @@ class SamplingFields(BaseModel):
             if value is not None and value >= limits.max_seq_len:
                 raise ProtocolError(f"{name} {value} is beyond the model's {limits.max_seq_len}-token context; send "
                                     f"at most {limits.max_seq_len - 1}", name)
-        # The engine's own rules (pipeline.engine.sampling_limits), each named by its field.
+        # The engine's own rules (pipeline.policy.sampling_limits), each named by its field.
         checks = []
         if self.num_draft_tokens is not None:
             checks.append(("num_draft_tokens", check_num_draft_tokens, self.num_draft_tokens, limits.num_draft_tokens))

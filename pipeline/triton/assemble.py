@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pipeline.compiler.reference import GUIDE_INFO_FILE
 from pipeline.engine.device import parse_device
-from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
+from pipeline.policy.gate_policy import GatePolicy
 from pipeline.routes import BACKENDS as ALL_BACKENDS
 from pipeline.routes import ENGINE, LLMAPI, PORTABLE, TRTLLM_BACKEND, Route, route_named
 from pipeline.staging import check_output, staged_output

@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from pipeline.engine.draft_plan import add_counts, read_counts, speculation_summary
 from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
+from pipeline.policy.draft_plan import add_counts, read_counts, speculation_summary
 from pipeline.polling import wait_until
 
 if TYPE_CHECKING:
@@ -78,10 +78,10 @@ class RequestOptions:
         if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise RequestError(f"num_draft_tokens must be >= 1 (got {self.num_draft_tokens}); "
                                "use --speculation off to decode without drafts")
-        from pipeline.engine.sampling_limits import check_sampling_values
+        from pipeline.policy.sampling_limits import check_sampling_values
 
         check_sampling_values(self.temperature, self.top_p, self.top_k)
-        from pipeline.engine.sampling_limits import check_logprobs, check_penalty_values, check_stop_strings
+        from pipeline.policy.sampling_limits import check_logprobs, check_penalty_values, check_stop_strings
 
         check_penalty_values(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
         check_logprobs(self.logprobs)

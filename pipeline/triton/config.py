@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Mapping
 
 from pipeline.engine.device import parse_device
-from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import ConfigError
+from pipeline.policy.gate_policy import GatePolicy
 from pipeline.routes import ROUTES, Route, route_named
-from pipeline.triton.model_config_pb import model_config_pb2
-from pipeline.triton.trtllm_template import TrtllmModel, table_config
 from pipeline.triton.interface import (
     ENSEMBLE_INPUTS,
     ENSEMBLE_OUTPUTS,
@@ -35,6 +33,8 @@ from pipeline.triton.interface import (
     STREAM_ID,
     TensorSpec,
 )
+from pipeline.triton.model_config_pb import model_config_pb2
+from pipeline.triton.trtllm_template import TrtllmModel, table_config
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig

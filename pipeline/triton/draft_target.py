@@ -39,9 +39,9 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeline.engine.cost_model import CostModel, default_cost_model
-from pipeline.engine.draft_plan import EMPTY, AcceptanceEstimate, Row, plan_drafts
 from pipeline.errors import PipelineError
+from pipeline.policy.cost_model import CostModel, default_cost_model
+from pipeline.policy.draft_plan import EMPTY, AcceptanceEstimate, Row, plan_drafts
 from pipeline.triton.bls_streams import ENDED
 
 # Text-bearing tokens resent before each streamed chunk so postprocessing can rebuild a character split
@@ -260,7 +260,7 @@ def speculate_loop(request: TritonRequest, engines: Engines, k: int, emit: Emitt
                    cost: CostModel | None = None, forced: bool = False) -> None:
     """Draft proposes, target verifies, until max_tokens, end_id or a stop word; checks cancel each step.
 
-    Each step the draft length comes from the planner (engine/draft_plan.py) for this request alone: its
+    Each step the draft length comes from the planner (policy/draft_plan.py) for this request alone: its
     own acceptance, under `cost` (default: the rule of thumb for a draft model). A request whose drafts
     keep failing calls the target alone, probing now and then; no other request is affected. forced: the
     client asked for speculation on, so it drafts its full length every step."""

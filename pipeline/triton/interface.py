@@ -196,7 +196,7 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     # Target steps that verified drafts: mean acceptance length = 1 + accepted / verify_steps. The
     # gate's metrics use it; postprocessing ignores it.
     TensorSpec("verify_steps", "INT32", (1,)),
-    # Steps in this response that didn't draft: a JSON object, reason -> count (engine/draft_plan.py).
+    # Steps in this response that didn't draft: a JSON object, reason -> count (policy/draft_plan.py).
     TensorSpec("skipped_steps", "BYTES", (1,)),
     TensorSpec("acceptance_histogram", "BYTES", (1,)),  # verify steps by drafts accepted (ENSEMBLE_OUTPUTS')
     # output_ids' log probs, one per id (prefix included; 0 where none were asked for), and the new tokens' ids,

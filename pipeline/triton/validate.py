@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.engine.guide import GuideSpec
-from pipeline.engine.sampling_limits import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, check_logit_bias, check_logprobs,
+from pipeline.errors import RequestError
+from pipeline.policy.sampling_limits import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, check_logit_bias, check_logprobs,
                                              check_min_tokens, check_num_draft_tokens, check_penalty_values,
                                              check_sampling_values, check_stop_strings)
-from pipeline.errors import RequestError
 from pipeline.triton.interface import (IGNORED_INPUTS, MAX_STREAM_INTERVAL_MS, REQUIRED_INPUTS, STREAM_INTERVAL_MS,
                                        UNSUPPORTED_INPUTS)
 

@@ -58,3 +58,6 @@ class Family:
     defaults: dict = field(default_factory=dict)
     # model_types of multimodal checkpoints whose text model is this family, under their config's text_config
     wrappers: tuple[str, ...] = ()
+    # An EAGLE-3 head's one decoder layer may be of this family (its config.json names it). Published heads and
+    # ModelOpt's are Llama layers, whatever their target; a layer named as another family is read as a Llama one.
+    head_layer: bool = False

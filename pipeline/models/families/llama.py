@@ -8,4 +8,4 @@ def features(cfg: dict) -> Features:
 
 
 # ModelOpt's export maps Mistral to the llama decoder too (quantize/formats.py's table before this module).
-FAMILY = Family("llama", ("llama", "mistral"), features, "LlamaForCausalLM", "LlamaConfig", "llama")
+FAMILY = Family("llama", ("llama", "mistral"), features, "LlamaForCausalLM", "LlamaConfig", "llama", head_layer=True)

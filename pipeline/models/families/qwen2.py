@@ -7,4 +7,4 @@ def features(cfg: dict) -> Features:
     return Features(qkv_bias=True)
 
 
-FAMILY = Family("qwen2", ("qwen2",), features, "Qwen2ForCausalLM", "Qwen2Config", "qwen")
+FAMILY = Family("qwen2", ("qwen2",), features, "Qwen2ForCausalLM", "Qwen2Config", "qwen", head_layer=True)

@@ -1,8 +1,8 @@
 """Triton python model `speculation_gate` (decoupled): decides speculation per request, runs the engine.
 
 The admission policy (load with hysteresis, min tokens, per-request override) is
-`pipeline.triton.serving_gate.ServingGate`; how many tokens a request drafts at each step, from its own
-acceptance, is the planner's (engine/draft_plan.py, docs/gate.md). Per backend:
+`pipeline.policy.serving_gate.ServingGate`; how many tokens a request drafts at each step, from its own
+acceptance, is the planner's (policy/draft_plan.py, docs/gate.md). Per backend:
 - torch: the portable engine model (decoupled, BLS) gets the decision in its `speculation` tensor:
   "auto" when the gate lets it speculate (the engine's planner decides each step), "off" when not, "on"
   only when the client forced it. Each response is relayed, its skipped steps relabelled with the gate's
@@ -38,16 +38,16 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.engine.draft_plan import read_counts
-from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import PipelineError
 from pipeline.heap import release_memory
+from pipeline.policy.draft_plan import read_counts
+from pipeline.policy.gate_policy import GatePolicy
+from pipeline.policy.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 from pipeline.routes import PORTABLE, route_named
 from pipeline.triton import cancel_marks
-from pipeline.triton.client_errors import client_message
 from pipeline.triton.bls_streams import ENDED
+from pipeline.triton.client_errors import client_message
 from pipeline.triton.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestClock
-from pipeline.triton.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.

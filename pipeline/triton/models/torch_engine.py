@@ -19,15 +19,15 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.device import choose_device
 from pipeline.engine.folder import load_engine, read_engine_manifest
-from pipeline.engine.gate_policy import GatePolicy
 from pipeline.engine.request import RequestStatus
 from pipeline.engine.sampling import SamplingParams
 from pipeline.models.tokenizer import load_tokenizer, visible_text
+from pipeline.policy.gate_policy import GatePolicy
+from pipeline.policy.serving_gate import busy_message
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.config import served_device
 from pipeline.triton.interface import STREAM_INTERVAL_MS
-from pipeline.triton.serving_gate import busy_message
 from pipeline.triton.stop_text import sendable
 from pipeline.triton.validate import read_engine_request
 

@@ -4,12 +4,12 @@ requests in flight). Pure: no torch."""
 
 from __future__ import annotations
 
-from pipeline.engine.gate_policy import GatePolicy
+from pipeline.policy.gate_policy import GatePolicy
 
 
 class SpeculationGate:
     """Decides, every engine iteration, whether auto requests may draft at all (which of them do, and how
-    many tokens, is the planner's choice: engine/draft_plan.py).
+    many tokens, is the planner's choice: policy/draft_plan.py).
 
     Off when the decoding batch grows past `max_batch_size`; back on only once it has fallen to
     `max_batch_size - hysteresis`, so a batch hovering at the threshold doesn't flip every step.

@@ -12,7 +12,7 @@ Before all that, a request that would find the engine full (its slots and its qu
 as busy here, so it never reaches the engine: a refusal the engine sends back through BLS costs
 tritonserver 2.51 about 0.45 KB it never frees (docs/reliability.md, "Where tritonserver's memory went").
 How well drafts pay is judged per request and per step, from that request's own acceptance
-(engine/draft_plan.py): one request whose drafts fail never turns speculation off for the others. The
+(policy/draft_plan.py): one request whose drafts fail never turns speculation off for the others. The
 rolling acceptance kept here feeds the metrics only.
 """
 
@@ -22,9 +22,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from pipeline.engine.gate import SpeculationGate
-from pipeline.engine.gate_policy import GatePolicy
 from pipeline.errors import PipelineError
+from pipeline.policy.gate import SpeculationGate
+from pipeline.policy.gate_policy import GatePolicy
 
 # Reasons, for metrics labels and logs.
 OVERRIDE, SHORT, LOAD, OPEN = "override", "short", "load", "open"

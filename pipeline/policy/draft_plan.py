@@ -42,7 +42,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pipeline.engine.cost_model import CostModel
+from pipeline.policy.cost_model import CostModel
 
 OVERRIDE, SHORT, LOAD, END, ACCEPTANCE, COST = "override", "short", "load", "end", "acceptance", "cost"
 EMPTY, PROPOSER_FAILED, MEMORY = "empty", "proposer_failed", "memory"
