@@ -4,7 +4,7 @@ Each concurrency level C runs N requests (default max(8, 2C)) in a closed loop: 
 a new one sent as soon as one ends. Two paths, on one engine folder with the same draft and gate:
 
 - triton: `pipeline serve` of `pipeline assemble` (preprocessing -> speculation gate -> torch_engine ->
-  postprocessing), called over gRPC streaming by C client connections (pipeline/triton/client.py);
+  postprocessing), called over gRPC streaming by C client connections (pipeline/client/ensemble.py);
 - in process: one LLMEngine from the same folder, stepped by this script, the same prompts (chat
   template applied, as preprocessing does), stops and max tokens, speculation "auto" (the engine's gate).
 
@@ -108,7 +108,7 @@ def summarize(concurrency: int, path: str, traces: list[Trace], wall: float) -> 
 
 def run_triton(url: str, concurrency: int, n: int, max_tokens: int) -> tuple[list[Trace], float]:
     """n requests, `concurrency` connections, each sending its next request when the last one ends."""
-    from pipeline.triton.client import ClientOptions, Connection, RequestOptions
+    from pipeline.client.ensemble import ClientOptions, Connection, RequestOptions
 
     client, options = ClientOptions(url), RequestOptions(max_tokens=max_tokens)
     traces: list[Trace | None] = [None] * n

@@ -46,7 +46,7 @@ def profile_replica(name: str, acceptance: float, k: int, startup_s: float):
 
 def measured_replica(folder: Path, acceptance: float, k: int, gpus: int, startup_s: float):
     from pipeline.deploy.simulate import Replica, crossover
-    from pipeline.engine.cost_model import CostModel
+    from pipeline.policy.cost_model import CostModel
 
     cost = CostModel.load(folder)
     if cost is None:

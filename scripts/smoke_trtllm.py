@@ -7,7 +7,7 @@ downloaded: the models are a seeded tiny Llama pair written here (or --target/--
 1. build: `pipeline build --backend trtllm` quantizes both models (none) into TensorRT-LLM checkpoints,
    runs trtllm-build for each and assembles the Triton repository (skipped with --repo).
 2. serve: `pipeline serve` in the background until /v2/health/ready answers; always stopped at the end.
-3. checks, over gRPC (pipeline.triton.client) and the metrics port:
+3. checks, over gRPC (pipeline.client.ensemble) and the metrics port:
    greedy_off_on_auto          one greedy request with speculation off, auto and on: the same text
    speculation_drafts          off drafts nothing; auto (idle server) and on draft; on has drafts accepted
    concurrent_auto_equals_off  N requests at once with speculation auto: each text equals its prompt's
@@ -370,7 +370,7 @@ def burst(client, prompts: list[str], options, concurrency: int, metrics_url: st
     """Every prompt, `concurrency` at a time, each worker on its own connection. The connections open first
     and the workers start together, so the gate sees them in flight at once; meanwhile the metrics port is
     sampled for the peak of pipeline_gate_in_flight. Returns (text or exception per prompt, peak)."""
-    from pipeline.triton.client import Connection
+    from pipeline.client.ensemble import Connection
 
     workers = max(1, min(concurrency, len(prompts)))
     connections = [Connection(client) for _ in range(workers)]
@@ -423,7 +423,7 @@ def check_server(grpc_url: str, metrics_url: str, prompts: list[str], max_tokens
     """The checks against a served repository (see the module docstring). A request that fails ends the run
     with the check it belonged to marked failed."""
     from pipeline.errors import PipelineError
-    from pipeline.triton.client import ClientOptions, Connection, RequestOptions
+    from pipeline.client.ensemble import ClientOptions, Connection, RequestOptions
 
     client = ClientOptions(grpc_url, response_timeout_s=timeout_s, wait_s=30.0)
     checks: list[Check] = []

@@ -203,7 +203,7 @@ class Reply:
 
 def request_inputs(request: Request) -> list:
     """The ensemble's inputs: the client library's, with a bad request's tensors put in their place."""
-    from pipeline.triton.client import RequestOptions, build_inputs
+    from pipeline.client.ensemble import RequestOptions, build_inputs
     from tritonclient.grpc import InferInput
 
     options = RequestOptions(max_tokens=request.max_tokens, stream=request.stream,
@@ -274,7 +274,7 @@ class Client:
                 reply.first_s = last - sent
             if error is not None:
                 reply.error = message(error)
-                from pipeline.triton.client import stream_error_status
+                from pipeline.client.ensemble import stream_error_status
 
                 if stream_error_status(error):  # a gRPC failure: this stream is broken
                     reply.transport = True
@@ -797,7 +797,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pipeline.errors import PipelineError
-    from pipeline.triton.client import ClientOptions, Connection
+    from pipeline.client.ensemble import ClientOptions, Connection
 
     try:
         options = SoakOptions(args.streams, args.minutes, args.max_tokens, args.bad_share, args.cancel_share,

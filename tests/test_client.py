@@ -1,4 +1,4 @@
-"""`pipeline generate --url` and pipeline/triton/client.py against a real tritonserver (the CPU one in
+"""`pipeline generate --url` and pipeline/client/ensemble.py against a real tritonserver (the CPU one in
 nvidia-pytriton) serving a tiny portable engine: one server for the whole file."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from cli_checks import assert_one_line_error
 from pipeline.cli import main
+from pipeline.client.ensemble import ClientOptions, Connection, RequestOptions, grpc_target, run_request
 from pipeline.engine import load_engine
 from pipeline.errors import RequestError, ServeError
-from pipeline.triton.client import ClientOptions, Connection, RequestOptions, grpc_target, run_request
 from pipeline.triton.ports import free_ports
 from serving_checks import ngram_engine, served_engine
 

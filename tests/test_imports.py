@@ -95,3 +95,29 @@ def test_the_policy_the_routes_and_the_draft_vocabulary_load_without_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def design_layers() -> list[list[str]]:
+    """The package picture in docs/design.md, top floor first: each line's parts (`engine/`, `generate.py`)."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    block = text.split("## The packages", 1)[1].split("```", 2)[1]
+    return [[name.rstrip("/").removesuffix(".py") for name in line.split("  ")[0].split()]
+            for line in block.strip("\n").splitlines() if line and not line.startswith(" ")]
+
+
+def test_each_part_imports_only_the_parts_below_it_in_the_design_picture():
+    """docs/design.md's picture is the layer order: a part may import only parts on lower lines (import-linter's
+    `layers` contract, held here), and every part of the package is on it."""
+    layers = design_layers()
+    floor = {part: i for i, line in enumerate(layers) for part in line}
+    graph = part_imports()
+    parts = {p.split(".")[1] for p in graph} | {q.split(".")[1] for deps in graph.values() for q in deps}
+    assert parts <= set(floor), f"not in docs/design.md's picture: {sorted(parts - set(floor))}"
+    upward = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                    if floor[b.split(".")[1]] <= floor[a.split(".")[1]])
+    assert upward == []
+
+
+def test_the_layer_reading_sees_the_picture():
+    layers = design_layers()
+    assert layers[0] == ["cli"] and ["routes"] in layers and layers[-1][0] == "errors" and len(layers) >= 10

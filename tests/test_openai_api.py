@@ -158,7 +158,7 @@ def client(served):
 
 
 def grpc_text(server, prompt: str, max_tokens: int) -> str:
-    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+    from pipeline.client.ensemble import ClientOptions, RequestOptions, run_request
 
     return run_request(ClientOptions(url=f"127.0.0.1:{server.options.grpc_port}"), prompt,
                        RequestOptions(max_tokens=max_tokens, speculation="off")).text
@@ -237,7 +237,7 @@ def test_a_guided_answer_is_the_same_speculated_or_not_over_grpc_and_the_openai_
     """The guide holds the answer to its schema, and speculation changes no token of it: gRPC (upstream's
     guided_decoding_* inputs) and the OpenAI API (response_format json_schema), each with drafts forced on and off."""
     from pipeline.engine.guide import GuideSpec
-    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+    from pipeline.client.ensemble import ClientOptions, RequestOptions, run_request
 
     server = served[0]
     prompt = "Describe a pet as JSON: its kind, its age and its name, then repeat it: kind, age, name."
@@ -758,7 +758,7 @@ def test_a_dead_frontend_is_noticed(served, tmp_path):
 
 def test_the_ensemble_takes_a_prompt_as_it_is_when_asked(served):
     """apply_chat_template false (what /v1/completions sends): the raw prompt's ids, not the templated ones."""
-    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+    from pipeline.client.ensemble import ClientOptions, RequestOptions, run_request
 
     url = ClientOptions(url=f"127.0.0.1:{served[0].options.grpc_port}")
     templated = run_request(url, "hello", RequestOptions(max_tokens=20, speculation="off")).text
@@ -966,7 +966,7 @@ def test_a_hostile_request_gets_a_typed_4xx_and_the_next_one_its_usual_answer(se
 
 def grpc_text_raw(server, prompt: str, max_tokens: int) -> str:
     """The ensemble's greedy answer to a prompt taken as it is (what /v1/completions sends)."""
-    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+    from pipeline.client.ensemble import ClientOptions, RequestOptions, run_request
 
     return run_request(ClientOptions(url=f"127.0.0.1:{server.options.grpc_port}"), prompt,
                        RequestOptions(max_tokens=max_tokens, speculation="off", apply_chat_template=False)).text
@@ -1210,7 +1210,7 @@ def test_echo_with_logprobs_gives_the_prompts_own_log_probs_as_the_engine_comput
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
     # Over gRPC: prompt_log_probs only where prompt_logprobs was asked for.
-    from pipeline.triton.client import ClientOptions, RequestOptions, run_request
+    from pipeline.client.ensemble import ClientOptions, RequestOptions, run_request
 
     url = ClientOptions(url=f"127.0.0.1:{served[0].options.grpc_port}")
     asked = run_request(url, prompt, RequestOptions(max_tokens=3, prompt_logprobs=0, apply_chat_template=False))

@@ -192,7 +192,7 @@ def test_sampling_values_are_refused_never_clamped(temperature, top_p, top_k, me
     """One rule for the engine, the Triton models and the client (pipeline.policy.sampling_limits)."""
     from pipeline.policy.sampling_limits import check_sampling_values
     from pipeline.errors import RequestError
-    from pipeline.triton.client import RequestOptions
+    from pipeline.client.ensemble import RequestOptions
 
     with pytest.raises(RequestError, match=re.escape(message)):
         check_sampling_values(temperature, top_p, top_k)

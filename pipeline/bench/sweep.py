@@ -6,7 +6,7 @@ whatever the load) and gated (the default "auto": the gate's ceiling and the per
 Greedy output is the same in all three, so each mode does the same work and tokens/s compare like for like.
 
 Two targets: the portable engine in this process (an engine folder), or a served repository over gRPC
-(`--url`), through pipeline.triton.client. The engine is loaded with as many slots as the largest
+(`--url`), through pipeline.client.ensemble. The engine is loaded with as many slots as the largest
 concurrency, so requests queue only where they would on a server sized for it.
 """
 
@@ -199,7 +199,7 @@ class ServedTarget:
     BUSY_WAIT_S = 0.5
 
     def __init__(self, url: str):
-        from pipeline.triton.client import ClientOptions, Connection
+        from pipeline.client.ensemble import ClientOptions, Connection
 
         self.options = ClientOptions(url, response_timeout_s=600.0, wait_s=30.0)
         with Connection(self.options) as conn:
@@ -208,7 +208,7 @@ class ServedTarget:
 
     def run(self, prompts: PromptSet, mode: str, concurrency: int, n: int) -> Point:
         from pipeline.errors import PipelineError
-        from pipeline.triton.client import Connection, RequestOptions
+        from pipeline.client.ensemble import Connection, RequestOptions
 
         options = RequestOptions(max_tokens=prompts.max_tokens, speculation=SPECULATION[mode], stream=True)
         traces = [Trace() for _ in range(n)]

@@ -147,7 +147,7 @@ def _generate_in_process(prompts, *, model, draft, num_draft_tokens, ngram_first
 
 def _generate_remote(prompts, url, *, max_tokens, temperature, top_p, top_k, seed, speculation, num_draft_tokens,
                      stream, timeout, wait, json_):
-    from pipeline.triton.client import ClientOptions, RequestOptions, generate_many, remote_stats_line, run_request
+    from pipeline.client.ensemble import ClientOptions, RequestOptions, generate_many, remote_stats_line, run_request
 
     client = ClientOptions(url=url, response_timeout_s=timeout, wait_s=wait)
     options = RequestOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

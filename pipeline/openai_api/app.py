@@ -30,9 +30,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 
+from pipeline.client.ensemble import Chunk, RequestOptions
+from pipeline.client.ensemble_aio import Ensemble, EnsembleError
 from pipeline.openai_api import edge, tools
 from pipeline.openai_api.connections import BODY_TIMEOUT_S
-from pipeline.openai_api.ensemble import Ensemble, EnsembleError
 from pipeline.openai_api.protocol import (API_KEY_ENV, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatLogprobs,
                                           ChatMessage, ChatRequest, ChunkChoice, Completion, CompletionChoice,
                                           CompletionLogprobs, CompletionRequest, Delta, DeltaToolCall, ErrorResponse,
@@ -41,7 +42,6 @@ from pipeline.openai_api.protocol import (API_KEY_ENV, ChatChoice, ChatCompletio
                                           SamplingFields, SpecDecoding, TokenLogprob, TopLogprob, Usage, parse_chat,
                                           parse_completion, request_schemas)
 from pipeline.openai_api.stops import StopMatcher
-from pipeline.triton.client import Chunk, RequestOptions
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, as vLLM's where the model ships no generation_config
 TOKENIZING_THREADS = 4

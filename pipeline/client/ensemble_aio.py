@@ -1,7 +1,7 @@
 """One request to the served `ensemble`, as an async stream of chunks, over gRPC.
 
 The ensemble has a decoupled step, so Triton serves it over the streaming RPC only (as
-pipeline.triton.client explains). This is that client's asyncio twin for the HTTP frontend: one gRPC
+pipeline.client.ensemble explains). This is that client's asyncio twin for the HTTP frontend: one gRPC
 channel for the process, one stream per request, so an error is the request's own, and closing the
 stream early (the HTTP client left, or a stop string matched) cancels the request in the server.
 
@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from pipeline.triton.client import ENSEMBLE, Chunk, RequestOptions, build_inputs, chunk_of, grpc_target
+from pipeline.client.ensemble import ENSEMBLE, Chunk, RequestOptions, build_inputs, chunk_of, grpc_target
 
 _ids = itertools.count()
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
