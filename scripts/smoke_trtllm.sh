@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The first thing to run in NVIDIA's TensorRT-LLM Triton container (nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3,
-# TensorRT-LLM 1.2.1: pipeline.trtllm_version.TRITON_CONTAINER), on one GPU, downloading nothing: builds a tiny
+# TensorRT-LLM 1.2.1: pipeline.trtllm.version.TRITON_CONTAINER), on one GPU, downloading nothing: builds a tiny
 # draft-target pair with `pipeline build`, serves it with `pipeline serve` and checks speculation over gRPC
 # (scripts/smoke_trtllm.py says what). The engine route it builds needs a release with trtllm-build (1.2.1).
 #
@@ -37,7 +37,7 @@ missing=$(cd / && python3 -c 'import importlib.util as u, sys; print(" ".join(m 
 command -v nvidia-smi >/dev/null || die "no nvidia-smi: run inside NVIDIA's container on a GPU machine"
 nvidia-smi -L >/dev/null 2>&1 || die "nvidia-smi sees no GPU: start the container with --gpus all"
 # The container the release tables name, so this line can't drift from them.
-container=$(cd / && python3 -c 'from pipeline.trtllm_version import TRITON_CONTAINER; print(TRITON_CONTAINER)')
+container=$(cd / && python3 -c 'from pipeline.trtllm.version import TRITON_CONTAINER; print(TRITON_CONTAINER)')
 command -v trtllm-build >/dev/null || die "no trtllm-build on PATH (TensorRT-LLM 1.3.0rc21 and later have none): run in $container"
 command -v tritonserver >/dev/null || [[ -x /opt/tritonserver/bin/tritonserver ]] \
     || die "no tritonserver on PATH or at /opt/tritonserver/bin/tritonserver: run in NVIDIA's Triton container"

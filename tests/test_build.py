@@ -178,7 +178,7 @@ def test_dry_run_shows_the_trtllm_commands_yaml_and_launch_exactly_as_compile_an
 def test_dry_run_for_the_1_4_pre_release_gates_one_model_eagle3_with_a_draft_len_schedule(tmp_path, monkeypatch):
     """--trtllm-version 1.4: Eagle3 one-model with the schedule the H100 roofline gives (no two-model keys), and
     a draft model goes the LLM-API route (1.4 has no trtllm-build)."""
-    from pipeline.compiler import reference as ref
+    from pipeline.trtllm import reference as ref
 
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
@@ -221,6 +221,21 @@ def test_an_int4_draft_keeps_a_bf16_kv_cache_beside_an_fp8_target(tmp_path, monk
     refused = runner.invoke(main, ["build", "--target", "llama-70b", "--draft", "llama-3.2-1b", "--target-qformat",
                                    "int4_awq", "--kv-cache-dtype", "fp8", "--dry-run"])
     assert_one_line_error(refused, "--kv-cache-dtype fp8 needs an fp8 target", "--target-qformat fp8")
+
+
+def test_a_draft_model_for_a_family_modelopt_cant_export_to_tensorrt_llm_goes_to_the_llm_api(tmp_path, monkeypatch):
+    """ModelOpt's TensorRT-LLM export has no Qwen3 decoder: a Qwen3 draft-target build plans Hugging Face exports on
+    the LLM API's draft-target mode instead of a quantize stage that would fail; Llama keeps the engine route."""
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    for target, draft, export, route in (("qwen3-8b", "qwen3-8b", "hf", "llmapi"),
+                                         ("llama-70b", "llama-3.2-1b", "trtllm", "engine")):
+        plan = json.loads(runner.invoke(main, ["build", "--target", target, "--draft", draft, "--backend", "trtllm",
+                                               "--dry-run", "--json"]).output)
+        stages = {s["name"]: s["config"] for s in plan["stages"]}
+        assert (stages["quantize_target"]["export"], stages["quantize_draft"]["export"]) == (export, export)
+        assert plan["trtllm"]["route"] == route
+        assert ("no decoder for qwen3" in plan["settings"]["reasons"].get("export", "")) == (export == "hf")
 
 
 def test_build_without_gpu_or_weights_stops_with_one_line_saying_what_is_missing(tmp_path, monkeypatch):

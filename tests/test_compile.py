@@ -1,5 +1,5 @@
 """`pipeline compile`: generated trtllm-build commands and LLM-API YAML checked against TensorRT-LLM 1.2's
-own flag and key tables (pipeline/compiler/reference.py), the checks that run before building, --dry-run
+own flag and key tables (pipeline/trtllm/reference.py), the checks that run before building, --dry-run
 output, and the portable engine folder's round trip through LLMEngine."""
 
 import json
@@ -14,7 +14,6 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.compiler import CompileOptions, compile_model
-from pipeline.compiler import reference as ref
 from pipeline.compiler.checkpoint import read_checkpoint
 from pipeline.compiler.llmapi import LlmApiSettings, llm_api_options, serve_command
 from pipeline.compiler.trtllm_build import build_command, derive_sizes, flags_of
@@ -24,7 +23,8 @@ from pipeline.engine.config import EngineConfig
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.errors import ConfigError, DraftMismatchError
-from pipeline.trtllm_version import CONTAINER_APP
+from pipeline.trtllm import reference as ref
+from pipeline.trtllm.version import CONTAINER_APP
 from cli_checks import assert_one_line_error  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -266,7 +266,7 @@ def test_llm_api_yaml_turns_on_chunked_prefill_block_reuse_and_guides_beside_eve
 def test_every_speculation_combination_is_pinned_to_an_upstream_file_and_symbol():
     from pipeline.compiler.llmapi import FEATURES as LLM_API_FEATURES
     from pipeline.compiler.trtllm_build import FEATURES as ENGINE_FEATURES
-    from pipeline.triton import upstream
+    from pipeline.trtllm import upstream
 
     modes = {m for _, _, m in LLM_API_MODES}
     assert set(ref.SPECULATION_COMBINATIONS) == ({(s, m) for s in LLM_API_FEATURES for m in modes}
@@ -346,7 +346,7 @@ def test_eagle3_with_a_gate_is_two_model_so_max_concurrency_can_turn_it_off():
 
 
 def test_decoding_type_names_follow_the_installed_release_and_an_unknown_one_is_refused(monkeypatch):
-    from pipeline import trtllm_version
+    from pipeline.trtllm import version as trtllm_version
     from pipeline.compiler.llmapi import decoding_type
 
     assert decoding_type("eagle3", "1.2.1") == decoding_type("eagle3", "1.2.0rc8") == "Eagle"
@@ -359,7 +359,7 @@ def test_decoding_type_names_follow_the_installed_release_and_an_unknown_one_is_
 
 
 def test_trtllm_version_picks_the_release_and_must_agree_with_the_installed_one(monkeypatch, tiny_target, tmp_path):
-    from pipeline import trtllm_version
+    from pipeline.trtllm import version as trtllm_version
 
     assert trtllm_version.pick(None, None, "x") == "1.2.1"  # the newest stable release
     assert trtllm_version.pick("1.4", None, "x") == "1.4.0rc4"  # a release's recorded version

@@ -28,7 +28,7 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
 
 def test_no_doc_or_comment_cites_a_file_the_repository_lacks():
     """The shared notes beside a checkout (FACTS.md, STYLE.md) are not in it: a reader of the code can't open them.
-    Upstream files are named by repository and path instead (pipeline.triton.upstream)."""
+    Upstream files are named by repository and path instead (pipeline.trtllm.upstream)."""
     files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "pipeline").rglob("*.py"),
              *(ROOT / "scripts").rglob("*.py")]
     cited = re.compile(r"\b(FACTS|STYLE)\.md\b|\.\./shared/")

@@ -768,7 +768,7 @@ def test_the_ensemble_takes_a_prompt_as_it_is_when_asked(served):
 
 
 def test_tritons_own_openai_frontend_can_sit_in_front_of_the_ensemble(served, client):
-    """What Triton's OpenAI frontend sends (pipeline.triton.upstream.TRITON_OPENAI_INPUTS): a conversation it
+    """What Triton's OpenAI frontend sends (pipeline.trtllm.upstream.TRITON_OPENAI_INPUTS): a conversation it
     rendered with the model's template, and its sampling fields at OpenAI's neutral values. The ensemble doesn't
     template it twice: the answer is the one our own frontend gives for the same messages."""
     import numpy as np
@@ -777,7 +777,7 @@ def test_tritons_own_openai_frontend_can_sit_in_front_of_the_ensemble(served, cl
 
     from pipeline.models.tokenizer import load_tokenizer
     from pipeline.triton.config import PREPROCESSING, read_config
-    from pipeline.triton.upstream import TRITON_OPENAI_INPUTS
+    from pipeline.trtllm.upstream import TRITON_OPENAI_INPUTS
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
     params = read_config(served[0].options.repo / PREPROCESSING / "config.pbtxt").parameters

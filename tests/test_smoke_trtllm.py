@@ -236,12 +236,12 @@ def test_the_shell_wrapper_parses_and_is_executable():
 
 
 def test_the_smoke_scripts_name_the_container_the_release_table_does():
-    """The container a user is told to run in is the one pipeline.trtllm_version records for 1.2.1 (26.07, the
+    """The container a user is told to run in is the one pipeline.trtllm.version records for 1.2.1 (26.07, the
     newest Triton container shipping it; 25.12 shipped 1.1.0), and the shell script reads it from there."""
-    from pipeline.trtllm_version import TRITON_CONTAINER
+    from pipeline.trtllm.version import TRITON_CONTAINER
 
     for name in ("smoke_trtllm.sh", "smoke_trtllm.py"):
         text = (ROOT / "scripts" / name).read_text()
         named = set(re.findall(r"nvcr\.io/nvidia/tritonserver:[\w.-]+", text))
         assert named == {TRITON_CONTAINER}, (name, named)
-    assert "from pipeline.trtllm_version import TRITON_CONTAINER" in (ROOT / "scripts" / "smoke_trtllm.sh").read_text()
+    assert "from pipeline.trtllm.version import TRITON_CONTAINER" in (ROOT / "scripts" / "smoke_trtllm.sh").read_text()

@@ -51,7 +51,7 @@ def test_every_config_round_trips_through_written_file(spec, tmp_path):
 def test_no_config_leaves_a_placeholder_or_empty_parameter(spec):
     """Only the tensorrt_llm models keep placeholders, and only where fill_template.py would leave one: a
     guarded key left at its default. The two guided-decoding keys are "" (off), as NVIDIA's CI fills them."""
-    from pipeline.triton import upstream
+    from pipeline.trtllm import upstream
 
     guarded = {p.key: p.value for p in upstream.TEMPLATE_PARAMETERS if p.guarded}
     for name, msg in repository_configs(spec).items():
@@ -96,7 +96,7 @@ def test_ensemble_interface_matches_the_table_and_tensorrt_llm_names(spec):
 def test_ensemble_is_a_superset_of_tensorrt_llms_name_for_name_and_dtype_for_dtype(spec):
     """A client written for upstream's ensemble (ensemble/config.pbtxt) sends nothing we call unexpected;
     every upstream output we lack is listed with the reason."""
-    from pipeline.triton import upstream
+    from pipeline.trtllm import upstream
 
     ensemble = repository_configs(spec)[ENSEMBLE]
     inputs, outputs = tensors(ensemble, "input"), tensors(ensemble, "output")
@@ -476,7 +476,7 @@ def test_llmapi_route_writes_the_llmapi_model_with_compiles_yaml(tiny_target, ti
 
     import yaml
 
-    from pipeline.triton import upstream
+    from pipeline.trtllm import upstream
     from pipeline.triton.config import LLMAPI_FRONTEND, LLMAPI_MODEL_DIR
 
     engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", num_draft_tokens=3, max_batch_size=16,
@@ -499,7 +499,7 @@ def test_llmapi_route_writes_the_llmapi_model_with_compiles_yaml(tiny_target, ti
     assert config["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
                                             "speculative_model_dir": str(tiny_draft), "max_concurrency": 6}
     assert config["max_batch_size"] == 16 and config["kv_cache_config"]["enable_block_reuse"] is True
-    from pipeline.compiler.reference import LLM_API_KEYS
+    from pipeline.trtllm.reference import LLM_API_KEYS
     assert set(config) - {"model", "backend", "triton_config"} <= LLM_API_KEYS
     assert (repo / "tensorrt_llm" / "1" / "model.py").read_text().startswith('"""Triton python model `tensorrt_llm`')
     assert json.loads((repo / "launch.json").read_text())["mode"] == "llmapi"

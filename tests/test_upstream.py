@@ -1,4 +1,4 @@
-"""The TensorRT-LLM route against the reference table of upstream facts (pipeline.triton.upstream).
+"""The TensorRT-LLM route against the reference table of upstream facts (pipeline.trtllm.upstream).
 
 TensorRT-LLM can't run here, so these are its tests: every parameter, tensor and launch step the repository
 and `pipeline serve` emit is one the table records from upstream's source (the table names the file and
@@ -21,12 +21,12 @@ from upstream_template import fake_container
 
 from pipeline.cli import main
 from pipeline.errors import ConfigError
-from pipeline.triton import upstream
+from pipeline.routes import ENGINE, LLMAPI, PORTABLE
 from pipeline.triton.config import GATE, TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, read_config, repository_configs
 from pipeline.triton.draft_target import SENT_INPUTS
-from pipeline.routes import ENGINE, LLMAPI, PORTABLE
 from pipeline.triton.launch import LAUNCH_FILE, ORCHESTRATOR_ENV, Launch, launch_command, plan_launch
 from pipeline.triton.trtllm_template import TrtllmModel, check_config, container_config, escape, find_container_tools
+from pipeline.trtllm import upstream
 
 from tritonclient.grpc import model_config_pb2 as pb  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_each_tensorrt_llm_model_turns_on_chunked_context_and_kv_reuse_where_its
     """Filled "true", not left to the backend's default (chunked context: false). Each key is a template parameter
     pinned to the function that reads it, and the runtime takes it beside the engine's speculation mode: the
     target of a pair is built draft_tokens_external, the draft and a lone target plain."""
-    from pipeline.compiler.reference import combination
+    from pipeline.trtllm.reference import combination
 
     spec = SPEC if with_draft else replace(SPEC, draft_engine_dir="")
     configs = repository_configs(spec)
@@ -105,7 +105,7 @@ def test_the_target_alone_turns_guided_decoding_on_with_compiles_tokenizer_file(
     """getGuidedDecodingConfigFromParams builds a guided decoder only with both keys set, and only for xgrammar; the
     draft needs none (a guided request decodes on the target alone). The gate is told, to refuse guides in one line
     where the target has none."""
-    from pipeline.compiler.reference import GUIDE_INFO_FILE
+    from pipeline.trtllm.reference import GUIDE_INFO_FILE
 
     configs = repository_configs(replace(SPEC, guide_tokenizer_info=info))
     target, draft = params(configs[TRTLLM_TARGET]), params(configs[TRTLLM_DRAFT])
@@ -330,7 +330,7 @@ def test_serving_engines_outside_the_container_is_one_line_naming_the_container(
 
 def test_engines_built_by_another_tensorrt_llm_are_refused_naming_both_versions(tmp_path, monkeypatch):
     import pipeline.triton.server as server
-    from pipeline import trtllm_version
+    from pipeline.trtllm import version as trtllm_version
 
     tritonserver = tmp_path / "tritonserver"
     tritonserver.write_text("")

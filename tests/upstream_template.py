@@ -1,6 +1,6 @@
 """NVIDIA's container, simulated for tests: its tensorrt_llm config template and tools/fill_template.py.
 
-The template text is rendered from pipeline.triton.upstream's tables in upstream's own format (${...}
+The template text is rendered from pipeline.trtllm.upstream's tables in upstream's own format (${...}
 placeholders, the data types unquoted), and the fill tool follows the documented behaviour of
 triton_backend/tools/fill_template.py: `fill_template.py [-i] FILE k:v,k:v`, where a backslash escapes the
 next character (and is consumed) while the argument is split on ',' and then each pair on ':'; every key
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.triton import upstream
+from pipeline.trtllm import upstream
 
 # Inputs and outputs whose data type is a placeholder in the template.
 DTYPE_PLACEHOLDERS = {"encoder_input_features": "encoder_input_features_data_type", "draft_logits": "logits_datatype",

@@ -164,7 +164,7 @@ def _quantize_stage(s: Settings, o: BuildOptions, env: Environment, build_dir: P
     from pipeline.quantize.quantizer import QuantizeOptions
 
     # An FP8 KV cache goes only into an FP8 checkpoint: trtllm-build refuses it beside INT4-AWQ weights
-    # (pipeline.compiler.reference.FP8_KV_QUANT_ALGOS), so an INT4-AWQ draft keeps a bf16 KV cache.
+    # (pipeline.trtllm.reference.FP8_KV_QUANT_ALGOS), so an INT4-AWQ draft keeps a bf16 KV cache.
     kv = "fp8" if s.export == "trtllm" and s.kv_cache_dtype == "fp8" and qformat == "fp8" else "none"
     suffix = f"-trtllm-tp{s.tp_size}" if s.export == "trtllm" else ""
     out = build_dir / f"{role}-{qformat}{suffix}"
@@ -252,7 +252,7 @@ def _keyed(stage: Stage, earlier: list[Stage]) -> Stage:
 
 
 def _missing(s: Settings, env: Environment) -> tuple[str, ...]:
-    from pipeline.trtllm_version import for_version
+    from pipeline.trtllm.version import for_version
 
     out = []
     if s.runs_on.trtllm_release:

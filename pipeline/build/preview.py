@@ -54,7 +54,7 @@ def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_k
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET
     from pipeline.triton.launch import plan_launch
     from pipeline.triton.server import ServeOptions, ServerBinary, launch_argv, shell_line
-    from pipeline.trtllm_version import CONTAINER_TRITONSERVER
+    from pipeline.trtllm.version import CONTAINER_TRITONSERVER
 
     o, s = compile_options, settings
     layout = s.export

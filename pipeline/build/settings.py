@@ -19,7 +19,7 @@ from pipeline.errors import ConfigError
 from pipeline.plan.gpus import GPU, get_gpu
 from pipeline.policy.gate_policy import PORTABLE_CEILING
 from pipeline.routes import PORTABLE_BACKEND, TRTLLM_BACKEND, Backend, backend_named
-from pipeline.trtllm_version import for_version
+from pipeline.trtllm.version import for_version
 
 PLAN_GPU = "h100-80gb"  # what a trtllm plan assumes when there is no GPU here and no --gpu
 # The gate's batch size when --gate-batch-size is left out, and why. (The other sizes are the backend's own:
@@ -78,8 +78,8 @@ class Settings:
 
 
 def _trtllm_version(o: BuildOptions, backend: Backend, reasons: dict[str, str]) -> str | None:
-    """The TensorRT-LLM release a trtllm build writes for (pipeline.trtllm_version.pick)."""
-    from pipeline import trtllm_version
+    """The TensorRT-LLM release a trtllm build writes for (pipeline.trtllm.version.pick)."""
+    from pipeline.trtllm import version as trtllm_version
 
     if not backend.trtllm_release:
         if o.trtllm_version is not None:
@@ -128,9 +128,7 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
         max_batch_size=o.max_batch_size if o.max_batch_size is not None else batch,
         max_input_len=o.max_input_len, max_seq_len=max_seq, tp_size=o.tp_size or 1,
         gpu=gpu.key if gpu is not None else None,
-        # a draft model runs as a second TensorRT engine where the release still builds them (the engine route)
-        export="trtllm" if backend.trtllm_release and draft.kind == MODEL and for_version(version).engine_route
-        else "hf",
+        export=_export(backend, draft, version, shape, reasons),
         engine_dtype="bf16" if device.startswith("cuda") else env.engine_dtype[0], trtllm_version=version,
         device=device, reasons=reasons)
     if o.gate_batch_size is None:
@@ -166,6 +164,21 @@ def _with_memory_plan(s: Settings, o: BuildOptions, shape, gpu: GPU, reasons: di
     if not o.force:
         check_fits(plan)
     return s, plan
+
+
+def _export(backend: Backend, draft: DraftSpec, version: str | None, shape, reasons: dict) -> str:
+    """A draft model runs as a second TensorRT engine (the engine route: ModelOpt's TensorRT-LLM checkpoints) where
+    the release still builds engines and ModelOpt's export has a decoder for the target's family; elsewhere both
+    models load from Hugging Face folders on the LLM API (its draft-target mode)."""
+    from pipeline.quantize.formats import trtllm_decoder_type
+
+    if not (backend.trtllm_release and draft.kind == MODEL and for_version(version).engine_route):
+        return "hf"
+    if shape is not None and trtllm_decoder_type(shape.model_type) is None:
+        reasons["export"] = (f"hf: ModelOpt's TensorRT-LLM export has no decoder for {shape.model_type}, so the draft "
+                             f"and the target load on TensorRT-LLM's LLM API (draft-target), not as engines")
+        return "hf"
+    return "trtllm"
 
 
 def _backend(o: BuildOptions, env: Environment, shape, reasons: dict) -> Backend:

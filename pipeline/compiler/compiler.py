@@ -18,10 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline import trtllm_version
 from pipeline.compiler import engine_folder, llmapi
 from pipeline.compiler.checkpoint import Checkpoint, read_checkpoint
-from pipeline.compiler.reference import GUIDE_INFO_FILE, TRTLLM_CONTAINER
 from pipeline.compiler.trtllm_build import (BuildSizes, build_command, derive_sizes, feature_notes, guide_info_command,
                                             run_command)
 from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan
@@ -29,6 +27,8 @@ from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.folder import ENGINE_FILE, write_engine_manifest
 from pipeline.errors import ConfigError, MissingDependencyError
 from pipeline.routes import Route, backend_named, pick_route
+from pipeline.trtllm import version as trtllm_version
+from pipeline.trtllm.reference import GUIDE_INFO_FILE, TRTLLM_CONTAINER
 
 MANIFEST_FILE = "compile.json"
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -64,7 +64,7 @@ class CompileOptions:
     device: str = "auto"
     # torch backend with a draft: measure the cost model the draft planner reads (engine/calibrate.py)
     calibrate: bool = True
-    # trtllm: the TensorRT-LLM release to write for (pipeline.trtllm_version.RELEASES); None: the installed one in
+    # trtllm: the TensorRT-LLM release to write for (pipeline.trtllm.version.RELEASES); None: the installed one in
     # NVIDIA's container, else the newest stable release
     trtllm_version: str | None = None
     dry_run: bool = False
@@ -366,7 +366,7 @@ def _check_options(o: CompileOptions) -> None:
 
 def _kv_cache_dtype(requested: str, ckpt: Checkpoint, route: Route, role: str = "target") -> str:
     """The KV cache dtype for one checkpoint; on the engine route an FP8 KV cache needs an FP8 checkpoint."""
-    from pipeline.compiler.reference import FP8_KV_QUANT_ALGOS
+    from pipeline.trtllm.reference import FP8_KV_QUANT_ALGOS
 
     quantized = (ckpt.kv_cache_quant_algo or "").upper() == "FP8"
     if route.kv_from_checkpoint and requested == "fp8" and not quantized:

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.compiler.reference import TRTLLM_VERSION, combination, llm_api_table, refusal_notes
 from pipeline.compiler.trtllm_build import BuildSizes
 from pipeline.draft_spec import DraftSpec
+from pipeline.trtllm.reference import TRTLLM_VERSION, combination, llm_api_table, refusal_notes
 
 OPTIONS_FILE = "extra_llm_api_options.yaml"
 # Turned on beside every speculation mode that TensorRT-LLM runs them with (reference.SPECULATION_COMBINATIONS):

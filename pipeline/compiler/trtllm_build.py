@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.compiler.checkpoint import Checkpoint
-from pipeline.compiler.reference import combination, refusal_notes
 from pipeline.errors import ConfigError
+from pipeline.trtllm.reference import combination, refusal_notes
 
 DEFAULT_MAX_SEQ_LEN = 4096
 CONTEXT_CHUNK = 8192  # trtllm-build's default max_num_tokens: the most prompt tokens one iteration takes
@@ -89,8 +89,8 @@ def guide_info_command(tokenizer_dir: Path, output_dir: Path) -> list[str]:
     """argv of upstream's generate_xgrammar_tokenizer_info.py, where NVIDIA's container keeps it: it writes
     output_dir/reference.GUIDE_INFO_FILE, the vocabulary the tensorrt_llm model's guided decoding compiles
     grammars against (tensorrtllm_backend docs/guided_decoding.md, "C++ Backend")."""
-    from pipeline.compiler.reference import GUIDE_INFO_SCRIPT
-    from pipeline.trtllm_version import CONTAINER_APP
+    from pipeline.trtllm.reference import GUIDE_INFO_SCRIPT
+    from pipeline.trtllm.version import CONTAINER_APP
 
     return ["python3", f"{CONTAINER_APP}/{GUIDE_INFO_SCRIPT}", "--model_dir", str(tokenizer_dir),
             "--output_dir", str(output_dir)]
@@ -125,7 +125,7 @@ def run_command(target_engine: Path, draft_engine: Path | None, tokenizer_dir: P
     first takes that share of all free memory, so the README lowers it to 0.5; a one-sequence token bound
     (--max_tokens_in_paged_kv_cache, the smaller of the two bounds wins) keeps either from crowding the other
     out whatever the load order."""
-    from pipeline.trtllm_version import CONTAINER_APP, CONTAINER_RUN_PY
+    from pipeline.trtllm.version import CONTAINER_APP, CONTAINER_RUN_PY
 
     mpi = ["mpirun", "-n", str(world_size), "--allow-run-as-root"] if world_size > 1 else []
     has_draft = draft_engine is not None

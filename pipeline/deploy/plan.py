@@ -153,7 +153,7 @@ def dns_label(text: str) -> str:
 def plan_deploy(build, options: DeployOptions) -> DeployPlan:
     """build: the pipeline.build.BuildPlan `pipeline build` makes for the same flags."""
     from pipeline import __version__
-    from pipeline.trtllm_version import for_version
+    from pipeline.trtllm.version import for_version
 
     options.validate()
     s = build.settings
@@ -223,7 +223,7 @@ def _serve_command(build, trt: bool, pods: int = 1, gpus_per_pod: int = 0) -> tu
     from pipeline.triton.launch import Launch
     from pipeline.triton.server import (ADMIN_KEY_ENV, SHM_PREFIX, ServeOptions, ServerBinary, launch_argv,
                                         shell_line)
-    from pipeline.trtllm_version import CONTAINER_TRITONSERVER
+    from pipeline.trtllm.version import CONTAINER_TRITONSERVER
 
     options = ServeOptions(repo=Path(REPO_DIR), host="0.0.0.0", grpc_port=PORTS["grpc"], http_port=PORTS["http"],
                            metrics_port=PORTS["metrics"], admin_key=f"$({ADMIN_KEY_ENV})")
@@ -241,13 +241,13 @@ def _serve_command(build, trt: bool, pods: int = 1, gpus_per_pod: int = 0) -> tu
 def _multinode_command(launch, options, pods: int, gpus_per_pod: int) -> str:
     """The leader pod's shell: wait until every worker pod of its group runs, then start every rank from here
     with mpirun, through kubessh (kubectl exec) rather than ssh, as kubernetes-sigs/lws's Triton + TensorRT-LLM
-    example does (pipeline.triton.upstream LAUNCH_FACTS "hosts", "kubessh"). LeaderWorkerSet names a group's pods
+    example does (pipeline.trtllm.upstream LAUNCH_FACTS "hosts", "kubessh"). LeaderWorkerSet names a group's pods
     <leader>, <leader>-1, ..., so the hosts are known before they exist; the kubelet expands $(POD_NAME) (the
     leader's own name, from the downward API) in the command, so the script holds no shell substitution of
     its own for it to misread."""
     from pipeline.triton.launch import multinode_command
     from pipeline.triton.server import SHM_PREFIX, server_args, ServerBinary
-    from pipeline.trtllm_version import CONTAINER_TRITONSERVER
+    from pipeline.trtllm.version import CONTAINER_TRITONSERVER
 
     hosts = ["$(POD_NAME)", *[f"$(POD_NAME)-{i}" for i in range(1, pods)]]
     binary = ServerBinary(Path(CONTAINER_TRITONSERVER))

@@ -9,7 +9,7 @@ Assumptions (also in `MemoryPlan.assumptions`):
 - The draft runs with the target's TP and is sharded the same way (TensorRT-LLM draft-target runs both with
   one mapping; an EAGLE-3 head is built into the target engine). n-gram drafting holds no weights and no KV.
 - KV cache = per token x batch x max_seq_len. A draft engine keeps its checkpoint's KV dtype (an INT4-AWQ
-  draft can't take an FP8 KV cache; see pipeline.compiler.reference.FP8_KV_QUANT_ALGOS).
+  draft can't take an FP8 KV cache; see pipeline.trtllm.reference.FP8_KV_QUANT_ALGOS).
 - Reserve per GPU: 1 GiB CUDA context + activations/workspace of max(2 GiB, 10% of GPU memory): the 10% is
   what TensorRT-LLM leaves free with its default free_gpu_memory_fraction=0.9.
 """

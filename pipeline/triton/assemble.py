@@ -20,7 +20,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.compiler.reference import GUIDE_INFO_FILE
 from pipeline.engine.device import parse_device
 from pipeline.errors import ConfigError
 from pipeline.policy.gate_policy import GatePolicy
@@ -33,7 +32,8 @@ from pipeline.triton.config import (GATE, LLMAPI_FRONTEND, LLMAPI_MODEL, LLMAPI_
                                     repository_configs, trtllm_models, write_config)
 from pipeline.triton.launch import Launch, gpu_device_ids, plan_launch, write_launch
 from pipeline.triton.trtllm_template import ContainerTools, check_config, container_config, find_container_tools
-from pipeline.triton.upstream import TRITON_CONTAINER
+from pipeline.trtllm.reference import GUIDE_INFO_FILE
+from pipeline.trtllm.upstream import TRITON_CONTAINER
 
 MODEL_SOURCES = Path(__file__).parent / "models"
 # model name -> its source in pipeline/triton/models/

@@ -313,7 +313,7 @@ def llmapi_model_config(spec: RepoSpec) -> ModelConfig:
 
     max_batch_size and decoupled are written out as model.yaml's triton_config has them: upstream's model sets
     them in auto_complete_config, which the MPI launch (--disable-auto-complete-config) skips."""
-    from pipeline.triton.upstream import LLMAPI_INPUTS, LLMAPI_OUTPUTS, LLMAPI_TRITON_CONFIG
+    from pipeline.trtllm.upstream import LLMAPI_INPUTS, LLMAPI_OUTPUTS, LLMAPI_TRITON_CONFIG
 
     pb = model_config_pb2()
     msg = pb.ModelConfig(name=LLMAPI_MODEL, backend="python", max_batch_size=LLMAPI_TRITON_CONFIG["max_batch_size"])
@@ -342,7 +342,7 @@ def llmapi_model_yaml(model: str, llm_args: dict) -> dict:
     `llm_args` are compile's extra_llm_api_options merged with the sizes; upstream's model passes
     everything but triton_config to LLM(**args) (update_llm_args_with_extra_dict).
     """
-    from pipeline.triton.upstream import LLMAPI_TRITON_CONFIG
+    from pipeline.trtllm.upstream import LLMAPI_TRITON_CONFIG
 
     return {"model": model, "backend": "pytorch", **llm_args, "triton_config": dict(LLMAPI_TRITON_CONFIG)}
 

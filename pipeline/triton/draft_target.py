@@ -26,7 +26,7 @@ returns no log probs for accepted draft tokens. The answer is then TensorRT-LLM'
 
 A guide (upstream's guided_decoding_guide_type / guided_decoding_guide) goes to the target the same way, and such a
 request decodes on the target alone too: TensorRT-LLM's C++ guided decoder masks one position per step and starts its
-grammar at a request's first context step (pipeline.triton.upstream.GUIDED_DECODER_REF), so it would neither mask the
+grammar at a request's first context step (pipeline.trtllm.upstream.GUIDED_DECODER_REF), so it would neither mask the
 draft positions of a verify nor carry its grammar from one verify request to the next.
 """
 

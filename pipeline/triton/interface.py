@@ -1,7 +1,7 @@
 """The tensors that flow through the Triton repository: one table that every model config derives from.
 
 The ensemble's request is a superset of TensorRT-LLM's Triton ensemble, name for name and dtype for dtype
-(pipeline.triton.upstream.ENSEMBLE_INPUTS, from tensorrtllm_backend's ensemble/config.pbtxt), so
+(pipeline.trtllm.upstream.ENSEMBLE_INPUTS, from tensorrtllm_backend's ensemble/config.pbtxt), so
 tritonclient scripts and genai-perf written for TensorRT-LLM send what they always send. We add
 `speculation`, `num_draft_tokens`, `apply_chat_template` and `num_logprobs`. Inputs upstream has and this
 pipeline can't honour (beam search, LoRA, ...) are accepted at their neutral values and refused otherwise, in
@@ -14,8 +14,8 @@ Dims exclude the batch dimension: every model has max_batch_size > 0, as upstrea
 
 from __future__ import annotations
 
-from pipeline.triton import upstream
-from pipeline.triton.tensors import TensorSpec, names, required  # noqa: F401  (re-exported)
+from pipeline.tensor_spec import TensorSpec, names, required  # noqa: F401  (re-exported)
+from pipeline.trtllm import upstream
 
 # What a client sends: upstream's ensemble inputs as they are (no reshape, no ragged batching at the
 # ensemble), then ours.

@@ -5,7 +5,7 @@ an argv and environment. `pipeline assemble` writes the decision into the reposi
 top-level file Triton ignores); `pipeline serve` reads it, prints the command, and runs it.
 
 The modes, from TensorRT-LLM's scripts/launch_triton_server.py and its backend's docs (each step is
-referenced in pipeline.triton.upstream.LAUNCH_FACTS):
+referenced in pipeline.trtllm.upstream.LAUNCH_FACTS):
 - plain: the portable engine, one tritonserver (the CPU server bundled in nvidia-pytriton, or the
   container's).
 - leader: one TensorRT-LLM model of world size N = tp*pp. mpirun starts N tritonservers; rank 0 loads

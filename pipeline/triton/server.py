@@ -32,7 +32,7 @@ from pipeline.routes import PORTABLE
 from pipeline.triton.config import DEVICE_ENV
 from pipeline.triton.launch import Launch, launch_command, read_launch
 from pipeline.triton.ports import port_in_use
-from pipeline.triton.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
+from pipeline.trtllm.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
 
 STUB_NAME = "triton_python_backend_stub"
 EXIT_TIMEOUT_S = 10
@@ -134,7 +134,7 @@ def check_launchable(launch: Launch, binary: ServerBinary) -> None:
                          f"here ({binary.path}); {where}")
     if shutil.which("mpirun") is None:
         raise ServeError(f"this repository serves {what} under MPI and mpirun is not installed; {where}")
-    from pipeline import trtllm_version
+    from pipeline.trtllm import version as trtllm_version
 
     running = trtllm_version.installed()
     # TensorRT engines run only on the release that built them; the LLM API's options are read by any same-minor one

@@ -2,10 +2,10 @@
 
 Two ways to the same file:
 - In NVIDIA's Triton + TensorRT-LLM container the backend's own template and tools/fill_template.py are
-  on disk (/app, pipeline.triton.upstream.CONTAINER_APP): `container_config` copies that template and
+  on disk (/app, pipeline.trtllm.upstream.CONTAINER_APP): `container_config` copies that template and
   runs that tool, so the repository always matches the backend version that serves it.
 - Elsewhere (a CPU machine, a dry run), `table_config` writes every input, output and parameter of the
-  template from pipeline.triton.upstream's tables, filled with the same values.
+  template from pipeline.trtllm.upstream's tables, filled with the same values.
 Either way the values are `fills(...)`, and the result goes through `check_config`, which refuses what
 the C++ backend would refuse at load. A placeholder we leave unfilled stays as the literal `${name}`,
 exactly as fill_template.py leaves it and as NVIDIA's own CI runs its draft/target models: every such
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError
-from pipeline.triton import upstream
 from pipeline.triton.model_config_pb import model_config_pb2
+from pipeline.trtllm import upstream
 
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelConfig
@@ -41,7 +41,7 @@ class TrtllmModel:
     max_tokens_in_paged_kv_cache: int | None = None  # an absolute KV bound (the draft's): min(this, the fraction)
     gpu_device_ids: str | None = None  # "0,1": orchestrator mode; None leaves the template's (all visible GPUs)
     # How the engine was built: "draft_tokens_external" (a target with a draft) or "plain"; it decides what the
-    # runtime takes beside it (pipeline.compiler.reference.SPECULATION_COMBINATIONS).
+    # runtime takes beside it (pipeline.trtllm.reference.SPECULATION_COMBINATIONS).
     speculation: str = "plain"
     # The target's: compile's xgrammar_tokenizer_info.json, which turns its guided decoding on; "" leaves it off.
     # The draft never needs one: a guided request decodes on the target alone (draft_target.TritonRequest).
@@ -51,7 +51,7 @@ class TrtllmModel:
 def fills(model: TrtllmModel, *, max_batch_size: int, tokenizer_dir: str) -> dict[str, str]:
     """Placeholder name -> value, as fill_template.py takes them (names from upstream.TEMPLATE_FIELDS and
     TEMPLATE_PARAMETERS' placeholders). Pure."""
-    from pipeline.compiler.reference import combination
+    from pipeline.trtllm.reference import combination
 
     def on(setting: str) -> str:
         return "true" if combination(setting, model.speculation).allowed else "false"
@@ -105,7 +105,7 @@ def parameters(values: dict[str, str]) -> dict[str, str]:
 
 
 def table_config(model: TrtllmModel, *, max_batch_size: int, tokenizer_dir: str) -> ModelConfig:
-    """The filled template, written from pipeline.triton.upstream's tables (no container needed)."""
+    """The filled template, written from pipeline.trtllm.upstream's tables (no container needed)."""
     pb = model_config_pb2()
     values = fills(model, max_batch_size=max_batch_size, tokenizer_dir=tokenizer_dir)
     msg = pb.ModelConfig(name=model.name, backend=values["triton_backend"], max_batch_size=max_batch_size)
@@ -179,7 +179,7 @@ def container_config(tools: ContainerTools, model: TrtllmModel, *, max_batch_siz
     except text_format.ParseError as err:
         raise ConfigError(f"{tools.template} filled by {tools.fill_template} is not a valid ModelConfig ({err}); "
                           f"a placeholder we don't know is left in it: compare the template with "
-                          f"pipeline/triton/upstream.py (TensorRT-LLM {upstream.TRTLLM_VERSION})") from None
+                          f"pipeline/trtllm/upstream.py (TensorRT-LLM {upstream.TRTLLM_VERSION})") from None
     msg.name = model.name  # upstream renames its copy the same way (name: "tensorrt_llm" -> "tensorrt_llm_draft")
     return msg
 

@@ -4,7 +4,7 @@ TensorRT-LLM's llmapi model (behind it as `tensorrt_llm`, loaded by models/llmap
 answers with the text so far in every streamed response (CompletionOutput.text, not its diff), with no
 token ids. This model gives clients the interface the other routes have (pipeline.triton.interface):
 it validates the request as preprocessing does, renders the chat template, maps our inputs onto the
-llmapi model's sampling_param_* inputs (pipeline.triton.upstream.LLMAPI_INPUTS), always streams from it,
+llmapi model's sampling_param_* inputs (pipeline.trtllm.upstream.LLMAPI_INPUTS), always streams from it,
 and answers with deltas: text_output the new text, num_output_tokens its tokens. The llmapi model has
 no token ids to give, so the count is the target tokenizer's count of the text so far, differenced: it
 can be off by one where a token decodes to nothing (special tokens) or re-encodes differently.
@@ -29,8 +29,8 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text, template_opening
-from pipeline.triton.client_errors import client_message
 from pipeline.triton.bls_streams import ENDED
+from pipeline.triton.client_errors import client_message
 from pipeline.triton.validate import check_length, read_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -40,7 +40,7 @@ def _sampling_refusal(r) -> str | None:
     """The penalties and log probs the LLM-API route can't pass on, in one line naming the input. TensorRT-LLM's
     llmapi model reads no repetition penalty and returns no per-token log probs (LLMAPI_HELPERS
     get_sampling_params_from_request; only a cumulative one); it does read sampling_param_presence_penalty and
-    sampling_param_frequency_penalty, which pipeline.triton.upstream.LLMAPI_INPUTS doesn't record yet, so this
+    sampling_param_frequency_penalty, which pipeline.trtllm.upstream.LLMAPI_INPUTS doesn't record yet, so this
     route sends them nowhere."""
     if r.repetition_penalty != 1.0:
         return (f"repetition_penalty {r.repetition_penalty:g} isn't served on the LLM-API route (TensorRT-LLM's "

@@ -9,7 +9,7 @@ Version. The tables follow TensorRT-LLM 1.2.1, the release tensorrtllm_backend's
 Triton container from (triton-inference-server/tensorrtllm_backend@0b9d7d5
 dockerfile/Dockerfile.triton.trt_llm_backend: TENSORRTLLM_REPO_TAG=release/1.2.1, TENSORRTLLM_VER=1.2.1, built
 FROM nvcr.io/nvidia/tritonserver:25.12-py3-min; the published containers with it are 26.04-26.07, see
-pipeline.trtllm_version). release/1.2.1 itself was not readable here; the files were read at
+pipeline.trtllm.version). release/1.2.1 itself was not readable here; the files were read at
 NVIDIA/TensorRT-LLM@0c8de69a (tensorrt_llm/version.py: 1.2.0rc8, after PR #10018 "Expose enable_trt_overlap in
 Triton_backend"), the newest snapshot of triton_backend/ we could read.
 
@@ -17,7 +17,7 @@ Per release: everything for the tensorrtllm C++ backend and its inflight_batcher
 TENSORRT_LLM_*, ENSEMBLE_*, the leader/orchestrator LAUNCH_FACTS) exists only on releases with the engine route
 (1.2.1): NVIDIA/TensorRT-LLM PR #15907 removed them after 1.3.0rc20, keeping all_models/llmapi and
 scripts/launch_triton_server.py. The llmapi model's tensors (LLMAPI_*) were read again at c8c6df08, after that
-PR, and are unchanged, so they serve every release in pipeline.trtllm_version.RELEASES.
+PR, and are unchanged, so they serve every release in pipeline.trtllm.version.RELEASES.
 Inside NVIDIA's container `pipeline assemble` doesn't use these tables for the model config at all: it
 copies the container's own template and fills it with the container's own fill_template.py
 (pipeline.triton.trtllm_template), so the repository matches the backend that serves it.
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.triton.tensors import TensorSpec as Tensor
+from pipeline.tensor_spec import TensorSpec as Tensor
 # The release and its container's layout live with the version checks (compile reads them too); re-exported here,
 # where the tables that cite them are.
-from pipeline.trtllm_version import (CONTAINER_APP, CONTAINER_FILL_TEMPLATE, CONTAINER_LAUNCH_SCRIPT,  # noqa: F401
+from pipeline.trtllm.version import (CONTAINER_APP, CONTAINER_FILL_TEMPLATE, CONTAINER_LAUNCH_SCRIPT,  # noqa: F401
                                      CONTAINER_LLMAPI_MODEL, CONTAINER_RUN_PY, CONTAINER_TEMPLATES,
                                      CONTAINER_TRITONSERVER, TRITON_CONTAINER, TRTLLM_VERSION)
 
@@ -81,7 +81,7 @@ class Ref:
     symbol: str
 
 
-# NVIDIA's container (the layout above, in pipeline.trtllm_version):
+# NVIDIA's container (the layout above, in pipeline.trtllm.version):
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"  # TEMPLATE executor_worker_path
 
 
@@ -133,7 +133,7 @@ TEMPLATE_PARAMETERS: tuple[TemplateParameter, ...] = (
     _p("iter_stats_max_iterations", "getExecutorConfigFromParams"),
     _p("request_stats_max_iterations", "getExecutorConfigFromParams"),
     # Both filled "true" where the runtime takes them beside the engine's speculation mode, each combination pinned
-    # in pipeline.compiler.reference.SPECULATION_COMBINATIONS (default: reuse true, chunked context false).
+    # in pipeline.trtllm.reference.SPECULATION_COMBINATIONS (default: reuse true, chunked context false).
     _p("enable_kv_cache_reuse", "getKvCacheConfigFromParams"),
     _p("normalize_log_probs", "getExecutorConfigFromParams"),
     _p("enable_chunked_context", "getExecutorConfigFromParams"),
@@ -166,7 +166,7 @@ TEMPLATE_PARAMETERS: tuple[TemplateParameter, ...] = (
 UNGUARDED = tuple(p.key for p in TEMPLATE_PARAMETERS if not p.guarded)
 # getGuidedDecodingConfigFromParams: "Guided decoding is currently supported with 'xgrammar' backend" (it throws for any
 # other value), with xgrammar_tokenizer_info_path naming upstream's generate_xgrammar_tokenizer_info.py output
-# (pipeline.compiler.reference.GUIDE_INFO_SCRIPT; GUIDED_DECODING_DOC, "C++ Backend").
+# (pipeline.trtllm.reference.GUIDE_INFO_SCRIPT; GUIDED_DECODING_DOC, "C++ Backend").
 GUIDED_DECODING_BACKEND = "xgrammar"
 GUIDED_DECODING_REF = Ref(MODEL_INSTANCE_STATE, "getGuidedDecodingConfigFromParams")
 # Why a guided request never speculates on this route: GuidedDecoder::build compiles the grammar at a request's first

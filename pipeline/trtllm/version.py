@@ -3,8 +3,8 @@
 Names change between releases: the LLM API's decoding_type strings (DraftTarget/Eagle in 1.2.1, Draft_Target/Eagle3
 in the 1.3/1.4 pre-releases), its speculative_config fields, and from 1.3.0rc21 on the whole TensorRT engine route
 (trtllm-build, the tensorrtllm C++ backend, examples/run.py) is gone. An engine only loads in the TensorRT-LLM that
-built it. So every release we write for is a `Release` here, with its tables in pipeline.compiler.reference
-(LLM API, trtllm-build) and pipeline.triton.upstream (the Triton backend); `pipeline compile` records the version it
+built it. So every release we write for is a `Release` here, with its tables in pipeline.trtllm.reference
+(LLM API, trtllm-build) and pipeline.trtllm.upstream (the Triton backend); `pipeline compile` records the version it
 wrote for, and `compile`/`serve` refuse, in one line naming both versions, a TensorRT-LLM that differs in a way that
 matters.
 
@@ -29,7 +29,7 @@ from packaging.version import Version
 
 from pipeline.errors import ConfigError
 
-# NVIDIA's Triton container layout (pipeline.triton.upstream.DOCKERFILE: WORKDIR /app; COPY triton_backend/...)
+# NVIDIA's Triton container layout (pipeline.trtllm.upstream.DOCKERFILE: WORKDIR /app; COPY triton_backend/...)
 CONTAINER_APP = "/app"
 CONTAINER_TEMPLATES = "all_models/inflight_batcher_llm"  # under /app
 CONTAINER_FILL_TEMPLATE = "tools/fill_template.py"  # under /app

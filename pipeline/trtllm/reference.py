@@ -1,6 +1,6 @@
 """What TensorRT-LLM accepts, copied from its source, so generated commands and configs can be checked.
 
-Releases (pipeline.trtllm_version.RELEASES): the LLM API's names have one table per release (LLM_API_TABLES, with
+Releases (pipeline.trtllm.version.RELEASES): the LLM API's names have one table per release (LLM_API_TABLES, with
 DIFFERENCES_1_2_TO_1_4 naming where upstream changed each); the engine route's (trtllm-build, run.py) exist only for
 1.2.1, since 1.3.0rc21 removed that route. Build and serve in one container, so the engines are built by the
 TensorRT-LLM that loads them. TensorRT-LLM can't be installed on the machines
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.trtllm_version import TRITON_CONTAINER, TRTLLM_VERSION  # noqa: F401  (re-exported)
+from pipeline.trtllm.version import TRITON_CONTAINER, TRTLLM_VERSION  # noqa: F401  (re-exported)
 
 TRTLLM_CONTAINER = TRITON_CONTAINER
 
@@ -219,7 +219,7 @@ DIFFERENCES_1_2_TO_1_4: tuple[Difference, ...] = (
 
 
 def llm_api_table(version: str) -> LlmApiTable:
-    from pipeline.trtllm_version import check_supported
+    from pipeline.trtllm.version import check_supported
 
     return LLM_API_TABLES[check_supported(version, "TensorRT-LLM").key]
 
@@ -240,7 +240,7 @@ DRAFT_LEN_SCHEDULE = Pin(LLM_ARGS, "DecodingBaseConfig.draft_len_schedule (valid
 
 # The settings compile writes for these features, each where it is defined. The tensorrtllm backend's parameters
 # enable_chunked_context and enable_kv_cache_reuse are pinned with the backend's other parameters
-# (pipeline.triton.upstream.TEMPLATE_PARAMETERS: getExecutorConfigFromParams reads enable_chunked_context as a bool,
+# (pipeline.trtllm.upstream.TEMPLATE_PARAMETERS: getExecutorConfigFromParams reads enable_chunked_context as a bool,
 # default false; getKvCacheConfigFromParams reads enable_kv_cache_reuse, default true).
 FEATURE_SETTINGS: dict[str, Pin] = {
     "enable_chunked_prefill": Pin(LLM_ARGS, "BaseLlmArgs.enable_chunked_prefill"),  # default False
