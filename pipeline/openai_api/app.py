@@ -147,74 +147,101 @@ def answers(model) -> dict:
     return {200: {"model": model, "content": {"text/event-stream": {}}}, **errors}
 
 
-def create_app(settings: FrontendSettings):
-    from pipeline.models.tokenizer import encode_prompt, load_tokenizer, render_chat, template_opening
+END = object()  # a streamed choice's last piece came
 
-    tokenizer = load_tokenizer(settings.tokenizer_dir)
-    opening = template_opening(tokenizer)
-    # The template's own tool markup, or None: tools go through the fallback (pipeline.openai_api.tools).
-    family = tools.template_family(getattr(tokenizer, "chat_template", None))
-    limits = Limits(max_seq_len=settings.max_seq_len, num_draft_tokens=settings.num_draft_tokens,
-                    vocab_size=len(tokenizer), max_input_bytes=settings.max_input_bytes,
-                    kv_pool_tokens=settings.kv_pool_tokens)
-    # Rendering and tokenizing run here, off the event loop: an 8 MB prompt once held every other request for
-    # 4 s. Several threads, so one long prompt doesn't queue the short ones behind it (the Rust tokenizer lets
-    # go of the GIL). They share the tokenizer safely because no call sets padding or truncation: a call that
-    # changed them would fail a concurrent one with "Already borrowed".
-    tokenizing = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
-    state: dict = {}
+
+def echoes_logprobs(req: SamplingFields) -> bool:
+    return getattr(req, "echo", False) and req.num_logprobs() is not None
+
+
+def options_of(options: RequestOptions, i: int) -> RequestOptions:
+    """Choice i's options: its own seed (the request's + i, or a fresh one), so sampled choices differ."""
+    if i == 0 or options.temperature == 0:
+        return options
+    seed = secrets.randbelow(2**63) if options.seed is None else (options.seed + i) % 2**64
+    return replace(options, seed=seed)
+
+
+def merged(outcomes: list[Outcome], prompt_tokens: int, max_new: int) -> Outcome:
+    """The choices' usage and speculation figures together: the prompt once, every choice's tokens."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    total = Outcome(prompt_tokens, max_new)
+    total.completion_tokens = sum(o.completion_tokens for o in outcomes)
+    total.chunks = [c for o in outcomes for c in o.chunks]
+    return total
+
+
+def error_of(err: EnsembleError, req: SamplingFields) -> ProtocolError:
+    if err.busy:
+        return ProtocolError(err.message, status=503, type="server_busy")
+    if err.refused:  # the engine's refusal of a guide (it compiles them) names the field that carried it
+        return ProtocolError(err.message, req.guide_field() if GUIDE_ERROR.search(err.message) else None)
+    return ProtocolError(err.message, status=502, type="upstream_error")
+
+
+class Frontend:
+    """What every request reads (the settings, the tokenizer, the limits, the ensemble's client) and the routes'
+    handlers; one per application (create_app)."""
+
+    def __init__(self, settings: FrontendSettings):
+        from pipeline.models.tokenizer import load_tokenizer, template_opening
+
+        self.settings = settings
+        self.tokenizer = load_tokenizer(settings.tokenizer_dir)
+        self.opening = template_opening(self.tokenizer)
+        # The template's own tool markup, or None: tools go through the fallback (pipeline.openai_api.tools).
+        self.family = tools.template_family(getattr(self.tokenizer, "chat_template", None))
+        self.limits = Limits(max_seq_len=settings.max_seq_len, num_draft_tokens=settings.num_draft_tokens,
+                             vocab_size=len(self.tokenizer), max_input_bytes=settings.max_input_bytes,
+                             kv_pool_tokens=settings.kv_pool_tokens)
+        # Rendering and tokenizing run here, off the event loop: an 8 MB prompt once held every other request for
+        # 4 s. Several threads, so one long prompt doesn't queue the short ones behind it (the Rust tokenizer lets
+        # go of the GIL). They share the tokenizer safely because no call sets padding or truncation: a call that
+        # changed them would fail a concurrent one with "Already borrowed".
+        self.tokenizing = ThreadPoolExecutor(max_workers=TOKENIZING_THREADS, thread_name_prefix="tokenize")
+        self.ensemble: Ensemble | None = None  # opened by the application's lifespan, on its event loop
+        self.created = int(time.time())
 
     @asynccontextmanager
-    async def lifespan(app):
-        state["ensemble"] = Ensemble(settings.grpc_url)
+    async def lifespan(self, app):
+        self.ensemble = Ensemble(self.settings.grpc_url)
         yield
-        await state["ensemble"].close()
-        tokenizing.shutdown(wait=False, cancel_futures=True)
+        await self.ensemble.close()
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specdec-pipeline OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # ---- what a request needs read or checked -----------------------------------------------------------------
 
-    edge.install(app)
-    schemas = request_schemas(limits, settings.model_name)
-
-    def openapi() -> dict:
-        """FastAPI's document, with the request bodies the routes read themselves (and their bounds)."""
-        if app.openapi_schema is None:
-            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
-            app.openapi_schema = document
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-    async def authorized(request: Request) -> None:
-        if settings.api_key is None:
+    async def authorized(self, request: Request) -> None:
+        if self.settings.api_key is None:
             return
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), settings.api_key.encode()):
+        if not secrets.compare_digest(given.encode(), self.settings.api_key.encode()):
             raise ProtocolError("Incorrect API key provided; send it as `Authorization: Bearer KEY` (the key "
                                 f"`pipeline serve` was given with --api-key or ${API_KEY_ENV})", status=401,
                                 code="invalid_api_key")
 
-    async def off_loop(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
-    async def read_body(request: Request):
-        return await edge.read_json(request, settings.body_limit, settings.body_timeout_s)
+    async def read_body(self, request: Request):
+        return await edge.read_json(request, self.settings.body_limit, self.settings.body_timeout_s)
 
-    def check_model(name: str) -> None:
-        if name != settings.model_name:
-            raise ProtocolError(f"The model `{name}` does not exist; this server serves `{settings.model_name}`",
+    def check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise ProtocolError(f"The model `{name}` does not exist; this server serves `{self.settings.model_name}`",
                                 "model", status=404, code="model_not_found")
 
-    def options_for(req: SamplingFields, prompt_tokens: int, max_new: int, stream: bool,
+    def options_for(self, req: SamplingFields, prompt_tokens: int, max_new: int, stream: bool,
                     template: bool | None, prompt_ids: tuple[int, ...] | None = None) -> RequestOptions:
-        room = settings.max_seq_len - prompt_tokens
+        max_seq_len = self.settings.max_seq_len
+        room = max_seq_len - prompt_tokens
         if room < 1:
-            raise ProtocolError(f"the prompt is {prompt_tokens} tokens, the model's whole {settings.max_seq_len}-token "
+            raise ProtocolError(f"the prompt is {prompt_tokens} tokens, the model's whole {max_seq_len}-token "
                                 "context; shorten it", "messages" if isinstance(req, ChatRequest) else "prompt")
         if max_new > room:
             raise ProtocolError(f"the prompt is {prompt_tokens} tokens and max_tokens {max_new}; together they are "
-                                f"over the model's {settings.max_seq_len}-token context: lower max_tokens to "
+                                f"over the model's {max_seq_len}-token context: lower max_tokens to "
                                 f"{max(room, 0)} or shorten the prompt", "max_tokens")
         temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
         seed = req.seed
@@ -232,13 +259,39 @@ def create_app(settings: FrontendSettings):
                               logit_bias=req.bias(), prompt_ids=prompt_ids,
                               prompt_logprobs=req.num_logprobs() if echoes_logprobs(req) else None)
 
-    def echoes_logprobs(req: SamplingFields) -> bool:
-        return getattr(req, "echo", False) and req.num_logprobs() is not None
+    def rendered(self, req: ChatRequest) -> str:
+        """The conversation as the model's template writes it."""
+        from pipeline.models.tokenizer import render_chat
 
-    async def pieces(text: str, options: RequestOptions, outcome: Outcome,
+        try:
+            text = render_chat(self.tokenizer, *req.conversation(self.family))
+        except Exception as err:  # noqa: BLE001  the template's own refusal (e.g. roles out of order)
+            raise ProtocolError(f"the model's chat template refused these messages: {edge.shown_error(err)}",
+                                "messages") from None
+        size = len(text.encode("utf-8"))
+        if size > self.settings.max_input_bytes:  # the template's own text came on top of the messages'
+            raise ProtocolError(f"the conversation is {size} bytes as the model's template writes it, over this "
+                                f"server's {self.settings.max_input_bytes}; shorten the messages", "messages")
+        return text
+
+    def prompt_length(self, text: str, raw: bool) -> int:
+        """The prompt's tokens as the ensemble will count them (a rendered conversation is never templated again)."""
+        from pipeline.models.tokenizer import encode_prompt
+
+        return len(encode_prompt(self.tokenizer, text, raw=raw, opening="" if raw else self.opening))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=True)
+
+    # ---- an answer's parts ----------------------------------------------------------------------------------
+
+    async def pieces(self, text: str, options: RequestOptions, outcome: Outcome,
                      stops: StopMatcher) -> AsyncIterator[str]:
         """The answer's text as it may be sent; fills `outcome`. Leaving early cancels the request."""
-        stream = state["ensemble"].stream(text, options)
+        stream = self.ensemble.stream(text, options)
         try:
             async for chunk in stream:
                 outcome.chunks.append(chunk)
@@ -252,7 +305,7 @@ def create_app(settings: FrontendSettings):
                     # The tokens past the stop string were made but aren't the answer: count the kept text's
                     # tokens, plus the one the stop string began in, as vLLM counts up to the stopping token.
                     outcome.stopped_by_string = True
-                    kept = await off_loop(count_tokens, stops.text[:stops.sent]) + 1
+                    kept = await self.off_loop(self.count_tokens, stops.text[:stops.sent]) + 1
                     outcome.completion_tokens = min(outcome.completion_tokens, kept)
                     del outcome.logprobs[outcome.completion_tokens:]  # as many as the tokens counted
                     return
@@ -261,19 +314,12 @@ def create_app(settings: FrontendSettings):
         finally:
             await stream.aclose()
 
-    def options_of(options: RequestOptions, i: int) -> RequestOptions:
-        """Choice i's options: its own seed (the request's + i, or a fresh one), so sampled choices differ."""
-        if i == 0 or options.temperature == 0:
-            return options
-        seed = secrets.randbelow(2**63) if options.seed is None else (options.seed + i) % 2**64
-        return replace(options, seed=seed)
-
-    def answered(req: SamplingFields, answer: str, outcome: Outcome) -> dict:
+    def answered(self, req: SamplingFields, answer: str, outcome: Outcome) -> dict:
         """A chat choice's message and finish_reason: the tool calls where the request offered tools and the answer
         calls listed tools, in the template's markup or the fallback's (pipeline.openai_api.tools), the text
         otherwise."""
         mode = req.tool_mode() if isinstance(req, ChatRequest) else None
-        parsed = (tools.parse_calls(answer, req.tool_defs(), family) if mode and outcome.finish_reason == "stop"
+        parsed = (tools.parse_calls(answer, req.tool_defs(), self.family) if mode and outcome.finish_reason == "stop"
                   else None)
         if parsed is None:
             return {"message": ChatMessage(content=answer), "finish_reason": outcome.finish_reason}
@@ -281,270 +327,272 @@ def create_app(settings: FrontendSettings):
             id=tools.call_id(), function=FunctionCall(name=name, arguments=arguments))
             for name, arguments in parsed.calls]), "finish_reason": "tool_calls"}
 
-    END = object()  # a streamed choice's last piece came
-
-    def merged(outcomes: list[Outcome], prompt_tokens: int, max_new: int) -> Outcome:
-        """The choices' usage and speculation figures together: the prompt once, every choice's tokens."""
-        if len(outcomes) == 1:
-            return outcomes[0]
-        total = Outcome(prompt_tokens, max_new)
-        total.completion_tokens = sum(o.completion_tokens for o in outcomes)
-        total.chunks = [c for o in outcomes for c in o.chunks]
-        return total
-
-    def error_of(err: EnsembleError, req: SamplingFields) -> ProtocolError:
-        if err.busy:
-            return ProtocolError(err.message, status=503, type="server_busy")
-        if err.refused:  # the engine's refusal of a guide (it compiles them) names the field that carried it
-            return ProtocolError(err.message, req.guide_field() if GUIDE_ERROR.search(err.message) else None)
-        return ProtocolError(err.message, status=502, type="upstream_error")
-
-    def count_tokens(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
-
-    def token_text(token: int) -> str:
-        return tokenizer.decode([token], skip_special_tokens=True)
-
-    def chat_logprobs(entries: list) -> ChatLogprobs:
+    def chat_logprobs(self, entries: list) -> ChatLogprobs:
         def top(token: int, logprob: float) -> TopLogprob:
-            t = token_text(token)
+            t = self.token_text(token)
             return TopLogprob(token=t, logprob=logprob, bytes=list(t.encode()))
 
         return ChatLogprobs(content=[TokenLogprob(**top(token, logprob).model_dump(),
                                                   top_logprobs=[top(i, lp) for i, lp in alternatives])
                                      for token, logprob, alternatives in entries])
 
-    def completion_logprobs(entries: list, outcome: Outcome) -> CompletionLogprobs:
+    def completion_logprobs(self, entries: list, outcome: Outcome) -> CompletionLogprobs:
         # An echoed prompt's first token has no log prob (nothing predicts it): None, as OpenAI and vLLM give it.
-        tokens = [token_text(token) for token, _, _ in entries]
+        tokens = [self.token_text(token) for token, _, _ in entries]
         offsets = []
         for t in tokens:
             offsets.append(outcome.text_offset)
             outcome.text_offset += len(t)
         return CompletionLogprobs(tokens=tokens, token_logprobs=[lp for _, lp, _ in entries],
                                   top_logprobs=[None if alternatives is None else
-                                                {token_text(i): lp for i, lp in alternatives}
+                                                {self.token_text(i): lp for i, lp in alternatives}
                                                 for _, _, alternatives in entries], text_offset=offsets)
 
-    def logprobs_of(req: SamplingFields, outcome: Outcome, chat: bool, echo: bool = False):
+    def logprobs_of(self, req: SamplingFields, outcome: Outcome, chat: bool, echo: bool = False):
         """The log probs not yet reported; with echo, the prompt's own first, as its first chunk had them."""
         if req.num_logprobs() is None:
             return None
         entries = outcome.take_logprobs()
         if echo:
             entries = outcome.prompt_logprobs + entries
-        return chat_logprobs(entries) if chat else completion_logprobs(entries, outcome)
+        return self.chat_logprobs(entries) if chat else self.completion_logprobs(entries, outcome)
 
-    async def respond(request: Request, req: SamplingFields, text: str, prompt_tokens: int, template: bool | None,
-                      chat: bool, prompt_ids: tuple[int, ...] | None = None):
-        max_new = req.new_tokens(settings.max_seq_len - prompt_tokens)
+    # ---- the routes ----------------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request):
+        req: ChatRequest = parse_chat(await self.read_body(request), self.limits)
+        self.check_model(req.model)
+        text = await self.off_loop(self.rendered, req)
+        prompt_tokens = await self.off_loop(self.prompt_length, text, False)
+        return await Answer.start(self, request, req, text, prompt_tokens, None, chat=True)
+
+    async def completions(self, request: Request):
+        req: CompletionRequest = parse_completion(await self.read_body(request), self.limits)
+        self.check_model(req.model)
+        prompt = req.one_prompt()
+        if isinstance(prompt, tuple):  # token ids, taken as they are; the text names them for the ensemble and echo
+            text = await self.off_loop(partial(self.tokenizer.decode, list(prompt)))
+            return await Answer.start(self, request, req, text, len(prompt), False, chat=False, prompt_ids=prompt)
+        prompt_tokens = await self.off_loop(self.prompt_length, prompt, True)
+        return await Answer.start(self, request, req, prompt, prompt_tokens, False, chat=False)
+
+    async def models(self):
+        return ModelList(data=[ModelCard(id=self.settings.model_name, created=self.created)])
+
+    async def health(self):
+        ready = await self.ensemble.ready()
+        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+
+    async def metrics(self):
+        url = self.settings.metrics_url
+        if url is None:
+            raise ProtocolError("no metrics endpoint was given to this frontend", status=404)
+
+        def scrape() -> str:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.read().decode()
+        try:
+            text = await asyncio.to_thread(scrape)
+        except OSError as err:
+            raise ProtocolError(f"tritonserver's metrics at {url} did not answer ({err})",
+                                status=502, type="upstream_error") from None
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+class Answer:
+    """One request's answer: its n choices streamed from the ensemble, sent whole (whole) or as server-sent events
+    (events), in the chat or the completion shape."""
+
+    def __init__(self, frontend: Frontend, request: Request, req: SamplingFields, text: str, prompt_tokens: int,
+                 max_new: int, options: RequestOptions, chat: bool):
+        self.frontend, self.request, self.req, self.text, self.chat = frontend, request, req, text, chat
+        self.prompt_tokens, self.max_new = prompt_tokens, max_new
+        self.model = frontend.settings.model_name
+        self.outcomes = [Outcome(prompt_tokens, max_new) for _ in range(req.n)]
+        self.rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.k = req.num_draft_tokens or frontend.settings.num_draft_tokens
+        self.streams = [frontend.pieces(text, options_of(options, i), self.outcomes[i], StopMatcher(req.stop_strings()))
+                        for i in range(req.n)]
+        self.first: str | None = None
+
+    @classmethod
+    async def start(cls, frontend: Frontend, request: Request, req: SamplingFields, text: str, prompt_tokens: int,
+                    template: bool | None, chat: bool, prompt_ids: tuple[int, ...] | None = None):
+        """The answer, whole or as an event stream, once the first choice's first piece came: a refused request is
+        still a plain 400 then, and with several choices the first's prompt is prefilled and cached, and the
+        others start from the cache."""
+        max_new = req.new_tokens(frontend.settings.max_seq_len - prompt_tokens)
         # Streamed from the ensemble even for a whole answer: a stop string then ends the decoding early.
-        options = options_for(req, prompt_tokens, max_new, True, template, prompt_ids)
+        options = frontend.options_for(req, prompt_tokens, max_new, True, template, prompt_ids)
         if not req.stream:
             options = replace(options, stream_interval_ms=WHOLE_ANSWER_INTERVAL_MS)
         if req.n > 1:  # the choices share the engine's slots with other clients' requests as one (interface.py)
             options = replace(options, request_group=1 + secrets.randbelow(2**63))
         echoed = prompt_tokens if echoes_logprobs(req) else 0  # the prompt's log probs come back too
-        limits.check_budget(req.n, prompt_tokens, max_new + echoed, req.num_logprobs())
-        outcomes = [Outcome(prompt_tokens, max_new) for _ in range(req.n)]
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        created = int(time.time())
-        k = req.num_draft_tokens or settings.num_draft_tokens
-        streams = [pieces(text, options_of(options, i), outcomes[i], StopMatcher(req.stop_strings()))
-                   for i in range(req.n)]
-        # The first piece is awaited before the response starts, so a refused request is still a plain 400; with
-        # several choices the first's prompt is then prefilled and cached, and the others start from the cache.
+        frontend.limits.check_budget(req.n, prompt_tokens, max_new + echoed, req.num_logprobs())
+        answer = cls(frontend, request, req, text, prompt_tokens, max_new, options, chat)
         try:
-            first = await edge.unless_client_leaves(request, anext(streams[0], None))  # a queued request too
+            answer.first = await edge.unless_client_leaves(request, anext(answer.streams[0], None))  # queued too
         except (EnsembleError, edge.ClientLeft) as err:
-            for a in streams:
+            for a in answer.streams:
                 await a.aclose()
             raise error_of(err, req) if isinstance(err, EnsembleError) else err from None
+        return await answer.whole() if not req.stream else EventSourceResponse(answer.events())
 
-        async def choice(i: int) -> AsyncIterator[str]:
-            """Choice i's pieces, the first one's awaited piece included."""
-            if i == 0 and first is not None:
-                yield first
-            async for piece in streams[i]:
-                yield piece
+    async def choice(self, i: int) -> AsyncIterator[str]:
+        """Choice i's pieces, the first one's awaited piece included."""
+        if i == 0 and self.first is not None:
+            yield self.first
+        async for piece in self.streams[i]:
+            yield piece
 
-        async def close(tasks: list[asyncio.Task]) -> None:
-            """Cancel what still runs (the client left, or an error ended the answer): its ensemble request with it."""
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for a in streams:
-                await a.aclose()
+    async def close(self, tasks: list[asyncio.Task]) -> None:
+        """Cancel what still runs (the client left, or an error ended the answer): its ensemble request with it."""
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for a in self.streams:
+            await a.aclose()
 
-        if not req.stream:
-            async def whole(i: int) -> str:
-                return "".join([piece async for piece in choice(i)])
+    def logprobs(self, i: int, echo: bool = False):
+        return self.frontend.logprobs_of(self.req, self.outcomes[i], self.chat, echo)
 
-            tasks = [asyncio.create_task(whole(i)) for i in range(req.n)]
-            try:
-                answers = await edge.unless_client_leaves(request, asyncio.gather(*tasks))
-            except EnsembleError as err:
-                raise error_of(err, req) from None
-            finally:
-                await close(tasks)
-            total = merged(outcomes, prompt_tokens, max_new)
-            if chat:
-                return ChatCompletion(id=rid, created=created, model=settings.model_name, choices=[ChatChoice(
-                    index=i, **answered(req, answer, o), logprobs=logprobs_of(req, o, chat))
-                    for i, (answer, o) in enumerate(zip(answers, outcomes))], usage=total.usage(),
-                    metrics=total.metrics(k))
-            echo = getattr(req, "echo", False)
-            return Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
-                index=i, text=text + answer if echo else answer, finish_reason=o.finish_reason,
-                logprobs=logprobs_of(req, o, chat, echo)) for i, (answer, o) in enumerate(zip(answers, outcomes))],
-                usage=total.usage(), metrics=total.metrics(k))
+    # ---- whole -----------------------------------------------------------------------------------------------
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    async def whole(self):
+        async def text_of(i: int) -> str:
+            return "".join([piece async for piece in self.choice(i)])
 
-        def chunk(i: int = 0, content: str | None = None, finish: str | None = None, role: bool = False,
-                  choices: bool = True, usage: bool = False):
-            # A piece of choice i's text carries the log probs of every token that came since its last piece; its
-            # finish chunk the rest. The usage chunk counts the prompt once and every choice's tokens.
-            lps = logprobs_of(req, outcomes[i], chat) if content or finish else None
-            total = merged(outcomes, prompt_tokens, max_new) if usage else None
-            if chat:
-                body = ChatCompletionChunk(id=rid, created=created, model=settings.model_name, choices=[ChunkChoice(
-                    index=i, delta=Delta(role="assistant" if role else None, content=content), finish_reason=finish,
-                    logprobs=lps)] if choices else [], usage=total.usage() if usage else None,
-                    metrics=total.metrics(k) if usage else None)
-            else:
-                body = Completion(id=rid, created=created, model=settings.model_name, choices=[CompletionChoice(
-                    index=i, text=content or "", finish_reason=finish, logprobs=lps)] if choices else [],
-                    usage=total.usage() if usage else None, metrics=total.metrics(k) if usage else None)
-            return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
-
-        def tool_chunk(i: int, call: DeltaToolCall):
-            body = ChatCompletionChunk(id=rid, created=created, model=settings.model_name, choices=[ChunkChoice(
-                index=i, delta=Delta(tool_calls=[call]), logprobs=logprobs_of(req, outcomes[i], chat))])
-            return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
-
-        def ending(i: int, whole: str):
-            """Choice i's last chunks once its whole answer is known, where it may be tool calls: those as deltas
-            (one each), or its text, then its finish."""
-            said = answered(req, whole, outcomes[i])
-            if said["finish_reason"] == "tool_calls":
-                if said["message"].content:
-                    yield chunk(i, said["message"].content)
-                for j, call in enumerate(said["message"].tool_calls):
-                    yield tool_chunk(i, DeltaToolCall(index=j, id=call.id, type="function", function=call.function))
-            elif whole:
-                yield chunk(i, whole)
-            yield chunk(i, finish=said["finish_reason"])
-
-        async def events():
-            # Each choice's pieces, as they come: (i, text), (i, END) or (i, the exception that ended it).
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def feed(i: int) -> None:
-                try:
-                    async for piece in choice(i):
-                        await queue.put((i, piece))
-                    await queue.put((i, END))
-                except Exception as err:  # noqa: BLE001  reported to the client by events()
-                    await queue.put((i, err))
-
-            tasks = [asyncio.create_task(feed(i)) for i in range(req.n)]
-            calling = chat and req.tool_mode() is not None  # a call is known only once the whole answer is
-            wholes: list[list[str]] = [[] for _ in range(req.n)]
-            try:
-                if chat:
-                    for i in range(req.n):
-                        yield chunk(i, "", role=True)
-                running = req.n
-                while running:
-                    i, item = await queue.get()
-                    if isinstance(item, Exception):  # mid-stream: OpenAI's error object as an event, then the end
-                        if isinstance(item, EnsembleError):
-                            error = error_of(item, req)
-                        else:  # unforeseen: logged in one line, as the edge logs a whole request's
-                            edge.log_failure("POST", CHAT_PATH if chat else COMPLETIONS_PATH, item)
-                            error = edge.internal_error()
-                        yield format_sse_event(data_str=json.dumps(error.body()))
-                        yield format_sse_event(data_str="[DONE]")
-                        return
-                    if item is END:
-                        running -= 1
-                        for event in (ending(i, "".join(wholes[i])) if calling else
-                                      [chunk(i, finish=outcomes[i].finish_reason)]):
-                            yield event
-                    elif calling:
-                        wholes[i].append(item)
-                    else:
-                        yield chunk(i, item)
-                if include_usage:  # OpenAI's last chunk: no choices, the usage (and here the speculation figures)
-                    yield chunk(choices=False, usage=True)
-                yield format_sse_event(data_str="[DONE]")
-            finally:
-                await close(tasks)
-
-        return EventSourceResponse(events())
-
-    def rendered(req: ChatRequest) -> str:
-        """The conversation as the model's template writes it."""
+        req = self.req
+        tasks = [asyncio.create_task(text_of(i)) for i in range(req.n)]
         try:
-            text = render_chat(tokenizer, *req.conversation(family))
-        except Exception as err:  # noqa: BLE001  the template's own refusal (e.g. roles out of order)
-            raise ProtocolError(f"the model's chat template refused these messages: {edge.shown_error(err)}",
-                                "messages") from None
-        size = len(text.encode("utf-8"))
-        if size > settings.max_input_bytes:  # the template's own text came on top of the messages'
-            raise ProtocolError(f"the conversation is {size} bytes as the model's template writes it, over this "
-                                f"server's {settings.max_input_bytes}; shorten the messages", "messages")
-        return text
+            answers = await edge.unless_client_leaves(self.request, asyncio.gather(*tasks))
+        except EnsembleError as err:
+            raise error_of(err, req) from None
+        finally:
+            await self.close(tasks)
+        total = merged(self.outcomes, self.prompt_tokens, self.max_new)
+        if self.chat:
+            return ChatCompletion(id=self.rid, created=self.created, model=self.model, choices=[ChatChoice(
+                index=i, **self.frontend.answered(req, answer, o), logprobs=self.logprobs(i))
+                for i, (answer, o) in enumerate(zip(answers, self.outcomes))], usage=total.usage(),
+                metrics=total.metrics(self.k))
+        echo = getattr(req, "echo", False)
+        return Completion(id=self.rid, created=self.created, model=self.model, choices=[CompletionChoice(
+            index=i, text=self.text + answer if echo else answer, finish_reason=o.finish_reason,
+            logprobs=self.logprobs(i, echo)) for i, (answer, o) in enumerate(zip(answers, self.outcomes))],
+            usage=total.usage(), metrics=total.metrics(self.k))
 
-    def prompt_length(text: str, raw: bool) -> int:
-        """The prompt's tokens as the ensemble will count them (a rendered conversation is never templated again)."""
-        return len(encode_prompt(tokenizer, text, raw=raw, opening="" if raw else opening))
+    # ---- streamed --------------------------------------------------------------------------------------------
 
-    @app.post(CHAT_PATH, dependencies=[Depends(authorized)], openapi_extra=body("ChatRequest"),
-              responses=answers(ChatCompletion))
-    async def chat_completions(request: Request):
-        req: ChatRequest = parse_chat(await read_body(request), limits)
-        check_model(req.model)
-        text = await off_loop(rendered, req)
-        return await respond(request, req, text, await off_loop(prompt_length, text, False), None, chat=True)
+    def chunk(self, i: int = 0, content: str | None = None, finish: str | None = None, role: bool = False,
+              choices: bool = True, usage: bool = False) -> str:
+        # A piece of choice i's text carries the log probs of every token that came since its last piece; its
+        # finish chunk the rest. The usage chunk counts the prompt once and every choice's tokens.
+        lps = self.logprobs(i) if content or finish else None
+        total = merged(self.outcomes, self.prompt_tokens, self.max_new) if usage else None
+        if self.chat:
+            body = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[ChunkChoice(
+                index=i, delta=Delta(role="assistant" if role else None, content=content), finish_reason=finish,
+                logprobs=lps)] if choices else [], usage=total.usage() if usage else None,
+                metrics=total.metrics(self.k) if usage else None)
+        else:
+            body = Completion(id=self.rid, created=self.created, model=self.model, choices=[CompletionChoice(
+                index=i, text=content or "", finish_reason=finish, logprobs=lps)] if choices else [],
+                usage=total.usage() if usage else None, metrics=total.metrics(self.k) if usage else None)
+        return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
 
-    @app.post(COMPLETIONS_PATH, dependencies=[Depends(authorized)], openapi_extra=body("CompletionRequest"),
-              responses=answers(Completion))
-    async def completions(request: Request):
-        req: CompletionRequest = parse_completion(await read_body(request), limits)
-        check_model(req.model)
-        prompt = req.one_prompt()
-        if isinstance(prompt, tuple):  # token ids, taken as they are; the text names them for the ensemble and echo
-            text = await off_loop(partial(tokenizer.decode, list(prompt)))
-            return await respond(request, req, text, len(prompt), False, chat=False, prompt_ids=prompt)
-        return await respond(request, req, prompt, await off_loop(prompt_length, prompt, True), False, chat=False)
+    def tool_chunk(self, i: int, call: DeltaToolCall) -> str:
+        body = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[ChunkChoice(
+            index=i, delta=Delta(tool_calls=[call]), logprobs=self.logprobs(i))])
+        return format_sse_event(data_str=body.model_dump_json(exclude_none=False))
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)], response_model=ModelList,
-             responses={401: {"model": ErrorResponse}})
-    async def models():
-        return ModelList(data=[ModelCard(id=settings.model_name, created=int(state.setdefault("created",
-                                                                                             time.time())))])
+    def ending(self, i: int, whole: str):
+        """Choice i's last chunks once its whole answer is known, where it may be tool calls: those as deltas
+        (one each), or its text, then its finish."""
+        said = self.frontend.answered(self.req, whole, self.outcomes[i])
+        if said["finish_reason"] == "tool_calls":
+            if said["message"].content:
+                yield self.chunk(i, said["message"].content)
+            for j, call in enumerate(said["message"].tool_calls):
+                yield self.tool_chunk(i, DeltaToolCall(index=j, id=call.id, type="function", function=call.function))
+        elif whole:
+            yield self.chunk(i, whole)
+        yield self.chunk(i, finish=said["finish_reason"])
 
-    @app.get("/health", responses={503: {"description": "the ensemble is not ready yet"}})
-    async def health():
-        ready = await state["ensemble"].ready()
-        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+    async def events(self):
+        # Each choice's pieces, as they come: (i, text), (i, END) or (i, the exception that ended it).
+        queue: asyncio.Queue = asyncio.Queue()
+        req, chat = self.req, self.chat
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={404: {"model": ErrorResponse}, 502: {"model": ErrorResponse}})
-    async def metrics():
-        if settings.metrics_url is None:
-            raise ProtocolError("no metrics endpoint was given to this frontend", status=404)
+        async def feed(i: int) -> None:
+            try:
+                async for piece in self.choice(i):
+                    await queue.put((i, piece))
+                await queue.put((i, END))
+            except Exception as err:  # noqa: BLE001  reported to the client by events()
+                await queue.put((i, err))
 
-        def scrape() -> str:
-            with urllib.request.urlopen(settings.metrics_url, timeout=5) as response:
-                return response.read().decode()
+        tasks = [asyncio.create_task(feed(i)) for i in range(req.n)]
+        calling = chat and req.tool_mode() is not None  # a call is known only once the whole answer is
+        wholes: list[list[str]] = [[] for _ in range(req.n)]
         try:
-            text = await asyncio.to_thread(scrape)
-        except OSError as err:
-            raise ProtocolError(f"tritonserver's metrics at {settings.metrics_url} did not answer ({err})",
-                                status=502, type="upstream_error") from None
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+            if chat:
+                for i in range(req.n):
+                    yield self.chunk(i, "", role=True)
+            running = req.n
+            while running:
+                i, item = await queue.get()
+                if isinstance(item, Exception):  # mid-stream: OpenAI's error object as an event, then the end
+                    if isinstance(item, EnsembleError):
+                        error = error_of(item, req)
+                    else:  # unforeseen: logged in one line, as the edge logs a whole request's
+                        edge.log_failure("POST", CHAT_PATH if chat else COMPLETIONS_PATH, item)
+                        error = edge.internal_error()
+                    yield format_sse_event(data_str=json.dumps(error.body()))
+                    yield format_sse_event(data_str="[DONE]")
+                    return
+                if item is END:
+                    running -= 1
+                    for event in (self.ending(i, "".join(wholes[i])) if calling else
+                                  [self.chunk(i, finish=self.outcomes[i].finish_reason)]):
+                        yield event
+                elif calling:
+                    wholes[i].append(item)
+                else:
+                    yield self.chunk(i, item)
+            if req.stream_options and req.stream_options.include_usage:
+                yield self.chunk(choices=False, usage=True)  # OpenAI's last chunk: no choices, the usage (and ours)
+            yield format_sse_event(data_str="[DONE]")
+        finally:
+            await self.close(tasks)
 
+
+def create_app(settings: FrontendSettings) -> FastAPI:
+    frontend = Frontend(settings)
+    app = FastAPI(title="specdec-pipeline OpenAI-compatible API", lifespan=frontend.lifespan, docs_url=None,
+                  redoc_url=None)
+    edge.install(app)
+    schemas = request_schemas(frontend.limits, settings.model_name)
+
+    def openapi() -> dict:
+        """FastAPI's document, with the request bodies the routes read themselves (and their bounds)."""
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
+    key = [Depends(frontend.authorized)]
+    app.post(CHAT_PATH, dependencies=key, openapi_extra=body("ChatRequest"),
+             responses=answers(ChatCompletion))(frontend.chat_completions)
+    app.post(COMPLETIONS_PATH, dependencies=key, openapi_extra=body("CompletionRequest"),
+             responses=answers(Completion))(frontend.completions)
+    app.get("/v1/models", dependencies=key, response_model=ModelList,
+            responses={401: {"model": ErrorResponse}})(frontend.models)
+    app.get("/health", responses={503: {"description": "the ensemble is not ready yet"}})(frontend.health)
+    app.get("/metrics", response_class=PlainTextResponse,
+            responses={404: {"model": ErrorResponse}, 502: {"model": ErrorResponse}})(frontend.metrics)
     return app
