@@ -148,8 +148,8 @@ class InProcess:
     """The same engine folder in this process; prompts tokenized as the server's preprocessing does."""
 
     def __init__(self, engine_dir: Path):
-        from pipeline.engine.folder import load_engine, read_engine_manifest
         from pipeline.engine.config import ModelConfig
+        from pipeline.engine.folder import load_engine, read_engine_manifest
         from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids
 
         manifest = read_engine_manifest(engine_dir)

@@ -422,8 +422,8 @@ def check_server(grpc_url: str, metrics_url: str, prompts: list[str], max_tokens
                  concurrency: int | None = None, *, timeout_s: float = 600.0) -> list[Check]:
     """The checks against a served repository (see the module docstring). A request that fails ends the run
     with the check it belonged to marked failed."""
-    from pipeline.errors import PipelineError
     from pipeline.client.ensemble import ClientOptions, Connection, RequestOptions
+    from pipeline.errors import PipelineError
 
     client = ClientOptions(grpc_url, response_timeout_s=timeout_s, wait_s=30.0)
     checks: list[Check] = []

@@ -796,8 +796,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipeline.errors import PipelineError
     from pipeline.client.ensemble import ClientOptions, Connection
+    from pipeline.errors import PipelineError
 
     try:
         options = SoakOptions(args.streams, args.minutes, args.max_tokens, args.bad_share, args.cancel_share,

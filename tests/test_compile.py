@@ -346,8 +346,8 @@ def test_eagle3_with_a_gate_is_two_model_so_max_concurrency_can_turn_it_off():
 
 
 def test_decoding_type_names_follow_the_installed_release_and_an_unknown_one_is_refused(monkeypatch):
-    from pipeline.trtllm import version as trtllm_version
     from pipeline.compiler.llmapi import decoding_type
+    from pipeline.trtllm import version as trtllm_version
 
     assert decoding_type("eagle3", "1.2.1") == decoding_type("eagle3", "1.2.0rc8") == "Eagle"
     assert decoding_type("eagle3", "1.4.0rc1") == "Eagle3"

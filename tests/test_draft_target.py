@@ -402,8 +402,8 @@ def standin_repo(root: Path, target: Path, draft: Path, guided: bool = False) ->
 
 @pytest.fixture(scope="module", params=["same_draft", "other_draft"])
 def served(request, tiny_target, tiny_draft, tmp_path_factory):
-    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
     from pipeline.triton.ports import free_ports
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
 
     binary = find_tritonserver()
     draft = tiny_target if request.param == "same_draft" else tiny_draft
@@ -609,8 +609,8 @@ def test_the_server_stops_in_seconds_after_cancelled_failed_and_early_stopped_st
     kept a model alive in Triton 2.51 until its 30 s exit timeout at unload (so a restart waited 30 s)."""
     from tritonclient.utils import InferenceServerException
 
-    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
     from pipeline.triton.ports import free_ports
+    from pipeline.triton.server import ServeOptions, TritonServer, find_tritonserver
 
     repo = standin_repo(tmp_path, tiny_target, tiny_target)
     grpc, http, metrics = free_ports()

@@ -236,8 +236,8 @@ PET_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["kin
 def test_a_guided_answer_is_the_same_speculated_or_not_over_grpc_and_the_openai_api(served, client):
     """The guide holds the answer to its schema, and speculation changes no token of it: gRPC (upstream's
     guided_decoding_* inputs) and the OpenAI API (response_format json_schema), each with drafts forced on and off."""
-    from pipeline.engine.guide import GuideSpec
     from pipeline.client.ensemble import ClientOptions, RequestOptions, run_request
+    from pipeline.engine.guide import GuideSpec
 
     server = served[0]
     prompt = "Describe a pet as JSON: its kind, its age and its name, then repeat it: kind, age, name."

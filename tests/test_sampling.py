@@ -190,9 +190,9 @@ def test_sample_never_draws_zero_probability():
 ])
 def test_sampling_values_are_refused_never_clamped(temperature, top_p, top_k, message):
     """One rule for the engine, the Triton models and the client (pipeline.policy.sampling_limits)."""
-    from pipeline.policy.sampling_limits import check_sampling_values
-    from pipeline.errors import RequestError
     from pipeline.client.ensemble import RequestOptions
+    from pipeline.errors import RequestError
+    from pipeline.policy.sampling_limits import check_sampling_values
 
     with pytest.raises(RequestError, match=re.escape(message)):
         check_sampling_values(temperature, top_p, top_k)

@@ -229,8 +229,8 @@ def test_each_answer_and_the_metrics_say_why_its_steps_did_or_did_not_draft(serv
     a short request's steps are all "short", a forced-off one's all "override", and an auto one's steps
     are each counted once, drafted or under a reason. The repository's min tokens (20) is the only one: the
     engine folder's own (compile's default, 50) doesn't call a 30-token request short a second time."""
-    from pipeline.policy.draft_plan import SKIP_REASONS
     from pipeline.client.ensemble import ClientOptions, Connection, RequestOptions
+    from pipeline.policy.draft_plan import SKIP_REASONS
 
     before = metrics(server.endpoints.metrics)
     with Connection(ClientOptions(server.endpoints.grpc)) as conn:

@@ -476,8 +476,8 @@ def test_llmapi_route_writes_the_llmapi_model_with_compiles_yaml(tiny_target, ti
 
     import yaml
 
-    from pipeline.trtllm import upstream
     from pipeline.triton.config import LLMAPI_FRONTEND, LLMAPI_MODEL_DIR
+    from pipeline.trtllm import upstream
 
     engine = compiled(tmp_path, tiny_target, tiny_draft, route="llmapi", num_draft_tokens=3, max_batch_size=16,
                       gate_batch_size=6)

@@ -207,8 +207,8 @@ class ServedTarget:
         self.name = url
 
     def run(self, prompts: PromptSet, mode: str, concurrency: int, n: int) -> Point:
-        from pipeline.errors import PipelineError
         from pipeline.client.ensemble import Connection, RequestOptions
+        from pipeline.errors import PipelineError
 
         options = RequestOptions(max_tokens=prompts.max_tokens, speculation=SPECULATION[mode], stream=True)
         traces = [Trace() for _ in range(n)]

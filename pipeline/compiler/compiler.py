@@ -317,8 +317,8 @@ def _torch_route(stage: Path, target: Checkpoint, draft: DraftSpec, draft_ckpt: 
 def _calibrate(stage: Path, result: CompileResult, manifest: dict, device: str) -> None:
     """Measure the staged engine's cost model on this machine's device and store it with the engine."""
     from pipeline.engine.calibrate import calibrate
-    from pipeline.policy.cost_model import FILENAME
     from pipeline.engine.folder import load_engine
+    from pipeline.policy.cost_model import FILENAME
 
     cal = calibrate(load_engine(stage, device=device))
     cal.cost.save(stage)

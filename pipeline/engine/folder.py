@@ -73,8 +73,8 @@ def load_engine(path: str | Path, device: str | None = None, dtype: str | None =
     be overridden at load). device: auto, cpu, cuda or cuda:N (None: cpu); a GPU torch doesn't see raises
     ConfigError. On a GPU the KV pool takes engine.json's gpu_memory_fraction of the memory free after the weights,
     up to max_batch_size requests of max_seq_len."""
-    from pipeline.policy.cost_model import CostModel
     from pipeline.engine.llm_engine import LLMEngine
+    from pipeline.policy.cost_model import CostModel
 
     folder = Path(path)
     manifest = read_engine_manifest(folder)
