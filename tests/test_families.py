@@ -254,3 +254,28 @@ def test_a_multimodal_gemma3_checkpoint_gives_its_text_models_logits(tmp_path):
               "sliding_window_pattern": default["layer_types"].index("full_attention") + 1}
     assert {k: theirs[k] for k in gemma3.DEFAULTS} == gemma3.DEFAULTS
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # compiles, assembles and starts a server
+def test_a_served_gemma3_repository_speculating_with_a_gemma3_draft_answers_the_in_process_greedy_text(tmp_path):
+    """The whole portable route for a family beside Llama's (Gemma 3, with its local layers): compile with a draft
+    model of the family, assemble, serve, gRPC. Greedy answers speculated through the server are the in-process
+    engine's plain ones, and drafts ran."""
+    from pipeline.client.ensemble import ClientOptions, Connection, RequestOptions
+    from pipeline.compiler import CompileOptions, compile_model
+    from serving_checks import expected_texts, served_engine
+
+    kw = FAMILIES["gemma3"]
+    target = make_tiny_llama(tmp_path / "target", seed=5, layers=2, **kw)
+    draft = make_tiny_llama(tmp_path / "draft", seed=6, layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64,
+                            **kw)
+    engine_dir = tmp_path / "engine"
+    compile_model(CompileOptions("torch", target, engine_dir, draft=str(draft), num_draft_tokens=3, max_batch_size=4,
+                                 max_seq_len=256, gate_batch_size=4, calibrate=False))
+    prompts = ["the window slides on", "abc abc abc abc abc", "hello"]
+    expected = expected_texts(engine_dir, prompts, 40)
+    with served_engine(engine_dir, tmp_path, gate_batch_size=4, min_spec_tokens=0) as srv, \
+            Connection(ClientOptions(srv.endpoints.grpc, wait_s=60)) as conn:
+        got = [conn.generate(p, RequestOptions(max_tokens=40, speculation="on")) for p in prompts]
+    assert [g.text for g in got] == expected
+    assert sum(g.draft_steps for g in got) > 0

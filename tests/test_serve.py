@@ -445,6 +445,25 @@ Signal (11) received.
     assert known_crash(crash + started + other) is None  # the last crash decides
 
 
+def test_a_segfault_in_the_grpc_stream_handlers_process_is_named_from_the_binarys_own_symbols():
+    """The stack a clean CI run's soak saw (2026-12-07): frames in the tritonserver binary only, unnamed in the log;
+    the bundled binary's symbol table names frame 2 ModelStreamInferHandler::Process (the upstream cancellation
+    family). The same frames moved into another function, or a binary that isn't there, are not named."""
+    from pipeline.triton.server import find_tritonserver
+    from pipeline.triton.supervise import CANCEL_RACE, known_crash
+
+    binary = find_tritonserver().path
+
+    def stack(frame2: int, path=binary) -> str:
+        return (f"Signal (11) received.\n 0# 0x000055ED896B952D in {path}\n"
+                f" 1# 0x00007FFB2E05A050 in /lib/x86_64-linux-gnu/libc.so.6\n 2# 0x{frame2:016X} in {path}\n"
+                f" 3# 0x000055ED8971388B in {path}\n 4# 0x00007FFB2DED44A3 in /lib/x86_64-linux-gnu/libstdc++.so.6\n")
+
+    assert known_crash(stack(0x55ED89728B25)) == CANCEL_RACE
+    assert known_crash(stack(0x55ED8971388B)) is None  # frame 3's function (the handler's Start lambda) instead
+    assert known_crash(stack(0x55ED89728B25, "/no/such/tritonserver")) is None
+
+
 @pytest.mark.slow
 def test_an_engine_that_fails_to_load_fails_its_model_with_the_loaders_error(tiny_target, tmp_path):
     """The portable engine loads on its scheduler thread (one OpenMP team: torch_engine's docstring); an error

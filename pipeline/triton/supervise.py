@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.errors import ServeError
+from pipeline.triton.backtrace import named_frames
 from pipeline.triton.server import (STUB_NAME, ServeOptions, ServerBinary, TritonServer, failure_from_log,
                                     group_members)
 
@@ -31,6 +32,11 @@ POLL_S = 0.5
 # and 2.57 (#8078); nvidia-pytriton 0.7.0, the newest, still bundles 2.51. Seen about once in 500 cancelled streams.
 CANCEL_RACE = "tritonserver 2.51's gRPC cancellation race (fixed in 2.53 and 2.57; NVIDIA's containers have it)"
 CANCEL_RACE_LINES = ("Signal (11) received.", "pthread_mutex_lock", "TRITONBACKEND_Response")
+# The same family in a second place, seen twice in this project's CI soak (a clean clone, 2026-12-07): the segfault
+# inside the gRPC stream handler's Process, on its completion-queue thread, as clients cancel streams. Server PR
+# #7840 ("gRPC segfault due to Low Request Cancellation Timeout", in 2.53 as #7880) fixes Process's corner cases
+# under cancellation. Its frames are in the tritonserver binary, which the log doesn't name: backtrace.named_frames.
+STREAM_HANDLER_PROCESS = "23ModelStreamInferHandler7Process"  # triton::server::grpc::ModelStreamInferHandler::Process
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S; then serve stops with the reason
 RESTART_WINDOW_S = 600.0
 
@@ -81,10 +87,15 @@ def what_died(server: TritonServer, stubs: list[Stub]) -> str | None:
 
 
 def known_crash(log: str) -> str | None:
-    """CANCEL_RACE when the last crash in a server's log is that upstream bug's (each of CANCEL_RACE_LINES in the
-    stack it printed), else None."""
+    """CANCEL_RACE when the last crash in a server's log is that upstream bug's: each of CANCEL_RACE_LINES in the
+    stack it printed, or its first frame past the signal in the gRPC stream handler's Process; else None."""
     crash = log[log.rfind(CANCEL_RACE_LINES[0]):] if CANCEL_RACE_LINES[0] in log else ""
-    return CANCEL_RACE if crash and all(line in crash for line in CANCEL_RACE_LINES) else None
+    if not crash:
+        return None
+    if all(line in crash for line in CANCEL_RACE_LINES):
+        return CANCEL_RACE
+    own = named_frames(crash)  # [0] is the signal handler; [1] where the signal came from
+    return CANCEL_RACE if len(own) > 1 and STREAM_HANDLER_PROCESS in own[1] else None
 
 
 @dataclass
