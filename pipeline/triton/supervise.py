@@ -32,7 +32,7 @@ POLL_S = 0.5
 # and 2.57 (#8078); nvidia-pytriton 0.7.0, the newest, still bundles 2.51. Seen about once in 500 cancelled streams.
 CANCEL_RACE = "tritonserver 2.51's gRPC cancellation race (fixed in 2.53 and 2.57; NVIDIA's containers have it)"
 CANCEL_RACE_LINES = ("Signal (11) received.", "pthread_mutex_lock", "TRITONBACKEND_Response")
-# The same family in a second place, seen twice in this project's CI soak (a clean clone, 2026-12-07): the segfault
+# The same family in a second place, seen in this project's CI soak (a clean clone, 2026-12-07): the segfault
 # inside the gRPC stream handler's Process, on its completion-queue thread, as clients cancel streams. Server PR
 # #7840 ("gRPC segfault due to Low Request Cancellation Timeout", in 2.53 as #7880) fixes Process's corner cases
 # under cancellation. Its frames are in the tritonserver binary, which the log doesn't name: backtrace.named_frames.
