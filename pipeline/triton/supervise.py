@@ -94,7 +94,7 @@ def known_crash(log: str) -> str | None:
         return None
     if all(line in crash for line in CANCEL_RACE_LINES):
         return CANCEL_RACE
-    own = named_frames(crash)  # [0] is the signal handler; [1] where the signal came from
+    own = named_frames(crash)  # [0] is the signal handler; [1] its first own frame past the signal
     return CANCEL_RACE if len(own) > 1 and STREAM_HANDLER_PROCESS in own[1] else None
 
 
