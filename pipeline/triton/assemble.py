@@ -111,14 +111,14 @@ def detect_route(engine: Path, requested: str = "auto") -> Route:
     if requested not in BACKENDS:
         raise ConfigError(f"unknown --backend {requested!r}; pick one of {', '.join(BACKENDS)}")
     manifest = engine / MANIFEST_FILE
-    compiled = _read_json(manifest) if manifest.is_file() and not (engine / ENGINE_FILE).is_file() else {}
     if (engine / ENGINE_FILE).is_file():
         found = PORTABLE
-    elif compiled.get("backend") == TRTLLM_BACKEND.name:
-        found = route_named(compiled.get("route", ENGINE.name))
     else:
-        raise ConfigError(f"{engine} has neither engine.json (`pipeline compile -b torch`) nor a TensorRT-LLM "
-                          f"compile.json (`pipeline compile -b trtllm`); pass an engine folder that compile wrote")
+        compiled = _read_json(manifest) if manifest.is_file() else {}
+        if compiled.get("backend") != TRTLLM_BACKEND.name:
+            raise ConfigError(f"{engine} has neither engine.json (`pipeline compile -b torch`) nor a TensorRT-LLM "
+                              f"compile.json (`pipeline compile -b trtllm`); pass an engine folder that compile wrote")
+        found = route_named(compiled.get("route", ENGINE.name))
     if requested not in ("auto", found.backend.name):
         raise ConfigError(f"--backend {requested} but {engine} is a {found.backend.name} engine folder; drop "
                           f"--backend or pass a folder from `pipeline compile -b {requested}`")
