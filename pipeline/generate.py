@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.stats import cost_line, drafted_by
+from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError, RequestError
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.models.tokenizer import answer_text
@@ -36,7 +37,7 @@ class GenerateOptions:
     top_k: int = 0
     seed: int | None = None
     dtype: str = "auto"  # auto: the fastest lossless one on this CPU (cpu_kernels.fast_lossless_dtype), bf16 on a GPU
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (pipeline.engine.device.choose_device)
+    device: DeviceChoice = DeviceField()  # auto | cpu | cuda | cuda:N
     raw: bool = False  # skip the chat template
     max_seq_len: int = 2048
     max_batch_size: int = 1  # raised to the number of prompts: all of them decode as one batch
@@ -147,10 +148,10 @@ def _checked_config(options: GenerateOptions, n_prompts: int):
     """(the engine's config from the options, why its dtype, the device's line), and the sampling settings checked,
     before anything loads."""
     from pipeline.engine.config import EngineConfig, GatePolicy
-    from pipeline.engine.device import choose_device, is_cuda
+    from pipeline.engine.device import is_cuda
     from pipeline.engine.sampling import SamplingParams
 
-    device, device_line = choose_device(options.device)
+    device, device_line = options.device.choose()
     dtype, dtype_reason = options.dtype, "asked for (--dtype)"
     if dtype == "auto" and is_cuda(device):
         dtype, dtype_reason = "bf16", "auto: bf16 on a GPU (its tensor cores' dtype)"

@@ -3,6 +3,7 @@ here, so each branch runs on any machine), the KV pool a GPU's free memory holds
 --device on compile, generate, serve and build through CliRunner."""
 
 import json
+import pickle
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from pipeline.cli import main
 from pipeline.compiler import CompileOptions, compile_model
 from pipeline.engine import llm_engine
 from pipeline.engine.config import EngineConfig, GatePolicy
-from pipeline.engine.device import choose_device, kv_pool_blocks, parse_device, resolve_device
+from pipeline.engine.device import Device, DeviceChoice, choose_device, kv_pool_blocks, resolve_device
 from pipeline.engine.folder import load_engine
 from pipeline.engine.kv_cache import BLOCK_SIZE
 from pipeline.engine.llm_engine import LLMEngine
@@ -95,7 +96,7 @@ def test_a_malformed_name_is_refused_before_torch_is_asked(monkeypatch, name):
     with pytest.raises(ConfigError, match="unknown device .*; use auto, cpu, cuda or cuda:N"):
         resolve_device(name)
     with pytest.raises(ConfigError):
-        parse_device(name)
+        DeviceChoice(name)
 
 
 # ---- the KV pool on a GPU ---------------------------------------------------------------------------------------
@@ -284,6 +285,43 @@ def test_compile_device_auto_picks_the_cpu_here_and_says_so(tiny_target, tmp_pat
     data = json.loads(run("compile", "-b", "torch", "-t", tiny_target, "-o", tmp_path / "j", "--no-calibrate",
                           "--json").stdout)
     assert data["device"] == "cpu" and data["manifest"]["device"] == "cpu"
+
+
+def test_a_chosen_device_chooses_itself_and_keeps_its_line_across_processes(monkeypatch, no_gpu):
+    device, line = choose_device("auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked torch again"))
+    assert choose_device(device) == (device, line) and resolve_device(device) is device
+    assert DeviceChoice(device) is device and isinstance(device, Device)
+    again = pickle.loads(pickle.dumps(device))  # a build's stages, a spawned process
+    assert (again, again.line, type(again)) == ("cpu", line, Device)
+    read = pickle.loads(pickle.dumps(DeviceChoice(" CUDA ")))
+    assert (read, read.asked, type(read)) == ("cuda:0", " CUDA ", DeviceChoice)
+
+
+def test_each_command_chooses_its_device_once_and_the_engine_takes_it_as_chosen(tiny_target, tmp_path, monkeypatch,
+                                                                                 no_gpu):
+    """--device is read at the command line and chosen once (asking torch); what loads the engine and picks its
+    kernels takes that Device as it is. The control: load_engine given the spelling chooses once more."""
+    import pipeline.engine.device as device_module
+
+    chosen = []
+    real = device_module.pick_device
+
+    def counting(choice, *args, **kwargs):
+        chosen.append(str(choice))
+        return real(choice, *args, **kwargs)
+
+    monkeypatch.setattr(device_module, "pick_device", counting)
+    assert run("generate", "hi", "--model", tiny_target, "--max-tokens", 2).exit_code == 0
+    assert chosen == ["auto"]
+    chosen.clear()
+    result = run("compile", "-b", "torch", "-t", tiny_target, "-o", tmp_path / "e", "-d", "ngram", "--max-seq-len",
+                 64, "--max-batch-size", 2)  # calibrates: loads the engine it wrote, on the chosen device
+    assert result.exit_code == 0 and "cost model measured" in result.output, result.output
+    assert chosen == ["auto"]
+    chosen.clear()
+    load_engine(tmp_path / "e", device="auto")
+    assert chosen == ["auto"]
 
 
 def test_compile_refuses_a_device_for_tensorrt_llm(tiny_target, tmp_path):

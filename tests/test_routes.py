@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pipeline.engine.device import DeviceChoice
 from pipeline.errors import ConfigError
 from pipeline.routes import (ENGINE, LLMAPI, PORTABLE, PORTABLE_BACKEND, ROUTES, TRTLLM_BACKEND, backend_named,
                              pick_route, route_named)
@@ -95,9 +96,9 @@ def test_a_route_that_cant_take_the_checkpoint_or_draft_says_why(backend, route,
 
 
 def test_only_the_portable_engine_takes_a_device():
-    PORTABLE.check_device("cuda:0", "x")
+    PORTABLE.check_device(DeviceChoice("cuda:0"), "x")
     for route in (ENGINE, LLMAPI):
-        route.check_device("auto", "x")
+        route.check_device(DeviceChoice("auto"), "x")
         with pytest.raises(ConfigError, match="--device cpu places the portable engine, and /e is for TensorRT-LLM, "
                                               "which runs its engines on the GPUs of their tp/pp mapping: drop"):
-            route.check_device("cpu", "/e")
+            route.check_device(DeviceChoice("cpu"), "/e")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.draft_spec import AUTO, EAGLE3, DraftSpec, parse_draft
+from pipeline.engine.device import Device, DeviceChoice, DeviceField
 from pipeline.home import pipeline_home
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.plan.gpus import GPU
@@ -44,7 +45,7 @@ class BuildOptions:
     trtllm_version: str | None = None  # trtllm: the release to write for; None: installed, else newest stable
     # torch: where compile calibrates and the repository's engine loads (auto|cpu|cuda|cuda:N); `run_build` picks it
     # on this machine (Environment.device), a plan alone (--dry-run, deploy's pods) keeps it as given
-    device: str = "auto"
+    device: DeviceChoice = DeviceField()
     force: bool = False  # rebuild every stage, and build even if the memory plan doesn't fit
 
 
@@ -70,9 +71,9 @@ class Environment:
     trained_head: Path | None = None  # an EAGLE-3 head for the target in $PIPELINE_HOME/heads (draft train)
     # The portable engine's compute dtype on this CPU, and why (cpu_kernels.fast_lossless_dtype).
     engine_dtype: tuple[str, str] = ("bf16", "the default")
-    # The device --device picks here and its line (pipeline.engine.device.choose_device): set by `run_build` for a
-    # portable-engine build, which runs here; None for a plan, which keeps --device as given.
-    device: tuple[str, str] | None = None
+    # The device --device picks here, with its line (DeviceChoice.choose): set by `run_build` for a portable-engine
+    # build, which runs here; None for a plan, which keeps --device as given.
+    device: Device | None = None
 
     def weights_of(self, ref: str) -> Weights:
         return self.weights.get(ref) or Weights(ref, None, f"make {ref} available locally")

@@ -84,9 +84,7 @@ def run_build(options: BuildOptions, env: Environment | None = None, *, quiet: b
     env = env if env is not None else detect_environment(options)
     plan = plan_build(options, env)
     if plan.settings.runs_on.places_device and env.device is None:  # before anything converts: the stages take it
-        from pipeline.engine.device import choose_device
-
-        env = dataclasses.replace(env, device=choose_device(options.device))
+        env = dataclasses.replace(env, device=options.device.choose()[0])
         plan = plan_build(options, env)
     if plan.missing:
         raise MissingDependencyError(plan.missing_line())

@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment, model_name
 from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_draft
-from pipeline.engine.device import parse_device
+from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError
 from pipeline.plan.gpus import GPU, get_gpu
 from pipeline.policy.gate_policy import PORTABLE_CEILING
@@ -65,7 +65,7 @@ class Settings:
     export: str  # hf | trtllm
     engine_dtype: str = "bf16"  # the portable engine's compute dtype (Environment.engine_dtype)
     trtllm_version: str | None = None  # trtllm: the TensorRT-LLM release written for
-    device: str = "auto"  # torch: auto, cpu or cuda:N (pipeline.engine.device.parse_device); trtllm: auto
+    device: DeviceChoice = DeviceField()  # torch: auto, cpu or cuda:N (chosen where the build runs); trtllm: auto
     reasons: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -117,7 +117,7 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
     if max_seq is None:  # the backend's default, at most the model's own limit where its config.json is here
         max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
     version = _trtllm_version(o, backend, reasons)
-    device = env.device[0] if env.device is not None and backend.places_device else parse_device(o.device)
+    device = env.device if env.device is not None and backend.places_device else o.device
     backend.check_device(o.device, f"--backend {backend.name}")
     if backend.one_device and (o.tp_size or 1) > 1:
         raise ConfigError("the portable engine runs on one device; drop --tp-size (or build with --backend trtllm)")
@@ -135,7 +135,7 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
         reasons["gate_batch_size"] = f"{settings.gate_batch_size}: {gate_reason}"
     if not backend.plans_gpu_memory:
         if env.device is not None:
-            reasons["device"] = env.device[1]
+            reasons["device"] = env.device.line
         reasons["engine_dtype"] = "bf16 on a GPU (its tensor cores' dtype)" if device.startswith("cuda") else \
             env.engine_dtype[1]
         return settings, None
@@ -184,8 +184,8 @@ def _export(backend: Backend, draft: DraftSpec, version: str | None, shape, reas
 def _backend(o: BuildOptions, env: Environment, shape, reasons: dict) -> Backend:
     if o.backend != "auto":
         return backend_named(o.backend)
-    if parse_device(o.device) != "auto":
-        reasons["backend"] = f"torch: --device {o.device} places the portable engine"
+    if not o.device.auto:
+        reasons["backend"] = f"torch: --device {o.device.asked} places the portable engine"
         return PORTABLE_BACKEND
     if env.gpu is not None and env.trtllm:
         reasons["backend"] = f"trtllm: a {env.gpu.name} and TensorRT-LLM are here"
@@ -258,7 +258,6 @@ def _qformat(requested: str, backend: Backend, role: str, gpu: GPU | None, reaso
 def check_options(o: BuildOptions) -> None:
     if o.draft_budget_minutes <= 0:
         raise ConfigError(f"--draft-budget-minutes must be > 0 (got {o.draft_budget_minutes:g})")
-    parse_device(o.device)
     if o.backend not in BACKENDS:
         raise ConfigError(f"unknown --backend {o.backend!r}; pick one of {', '.join(BACKENDS)}")
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -25,6 +25,7 @@ from pipeline.compiler.trtllm_build import (BuildSizes, build_command, derive_si
 from pipeline.compiler.validate import check_draft_len, check_draft_matches, check_plan
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine.folder import ENGINE_FILE, write_engine_manifest
+from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError, MissingDependencyError
 from pipeline.routes import Route, backend_named, pick_route
 from pipeline.trtllm import version as trtllm_version
@@ -61,7 +62,7 @@ class CompileOptions:
     ngram_first: bool = True  # torch backend, EAGLE-3 heads: n-gram lookup drafts where it matches (EngineConfig)
     gpu: str | None = None  # check the sizes against `pipeline plan` for this GPU
     # torch backend: where compile loads the engine to calibrate (auto|cpu|cuda|cuda:N; pipeline.engine.device)
-    device: str = "auto"
+    device: DeviceChoice = DeviceField()
     # torch backend with a draft: measure the cost model the draft planner reads (engine/calibrate.py)
     calibrate: bool = True
     # trtllm: the TensorRT-LLM release to write for (pipeline.trtllm.version.RELEASES); None: the installed one in
@@ -331,15 +332,11 @@ def _calibrate(stage: Path, result: CompileResult, manifest: dict, device: str) 
 def _device(o: CompileOptions) -> tuple[str | None, str]:
     """(device, its line) where the portable engine loads to calibrate: checked against this machine, but for a dry
     run (nothing loads; the spelling only). TensorRT-LLM places its engines by its own mapping: (None, "")."""
-    from pipeline.engine.device import choose_device, parse_device
-
     backend = backend_named(o.backend)
     if not backend.places_device:
         backend.check_device(o.device, f"--backend {backend.name}")
         return None, ""
-    if o.dry_run:
-        return parse_device(o.device), ""
-    return choose_device(o.device)
+    return (o.device, "") if o.dry_run else o.device.choose()
 
 
 def _check_options(o: CompileOptions) -> None:

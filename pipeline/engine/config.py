@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.engine.device import check_fraction, parse_device
+from pipeline.engine.device import DeviceChoice, check_fraction
 from pipeline.errors import ConfigError, ModelFormatError
 from pipeline.models.families import Features, family_of, text_config
 from pipeline.models.shape import ModelShape, read_config
@@ -142,7 +142,7 @@ class EngineConfig:
 
     def __post_init__(self):
         parse_dtype(self.dtype)
-        if parse_device(self.device) == "auto":
+        if DeviceChoice(self.device).auto:
             raise ConfigError(f"EngineConfig needs a device (cpu, cuda or cuda:N), got {self.device!r}; resolve a "
                               f"choice first: pipeline.engine.device.resolve_device({self.device!r})")
         check_fraction(self.gpu_memory_fraction)

@@ -1,10 +1,12 @@
 """Where the portable engine runs: a device choice (auto | cpu | cuda | cuda:N) checked against what torch sees,
 and the KV pool a GPU's free memory holds.
 
-`choose_device` is the one place a choice becomes a device. Every --device and `load_engine(device=...)` goes
-through it, and the commands print the line it returns, once, so a run always says where it ran and why. The
-module imports torch only inside the functions that ask it, so the Triton configs can check a choice's spelling
-without torch.
+A --device is read once, into a `DeviceChoice` (its spelling checked and normalized: the CLI's option type, or an
+options object's own field), and chosen once per process, into a `Device` (`DeviceChoice.choose`: the one place a
+choice becomes a device). Both are strings, so they go into engine.json, a config.pbtxt or an environment variable
+as they are; what takes a `Device` uses it as it is, so nothing asks torch twice. The commands print the line the
+choice returns, once, so a run always says where it ran and why. The module imports torch only inside the
+functions that ask it, so the Triton configs can check a choice's spelling without torch.
 """
 
 from __future__ import annotations
@@ -22,42 +24,106 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9
 _CUDA = re.compile(r"cuda(?::(\d+))?")
 
 
-def parse_device(choice: str) -> str:
-    """A choice's spelling, checked and normalized without asking torch: "auto", "cpu" or "cuda:N". A bare "cuda"
-    is cuda:0, the device torch's "cuda" means until a program picks another."""
-    name = str(choice).strip().lower()
-    if name in ("auto", "cpu"):
-        return name
-    match = _CUDA.fullmatch(name)
-    if match is None:
-        raise ConfigError(f"unknown device {choice!r}; use auto, cpu, cuda or cuda:N (N: a GPU's index, 0 first)")
-    return f"cuda:{int(match.group(1) or 0)}"
+class DeviceChoice(str):
+    """A --device as asked for, spelled one way: "auto", "cpu" or "cuda:N" (a bare "cuda" is cuda:0, the device
+    torch's "cuda" means until a program picks another), and `asked`, as the user spelled it, for messages. Made
+    from a DeviceChoice, it is that one: nothing is read twice. Raises ConfigError for a name that is none of
+    these."""
+
+    asked: str
+
+    def __new__(cls, choice: str = "auto") -> DeviceChoice:
+        if isinstance(choice, DeviceChoice):
+            return choice
+        name = str(choice).strip().lower()
+        if name not in ("auto", "cpu"):
+            match = _CUDA.fullmatch(name)
+            if match is None:
+                raise ConfigError(f"unknown device {choice!r}; use auto, cpu, cuda or cuda:N (N: a GPU's index, 0 "
+                                  f"first)")
+            name = f"cuda:{int(match.group(1) or 0)}"
+        read = super().__new__(cls, name)
+        read.asked = str(choice)
+        return read
+
+    def __getnewargs__(self) -> tuple[str]:
+        return (self.asked,)
+
+    @property
+    def auto(self) -> bool:
+        return self == "auto"
+
+    def choose(self) -> tuple[Device, str]:
+        """(the device, the one line saying what was picked and why); asks torch only where the choice needs it."""
+        return pick_device(self, ()) if self == "cpu" else pick_device(self, *visible_gpus())
+
+
+class Device(DeviceChoice):
+    """A device chosen for this process ("cpu" or "cuda:N") by `DeviceChoice.choose`, with the line that says why.
+    As a choice it chooses itself: what takes one uses it as it is, and nothing asks torch again."""
+
+    line: str
+
+    def __new__(cls, name: str, line: str = "") -> Device:
+        device = str.__new__(cls, name)
+        device.asked, device.line = name, line
+        return device
+
+    def __getnewargs__(self) -> tuple[str, str]:  # pickled (a build's stages, a spawned process) with its line
+        return str(self), self.line
+
+    def choose(self) -> tuple[Device, str]:
+        return self, self.line
+
+
+AUTO = DeviceChoice("auto")
+
+
+class DeviceField:
+    """An options dataclass's `device` field: what it is given is read there, once, into a DeviceChoice (default
+    auto), so a library caller's "CUDA" is checked where it enters as the CLI's is. A data descriptor, which
+    dataclasses call for the field's default and from __init__, frozen ones too."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self._slot = f"_{name}_choice"
+
+    def __get__(self, obj, owner=None) -> DeviceChoice:
+        return AUTO if obj is None else getattr(obj, self._slot)
+
+    def __set__(self, obj, value: str) -> None:
+        object.__setattr__(obj, self._slot, DeviceChoice(value))
 
 
 def is_cuda(device: str) -> bool:
     return str(device).strip().lower().startswith("cuda")
 
 
-def pick_device(choice: str, gpus: tuple[str, ...], cpu_build: bool = False) -> tuple[str, str]:
+def pick_device(choice: str, gpus: tuple[str, ...], cpu_build: bool = False) -> tuple[Device, str]:
     """(device, the line that says why) for a choice, given the names of the GPUs torch sees (cuda:0 first) and
-    whether this torch is a CPU-only build. Pure: `choose_device` asks torch."""
-    device = parse_device(choice)
+    whether this torch is a CPU-only build. Pure: `DeviceChoice.choose` asks torch."""
+    device = DeviceChoice(choice)
     seen = f"torch sees {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "torch sees no GPU"
+    if isinstance(device, Device):
+        return device.choose()
     if device == "cpu":
-        return "cpu", "device: cpu (asked for)"
-    if device == "auto":
+        return _chosen("cpu", "device: cpu (asked for)")
+    if device.auto:
         if not gpus:
-            return "cpu", f"device: cpu (auto: {seen}{'; this torch is a CPU-only build' if cpu_build else ''})"
-        return "cuda:0", f"device: cuda:0 ({gpus[0]}, auto: {seen})"
+            return _chosen("cpu", f"device: cpu (auto: {seen}{'; this torch is a CPU-only build' if cpu_build else ''})")
+        return _chosen("cuda:0", f"device: cuda:0 ({gpus[0]}, auto: {seen})")
     index = int(device.split(":")[1])
     if not gpus:
         why = ("this torch is a CPU-only build: install a CUDA build of torch on a machine with an NVIDIA GPU"
                if cpu_build else "no CUDA device is visible: check nvidia-smi and CUDA_VISIBLE_DEVICES")
-        raise ConfigError(f"device {choice!r} asks for a GPU but {seen} ({why}); use --device cpu or auto")
+        raise ConfigError(f"device {device.asked!r} asks for a GPU but {seen} ({why}); use --device cpu or auto")
     if index >= len(gpus):
-        raise ConfigError(f"device {choice!r} is past the GPUs here: {seen} (cuda:0 to cuda:{len(gpus) - 1}); use "
-                          f"--device cuda:0 to cuda:{len(gpus) - 1}, or auto")
-    return device, f"device: {device} ({gpus[index]}, asked for; {seen})"
+        raise ConfigError(f"device {device.asked!r} is past the GPUs here: {seen} (cuda:0 to cuda:{len(gpus) - 1}); "
+                          f"use --device cuda:0 to cuda:{len(gpus) - 1}, or auto")
+    return _chosen(device, f"device: {device} ({gpus[index]}, asked for; {seen})")
+
+
+def _chosen(name: str, line: str) -> tuple[Device, str]:
+    return Device(name, line), line
 
 
 def visible_gpus() -> tuple[tuple[str, ...], bool]:
@@ -70,17 +136,16 @@ def visible_gpus() -> tuple[tuple[str, ...], bool]:
     return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), cpu_build
 
 
-def choose_device(choice: str) -> tuple[str, str]:
+def choose_device(choice: str) -> tuple[Device, str]:
     """(device: "cpu" or "cuda:N", the one line saying what was picked and why) for auto|cpu|cuda|cuda:N; raises
-    ConfigError for a GPU torch doesn't see, or a malformed name. Asks torch only where the choice needs it."""
-    if parse_device(choice) == "cpu":
-        return pick_device(choice, ())
-    return pick_device(choice, *visible_gpus())
+    ConfigError for a GPU torch doesn't see, or a malformed name."""
+    return DeviceChoice(choice).choose()
 
 
-def resolve_device(choice: str) -> str:
-    """The device a choice picks here: "cpu" or "cuda:N" ("auto": cuda:0 where torch sees a GPU, else cpu)."""
-    return choose_device(choice)[0]
+def resolve_device(device: str) -> Device:
+    """The device a choice picks here: "cpu" or "cuda:N" ("auto": cuda:0 where torch sees a GPU, else cpu); a
+    `Device` is itself."""
+    return choose_device(device)[0]
 
 
 def check_fraction(fraction: float, name: str = "gpu_memory_fraction") -> None:

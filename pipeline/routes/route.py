@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.draft_spec import EAGLE3, NGRAM
-from pipeline.engine.device import parse_device
+from pipeline.engine.device import DeviceChoice
 from pipeline.errors import ConfigError
 
 
@@ -38,11 +38,11 @@ class Backend:
     max_batch_size: int
     max_seq_len: int
 
-    def check_device(self, device: str, where: str) -> None:
-        """Refuse a --device (as spelled: auto, cpu, cuda, cuda:N) this backend can't place; `where` says what was
+    def check_device(self, device: DeviceChoice, where: str) -> None:
+        """Refuse a --device (as read: auto, cpu, cuda:N) this backend can't place; `where` says what was
         asked for (`--backend trtllm`, a folder, a repository), for the message."""
-        if parse_device(device) != "auto" and not self.places_device:
-            raise ConfigError(f"--device {device} places the portable engine, and {where} is for {self.label}, which "
+        if not device.auto and not self.places_device:
+            raise ConfigError(f"--device {device.asked} places the portable engine, and {where} is for {self.label}, which "
                               f"runs its engines on the GPUs of their tp/pp mapping: drop --device")
 
 
@@ -73,8 +73,8 @@ class Route:
         """The portable engine: a device to place, a KV cache in the compute dtype, the cost model."""
         return self.backend.places_device
 
-    def check_device(self, device: str, where: str) -> None:
-        """Refuse a --device (as spelled) that this route can't take; `where` says what was asked for (the folder or
+    def check_device(self, device: DeviceChoice, where: str) -> None:
+        """Refuse a --device (as read) that this route can't take; `where` says what was asked for (the folder or
         command), for the message."""
         self.backend.check_device(device, where)
 

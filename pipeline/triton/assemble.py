@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.engine.device import parse_device
+from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError
 from pipeline.policy.gate_policy import GatePolicy
 from pipeline.routes import BACKENDS as ALL_BACKENDS
@@ -75,7 +75,7 @@ class AssembleOptions:
     max_queue_size: int | None = None  # torch: requests waiting for a slot before more are refused; None: per slot
     # torch: where the served engine loads when tritonserver starts without `pipeline serve --device` (auto|cpu|
     # cuda|cuda:N, resolved by the model as it loads)
-    device: str = "auto"
+    device: DeviceChoice = DeviceField()
     force: bool = False
 
 
@@ -351,4 +351,4 @@ def assemble(options: AssembleOptions) -> AssembleResult:
     engine = plan.spec.engine_dir if plan.route.portable else str(Path(options.engine).expanduser().absolute())
     return AssembleResult(repo=str(repo), engine=engine, models=models, backend=plan.spec.backend,
                           route=plan.route.name, notes=notes, launch=plan.launch.mode,
-                          device=parse_device(plan.spec.device) if plan.route.portable else None)
+                          device=plan.spec.device if plan.route.portable else None)

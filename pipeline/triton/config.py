@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Mapping
 
-from pipeline.engine.device import parse_device
+from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError
 from pipeline.policy.gate_policy import GatePolicy
 from pipeline.routes import ROUTES, Route, route_named
@@ -101,7 +101,7 @@ class RepoSpec:
     llmapi_model_dir: str = LLMAPI_MODEL_DIR  # llmapi: the folder with TensorRT-LLM's llmapi model.py
     # torch: where torch_engine loads the engine (auto|cpu|cuda|cuda:N), resolved in the model's process as it
     # loads; `pipeline serve --device` overrides it for its own runs through DEVICE_ENV
-    device: str = "auto"
+    device: DeviceChoice = DeviceField()
 
     def __post_init__(self):
         if self.backend not in REPO_BACKENDS:
@@ -244,7 +244,7 @@ def torch_engine_config(spec: RepoSpec) -> ModelConfig:
                      "max_seq_len": str(spec.max_seq_len),
                      "num_draft_tokens": str(spec.num_draft_tokens),
                      "max_queue_size": str(spec.queue_limit),
-                     "device": parse_device(spec.device),
+                     "device": spec.device,
                  })
 
 

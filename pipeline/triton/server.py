@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.engine.device import parse_device
+from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ServeError
 from pipeline.polling import wait_until
 from pipeline.routes import PORTABLE
@@ -58,7 +58,7 @@ class ServeOptions:
     admin_key: str | None = None  # None: $PIPELINE_ADMIN_KEY, else a new random key per server
     # A portable-engine repository: where torch_engine loads (auto|cpu|cuda|cuda:N). The server resolves it as it
     # starts and hands it to the model in DEVICE_ENV, over the repository's own `device` parameter.
-    device: str = "auto"
+    device: DeviceChoice = DeviceField()
 
     @property
     def ports(self) -> dict[str, int]:
@@ -218,7 +218,7 @@ def launch_argv(options: ServeOptions, binary: ServerBinary, backend_directory: 
     launch = launch or Launch(PORTABLE, "plain")
     argv, env = launch_command(launch, str(binary.path), server_args(options, binary, backend_directory), shm_prefix)
     if launch.route.portable:
-        env = {DEVICE_ENV: parse_device(options.device), **({} if ARENA_ENV in os.environ else {ARENA_ENV: ARENA_MAX}),
+        env = {DEVICE_ENV: options.device, **({} if ARENA_ENV in os.environ else {ARENA_ENV: ARENA_MAX}),
                **env}
     return argv, env
 
@@ -227,12 +227,10 @@ def engine_device(options: ServeOptions, launch: Launch, check: bool = True) -> 
     """(device, the line saying what was picked and why) the portable engine serves on, checked against what torch
     sees here (check=False, for a dry run: the spelling only, and no line); ("", "") for a TensorRT-LLM repository,
     which refuses a --device other than auto: its engines run on the GPUs of their tp/pp mapping."""
-    from pipeline.engine.device import choose_device
-
     if not launch.route.portable:
         launch.route.check_device(options.device, f"this repository ({launch.route.name} route)")
         return "", ""
-    return choose_device(options.device) if check else (parse_device(options.device), "")
+    return options.device.choose() if check else (options.device, "")
 
 
 def server_env(binary: ServerBinary, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.engine.device import choose_device
+from pipeline.engine.device import DeviceChoice
 from pipeline.engine.folder import load_engine, read_engine_manifest
 from pipeline.engine.request import RequestStatus
 from pipeline.engine.sampling import SamplingParams
@@ -202,7 +202,7 @@ class TritonPythonModel:
         manifest = read_engine_manifest(engine_dir)
         # `pipeline serve --device` (DEVICE_ENV) wins over the repository's own `device` (assemble's); auto is picked
         # here, in the process that runs the engine.
-        device, line = choose_device(served_device(config["parameters"], os.environ))
+        device, line = DeviceChoice(served_device(config["parameters"], os.environ)).choose()
         pb_utils.Logger.log_info(f"{config['name']}: {line}")
         gate = GatePolicy(max_batch_size=manifest["max_batch_size"], hysteresis=0, min_tokens=0)
         self.inbox: queue.Queue = queue.Queue()
