@@ -3,11 +3,13 @@ target into temp folders: reuse, incremental rebuilds, interruption and one-line
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import shlex
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -453,7 +455,7 @@ def test_cli_build_prints_the_summary_and_the_next_command(tiny_target, tmp_path
 
 
 def test_progress_bar_shows_eta_never_claims_done_early_and_is_quiet_off_a_terminal():
-    assert "ETA 0:30" in format_bar("compile", 10, 40) and " 25%" in format_bar("compile", 10, 40)
+    assert "ETA 00:30" in format_bar("compile", 10, 40) and " 25%" in format_bar("compile", 10, 40)
     late = format_bar("compile", 50, 40)
     assert " 99%" in late and "overdue" in late
     assert "100%" in format_bar("compile", 3, 40, done=True)
@@ -462,6 +464,21 @@ def test_progress_bar_shows_eta_never_claims_done_early_and_is_quiet_off_a_termi
     with StageProgress("x", 1.0, enabled=False, stream=out):
         pass
     assert out.getvalue() == ""
+
+
+def test_progress_bar_on_a_terminal_ends_done_or_failed_in_one_line():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for fails, says in ((False, "100%  done in 00:00"), (True, "failed after 00:00")):
+        out = Terminal()
+        with contextlib.suppress(ValueError), StageProgress("stage", 30.0, progress_enabled(False, out), out):
+            time.sleep(0.3)  # a redraw or so: 1% of the estimate
+            if fails:
+                raise ValueError
+        last = out.getvalue().rstrip("\n").split("\r")[-1]
+        assert last.startswith("stage ") and says in last and out.getvalue().endswith("\n")
 
 
 # ---- the real embedded default (slow: converts SmolLM2 once per session) ----------------------------------------

@@ -6,6 +6,8 @@ import json
 import shlex
 from pathlib import Path
 
+from tabulate import tabulate
+
 from pipeline.build.plan import BuildPlan
 from pipeline.build.runner import BuildResult
 
@@ -81,18 +83,15 @@ def render_summary(result: BuildResult) -> str:
     reused = sum(s.status == "reused" for s in result.stages)
     lines = [f"built {result.name} ({result.backend} backend, draft {result.draft}) in {result.total_s:.1f} s: "
              f"{built} stage(s) built, {reused} reused"]
-    rows = [("stage", "status", "time", "size", "output")]
-    rows.append(("prepare models", "done", _secs(result.prepare_s), "", "resolve, convert if needed, hash"))
+    rows = [("prepare models", "done", _secs(result.prepare_s), "", "resolve, convert if needed, hash")]
     for name, reason in result.skipped:
         rows.append((name, "skipped", "", "", reason))
     for st in result.stages:
         time_s = _secs(st.duration_s) if st.status != "not run" else ""
         rows.append((st.name, st.status, time_s, _size(st.bytes) if st.bytes else "", _short(st.output)
                      + (f"  ({st.note})" if st.note else "")))
-    widths = [max(len(r[c]) for r in rows) for c in range(4)]
-    for r in rows:
-        lines.append("  ".join((r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]),
-                                r[3].rjust(widths[3]), r[4])).rstrip())
+    lines.append(tabulate(rows, ("stage", "status", "time", "size", "output"), tablefmt="plain", disable_numparse=True,
+                          colalign=("left", "left", "right", "right", "left")))
     if any(st.status == "reused" for st in result.stages):
         lines.append("(a reused stage's time is what it took when built)")
     if result.device_line:

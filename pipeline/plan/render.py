@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tabulate import tabulate
+
 from pipeline.plan.memory import FP8_FORMATS, GB, MemoryPlan
 from pipeline.plan.portable import KV_BLOCK_TOKENS, PortablePlan
 from pipeline.plan.weights import KV_DTYPE_BYTES
@@ -13,6 +15,12 @@ def _gb(n: int) -> str:
 
 def _kb(n: int) -> str:
     return f"{n / 1e3:.1f} KB"
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], align: str) -> str:
+    """Columns two spaces apart under a dashed header; align: "l" or "r" per column."""
+    return tabulate(rows, header, tablefmt="simple", disable_numparse=True,
+                    colalign=["left" if a == "l" else "right" for a in align])
 
 
 def render_table(plan: MemoryPlan) -> str:
@@ -45,14 +53,10 @@ def render_table(plan: MemoryPlan) -> str:
     rows.append(("GPU memory", gpu.name, "", _gb(gpu.memory_bytes)))
     rows.append(("headroom", "", "", _gb(plan.headroom)))
 
-    header = ("item", "detail", "total", f"per GPU (tp={tp})")
-    widths = [max(len(r[c]) for r in (header, *rows)) for c in range(4)]
-    fmt_row = lambda r: "  ".join((r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]),  # noqa: E731
-                                   r[3].rjust(widths[3]))).rstrip()
     lines = [
         f"{i.target_name} + draft {draft} on {tp} x {gpu.name} ({gpu.arch}, {gpu.bandwidth_tb_s:g} TB/s, "
         f"FP8 {'yes' if gpu.fp8 else 'no'}), batch {i.max_batch_size} x {i.max_seq_len} tokens",
-        fmt_row(header), fmt_row(tuple("-" * w for w in widths)), *map(fmt_row, rows), "",
+        _table(("item", "detail", "total", f"per GPU (tp={tp})"), rows, "llrr"), "",
         _verdict(plan),
         "* = this plan. Assumes:",
         *(f"  - {a}" for a in plan.assumptions),
@@ -89,8 +93,6 @@ def render_portable(plan: PortablePlan) -> str:
         ("used", "", _gb(plan.used)),
         ("GPU memory", gpu.name, _gb(gpu.memory_bytes)),
     ]
-    widths = [max(len(r[c]) for r in (("item", "detail", "bytes"), *rows)) for c in range(3)]
-    fmt_row = lambda r: f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2].rjust(widths[2])}"  # noqa: E731
     if plan.fits:
         why = (f"the pool is capped at --max-batch-size x --max-seq-len; the free memory would hold {held}"
                if plan.capped else f"the free memory holds that many; --max-batch-size is {i.max_batch_size}")
@@ -103,7 +105,7 @@ def render_portable(plan: PortablePlan) -> str:
     return "\n".join([
         f"{i.target_name} + draft {draft} on 1 x {gpu.name}, portable engine (--backend torch) on cuda, "
         f"batch {tokens}",
-        fmt_row(("item", "detail", "bytes")), fmt_row(tuple("-" * w for w in widths)), *map(fmt_row, rows), "",
+        _table(("item", "detail", "bytes"), rows, "llr"), "",
         verdict,
         "Assumes:",
         *(f"  - {a}" for a in plan.assumptions),

@@ -8,6 +8,8 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tabulate import tabulate
+
 
 @dataclass(frozen=True)
 class Quality:
@@ -114,5 +116,4 @@ def render_table(r: QuantizeReport) -> str:
         ("top-1 agreement", f"{r.top1_agreement:.4f}"),
         ("total time", f"{r.total_time_s:.1f} s"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    return tabulate(rows, tablefmt="plain", disable_numparse=True)
