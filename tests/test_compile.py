@@ -16,7 +16,8 @@ from pipeline.cli import main
 from pipeline.compiler import CompileOptions, compile_model
 from pipeline.compiler.checkpoint import read_checkpoint
 from pipeline.compiler.llmapi import LlmApiSettings, llm_api_options, serve_command
-from pipeline.compiler.trtllm_build import build_command, derive_sizes, flags_of
+from pipeline.compiler.job import derive_sizes
+from pipeline.compiler.trtllm_build import build_command, flags_of
 from pipeline.draft_spec import DraftSpec, parse_draft
 from pipeline.engine import load_engine
 from pipeline.engine.config import EngineConfig
@@ -559,7 +560,8 @@ def test_dry_run_writes_the_configs_and_prints_the_commands(trt, tmp_path):
 def test_a_real_engine_build_runs_each_step_into_the_staging_folder(trt, tmp_path, monkeypatch):
     """Outside the container nothing runs, so the steps are recorded: each writes into the staging folder that becomes
     the output, the guide's vocabulary beside the engines, where assemble looks for it."""
-    import pipeline.compiler.compiler as compile_run
+    import pipeline.compiler.job as compile_job
+    import pipeline.compiler.trtllm_build as engine_route
 
     ran = []
 
@@ -570,8 +572,8 @@ def test_a_real_engine_build_runs_each_step_into_the_staging_folder(trt, tmp_pat
         (where / (ref.GUIDE_INFO_FILE if argv[0] == "python3" else "config.json")).write_text("{}")
         return subprocess.CompletedProcess(argv, 0)
 
-    monkeypatch.setattr(compile_run, "trtllm_available", lambda: True)
-    monkeypatch.setattr(compile_run.subprocess, "run", fake_run)
+    monkeypatch.setattr(compile_job, "trtllm_available", lambda: True)
+    monkeypatch.setattr(engine_route.subprocess, "run", fake_run)
     out = tmp_path / "e"
     result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-k", "4", "-o", str(out))
     assert result.exit_code == 0, result.output
@@ -597,9 +599,9 @@ def test_llmapi_route_writes_yaml_and_serve_command(tiny_target, tiny_draft, tmp
 
 
 def test_real_engine_build_without_trtllm_names_the_container(trt, tmp_path, monkeypatch):
-    import pipeline.compiler.compiler as compile_run
+    import pipeline.compiler.job as compile_job
 
-    monkeypatch.setattr(compile_run, "trtllm_available", lambda: False)
+    monkeypatch.setattr(compile_job, "trtllm_available", lambda: False)
     out = tmp_path / "e"
     result = run("-b", "trtllm", "-t", str(trt("t")), "-d", str(trt("d")), "-o", str(out))
     assert_one_line_error(result, ref.TRTLLM_CONTAINER, "--dry-run")

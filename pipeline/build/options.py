@@ -81,7 +81,7 @@ class Environment:
 
 def detect_environment(options: BuildOptions) -> Environment:
     """The one place that looks at the machine. Reads only; creates nothing."""
-    from pipeline.compiler.compiler import trtllm_available
+    from pipeline.compiler.job import trtllm_available
     from pipeline.plan.gpus import detect_gpu
 
     draft = parse_draft(options.draft, allow_auto=True)

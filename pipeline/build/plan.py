@@ -180,7 +180,7 @@ def _quantize_stage(s: Settings, o: BuildOptions, env: Environment, build_dir: P
 
 def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path, deps: tuple[str, ...],
                    models: tuple[str, ...]) -> Stage:
-    from pipeline.compiler.compiler import CompileOptions
+    from pipeline.compiler.options import CompileOptions
 
     trt = s.runs_on.trtllm_release
     # On the portable engine the Triton speculation_gate model decides load and short outputs for every

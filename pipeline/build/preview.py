@@ -49,7 +49,8 @@ def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_k
                    repo: Path) -> Preview:
     """compile_options: the compile stage's CompileOptions; quant_kv: role -> the KV dtype its quantize stage
     writes ("fp8" | "none"); target_shape/draft_shape: ModelShape (draft_shape None unless a draft model)."""
-    from pipeline.compiler.compiler import resolve, route_files
+    from pipeline.compiler.compiler import route_files
+    from pipeline.compiler.job import resolve
     from pipeline.draft_spec import parse_draft
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET
     from pipeline.triton.launch import plan_launch
@@ -70,8 +71,8 @@ def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_k
     elif draft.kind == "eagle3":
         draft_ckpt = describe_checkpoint(draft.path, target_shape, layout="hf", qformat="none", kv_fp8=False, tp=1,
                                          max_position_embeddings=max_pos, is_eagle3=True)
-    r = resolve(o, target, draft, draft_ckpt)
-    generated = route_files(o, Path(o.output).absolute(), target, draft, draft_ckpt, r, target_shape)
+    r = resolve(o, Path(o.output).absolute(), target, draft, draft_ckpt)
+    generated = route_files(r, target_shape)
     models = (TRTLLM_TARGET, TRTLLM_DRAFT) if draft.kind == "model" else (TRTLLM_TARGET,)
     launch = plan_launch(r.route, world_size=r.tp * r.pp, trtllm_models=models,
                          tensorrt_llm_version=r.tensorrt_llm_version)

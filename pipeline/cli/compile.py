@@ -80,8 +80,8 @@ def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_s
       pipeline compile -b trtllm -t ckpt/target-hf -d eagle3:heads/eagle3 -o engines/eagle3
       pipeline compile -b torch -t ckpt/target-hf -d ckpt/draft-hf -o engines/portable
     """
-    from pipeline.compiler import CompileOptions, compile_model
-    from pipeline.compiler.compiler import DEFAULT_ENGINES_DIR
+    from pipeline.compiler.compiler import compile_model
+    from pipeline.compiler.options import DEFAULT_ENGINES_DIR, CompileOptions
 
     if output is None:
         output = DEFAULT_ENGINES_DIR / f"{Path(target).name}-{backend}"

@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import ModelFormatError, ModelNotFoundError
+from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.errors import ConfigError, DraftMismatchError, ModelFormatError, ModelNotFoundError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -36,6 +37,64 @@ class Checkpoint:
     @property
     def has_tokenizer(self) -> bool:
         return any((self.path / f).is_file() for f in TOKENIZER_FILES)
+
+    @property
+    def qformat(self) -> str:
+        """The `pipeline quantize --qformat` its quant_algo came from ("none": unquantized)."""
+        from pipeline.quantize.formats import FORMATS
+
+        by_algo = {f.trtllm_algo: name for name, f in FORMATS.items() if f.trtllm_algo}
+        return by_algo.get(self.quant_algo, "none")
+
+    def read_shape(self):
+        """Its ModelShape (pipeline.models.shape), read from its config.json."""
+        from pipeline.models.shape import ModelShape
+
+        return ModelShape.from_folder(self.path)
+
+    def describe(self) -> dict:
+        """What compile.json says of it."""
+        return {"path": str(self.path), "layout": self.layout, "dtype": self.dtype, "vocab_size": self.vocab_size,
+                "tp_size": self.tp_size, "pp_size": self.pp_size, "quant_algo": self.quant_algo,
+                "kv_cache_quant_algo": self.kv_cache_quant_algo}
+
+
+def read_pair(target: str | Path, draft_choice: str) -> tuple[Checkpoint, DraftSpec, Checkpoint | None]:
+    """The target's checkpoint, the draft (--draft as read) and its checkpoint (a draft model or an EAGLE-3 head;
+    None for n-gram or none), checked against each other."""
+    draft = parse_draft(draft_choice)
+    if draft.kind == "eagle3" and not draft.ref:
+        raise ConfigError("compile needs the head's folder: --draft eagle3:DIR (`pipeline build --draft eagle3` "
+                          "finds the published head, or trains one)")
+    target_ckpt = read_checkpoint(target)
+    draft_ckpt = read_checkpoint(draft.path) if draft.path is not None else None
+    check_draft_matches(target_ckpt, draft, draft_ckpt)
+    return target_ckpt, draft, draft_ckpt
+
+
+def check_draft_matches(target: Checkpoint, draft: DraftSpec, draft_ckpt: Checkpoint | None) -> None:
+    """Same vocabulary (and tokenizer, where both folders carry one); same TP/PP for draft-target engines."""
+    if draft_ckpt is None:
+        return
+    if draft.kind == "model" and draft_ckpt.is_eagle3:
+        raise ConfigError(f"{draft_ckpt.path.name} is an EAGLE-3 head, not a draft model; pass "
+                          f"--draft eagle3:{draft_ckpt.path}")
+    if draft.kind == "eagle3" and not draft_ckpt.is_eagle3:
+        raise ConfigError(f"{draft_ckpt.path.name} is not an EAGLE-3 head (its config.json names no Eagle3 "
+                          f"architecture or eagle_config); pass a head folder, e.g. from `pipeline draft train`")
+    fix = "pick a draft from the target's model family, or use --draft ngram"
+    if draft_ckpt.vocab_size != target.vocab_size:
+        raise DraftMismatchError(f"draft '{draft_ckpt.path.name}' has vocab_size {draft_ckpt.vocab_size} but the "
+                                 f"target has {target.vocab_size}; {fix}")
+    if draft.kind == "model" and target.has_tokenizer and draft_ckpt.has_tokenizer:
+        from pipeline.models.tokenizer import check_draft_compatible
+
+        check_draft_compatible(target.path, draft_ckpt.path)
+    if draft.kind == "model" and (draft_ckpt.tp_size, draft_ckpt.pp_size) != (target.tp_size, target.pp_size):
+        raise ConfigError(f"draft checkpoint is split tp {draft_ckpt.tp_size} x pp {draft_ckpt.pp_size} but the "
+                          f"target tp {target.tp_size} x pp {target.pp_size}; re-export the draft with "
+                          f"`pipeline quantize --export trtllm --tp-size {target.tp_size} --pp-size {target.pp_size}`")
+
 
 
 def read_checkpoint(folder: str | Path) -> Checkpoint:

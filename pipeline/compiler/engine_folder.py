@@ -1,5 +1,6 @@
-"""The portable engine folder's writer: what `pipeline compile --backend torch` writes (its reader, and the
-format's name, version and layout, are the engine's own: pipeline/engine/folder.py).
+"""The portable route's compile steps: the engine folder `pipeline compile --backend torch` writes, and the cost
+model measured on it (the folder's reader, and the format's name, version and layout, are the engine's own:
+pipeline/engine/folder.py).
 
 Weights stay in the checkpoint's own (Hugging Face, maybe ModelOpt-quantized) layout rather than the
 engine's fused one: the loader's HF path is the tested one for quantized tensors and their scales, and
@@ -15,11 +16,48 @@ import shutil
 from pathlib import Path
 
 from pipeline.compiler.checkpoint import Checkpoint
+from pipeline.compiler.job import CompileJob
+from pipeline.compiler.options import CompileResult
 from pipeline.draft_spec import DraftSpec
-from pipeline.engine.folder import FORMAT, FORMAT_VERSION, write_engine_manifest
+from pipeline.engine.folder import ENGINE_FILE, FORMAT, FORMAT_VERSION, write_engine_manifest
 
 RUNTIME_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 FICLONE = 0x40049409  # linux/fs.h: the destination shares the source's blocks until either is written
+
+
+def compile_into(stage: Path, job: CompileJob, result: CompileResult, manifest: dict) -> None:
+    """engine.json, and unless a dry run the checkpoints' files beside it and the cost model measured on them."""
+    o, sizes = job.options, job.sizes
+    engine = engine_manifest(
+        job.target, job.draft, job.draft_ckpt, max_batch_size=sizes.max_batch_size, max_seq_len=sizes.max_seq_len,
+        num_draft_tokens=sizes.max_draft_len, dtype=runtime_dtype(job.target, o.dtype),
+        gate_batch_size=o.gate_batch_size, kv_cache_bytes=o.kv_cache_bytes, prefill_chunk=o.prefill_chunk,
+        prefix_caching=o.prefix_caching, gpu_memory_fraction=o.free_gpu_memory_fraction, ngram_first=o.ngram_first)
+    if o.dry_run:
+        write_engine_manifest(stage, engine)
+    else:
+        write_engine_dir(stage, engine, job.target, job.draft_ckpt)
+        result.files += ["target/"] + (["draft/"] if job.draft_ckpt is not None else [])
+        if o.calibrate and job.draft.speculates:
+            _calibrate(stage, result, manifest, job.device)
+    result.files.insert(0, ENGINE_FILE)
+    result.commands["load"] = ["python", "-c", f'from pipeline.engine import load_engine; '
+                                               f'engine = load_engine("{result.output}")']
+    manifest["configs"] = {ENGINE_FILE: engine}
+
+
+def _calibrate(stage: Path, result: CompileResult, manifest: dict, device: str) -> None:
+    """Measure the staged engine's cost model on the device compile chose, and store it with the engine."""
+    from pipeline.engine.calibrate import calibrate
+    from pipeline.engine.folder import load_engine
+    from pipeline.policy.cost_model import FILENAME
+
+    cal = calibrate(load_engine(stage, device=device))
+    cal.cost.save(stage)
+    result.files.append(FILENAME)
+    result.notes.append(f"cost model measured in {cal.seconds:.0f} s ({cal.cost.source})"
+                        + (f"; {cal.note}" if cal.note else ""))
+    manifest["cost_model"] = {"seconds": round(cal.seconds, 1), "source": cal.cost.source, "note": cal.note}
 
 
 def runtime_dtype(ckpt: Checkpoint, requested: str = "auto") -> str:

@@ -1,4 +1,5 @@
-"""The LLM-API route (PyTorch backend): an extra_llm_api_options YAML plus the trtllm-serve line that uses it.
+"""The LLM-API route's compile steps (PyTorch backend): an extra_llm_api_options YAML plus the trtllm-serve line
+that uses it.
 
 Keys follow the release's table (reference.LLM_API_TABLES). The batch-size gate is TensorRT-LLM's own:
 - 1.2.1: speculative_config.max_concurrency turns speculation off above that batch size, for the speculation modes
@@ -14,10 +15,12 @@ Keys follow the release's table (reference.LLM_API_TABLES). The batch-size gate 
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.compiler.trtllm_build import BuildSizes
+from pipeline.compiler.job import BuildSizes, CompileJob
+from pipeline.compiler.options import CompileResult, RouteFiles
 from pipeline.draft_spec import DraftSpec
 from pipeline.trtllm.reference import TRTLLM_VERSION, combination, llm_api_table, refusal_notes
 
@@ -45,6 +48,59 @@ class LlmApiSettings:
     tensorrt_llm_version: str = TRTLLM_VERSION  # whose names to write
     # One-model EAGLE-3's gate where the release reads it (draft_schedule.py); None: max_concurrency alone
     draft_len_schedule: dict[int, int] | None = None
+
+
+def compile_into(stage: Path, job: CompileJob, result: CompileResult, manifest: dict) -> None:
+    """Write the YAML and serve.sh into the staging folder: trtllm-serve reads the checkpoint as it starts."""
+    # The target's shape only where a one-model EAGLE-3 schedule needs it (an HF checkpoint).
+    shape = job.target.read_shape() if job.draft.kind == "eagle3" and job.target.layout == "hf" else None
+    route_files(job, shape).write_into(stage, result, manifest)
+
+
+def route_files(job: CompileJob, target_shape=None) -> RouteFiles:
+    """The YAML, the trtllm-serve line (and its mpirun form past one GPU) and serve.sh. Pure, but for asking
+    nvidia-smi which GPU this is when a one-model EAGLE-3 schedule needs one and --gpu names none. target_shape (a
+    ModelShape): sizes the cost model behind that schedule."""
+    out, o, version = RouteFiles(), job.options, job.tensorrt_llm_version
+    schedule = None
+    if job.draft.kind == "eagle3" and o.gate_batch_size is not None and one_model_gates(version):
+        schedule = eagle3_schedule(job, target_shape)
+        out.notes.append(schedule.note(o.gate_batch_size) if schedule else
+                         f"no GPU named (--gpu) for the cost model: max_concurrency {o.gate_batch_size}, which "
+                         f"TensorRT-LLM turns into draft_len_schedule {{{o.gate_batch_size}: "
+                         f"{job.sizes.max_draft_len}}}")
+    settings = LlmApiSettings(o.gate_batch_size, job.kv_cache_dtype, o.free_gpu_memory_fraction, job.tp, job.pp,
+                              version, schedule.lengths if schedule is not None else None)
+    out.notes += [n for n in (gate_note(job.draft, o.gate_batch_size, version),) if n]
+    out.notes += feature_notes(job.draft, o.gate_batch_size, version)
+    config = llm_api_options(job.draft, job.sizes, settings)
+    out.files[OPTIONS_FILE] = to_yaml(config)
+    serve = serve_command(job.target.path, job.output / OPTIONS_FILE, job.sizes, settings)
+    out.commands["serve"] = serve
+    if job.tp * job.pp > 1:
+        out.commands["serve_multi_gpu"] = launch_command(serve, job.tp * job.pp)
+    out.files["serve.sh"] = job.script_header() + f"exec {shlex.join(serve)}\n"
+    out.configs[OPTIONS_FILE] = config
+    return out
+
+
+def eagle3_schedule(job: CompileJob, shape):
+    """One-model EAGLE-3's draft_len_schedule from the roofline of the GPU the plan names (--gpu, else the one
+    nvidia-smi reports); None without one. Pure but for nvidia-smi."""
+    from pipeline.compiler.draft_schedule import draft_len_schedule, roofline
+    from pipeline.plan.gpus import detect_gpu, get_gpu
+    from pipeline.plan.memory import PlanDraft, PlanInputs, plan_memory
+
+    gpu = get_gpu(job.options.gpu) if job.options.gpu is not None else detect_gpu()
+    if gpu is None or shape is None:
+        return None
+    qformat = job.target.qformat
+    plan = plan_memory(PlanInputs(job.target.path.name, shape, gpu, tp=job.tp, target_qformat=qformat,
+                                  draft=PlanDraft("eagle3", "eagle3")))
+    tflops = gpu.fp8_tflops if qformat == "fp8" and gpu.fp8 else gpu.bf16_tflops
+    cost = roofline(plan.target_weights_per_gpu + plan.draft_weights_per_gpu, shape.param_count, job.tp,
+                    gpu.bandwidth_tb_s, tflops, job.sizes.max_draft_len)
+    return draft_len_schedule(cost, job.sizes.max_draft_len, job.options.gate_batch_size)
 
 
 def decoding_type(kind: str, version: str) -> str:

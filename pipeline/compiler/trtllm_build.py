@@ -1,4 +1,5 @@
-"""trtllm-build command lines for the engine route: pure functions from sizes and checkpoints to argv lists.
+"""The engine route's compile steps: trtllm-build command lines (pure functions from sizes and checkpoints to argv
+lists), build.sh, and running them where TensorRT-LLM is installed (NVIDIA's container).
 
 Draft-target (examples/draft_target_model/README.md, TensorRT-LLM 1.2): the target is built with
 `--speculative_decoding_mode draft_tokens_external --max_draft_len K`, the draft plainly; both with
@@ -8,54 +9,64 @@ in chunks, and neither works without it (reference.FEATURE_SETTINGS).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import shlex
+import subprocess
 from pathlib import Path
 
 from pipeline.compiler.checkpoint import Checkpoint
+from pipeline.compiler.job import BuildSizes, CompileJob
+from pipeline.compiler.options import CompileResult, RouteFiles
 from pipeline.errors import ConfigError
-from pipeline.trtllm.reference import combination, refusal_notes
+from pipeline.trtllm.reference import GUIDE_INFO_FILE, combination, refusal_notes
 
-DEFAULT_MAX_SEQ_LEN = 4096
-CONTEXT_CHUNK = 8192  # trtllm-build's default max_num_tokens: the most prompt tokens one iteration takes
 SHARED_KV_FRACTION = 0.5  # examples/draft_target_model/README.md: "--kv_cache_free_gpu_memory_fraction=0.5"
 # The runtime settings turned on beside speculation where TensorRT-LLM runs them (reference.SPECULATION_COMBINATIONS),
 # by their tensorrtllm backend names: the Triton config and run.py's flags follow the same entries.
 FEATURES = ("enable_chunked_context", "enable_kv_cache_reuse")
 
 
-@dataclass(frozen=True)
-class BuildSizes:
-    max_batch_size: int
-    max_input_len: int
-    max_seq_len: int
-    max_num_tokens: int
-    max_draft_len: int  # K; 0 without speculation
+def compile_into(stage: Path, job: CompileJob, result: CompileResult, manifest: dict) -> None:
+    """Write build.sh into the staging folder and, unless a dry run, build the engines there."""
+    route_files(job).write_into(stage, result, manifest)
+    if not job.options.dry_run:
+        run_builds(stage, result)
 
 
-def derive_sizes(max_batch_size: int, max_draft_len: int, max_position_embeddings: int | None,
-                 max_seq_len: int | None = None, max_input_len: int | None = None,
-                 max_num_tokens: int | None = None) -> BuildSizes:
-    """Fill in what the user left out and check the rest; raises ConfigError with the fix."""
-    if max_batch_size < 1:
-        raise ConfigError(f"--max-batch-size must be at least 1 (got {max_batch_size})")
-    if max_draft_len < 0:
-        raise ConfigError(f"--num-draft-tokens must be >= 0 (got {max_draft_len})")
-    limit = max_position_embeddings or DEFAULT_MAX_SEQ_LEN
-    seq = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, limit)
-    if seq > limit:
-        raise ConfigError(f"--max-seq-len {seq} is longer than the target's max_position_embeddings ({limit}); "
-                          f"lower it")
-    inp = max_input_len if max_input_len is not None else seq // 2
-    if not 1 <= inp < seq:
-        raise ConfigError(f"--max-input-len must be between 1 and --max-seq-len - 1 ({seq - 1}); got {inp}")
-    # One iteration may hold a context chunk and the K+1 tokens of every other row; cover both.
-    need = max_batch_size * (max_draft_len + 1)
-    tokens = max_num_tokens if max_num_tokens is not None else need + min(inp, CONTEXT_CHUNK)
-    if tokens < need:
-        raise ConfigError(f"--max-num-tokens {tokens} can't hold a full batch's draft tokens "
-                          f"(max batch {max_batch_size} x (K {max_draft_len} + 1) = {need}); raise it or lower "
-                          f"--max-batch-size")
-    return BuildSizes(max_batch_size, inp, seq, tokens, max_draft_len)
+def route_files(job: CompileJob, target_shape=None) -> RouteFiles:
+    """The trtllm-build commands and build.sh, the guided-decoding vocabulary's command, and run.py's smoke test.
+    Pure. (target_shape: unused here; the LLM-API route's schedule reads it.)"""
+    out = RouteFiles()
+    target, draft, sizes, output = job.target, job.draft_ckpt, job.sizes, job.output
+    out.commands["build_target"] = build_command(target, output / "target", sizes, role="target")
+    if draft is not None:
+        out.commands["build_draft"] = build_command(draft, output / "draft", sizes, role="draft")
+    # Guided decoding's vocabulary, beside the engines (assemble points the target's config at it).
+    out.commands["build_guide_info"] = guide_info_command(target.path, output)
+    out.commands["smoke_test"] = run_command(output / "target", output / "draft" if draft else None, target.path,
+                                             sizes, job.options.free_gpu_memory_fraction, target.world_size)
+    builds = [cmd for name, cmd in out.commands.items() if name.startswith("build_")]
+    out.files["build.sh"] = (job.script_header() + "set -euo pipefail\n"
+                             + "\n".join(shlex.join(c) for c in builds) + "\n")
+    out.notes += feature_notes(draft is not None)  # chunked context / KV reuse upstream refuses, if any
+    return out
+
+
+def run_builds(stage: Path, result: CompileResult) -> None:
+    """trtllm-build, into the staging folder: the same argv with the --output_dir moved there."""
+    output = Path(result.output)
+    for name, cmd in result.commands.items():
+        if not name.startswith("build_"):
+            continue
+        staged = list(cmd)
+        i = staged.index("--output_dir") + 1
+        where = Path(staged[i])  # output/target, output/draft, or output itself (the guide's vocabulary)
+        staged[i] = str(stage if where == output else stage / where.name)
+        done = subprocess.run(staged)  # its log streams to the terminal
+        if done.returncode != 0:
+            program = Path(cmd[1]).name if cmd[0] == "python3" else cmd[0]
+            raise ConfigError(f"{program} exited {done.returncode} ({name}); its log is above, and `pipeline "
+                              f"compile --dry-run` writes the commands to rerun by hand")
+        result.files.append(GUIDE_INFO_FILE if where == output else where.name + "/")
 
 
 def build_command(ckpt: Checkpoint, output_dir: Path, sizes: BuildSizes, *, role: str) -> list[str]:

@@ -105,7 +105,7 @@ class Plan:
 def detect_route(engine: Path, requested: str = "auto") -> Route:
     """The portable engine for a folder with engine.json; for one with compile.json from `compile -b trtllm`, the
     route it names. `requested`: --backend (auto, or the one the folder must be)."""
-    from pipeline.compiler.compiler import MANIFEST_FILE
+    from pipeline.compiler.options import MANIFEST_FILE
     from pipeline.engine.folder import ENGINE_FILE
 
     if requested not in BACKENDS:
@@ -147,7 +147,7 @@ def plan_repository(options: AssembleOptions) -> Plan:
     route.check_device(options.device, str(engine))
     if route.portable:
         return Plan(_torch_spec(engine, options), route)
-    from pipeline.compiler.compiler import MANIFEST_FILE
+    from pipeline.compiler.options import MANIFEST_FILE
 
     manifest = _read_json(engine / MANIFEST_FILE)
     if route.upstream_llmapi_model:
