@@ -174,7 +174,48 @@ def test_max_tokens_below_one(tiny_target):
 
 def test_num_draft_tokens_below_one(tiny_target):
     result = run("generate", "hi", "--model", tiny_target, "--draft", "ngram", "--num-draft-tokens", 0)
-    assert_one_line_error(result, "num_draft_tokens (k) must be >= 1")
+    assert_one_line_error(result, "--num-draft-tokens must be >= 1 (got 0)")
+
+
+# Each command that takes a shared setting (pipeline/setting.py) reads its flag, bound and meaning from the one
+# declaration: the same one-line refusal everywhere (a command's own lower bound where it gives smaller values a
+# meaning: generate's --gate-batch-size 0 never speculates, and a draft length of 0 builds without a draft).
+SETTING_COMMANDS = {
+    "build": ("build", "--dry-run"), "compile": ("compile", "-b", "torch", "-t", "nowhere", "-o", "nowhere-out"),
+    "generate": ("generate", "hi", "--model", "nowhere"), "plan": ("plan", "-t", "llama-70b", "-g", "h100"),
+    "assemble": ("assemble", "-e", "nowhere"),
+}
+
+
+@pytest.mark.parametrize("command, flag, value, says", [
+    ("build", "--max-batch-size", "0", "--max-batch-size must be >= 1 (got 0)"),
+    ("build", "--max-seq-len", "1", "--max-seq-len must be >= 2 (got 1)"),
+    ("build", "--gate-batch-size", "0", "--gate-batch-size must be >= 1 (got 0)"),
+    ("build", "--num-draft-tokens", "-1", "--num-draft-tokens must be >= 0 (got -1)"),
+    ("compile", "--gate-batch-size", "0", "--gate-batch-size must be >= 1 (got 0)"),
+    ("compile", "--gate-batch-size", "many", "--gate-batch-size takes a whole number or none (got 'many')"),
+    ("compile", "--max-batch-size", "0", "--max-batch-size must be >= 1 (got 0)"),
+    ("generate", "--max-seq-len", "1", "--max-seq-len must be >= 2 (got 1)"),
+    ("generate", "--gate-batch-size", "-1", "--gate-batch-size must be >= 0 (got -1)"),
+    ("generate", "--max-batch-size", "x", "--max-batch-size takes a whole number (got 'x')"),
+    ("plan", "--max-batch-size", "0", "--max-batch-size must be >= 1 (got 0)"),
+    ("plan", "--max-seq-len", "0", "--max-seq-len must be >= 2 (got 0)"),
+    ("assemble", "--gate-batch-size", "0", "--gate-batch-size must be >= 1 (got 0)"),
+])
+def test_a_shared_setting_out_of_bounds_is_one_line_on_every_command(command, flag, value, says):
+    assert_one_line_error(run(*SETTING_COMMANDS[command], flag, value), says)
+
+
+@pytest.mark.parametrize("command", list(SETTING_COMMANDS))
+def test_a_shared_settings_help_is_its_declared_meaning_on_every_command(command):
+    from pipeline.setting import SETTINGS
+
+    options = {o.name: o for o in main.commands[command].params}
+    taken = [s for s in SETTINGS if s.name in options]
+    assert taken, command
+    for setting in taken:
+        option = options[setting.name]
+        assert setting.flag in option.opts and option.help.startswith(setting.meaning), (command, setting.name)
 
 
 def test_empty_prompts_file(tiny_target, tmp_path):

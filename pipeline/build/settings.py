@@ -19,12 +19,13 @@ from pipeline.errors import ConfigError
 from pipeline.plan.gpus import GPU, get_gpu
 from pipeline.policy.gate_policy import PORTABLE_CEILING
 from pipeline.routes import PORTABLE_BACKEND, TRTLLM_BACKEND, Backend, backend_named
+from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 from pipeline.trtllm.version import for_version
 
 PLAN_GPU = "h100-80gb"  # what a trtllm plan assumes when there is no GPU here and no --gpu
 # The gate's batch size when --gate-batch-size is left out, and why. (The other sizes are the backend's own:
 # Backend.max_batch_size and max_seq_len, `pipeline plan`'s defaults on TensorRT-LLM.)
-GATE_BATCH_SIZE = {
+DEFAULT_GATE = {
     PORTABLE_BACKEND: (PORTABLE_CEILING, "on a 2-core CPU n-gram speculation pays at batch 4 (1.11x) and not at 16 "
                                          "(0.87x)"),
     TRTLLM_BACKEND: (32, "the gate's default (TensorRT-LLM's max_concurrency, or its draft_len_schedule's last "
@@ -112,7 +113,7 @@ def resolve_settings(o: BuildOptions, env: Environment) -> tuple[Settings, Any]:
         raise ConfigError(f"--kv-cache-dtype fp8 needs an fp8 target on TensorRT-LLM engines (trtllm-build refuses "
                           f"an FP8 KV cache beside {target_q} weights); add --target-qformat fp8, or drop "
                           f"--kv-cache-dtype fp8")
-    batch, seq, (gate, gate_reason) = backend.max_batch_size, backend.max_seq_len, GATE_BATCH_SIZE[backend]
+    batch, seq, (gate, gate_reason) = backend.max_batch_size, backend.max_seq_len, DEFAULT_GATE[backend]
     max_seq = o.max_seq_len
     if max_seq is None:  # the backend's default, at most the model's own limit where its config.json is here
         max_seq = min(seq, _max_position_embeddings(o.target, env) or seq)
@@ -262,16 +263,14 @@ def check_options(o: BuildOptions) -> None:
         raise ConfigError(f"unknown --backend {o.backend!r}; pick one of {', '.join(BACKENDS)}")
     if o.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"unknown --kv-cache-dtype {o.kv_cache_dtype!r}; pick one of {', '.join(KV_CACHE_DTYPES)}")
-    if o.gate_batch_size is not None and o.gate_batch_size < 1:
-        raise ConfigError(f"--gate-batch-size must be at least 1 (got {o.gate_batch_size}); "
-                          f"use --draft none to turn speculation off")
-    for flag, value in (("--max-batch-size", o.max_batch_size), ("--max-seq-len", o.max_seq_len),
-                        ("--max-input-len", o.max_input_len), ("--tp-size", o.tp_size), ("calib size", o.calib_size)):
+    for setting in (GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN):
+        if getattr(o, setting.name) is not None:
+            setting.check(getattr(o, setting.name))
+    for flag, value in (("--max-input-len", o.max_input_len), ("--tp-size", o.tp_size), ("calib size", o.calib_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
-    if o.num_draft_tokens < 1 and o.draft.strip().lower() != "none":
-        raise ConfigError(f"--num-draft-tokens must be at least 1 with a draft (got {o.num_draft_tokens}); "
-                          f"pass --num-draft-tokens 4, or --draft none")
+    NUM_DRAFT_TOKENS.check(o.num_draft_tokens, minimum=0 if o.draft.strip().lower() == "none" else 1,
+                           fix="pass --num-draft-tokens 4, or --draft none")
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 
 from pipeline.cli.device import device_option
+from pipeline.cli.setting import setting_option
 from pipeline.routes import BACKEND_NAMES
+from pipeline.setting import GATE_BATCH_SIZE
 
 
 @click.command()
@@ -24,9 +26,8 @@ from pipeline.routes import BACKEND_NAMES
 @click.option("llmapi_model_dir", "--llmapi-model-dir", default=None,
               help="llmapi route: where TensorRT-LLM's llmapi model.py is when serving "
                    "[default: /app/all_models/llmapi/tensorrt_llm/1, as in NVIDIA's Triton TensorRT-LLM container].")
-@click.option("gate_batch_size", "--gate-batch-size", type=int, default=32, show_default=True,
-              help="Speculate while at most this many requests are in flight (the llmapi route takes "
-                   "compile's speculative_config.max_concurrency instead).")
+@setting_option(GATE_BATCH_SIZE, 32, "The llmapi route takes compile's speculative_config.max_concurrency "
+                                    "instead.")
 @click.option("gate_hysteresis", "--gate-hysteresis", type=int, default=None,
               help="Once off, speculation comes back only at --gate-batch-size minus this many in flight "
                    "[default: gate batch size / 8, at least 1].")

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import click
 
+from pipeline.cli.setting import setting_option
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.routes import BACKEND_NAMES
+from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 
 BUILD_FLAGS = (
     click.option("--target", "-t", default=DEFAULT_MODEL, show_default=True,
@@ -27,19 +29,15 @@ BUILD_FLAGS = (
                       "the output); an EAGLE-3 head stays bf16; ngram has no weights."),
     click.option("kv_cache_dtype", "--kv-cache-dtype", default="auto", show_default=True,
                  type=click.Choice(["auto", "bf16", "fp8"]), help="auto: bf16. fp8 needs TensorRT-LLM."),
-    click.option("num_draft_tokens", "--num-draft-tokens", "-k", type=int, default=4, show_default=True,
-                 help="K: the most tokens drafted per step."),
-    click.option("gate_batch_size", "--gate-batch-size", type=int,
-                 help="Speculate only while at most this many requests decode [default: 4 on the portable engine, "
-                      "32 on TensorRT-LLM]. `pipeline bench --apply` fits it on this machine."),
+    setting_option(NUM_DRAFT_TOKENS, 4, minimum=0),  # 0 with --draft none (check_options)
+    setting_option(GATE_BATCH_SIZE, None, "[default: 4 on the portable engine, 32 on TensorRT-LLM]. `pipeline bench "
+                                          "--apply` fits it on this machine."),
     click.option("--backend", "-b", default="auto", show_default=True, type=click.Choice(["auto", *BACKEND_NAMES]),
                  help="auto: TensorRT-LLM where it is importable and a GPU is present (or the target is too big for "
                       "this machine's memory), else the portable engine (torch)."),
-    click.option("max_batch_size", "--max-batch-size", type=int,
-                 help="Requests decoding at once [default: 8 on torch, 16 on trtllm]."),
+    setting_option(MAX_BATCH_SIZE, None, "[default: 8 on torch, 16 on trtllm]."),
     click.option("max_input_len", "--max-input-len", type=int, help="Longest prompt [default: max-seq-len / 2]."),
-    click.option("max_seq_len", "--max-seq-len", type=int,
-                 help="Prompt + output tokens [default: 2048 on torch, 4096 on trtllm, at most the model's limit]."),
+    setting_option(MAX_SEQ_LEN, None, "[default: 2048 on torch, 4096 on trtllm, at most the model's limit]."),
     click.option("tp_size", "--tp-size", type=int,
                  help="Tensor parallel GPUs [default: the smallest the memory plan fits; 1 on torch]."),
     click.option("--gpu", help="Plan for this GPU kind (see `pipeline plan`) [default: the one here, else h100-80gb]."),

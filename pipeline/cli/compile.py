@@ -8,7 +8,9 @@ from pathlib import Path
 import click
 
 from pipeline.cli.device import device_option
+from pipeline.cli.setting import setting_option
 from pipeline.routes import BACKEND_NAMES, ROUTE_CHOICES
+from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 
 
 @click.command("compile")
@@ -21,17 +23,14 @@ from pipeline.routes import BACKEND_NAMES, ROUTE_CHOICES
 @click.option("--route", default="auto", show_default=True, type=click.Choice(ROUTE_CHOICES),
               help="trtllm only. engine: trtllm-build; llmapi: PyTorch backend YAML. auto: from the checkpoint "
                    "layout (and llmapi for ngram/eagle3).")
-@click.option("num_draft_tokens", "--num-draft-tokens", "-k", type=int, default=4, show_default=True,
-              help="K: the most tokens drafted per step (max_draft_len).")
-@click.option("max_batch_size", "--max-batch-size", type=int, default=64, show_default=True)
+@setting_option(NUM_DRAFT_TOKENS, 4, "(max_draft_len; 0 with --draft none)", minimum=0)
+@setting_option(MAX_BATCH_SIZE, 64)
 @click.option("max_input_len", "--max-input-len", type=int, help="Longest prompt [default: max-seq-len / 2].")
-@click.option("max_seq_len", "--max-seq-len", type=int,
-              help="Prompt + output tokens [default: min(4096, the target's max_position_embeddings)].")
+@setting_option(MAX_SEQ_LEN, None, "[default: min(4096, the target's max_position_embeddings)].")
 @click.option("max_num_tokens", "--max-num-tokens", type=int,
               help="Tokens per iteration [default: max-batch-size x (K+1) + one context chunk].")
-@click.option("gate_batch_size", "--gate-batch-size", default="32", show_default=True,
-              help="Speculate only while the batch is at or below this (TensorRT-LLM: max_concurrency; EAGLE-3 is "
-                   "then written two-model, which 1.2 can gate). none: always speculate (one-model EAGLE-3).")
+@setting_option(GATE_BATCH_SIZE, "32", "TensorRT-LLM: max_concurrency; EAGLE-3 is then written two-model, which 1.2 "
+                                      "can gate. none: always speculate (one-model EAGLE-3).", allows_none=True)
 @click.option("kv_cache_dtype", "--kv-cache-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "fp8"]), help="auto: the checkpoint's.")
 @click.option("free_gpu_memory_fraction", "--free-gpu-memory-fraction", type=float, default=0.9, show_default=True,
@@ -85,14 +84,6 @@ def compile_command(backend, target, draft, route, num_draft_tokens, max_batch_s
 
     if output is None:
         output = DEFAULT_ENGINES_DIR / f"{Path(target).name}-{backend}"
-    if gate_batch_size.strip().lower() == "none":
-        gate_batch_size = None
-    else:
-        try:
-            gate_batch_size = int(gate_batch_size)
-        except ValueError:
-            raise click.BadParameter(f"{gate_batch_size!r} is not a whole number or none",
-                                     param_hint="--gate-batch-size") from None
     result = compile_model(CompileOptions(
         backend=backend, target=target, output=output, draft=draft, route=route, num_draft_tokens=num_draft_tokens,
         max_batch_size=max_batch_size, max_input_len=max_input_len, max_seq_len=max_seq_len,

@@ -10,10 +10,12 @@ from click.core import ParameterSource
 
 from pipeline.cli.aliased import Aliased
 from pipeline.cli.device import device_option
+from pipeline.cli.setting import setting_option
 from pipeline.errors import RequestError
 from pipeline.generate import GenerateOptions
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.policy.gate_policy import PORTABLE_CEILING
+from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 
 # Settings of the in-process engine: a served repository fixes them at `pipeline compile` / `assemble`.
 IN_PROCESS_ONLY = ("model", "draft", "dtype", "device", "raw", "max_seq_len", "max_batch_size", "gate_batch_size",
@@ -30,8 +32,7 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
 @click.option("--draft", "-d", default=None,
               help="Proposer: none, ngram (prompt lookup), eagle3:DIR (an EAGLE-3 head), or a draft model "
                    "(preset, folder, .gguf, hub id). Default: none, or an engine folder's own (--model DIR).")
-@click.option("num_draft_tokens", "--num-draft-tokens", "-k", type=int, default=4, show_default=True,
-              help="Tokens drafted per speculative step.")
+@setting_option(NUM_DRAFT_TOKENS, 4)
 @click.option("--ngram-first/--no-ngram-first", default=None,
               help="With an EAGLE-3 head: draft by n-gram lookup where the context has a 2+ token match, by the head "
                    "elsewhere. Default: on, or an engine folder's own setting.")
@@ -46,13 +47,10 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
                    "in one line.")
 @device_option("Where the engine runs in process (a served repository runs where `pipeline serve --device` says).")
 @click.option("--raw", is_flag=True, help="Feed prompts as they are, without the chat template.")
-@click.option("max_seq_len", "--max-seq-len", type=int, default=2048, show_default=True,
-              help="Prompt + new tokens per request.")
-@click.option("max_batch_size", "--max-batch-size", type=int, default=1, show_default=True,
-              help="KV-cache slots; raised to the number of prompts, which decode as one batch.")
-@click.option("gate_batch_size", "--gate-batch-size", type=int, default=PORTABLE_CEILING, show_default=True,
-              help="Speculate only while the decoding batch is at or below this (0 = never); as build's default "
-                   "for the portable engine. An engine folder (--model DIR) brings its own.")
+@setting_option(MAX_SEQ_LEN, 2048)
+@setting_option(MAX_BATCH_SIZE, 1, "Its KV-cache slots; raised to the number of prompts, which decode as one batch.")
+@setting_option(GATE_BATCH_SIZE, PORTABLE_CEILING, "0 = never; build's default for the portable engine. An engine "
+                                                   "folder (--model DIR) brings its own.", minimum=0)
 @click.option("min_spec_tokens", "--min-spec-tokens", type=int, default=50, show_default=True,
               help="Requests with --max-tokens below this never speculate.")
 @click.option("--url", "-u", metavar="HOST:PORT", default=None,

@@ -7,9 +7,11 @@ import json
 import click
 
 from pipeline.cli.aliased import Aliased
+from pipeline.cli.setting import setting_option
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.weights import WEIGHT_FORMATS
 from pipeline.routes import BACKEND_NAMES
+from pipeline.setting import MAX_BATCH_SIZE, MAX_SEQ_LEN
 
 
 @click.command()
@@ -25,10 +27,8 @@ from pipeline.routes import BACKEND_NAMES
 @click.option("draft_qformat", "--draft-qformat", default="none", show_default=True,
               help=f"Draft weight format: {', '.join(WEIGHT_FORMATS)}.")
 @click.option("kv_cache_dtype", "--kv-cache-dtype", default="bf16", show_default=True, help="KV cache: bf16 or fp8.")
-@click.option("max_batch_size", "--max-batch-size", type=int, default=16, show_default=True,
-              help="Requests decoding at once.")
-@click.option("max_seq_len", "--max-seq-len", type=int, default=4096, show_default=True,
-              help="Prompt + generated tokens per request.")
+@setting_option(MAX_BATCH_SIZE, 16)
+@setting_option(MAX_SEQ_LEN, 4096)
 @click.option("--backend", "-b", default="trtllm", show_default=True, type=click.Choice(BACKEND_NAMES),
               help="trtllm: TensorRT-LLM's engines on tp GPUs; torch: the portable engine on one GPU (--device "
                    "cuda): its weights, the KV pool it sizes from the free memory, and the --max-seq-len requests it "

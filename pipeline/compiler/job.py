@@ -19,6 +19,7 @@ from pipeline.compiler.options import KV_CACHE_DTYPES, CompileOptions
 from pipeline.draft_spec import DraftSpec
 from pipeline.errors import ConfigError, MissingDependencyError
 from pipeline.routes import Route, backend_named, pick_route
+from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, NUM_DRAFT_TOKENS
 from pipeline.trtllm import version as trtllm_version
 from pipeline.trtllm.reference import FP8_KV_QUANT_ALGOS, TRTLLM_CONTAINER
 
@@ -39,10 +40,8 @@ def derive_sizes(max_batch_size: int, max_draft_len: int, max_position_embedding
                  max_seq_len: int | None = None, max_input_len: int | None = None,
                  max_num_tokens: int | None = None) -> BuildSizes:
     """Fill in what the user left out and check the rest; raises ConfigError with the fix."""
-    if max_batch_size < 1:
-        raise ConfigError(f"--max-batch-size must be at least 1 (got {max_batch_size})")
-    if max_draft_len < 0:
-        raise ConfigError(f"--num-draft-tokens must be >= 0 (got {max_draft_len})")
+    MAX_BATCH_SIZE.check(max_batch_size)
+    NUM_DRAFT_TOKENS.check(max_draft_len, minimum=0)
     limit = max_position_embeddings or DEFAULT_MAX_SEQ_LEN
     seq = max_seq_len if max_seq_len is not None else min(DEFAULT_MAX_SEQ_LEN, limit)
     if seq > limit:
@@ -144,9 +143,8 @@ def _check_options(o: CompileOptions) -> None:
                           f"--max-batch-size requests of --max-seq-len tokens")
     if o.prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk must be at least 1 token (got {o.prefill_chunk})")
-    if o.gate_batch_size is not None and o.gate_batch_size < 1:
-        raise ConfigError(f"--gate-batch-size must be at least 1 (got {o.gate_batch_size}); "
-                          f"use --draft none to turn speculation off")
+    if o.gate_batch_size is not None:
+        GATE_BATCH_SIZE.check(o.gate_batch_size, fix="use --draft none to turn speculation off")
     for flag, value in (("--tp-size", o.tp_size), ("--pp-size", o.pp_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")

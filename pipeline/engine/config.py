@@ -12,6 +12,7 @@ from pipeline.errors import ConfigError, ModelFormatError
 from pipeline.models.families import Features, family_of, text_config
 from pipeline.models.shape import ModelShape, read_config
 from pipeline.policy.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
+from pipeline.setting import MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 
 LM_HEAD_CHOICES = ("auto", "checkpoint", "int8")
 
@@ -153,12 +154,9 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_bytes must be > 0 (got {self.kv_cache_bytes})")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1 token (got {self.prefill_chunk})")
-        if self.max_batch_size < 1:
-            raise ConfigError("max_batch_size must be >= 1")
-        if self.max_seq_len < 2:
-            raise ConfigError("max_seq_len must be >= 2")
-        if self.num_draft_tokens < 1:
-            raise ConfigError("num_draft_tokens (k) must be >= 1; use --draft none to turn speculation off")
+        MAX_BATCH_SIZE.check(self.max_batch_size, by_flag=False)
+        MAX_SEQ_LEN.check(self.max_seq_len, by_flag=False)
+        NUM_DRAFT_TOKENS.check(self.num_draft_tokens, by_flag=False, fix="use --draft none to turn speculation off")
         if self.lm_head not in LM_HEAD_CHOICES:
             raise ConfigError(f"lm_head {self.lm_head!r} is not a choice; use one of {', '.join(LM_HEAD_CHOICES)}")
 

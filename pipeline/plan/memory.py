@@ -25,6 +25,7 @@ from pipeline.plan.gpus import GPU
 from pipeline.plan.weights import (
     KV_DTYPE_BYTES, WEIGHT_FORMATS, WeightBytes, eagle3_weight_bytes, kv_bytes_per_token, model_weight_bytes,
 )
+from pipeline.setting import MAX_BATCH_SIZE, MAX_SEQ_LEN
 
 GIB = 1024 ** 3
 GB = 1e9
@@ -87,10 +88,10 @@ class PlanInputs:
         for value in (self.kv_cache_dtype, self.draft_kv):
             if value not in KV_DTYPE_BYTES:
                 raise PlanError(f"unknown --kv-cache-dtype {value!r}; pick one of {', '.join(KV_DTYPE_BYTES)}")
-        for flag, value in (("--tp-size", self.tp), ("--max-batch-size", self.max_batch_size),
-                            ("--max-seq-len", self.max_seq_len)):
-            if value < 1:
-                raise PlanError(f"{flag} must be >= 1 (got {value})")
+        if self.tp < 1:
+            raise PlanError(f"--tp-size must be >= 1 (got {self.tp})")
+        MAX_BATCH_SIZE.check(self.max_batch_size, error=PlanError)
+        MAX_SEQ_LEN.check(self.max_seq_len, error=PlanError)
         self._check_fp8()
         for name, shape in self._sharded_models():
             problem = tp_problem(shape, self.tp)

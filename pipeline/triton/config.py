@@ -25,6 +25,7 @@ from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError
 from pipeline.policy.gate_policy import GatePolicy
 from pipeline.routes import ROUTES, Route, route_named
+from pipeline.setting import MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 from pipeline.triton.interface import (
     ENSEMBLE_INPUTS,
     ENSEMBLE_OUTPUTS,
@@ -108,16 +109,13 @@ class RepoSpec:
             raise ConfigError(f"unknown backend {self.backend!r}; use {', '.join(map(repr, REPO_BACKENDS))}")
         if not self.tokenizer_dir or not self.engine_dir:
             raise ConfigError("tokenizer_dir and engine_dir must be set; pass the model and engine folders")
-        if self.max_batch_size < 1:
-            raise ConfigError("max_batch_size must be >= 1")
-        if self.max_seq_len < 2:
-            raise ConfigError("max_seq_len must be >= 2")
+        MAX_BATCH_SIZE.check(self.max_batch_size, by_flag=False)
+        MAX_SEQ_LEN.check(self.max_seq_len, by_flag=False)
         if self.max_input_bytes is not None and self.max_input_bytes < 1:
             raise ConfigError("max_input_bytes must be >= 1")
         if self.max_queue_size is not None and self.max_queue_size < 0:
             raise ConfigError(f"max_queue_size must be >= 0 (0: no bound), got {self.max_queue_size}")
-        if self.num_draft_tokens < 1:
-            raise ConfigError("num_draft_tokens must be >= 1; send speculation='off' to turn it off")
+        NUM_DRAFT_TOKENS.check(self.num_draft_tokens, by_flag=False, fix="send speculation='off' to turn it off")
         for name in ("kv_fraction_target", "kv_fraction_draft"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be between 0 and 1 (exclusive)")
