@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.engine.config import EngineConfig
+from pipeline.engine.config import EngineConfig, GatePolicy
 from pipeline.engine.llm_engine import LLMEngine
 from pipeline.engine.sampling import SamplingParams
 from pipeline.models.shape import ModelShape
@@ -103,12 +103,12 @@ def skew_router(folder: Path) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def gate_row(path: Path, batch: int, tokens: int) -> dict:
+def gate_row(path: Path, batch: int, tokens: int, ceiling: int) -> dict:
     """Tokens/s of `batch` greedy requests of `tokens` tokens each, n-gram drafts, per speculation mode."""
     from pipeline.engine.calibrate import calibrate
 
-    engine = LLMEngine.load(path, EngineConfig(max_batch_size=64, max_seq_len=256, dtype="bf16", num_draft_tokens=4),
-                            draft="ngram")
+    engine = LLMEngine.load(path, EngineConfig(max_batch_size=64, max_seq_len=256, dtype="bf16", num_draft_tokens=4,
+                                               gate=GatePolicy.with_ceiling(ceiling)), draft="ngram")
     engine.cost_model = calibrate(engine, budget_s=20).cost
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 4000, (12,), generator=g).tolist() for _ in range(batch)]
@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--gate", action="store_true", help="also the MoE gate table")
     ap.add_argument("--gate-tokens", type=int, default=48)
+    ap.add_argument("--gate-ceiling", type=int, default=GatePolicy().max_batch_size,
+                    help="the gate's ceiling (its operator bound); at the batch's size or above, the planner alone")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -159,7 +161,7 @@ def main() -> None:
                 if router == "skewed":
                     skew_router(path)
                 for batch in GATE_BATCHES:
-                    r = gate_row(path, batch, args.gate_tokens)
+                    r = gate_row(path, batch, args.gate_tokens, args.gate_ceiling)
                     gate.append({"router": router, "batch": batch, **{k: round(v, 1) if k != "acceptance" else v
                                                                       for k, v in r.items()},
                                  "gated_vs_best": round(r["auto"] / max(r["off"], r["on"]), 3)})
