@@ -25,7 +25,8 @@ def engine_dir(tiny_target, tmp_path_factory) -> Path:
 def test_assemble_writes_every_model_with_its_config_and_source(engine_dir, tmp_path):
     result = assemble(AssembleOptions(engine=engine_dir, repo=tmp_path / "repo", gate_batch_size=8, min_spec_tokens=20))
     repo = Path(result.repo)
-    assert result.models == sorted(["ensemble", "preprocessing", "postprocessing", "speculation_gate", "torch_engine"])
+    assert result.models == sorted(["ensemble", "preprocessing", "postprocessing", "speculation_gate", "torch_engine",
+                                    "stop_request"])
     for name in result.models:
         assert read_config(repo / name).name == name and (repo / name / "1").is_dir()
     for name, source in PYTHON_MODELS.items():

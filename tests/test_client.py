@@ -120,16 +120,18 @@ def test_refused_requests_are_one_line_errors_and_the_server_keeps_serving(url, 
         assert conn.generate(PROMPTS[0], RequestOptions(max_tokens=MAX_TOKENS)).text == expected[PROMPTS[0]][0]
 
 
-def test_closing_a_stream_early_cancels_it_and_the_connection_serves_the_next_request(url, expected):
+def test_closing_a_stream_early_stops_it_without_a_cancel_and_the_connection_serves_the_next_request(url, expected):
+    """A stream left early has its request stopped through the stop_request model and is read to the gate's final
+    response, on the same stream, which then serves the next request: nothing cancels a gRPC stream, which the
+    bundled tritonserver 2.51 can die of (docs/reliability.md)."""
     with Connection(ClientOptions(url)) as conn:
         first = next(conn.stream(PROMPTS[1], RequestOptions(max_tokens=MAX_TOKENS)))
-        assert expected[PROMPTS[1]][0].startswith(first.text)  # the generator is dropped here: it is cancelled
+        assert expected[PROMPTS[1]][0].startswith(first.text)  # the generator is dropped here: it is stopped
         stream = conn.stream("walk away", RequestOptions(max_tokens=200))
         next(stream)
         stream.close()  # what Ctrl-C does to the CLI's loop
-        # Runs to the end after the cancelled ones, so none is left in flight when the server stops: stopping
-        # tritonserver right after a cancel waits out its 30 s exit timeout.
         again = conn.generate(PROMPTS[2], RequestOptions(max_tokens=MAX_TOKENS))
+        assert conn.stream_ends == {"read": 1, "stopped": 2, "cancelled": 0}
     assert again.text == expected[PROMPTS[2]][0]
 
 
@@ -166,3 +168,24 @@ def test_stream_failures_are_serve_errors_and_model_errors_are_request_errors():
     assert isinstance(lost, ServeError) and "lost tritonserver at 127.0.0.1:1" in str(lost)
     assert isinstance(refused, RequestError) and str(refused) == ("the server refused the request: text_input is "
                                                                   "empty; send a prompt")
+
+
+def test_stops_are_marked_by_a_digest_of_the_id_swept_when_stale_and_bounded(tmp_path, monkeypatch):
+    """What a stop_request leaves: a mark named by a digest (no id names a path), swept after STOP_MARK_TTL_S, and no
+    more than MAX_STOP_MARKS pending, so no client grows the marks folder (it is on /dev/shm: memory)."""
+    import os
+
+    from pipeline.triton import cancel_marks
+
+    monkeypatch.setattr(cancel_marks, "marks_dir", lambda server_pid=None: tmp_path / "marks")
+    monkeypatch.setattr(cancel_marks, "MAX_STOP_MARKS", 3)
+    assert cancel_marks.mark_stop("../../etc/passwd")
+    key = cancel_marks.stop_key("../../etc/passwd")
+    assert os.listdir(tmp_path / "marks") == [key] and "/" not in key and key.startswith(cancel_marks.STOP_PREFIX)
+    assert cancel_marks.mark_stop("b") and cancel_marks.mark_stop("c")
+    assert not cancel_marks.mark_stop("d")  # three pending: refused
+    old = time.time() - cancel_marks.STOP_MARK_TTL_S - 1
+    os.utime(tmp_path / "marks" / key, (old, old))  # a stop for a request that had already ended
+    assert cancel_marks.mark_stop("d")  # the stale one swept, room for this one
+    assert sorted(os.listdir(tmp_path / "marks")) == sorted(cancel_marks.stop_key(i) for i in "bcd")
+    assert cancel_marks.take(cancel_marks.stop_key("b")) and not cancel_marks.take(cancel_marks.stop_key("b"))

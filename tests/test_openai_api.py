@@ -211,6 +211,46 @@ def test_a_stop_string_cuts_the_answer_where_it_starts(client):
         assert reason in (None, "stop")
 
 
+def frontend_stream_ends(served) -> dict[str, float]:
+    """How the frontend's gRPC streams ended: read, stopped or cancelled (its own lines on /metrics)."""
+    with urllib.request.urlopen(f"{served[1].url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {end: float(v) for end, v in re.findall(r'^pipeline_frontend_grpc_streams_total\{end="(\w+)"\} (\S+)$', text,
+                                                   re.MULTILINE)}
+
+
+def test_the_frontend_never_cancels_a_grpc_stream_it_reads_or_stops(served, client):
+    """Cancelling a gRPC stream as its last response goes out is what the bundled tritonserver 2.51 can die of
+    (docs/reliability.md). An answer read to its end, or cut at a stop string (the server ends it there), ends its
+    stream read; a client that leaves mid-answer has its request stopped through the stop_request model and the
+    stream read to the gate's final response: no stream is cancelled."""
+    import time
+
+    prompt = "Count to twenty."
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0).choices[0].text
+    stop = full[6:9]
+    assert stop.strip() and len(full) > 30, full
+    before = frontend_stream_ends(served)
+    for stream in (False, True) * 2:
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=60, temperature=0, stop=stop,
+                                           stream=stream)
+        text = "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+        assert text == full[:full.index(stop)]
+    for _ in range(3):
+        left = client.completions.create(model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+        next(iter(left))
+        left.close()  # the client leaves mid-answer
+    deadline = time.monotonic() + 15
+    while sum(frontend_stream_ends(served).values()) < sum(before.values()) + 7 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = frontend_stream_ends(served)
+    assert {end: after[end] - before[end] for end in after} == {"read": 4, "stopped": 3, "cancelled": 0}
+    while engine_counts(served)[0] and time.monotonic() < deadline:  # the stopped requests leave the engine
+        time.sleep(0.05)
+    assert engine_counts(served)[0] == 0
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"n": 17}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"presence_penalty": 3.0}, "presence_penalty"),

@@ -69,9 +69,10 @@ def test_no_config_leaves_a_placeholder_or_empty_parameter(spec):
 
 
 def test_repository_holds_the_engine_models_of_the_chosen_backend():
-    assert set(repository_configs(TORCH)) == {"preprocessing", "postprocessing", GATE, ENSEMBLE, TORCH_ENGINE}
+    assert set(repository_configs(TORCH)) == {"preprocessing", "postprocessing", GATE, ENSEMBLE, TORCH_ENGINE,
+                                              "stop_request"}
     assert set(repository_configs(TRTLLM)) == {"preprocessing", "postprocessing", GATE, ENSEMBLE,
-                                               TRTLLM_TARGET, TRTLLM_DRAFT}
+                                               TRTLLM_TARGET, TRTLLM_DRAFT, "stop_request"}
 
 
 @both_backends()
@@ -372,7 +373,8 @@ def test_engine_route_assembles_target_and_draft_with_the_planned_kv_split(tiny_
     result = assembled(engine, tmp_path, gate_batch_size=8)
     repo = tmp_path / "repo"
     assert (result.backend, result.route) == ("trtllm", "engine")
-    assert result.models == sorted(["ensemble", "preprocessing", "postprocessing", GATE, TRTLLM_TARGET, TRTLLM_DRAFT])
+    assert result.models == sorted(["ensemble", "preprocessing", "postprocessing", GATE, TRTLLM_TARGET, TRTLLM_DRAFT,
+                                    "stop_request"])
     assert "build.sh" in result.notes[0]  # a dry run: the engines still have to be built
     configs = {name: read_config(repo / name) for name in result.models}
     assert configs == repository_configs(repo_spec(AssembleOptions(engine=engine, gate_batch_size=8)))

@@ -49,7 +49,8 @@ def assemble(engine, repo, backend, tokenizer, llmapi_model_dir, gate_batch_size
     """Write a Triton model repository for an engine folder.
 
     \b
-    torch (portable engine): ensemble, preprocessing, speculation_gate, torch_engine, postprocessing.
+    torch (portable engine): ensemble, preprocessing, speculation_gate, torch_engine, postprocessing,
+      stop_request (a client stops its request by id instead of cancelling its stream).
     trtllm, engine route: the same with tensorrt_llm + tensorrt_llm_draft (tensorrtllm backend); the
       gate runs the draft -> target loop, streaming, for greedy requests.
     trtllm, llmapi route: TensorRT-LLM's llmapi model with compile's YAML, behind an ensemble with the

@@ -9,15 +9,20 @@ every input carries a batch dimension ([[value]]), as the ensemble's max_batch_s
 A `Connection` holds one channel and one stream and runs one request at a time on it; concurrent
 requests use one connection each (`generate_many`). tritonclient loses the request id on error
 responses, so one request per stream is what makes an error attributable to its request.
+
+A request left early (Ctrl-C, a sibling's failure, a consumer that stops reading) is stopped, not cancelled: the
+repository's `stop_request` model is asked to stop it by its id, and the stream is read to the final response the
+gate then sends. Cancelling a stream as its last response goes out is what the bundled tritonserver 2.51 can die of
+(docs/reliability.md); a cancel is left for a repository without that model, or an end that doesn't come within
+STOP_WITHIN_S.
 tritonclient is imported inside the functions that use it, so `pipeline --help` stays fast.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +40,24 @@ if TYPE_CHECKING:
 ENSEMBLE = "ensemble"
 SPECULATION_MODES = ("auto", "on", "off")
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
-_ids = itertools.count()
+STOP_MODEL = "stop_request"  # pipeline.triton.config.STOP_REQUEST
+# How long a stopped request's stream is read for its final response before it is cancelled after all: the gate sees
+# the stop at the engine's next response (at most a stream interval or a queued request's keepalive, 1 s, away).
+STOP_WITHIN_S = 2.0
+
+
+def request_id(prefix: str) -> str:
+    """A request's id: unguessable, since it is what a stop names (stop_request), so no other client can stop it."""
+    return f"{prefix}-{secrets.token_hex(16)}"
+
+
+def stop_inputs(request_id: str) -> list:
+    """The stop_request model's inputs for one id (pipeline.triton.interface.STOP_INPUTS, with a batch of 1)."""
+    import numpy as np
+
+    ids = _grpcclient().InferInput("request_id", [1, 1], "BYTES")
+    ids.set_data_from_numpy(np.array([[request_id.encode()]], np.object_))
+    return [ids]
 
 
 class Cancelled(PipelineError):
@@ -319,6 +341,9 @@ class Connection:
         self._client = grpcclient.InferenceServerClient(self.target)
         self._responses: queue.Queue = queue.Queue()
         self._streaming = False
+        self._stops: bool | None = None  # whether the repository has STOP_MODEL; asked once
+        # How each request's stream ended: read to its end, stopped early and then read to its end, or cancelled.
+        self.stream_ends = {"read": 0, "stopped": 0, "cancelled": 0}
 
     def __enter__(self) -> Connection:
         return self
@@ -383,7 +408,7 @@ class Connection:
         cancels the request on the server."""
         from tritonclient.utils import InferenceServerException
 
-        request_id = f"pipeline-{os.getpid()}-{next(_ids)}"
+        rid = request_id("pipeline")
         self._start_stream()
         responses = self._responses
         done = False
@@ -391,7 +416,7 @@ class Connection:
             t0 = time.perf_counter()
             try:
                 self._client.async_stream_infer(self.options.model, build_inputs(prompt, options),
-                                                request_id=request_id, enable_empty_final_response=True)
+                                                request_id=rid, enable_empty_final_response=True)
             except InferenceServerException as err:
                 raise _unreachable(self.target, err) from None
             deadline = time.monotonic() + self.options.response_timeout_s
@@ -401,7 +426,7 @@ class Connection:
                     result, error = responses.get(timeout=0.1)
                 except queue.Empty:
                     if self.cancel is not None and self.cancel.is_set():
-                        raise Cancelled(f"request {request_id} cancelled") from None
+                        raise Cancelled(f"request {rid} cancelled") from None
                     if time.monotonic() > deadline:
                         raise ServeError(f"no response from {self.target} in {self.options.response_timeout_s:g} s; "
                                          "the server may be overloaded: raise --timeout or check its log") from None
@@ -415,7 +440,7 @@ class Connection:
                     # stream whose request has finished costs tritonserver 2.51 about 0.8 KB it never frees.
                     raise self._error(error)
                 response = result.get_response()
-                if response.id != request_id:
+                if response.id != rid:
                     continue  # a late final response of an earlier request on this stream
                 if response.outputs:
                     yield chunk_of(result, time.perf_counter() - t0)
@@ -423,8 +448,37 @@ class Connection:
                     done = True
                     return
         finally:
-            if not done:
+            if done:
+                self.stream_ends["read"] += 1
+            elif self._stop(rid, responses):
+                self.stream_ends["stopped"] += 1
+            else:
                 self._stop_stream(cancel=True)
+                self.stream_ends["cancelled"] += 1
+
+    def _stop(self, rid: str, responses: queue.Queue) -> bool:
+        """Stop a request left early through the engine (the stop_request model) and read the stream to the final
+        response the gate then sends; False where the repository has no such model, or the end doesn't come within
+        STOP_WITHIN_S (the caller cancels the stream then)."""
+        from tritonclient.utils import InferenceServerException
+
+        deadline = time.monotonic() + STOP_WITHIN_S
+        try:
+            if self._stops is None:
+                self._stops = self._client.is_model_ready(STOP_MODEL, client_timeout=STOP_WITHIN_S)
+            if not self._stops:
+                return False
+            self._client.infer(STOP_MODEL, stop_inputs(rid), client_timeout=STOP_WITHIN_S)
+            while (left := deadline - time.monotonic()) > 0:
+                result, error = responses.get(timeout=left)
+                if error is not None:
+                    return not stream_error_status(error)  # the request's error ends it; a broken stream doesn't
+                response = result.get_response()
+                if response.id == rid and response.parameters["triton_final_response"].bool_param:
+                    return True
+        except (InferenceServerException, queue.Empty):
+            pass
+        return False
 
     def _error(self, error: Exception) -> Exception:
         """A model's error response -> RequestError; a broken or cancelled stream (a gRPC status) -> ServeError."""

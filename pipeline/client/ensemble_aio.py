@@ -2,8 +2,11 @@
 
 The ensemble has a decoupled step, so Triton serves it over the streaming RPC only (as
 pipeline.client.ensemble explains). This is that client's asyncio twin for the HTTP frontend: one gRPC
-channel for the process, one stream per request, so an error is the request's own, and closing the
-stream early (the HTTP client left, or a stop string matched) cancels the request in the server.
+channel for the process, one stream per request, so an error is the request's own. Closing a stream early (the HTTP
+client left) stops its request without cancelling the stream: the `stop_request` model is asked to stop the request
+by its id, the gate ends it with its final response, and the stream is read to that end. Cancelling a stream as its
+last response goes out is what the bundled tritonserver 2.51 can die of (docs/reliability.md), so a cancel is left
+for a repository without that model, or a stop whose end doesn't come within STOP_WITHIN_S.
 
 tritonclient's asyncio client can't ask for the empty final response (it refuses `triton_*` request
 parameters), and without it a decoupled stream's end is never seen; so the request is built with
@@ -13,14 +16,11 @@ tritonclient's own helper, that flag set on it, and sent on the protobuf stub tr
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 import time
 from collections.abc import AsyncIterator
 
-from pipeline.client.ensemble import ENSEMBLE, Chunk, RequestOptions, build_inputs, chunk_of, grpc_target
-
-_ids = itertools.count()
+from pipeline.client.ensemble import (ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk, RequestOptions, build_inputs,
+                                      chunk_of, grpc_target, request_id, stop_inputs)
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
 # Refused as busy by the gate or the engine (serving_gate.busy_message): a 503 the client may retry.
 BUSY_PREFIX = "server busy:"
@@ -51,6 +51,12 @@ class Ensemble:
         self.channel = grpc.aio.insecure_channel(self.target, options=[
             ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)])
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        # How each stream ended: read to its final response (or a refusal, or a broken stream), stopped early and
+        # then read to its end, or cancelled. The frontend's /metrics shows them: a cancel is what the bundled
+        # tritonserver's crash needs.
+        self.stream_ends = {"read": 0, "stopped": 0, "cancelled": 0}
+        self._stops: bool | None = None  # whether the repository has STOP_MODEL; asked once
+        self._tasks: set[asyncio.Task] = set()  # each stream's reader and early ending, kept until they end
 
     async def close(self) -> None:
         await self.channel.close()
@@ -70,13 +76,13 @@ class Ensemble:
 
         request = _get_inference_request(
             model_name=self.model, inputs=build_inputs(text, options), model_version="",
-            request_id=f"openai-{os.getpid()}-{next(_ids)}", outputs=None, sequence_id=0, sequence_start=False,
+            request_id=request_id("openai"), outputs=None, sequence_id=0, sequence_start=False,
             sequence_end=False, priority=0, timeout=None, parameters=None)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
         return request
 
     async def stream(self, text: str, options: RequestOptions) -> AsyncIterator[Chunk]:
-        """Send one request; yield its chunks. Leaving early cancels it in the server."""
+        """Send one request; yield its chunks. Leaving early stops it in the server (`_stop`)."""
         import grpc
         from tritonclient.grpc import InferResult
 
@@ -89,9 +95,19 @@ class Ensemble:
 
         t0 = time.perf_counter()
         call = self.stub.ModelStreamInfer(requests())
+        # Read by a task of its own: a consumer cancelled while it waits (the HTTP client left) must not cancel the
+        # read, and with it the stream, before the request is stopped.
+        responses: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.get_running_loop().create_task(_read_all(call, responses))
+        self._tasks.add(reader)
+        reader.add_done_callback(self._tasks.discard)
         finished = False
         try:
-            async for response in call:
+            while (response := await responses.get()) is not None:
+                if isinstance(response, grpc.aio.AioRpcError):
+                    finished = True
+                    raise EnsembleError(f"tritonserver at {self.target} failed the request ({response.code().name}: "
+                                        f"{(response.details() or '')[:160]})", refused=False)
                 if response.error_message:
                     finished = True
                     raise EnsembleError(" ".join(response.error_message.split()).removeprefix(_ENSEMBLE_PREFIX),
@@ -102,13 +118,76 @@ class Ensemble:
                 if infer.parameters["triton_final_response"].bool_param:
                     finished = True
                     return
+            finished = True
             raise EnsembleError(f"tritonserver at {self.target} closed the stream before the answer ended",
                                 refused=False)
-        except grpc.aio.AioRpcError as err:
-            finished = True
-            raise EnsembleError(f"tritonserver at {self.target} failed the request ({err.code().name}: "
-                                f"{(err.details() or '')[:160]})", refused=False) from None
         finally:
+            if finished:
+                self.stream_ends["read"] += 1
+                ended.set()  # the stream half-closes, and the reader ends with it
+            else:
+                # A task of its own, shielded: the consumer may be cancelled again while it waits (the HTTP server
+                # cancels a response whose client left), and the request must still be stopped or cancelled.
+                ending = asyncio.get_running_loop().create_task(self._end_early(request.id, call, responses, ended))
+                self._tasks.add(ending)
+                ending.add_done_callback(self._tasks.discard)
+                await asyncio.shield(ending)
+
+    async def _end_early(self, rid: str, call, responses: asyncio.Queue, ended: asyncio.Event) -> None:
+        """A stream its consumer left: the request stopped (`_stop`), else the stream cancelled; then half-closed."""
+        stopped = False
+        try:
+            stopped = await self._stop(rid, responses)
+        finally:
+            if not stopped:
+                call.cancel()  # no stop model, or its end didn't come: the server stops decoding it all the same
+            self.stream_ends["stopped" if stopped else "cancelled"] += 1
             ended.set()
-            if not finished:
-                call.cancel()  # the client left or a stop string matched: the server stops decoding it
+
+    async def _stop(self, rid: str, responses: asyncio.Queue) -> bool:
+        """Stop a request whose client left, through the engine (the stop_request model), and read its stream to
+        the final response the gate then sends; False where the repository has no such model, or the end doesn't
+        come within STOP_WITHIN_S (the caller cancels the stream then)."""
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        try:
+            async with asyncio.timeout(STOP_WITHIN_S):
+                if self._stops is None:
+                    ready = await self.stub.ModelReady(service_pb2.ModelReadyRequest(name=STOP_MODEL))
+                    self._stops = ready.ready
+                if not self._stops:
+                    return False
+                await self.stub.ModelInfer(_stop_request(rid))
+                while (response := await responses.get()) is not None:
+                    if isinstance(response, grpc.aio.AioRpcError):
+                        return False
+                    if response.error_message or response.infer_response.parameters[
+                            "triton_final_response"].bool_param:
+                        return True
+        except (TimeoutError, grpc.aio.AioRpcError):
+            pass
+        return False
+
+
+async def _read_all(call, responses: asyncio.Queue) -> None:
+    """Every response of a stream into `responses`, then its error if it broke, then None."""
+    import grpc
+
+    try:
+        async for response in call:
+            responses.put_nowait(response)
+    except grpc.aio.AioRpcError as err:
+        responses.put_nowait(err)
+    finally:
+        responses.put_nowait(None)
+
+
+def _stop_request(rid: str):
+    """The stop_request model's request for one id."""
+    from tritonclient.grpc._utils import _get_inference_request
+
+    return _get_inference_request(model_name=STOP_MODEL, inputs=stop_inputs(rid), model_version="", request_id="",
+                                  outputs=None, sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
+                                  timeout=None, parameters=None)
+

@@ -290,7 +290,7 @@ class Frontend:
 
     async def pieces(self, text: str, options: RequestOptions, outcome: Outcome,
                      stops: StopMatcher) -> AsyncIterator[str]:
-        """The answer's text as it may be sent; fills `outcome`. Leaving early cancels the request."""
+        """The answer's text as it may be sent; fills `outcome`. Leaving early stops the request."""
         stream = self.ensemble.stream(text, options)
         try:
             async for chunk in stream:
@@ -396,7 +396,13 @@ class Frontend:
         except OSError as err:
             raise ProtocolError(f"tritonserver's metrics at {url} did not answer ({err})",
                                 status=502, type="upstream_error") from None
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        own = ["# HELP pipeline_frontend_grpc_streams_total Streams to the ensemble this frontend ended: read to their "
+               "final response, or cancelled (the client left)",
+               "# TYPE pipeline_frontend_grpc_streams_total counter",
+               *(f'pipeline_frontend_grpc_streams_total{{end="{end}"}} {count}'
+                 for end, count in self.ensemble.stream_ends.items())]
+        return PlainTextResponse(text.rstrip("\n") + "\n" + "\n".join(own) + "\n",
+                                 media_type="text/plain; version=0.0.4")
 
 
 class Answer:

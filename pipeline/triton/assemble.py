@@ -27,7 +27,7 @@ from pipeline.routes import BACKENDS as ALL_BACKENDS
 from pipeline.routes import ENGINE, LLMAPI, PORTABLE, TRTLLM_BACKEND, Route, route_named
 from pipeline.staging import check_output, staged_output
 from pipeline.triton.config import (GATE, LLMAPI_FRONTEND, LLMAPI_MODEL, LLMAPI_MODEL_DIR, LLMAPI_YAML,
-                                    POSTPROCESSING, PREPROCESSING,
+                                    POSTPROCESSING, PREPROCESSING, STOP_REQUEST,
                                     TORCH_ENGINE, TRTLLM_DRAFT, TRTLLM_TARGET, RepoSpec, llmapi_model_yaml,
                                     repository_configs, trtllm_models, write_config)
 from pipeline.triton.launch import Launch, gpu_device_ids, plan_launch, write_launch
@@ -38,7 +38,8 @@ from pipeline.trtllm.upstream import TRITON_CONTAINER
 MODEL_SOURCES = Path(__file__).parent / "models"
 # model name -> its source in pipeline/triton/models/
 PYTHON_MODELS = {PREPROCESSING: "preprocessing.py", POSTPROCESSING: "postprocessing.py",
-                 GATE: "speculation_gate.py", TORCH_ENGINE: "torch_engine.py", LLMAPI_FRONTEND: "llmapi_frontend.py"}
+                 GATE: "speculation_gate.py", TORCH_ENGINE: "torch_engine.py", LLMAPI_FRONTEND: "llmapi_frontend.py",
+                 STOP_REQUEST: "stop_request.py"}
 LLMAPI_SOURCE = "llmapi.py"  # the llmapi route's tensorrt_llm: a loader for TensorRT-LLM's own model.py
 BACKENDS = ("auto", *(b.name for b in ALL_BACKENDS))  # --backend
 DEFAULT_KV_FRACTION = 0.9  # TensorRT-LLM's own default free_gpu_memory_fraction

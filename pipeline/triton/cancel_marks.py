@@ -11,16 +11,28 @@ The gate passes the cancel on to the portable engine the same way (key "engine-<
 response iterator of Triton 2.51's python backend has no cancel() (python_backend added it in 2025),
 so the engine model can't see that its caller stopped listening.
 
+A client that stops a request without cancelling its stream (the bundled tritonserver 2.51 can die of a stream
+cancelled as its last response goes out) asks the `stop_request` model, which marks the request's id (key
+"client-<digest of the id>", `stop_key`); the gate stops that request as for a cancel and ends its stream with its
+final response, which the client reads. Those marks are bounded: stale ones (STOP_MARK_TTL_S) are swept at each
+stop, and past MAX_STOP_MARKS a stop is refused.
+
 Marks are empty files in a folder per tritonserver process (every model's stub is its child), on
 /dev/shm where it exists: a stat per response costs microseconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
+
+STOP_PREFIX = "client-"
+STOP_MARK_TTL_S = 60.0  # a stop for a request that already ended (or never ran) is swept after this
+MAX_STOP_MARKS = 4096  # stops pending at once: no client can grow the folder past this
 
 
 def marks_dir(server_pid: int | None = None) -> Path:
@@ -54,6 +66,32 @@ def take_all(prefix: str) -> set[str]:
     for name in names:
         take(name)
     return {name[len(prefix):] for name in names}
+
+
+def stop_key(request_id: str) -> str:
+    """The mark a stop of the client's request `request_id` leaves: a digest, so no id names a path."""
+    return STOP_PREFIX + hashlib.sha256(request_id.encode()).hexdigest()[:32]
+
+
+def mark_stop(request_id: str) -> bool:
+    """Mark the client's request `request_id` to be stopped, after sweeping stale stops; False (nothing marked) when
+    MAX_STOP_MARKS are pending."""
+    folder = marks_dir()
+    folder.mkdir(exist_ok=True)
+    now, pending = time.time(), 0
+    for entry in os.scandir(folder):
+        if entry.name.startswith(STOP_PREFIX):
+            try:
+                if now - entry.stat().st_mtime > STOP_MARK_TTL_S:
+                    os.unlink(entry.path)
+                else:
+                    pending += 1
+            except FileNotFoundError:  # taken meanwhile
+                pass
+    if pending >= MAX_STOP_MARKS:
+        return False
+    (folder / stop_key(request_id)).touch()
+    return True
 
 
 def clear(server_pid: int | None = None) -> None:

@@ -31,6 +31,8 @@ from pipeline.triton.interface import (
     ENSEMBLE_OUTPUTS,
     GENERATION_TENSORS,
     REQUEST_TENSORS,
+    STOP_INPUTS,
+    STOP_OUTPUTS,
     STREAM_ID,
     TensorSpec,
 )
@@ -45,6 +47,7 @@ ENSEMBLE = "ensemble"
 PREPROCESSING = "preprocessing"
 POSTPROCESSING = "postprocessing"
 GATE = "speculation_gate"
+STOP_REQUEST = "stop_request"  # a client stops its request by id (pipeline.triton.cancel_marks), no stream cancelled
 TORCH_ENGINE = "torch_engine"
 TRTLLM_TARGET = "tensorrt_llm"
 TRTLLM_DRAFT = "tensorrt_llm_draft"
@@ -194,6 +197,12 @@ def preprocessing_config(spec: RepoSpec) -> ModelConfig:
     """Tokenizes (with the chat template), validates, and fills every default of a request."""
     return _base(PREPROCESSING, spec, backend="python", inputs=ENSEMBLE_INPUTS, outputs=REQUEST_TENSORS,
                  decoupled=False, parameters=_request_parameters(spec), instances=PREPROCESSING_INSTANCES)
+
+
+def stop_request_config(spec: RepoSpec) -> ModelConfig:
+    """Marks a client's request to be stopped: the gate ends it, and the client reads its stream to the end."""
+    return _base(STOP_REQUEST, spec, backend="python", inputs=STOP_INPUTS, outputs=STOP_OUTPUTS, parameters={},
+                 decoupled=False)
 
 
 def postprocessing_config(spec: RepoSpec) -> ModelConfig:
@@ -351,7 +360,7 @@ def repository_configs(spec: RepoSpec) -> dict[str, ModelConfig]:
         return {c.name: c for c in (llmapi_ensemble_config(spec), llmapi_frontend_config(spec),
                                     llmapi_model_config(spec))}
     configs = [preprocessing_config(spec), postprocessing_config(spec), speculation_gate_config(spec),
-               ensemble_config(spec)]
+               ensemble_config(spec), stop_request_config(spec)]
     if spec.route.upstream_engine_models:
         configs += [tensorrt_llm_config(spec, draft=m.name == TRTLLM_DRAFT) for m in trtllm_models(spec)]
     else:

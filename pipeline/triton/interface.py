@@ -213,6 +213,12 @@ GENERATION_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("stream_id", "UINT64", (1,)),
 )
 
+# The stop_request model: a client stops its request by the id it gave it (pipeline.triton.cancel_marks), and reads
+# the request's stream to its end instead of cancelling it.
+STOP_INPUTS = (TensorSpec("request_id", "BYTES", (1,)),)
+STOP_OUTPUTS = (TensorSpec("stopped", "BOOL", (1,)),)
+MAX_REQUEST_ID_BYTES = 256
+
 # The gate names each engine request with its stream's id, so it can pass a client's cancel on
 # (pipeline.triton.cancel_marks); a client calling the engine model directly needn't send it.
 STREAM_ID = TensorSpec("stream_id", "UINT64", (1,), optional=True)
@@ -229,6 +235,7 @@ def layout_digest() -> str:
     tensors was reused after an upgrade, and its ensemble refused prompt_token_ids."""
     import hashlib
 
-    tables = (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, REQUEST_TENSORS, GENERATION_TENSORS, (STREAM_ID,))
+    tables = (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, REQUEST_TENSORS, GENERATION_TENSORS, (STREAM_ID,), STOP_INPUTS,
+              STOP_OUTPUTS)
     text = repr([[(t.name, t.dtype, tuple(t.dims), t.optional) for t in table] for table in tables])
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -294,9 +294,14 @@ class TritonPythonModel:
 
     def _run(self, request, sender, decision, stream_id: int, clock: RequestClock):
         # The client's cancel reaches us through postprocessing (cancel_marks); is_cancelled covers a
-        # client calling this model directly.
+        # client calling this model directly. A client's stop (the stop_request model, by the id the client gave the
+        # request, which Triton hands every step of the ensemble) ends it the same way, and the final response
+        # below then ends the stream the client still reads.
+        stop = cancel_marks.stop_key(request.request_id()) if request.request_id() else None
+
         def cancelled() -> bool:  # asked by this worker only (bls_streams)
-            return ENDED.is_cancelled(sender) or cancel_marks.take(f"stream-{stream_id}")
+            return (ENDED.is_cancelled(sender) or cancel_marks.take(f"stream-{stream_id}")
+                    or (stop is not None and cancel_marks.take(stop)))
 
         def forward(outputs: dict):
             self._forward(sender, {**_defaults(outputs), "stream_id": np.array([[stream_id]], np.uint64)}, decision,
