@@ -23,3 +23,18 @@ def client_message(err: BaseException, where: str = "") -> str:
         if where:
             text = f"{where}: {text}"
     return _PATH.sub(lambda m: m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+
+
+def answer_each(requests, respond, where: str) -> list:
+    """A non-decoupled model's responses: respond(request) for each, and for a request that raises, its error alone,
+    in one line (client_message), so one bad request never takes the others or the model down. Runs in a model's
+    stub, where the python backend's module is importable."""
+    import triton_python_backend_utils as pb_utils
+
+    responses = []
+    for request in requests:
+        try:
+            responses.append(respond(request))
+        except Exception as err:  # noqa: BLE001  any bad input fails alone
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(client_message(err, where))))
+    return responses

@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.triton import cancel_marks
-from pipeline.triton.client_errors import client_message
+from pipeline.triton.client_errors import answer_each
 from pipeline.triton.validate import read_generation_output
 
 
@@ -42,14 +42,7 @@ class TritonPythonModel:
         return visible_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                responses.append(self._respond(request))
-            except Exception as err:  # noqa: BLE001  a malformed request fails alone, in one line
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(client_message(err, "postprocessing"))))
-        return responses
+        return answer_each(requests, self._respond, "postprocessing")
 
     def _respond(self, request):
         def get(name):

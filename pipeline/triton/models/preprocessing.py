@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.engine.config import ModelConfig
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, template_opening, uses_chat_template
-from pipeline.triton.client_errors import client_message
+from pipeline.triton.client_errors import answer_each
 from pipeline.triton.validate import check_length, read_request
 
 
@@ -37,14 +37,8 @@ class TritonPythonModel:
         self.stops = stop_token_ids(self.tokenizer, ModelConfig.from_folder(tokenizer_dir).eos_token_ids, chat=chat)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                responses.append(pb_utils.InferenceResponse(output_tensors=self._tensors(request)))
-            except Exception as err:  # noqa: BLE001  any bad input must not take the model down
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(client_message(err, "preprocessing"))))
-        return responses
+        return answer_each(requests, lambda r: pb_utils.InferenceResponse(output_tensors=self._tensors(r)),
+                           "preprocessing")
 
     def _tensors(self, request):
         def get(name):

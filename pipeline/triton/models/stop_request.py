@@ -12,20 +12,13 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.errors import RequestError
 from pipeline.triton import cancel_marks
-from pipeline.triton.client_errors import client_message
+from pipeline.triton.client_errors import answer_each
 from pipeline.triton.interface import MAX_REQUEST_ID_BYTES
 
 
 class TritonPythonModel:
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                responses.append(self._stop(request))
-            except Exception as err:  # noqa: BLE001  a malformed stop fails alone, in one line
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(client_message(err, "stop_request"))))
-        return responses
+        return answer_each(requests, self._stop, "stop_request")
 
     def _stop(self, request):
         ids = pb_utils.get_input_tensor_by_name(request, "request_id").as_numpy().reshape(-1)
