@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.draft_spec import NONE, DraftField, DraftSpec
 from pipeline.engine.stats import cost_line, drafted_by
 from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError, RequestError
@@ -29,7 +29,7 @@ class GenerateOptions:
     model: str = DEFAULT_MODEL  # preset, HF folder, .gguf file, hub id, or a `pipeline compile --backend torch` folder
     # --draft: none, ngram, eagle3:DIR or a draft model (pipeline/draft_spec.py); None: an engine folder's own, else
     # none. An explicit "none" runs an engine folder's target alone.
-    draft: str | None = None
+    draft: DraftSpec | None = DraftField(None)
     num_draft_tokens: int = 4  # k
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
@@ -180,7 +180,7 @@ def _models(options: GenerateOptions, config, n_prompts: int):
     from pipeline.models.tokenizer import check_draft_compatible
 
     engine_dir = Path(options.model).expanduser()
-    draft = parse_draft(options.draft or "none")
+    draft = options.draft or DraftSpec(NONE)
     if (engine_dir / "engine.json").is_file():
         from pipeline.engine.folder import engine_config, manifest_draft, read_engine_manifest
 

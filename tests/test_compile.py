@@ -6,6 +6,7 @@ import json
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -414,6 +415,51 @@ def test_one_parser_reads_every_spelling_of_draft_and_writes_it_back():
     for bad, needle in (("eagle3:", "eagle3: needs a folder"), ("auto", "is for `pipeline build`"), ("  ", "empty")):
         with pytest.raises(ConfigError, match=needle):
             parse_draft(bad)
+
+
+def test_draft_is_read_once_where_a_command_takes_it_and_travels_as_its_spelling(tiny_target, tmp_path, monkeypatch):
+    """--draft is parsed by the option's type (or an options object's field, for a library caller); the spec it makes
+    reaches the compile job as it is, and goes into JSON, a stage key, a pickle or asdict as its spelling."""
+    import copy
+    import dataclasses
+    import pickle
+
+    import pipeline.build.plan  # noqa: F401  (imported before counting: a class's default is read at its import)
+    import pipeline.draft_spec as draft_spec
+    from pipeline.compiler.options import CompileOptions
+
+    read = []
+    real = draft_spec.parse_draft
+
+    def counting(value, **kwargs):
+        if not isinstance(value, DraftSpec):
+            read.append(str(value))
+        return real(value, **kwargs)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("pipeline")]:
+        if getattr(module, "parse_draft", None) is real:  # every binding, however it was imported
+            monkeypatch.setattr(module, "parse_draft", counting)
+    result = run("-b", "torch", "-t", str(tiny_target), "-o", str(tmp_path / "e"), "-d", "NGram", "--max-seq-len",
+                 "64", "--max-batch-size", "2", "--no-calibrate")
+    assert result.exit_code == 0, result.output
+    assert read == ["NGram"]
+    read.clear()
+    from pipeline.cli import main as cli
+
+    result = CliRunner().invoke(cli, ["build", "--target", str(tiny_target), "--draft", "NGram", "--dry-run",
+                                      "--engines-dir", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    assert read == ["NGram"]
+    options = CompileOptions(backend="torch", target=Path("/t"), output=Path("/o"), draft="eagle3:/x/head")
+    spec = options.draft
+    assert (spec.kind, spec.ref) == ("eagle3", "/x/head") and CompileOptions.__dataclass_fields__["draft"].default == "none"
+    for back in (pickle.loads(pickle.dumps(spec)), copy.deepcopy(spec), dataclasses.asdict(options)["draft"]):
+        assert (back.kind, back.ref, str(back)) == ("eagle3", "/x/head", "eagle3:/x/head")
+    assert json.dumps({"draft": spec}) == '{"draft": "eagle3:/x/head"}'
+    with pytest.raises(ConfigError, match="is for `pipeline build`"):
+        CompileOptions(backend="torch", target=Path("/t"), output=Path("/o"), draft="auto")
+    assert_one_line_error(run("-b", "torch", "-t", str(tiny_target), "-o", str(tmp_path / "f"), "-d", "auto"),
+                          "--draft auto is for `pipeline build`")
 
 
 # ---- validation before building -----------------------------------------------------------------

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.draft_spec import AUTO, EAGLE3, DraftSpec, parse_draft
+from pipeline.draft_spec import AUTO, EAGLE3, DraftField, DraftSpec
 from pipeline.engine.device import Device, DeviceChoice, DeviceField
 from pipeline.home import pipeline_home
 from pipeline.models.presets import DEFAULT_MODEL
@@ -26,7 +26,7 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 @dataclass(frozen=True)
 class BuildOptions:
     target: str = DEFAULT_MODEL  # preset, HF folder, .gguf file or hub id
-    draft: str = "auto"  # auto | eagle3 | eagle3:DIR | ngram | none | a draft model (preset/folder)
+    draft: DraftSpec = DraftField("auto", allow_auto=True)  # auto | eagle3 | eagle3:DIR | ngram | none | a draft model (preset/folder)
     target_qformat: str = "auto"  # auto | fp8 | int4_awq | w4a8_awq | int8_sq | none
     draft_qformat: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (bf16) | bf16 | fp8
@@ -84,7 +84,7 @@ def detect_environment(options: BuildOptions) -> Environment:
     from pipeline.compiler.job import trtllm_available
     from pipeline.plan.gpus import detect_gpu
 
-    draft = parse_draft(options.draft, allow_auto=True)
+    draft = options.draft
     refs = [options.target]
     if draft.kind in (EAGLE3, AUTO) and not draft.ref:  # the target's own head (auto may pick its published one)
         refs.append(_eagle3_ref(options.target))

@@ -132,10 +132,10 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
     target_ckpt, target_dep = checkpoint("target", s.target, s.target_qformat)
     deps = [target_dep] if target_dep else []
     models = [] if target_dep else [s.target]
-    draft_arg = str(s.draft)
+    draft = s.draft  # as the compile stage takes it: a checkpoint or head folder where one is written
     if s.draft.kind == MODEL:
         draft_ckpt, draft_dep = checkpoint("draft", s.draft.ref, s.draft_qformat)
-        draft_arg = str(draft_ckpt)
+        draft = DraftSpec(MODEL, str(draft_ckpt))
         deps += [draft_dep] if draft_dep else []
         models += [] if draft_dep else [s.draft.ref]
     elif s.draft.kind == EAGLE3:
@@ -143,15 +143,15 @@ def _stages(s: Settings, o: BuildOptions, env: Environment, build_dir: Path, rep
             raise ConfigError(f"an EAGLE-3 head is compiled as it is; drop --draft-qformat {s.draft_qformat}")
         skipped.append(("quantize_draft", "an EAGLE-3 head is compiled as it is"))
         if s.draft.ref:
-            draft_arg = str(DraftSpec(EAGLE3, str(_weights_path(s.draft.ref, env))))
+            draft = DraftSpec(EAGLE3, str(_weights_path(s.draft.ref, env)))
             models.append(s.draft.ref)
         else:
             head = _train_stage(s, o, env, build_dir, stages)
-            draft_arg = str(DraftSpec(EAGLE3, str(head)))
+            draft = DraftSpec(EAGLE3, str(head))
             deps.append(stages[-1].name)
 
     engine = build_dir / ENGINE_FOLDER
-    stages.append(_keyed(_compile_stage(s, target_ckpt, draft_arg, engine, tuple(deps), tuple(models)), stages))
+    stages.append(_keyed(_compile_stage(s, target_ckpt, draft, engine, tuple(deps), tuple(models)), stages))
     aopts, note = _assemble_options(s, engine, repo)
     cmd = ("pipeline", "assemble", "--engine", str(engine), "--repo", str(repo), "--gate-batch-size",
            str(s.gate_batch_size), *(("--device", s.device) if s.runs_on.places_device else ()), "--force")
@@ -178,7 +178,7 @@ def _quantize_stage(s: Settings, o: BuildOptions, env: Environment, build_dir: P
     return Stage(f"quantize_{role}", "quantize", opts, cmd, out, models=(ref,))
 
 
-def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path, deps: tuple[str, ...],
+def _compile_stage(s: Settings, target_ckpt: Path, draft: DraftSpec, engine: Path, deps: tuple[str, ...],
                    models: tuple[str, ...]) -> Stage:
     from pipeline.compiler.options import CompileOptions
 
@@ -190,12 +190,12 @@ def _compile_stage(s: Settings, target_ckpt: Path, draft_arg: str, engine: Path,
     gate = s.gate_batch_size if trt else CompileOptions.gate_batch_size
     # The device is in the key: a cost model measured on a CPU prices nothing on a GPU.
     copts = CompileOptions(
-        backend=s.backend, target=target_ckpt, output=engine, draft=draft_arg, num_draft_tokens=s.num_draft_tokens,
+        backend=s.backend, target=target_ckpt, output=engine, draft=draft, num_draft_tokens=s.num_draft_tokens,
         max_batch_size=s.max_batch_size, max_input_len=s.max_input_len, max_seq_len=s.max_seq_len,
         gate_batch_size=gate, kv_cache_dtype="fp8" if s.kv_cache_dtype == "fp8" else "auto",
         tp_size=s.tp_size if trt and s.export == "hf" else None, dtype="auto" if trt else s.engine_dtype,
         gpu=s.gpu if trt else None, trtllm_version=s.trtllm_version if trt else None, device=s.device, force=True)
-    cmd = ["pipeline", "compile", "-b", s.backend, "-t", str(target_ckpt), "-d", draft_arg,
+    cmd = ["pipeline", "compile", "-b", s.backend, "-t", str(target_ckpt), "-d", draft,
            "-k", str(s.num_draft_tokens), "--max-batch-size", str(s.max_batch_size)]
     cmd += ["--max-input-len", str(s.max_input_len)] if s.max_input_len else []
     cmd += ["--max-seq-len", str(s.max_seq_len)] if s.max_seq_len else []

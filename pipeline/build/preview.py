@@ -51,7 +51,6 @@ def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_k
     writes ("fp8" | "none"); target_shape/draft_shape: ModelShape (draft_shape None unless a draft model)."""
     from pipeline.compiler.compiler import route_files
     from pipeline.compiler.job import resolve
-    from pipeline.draft_spec import parse_draft
     from pipeline.triton.config import TRTLLM_DRAFT, TRTLLM_TARGET
     from pipeline.triton.launch import plan_launch
     from pipeline.triton.server import ServeOptions, ServerBinary, launch_argv, shell_line
@@ -62,7 +61,7 @@ def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_k
     max_pos = s.max_seq_len  # the real compile checks it against the checkpoint's max_position_embeddings
     target = describe_checkpoint(o.target, target_shape, layout=layout, qformat=s.target_qformat,
                                  kv_fp8=quant_kv.get("target") == "fp8", tp=s.tp_size, max_position_embeddings=max_pos)
-    draft = parse_draft(o.draft)  # a "<...>" placeholder for weights not written yet stays as it is (DraftSpec.path)
+    draft = o.draft  # a "<...>" placeholder for weights not written yet stays as it is (DraftSpec.path)
     draft_ckpt = None
     if draft.kind == "model":
         draft_ckpt = describe_checkpoint(draft.path, draft_shape, layout=layout, qformat=s.draft_qformat,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.build.options import KV_CACHE_DTYPES, BACKENDS, BuildOptions, Environment, model_name
-from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, DraftSpec, parse_draft
+from pipeline.draft_spec import AUTO, EAGLE3, MODEL, NGRAM, NONE, DraftSpec
 from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError
 from pipeline.plan.gpus import GPU, get_gpu
@@ -216,7 +216,7 @@ def _draft(o: BuildOptions, env: Environment, backend: Backend, reasons: dict) -
     this build trains)."""
     from pipeline.models.presets import get_preset
 
-    draft = parse_draft(o.draft, allow_auto=True)
+    draft = o.draft
     preset = get_preset(o.target)
     head = preset.eagle3_head if preset is not None else None
     if draft.kind == AUTO:
@@ -269,7 +269,7 @@ def check_options(o: BuildOptions) -> None:
     for flag, value in (("--max-input-len", o.max_input_len), ("--tp-size", o.tp_size), ("calib size", o.calib_size)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
-    NUM_DRAFT_TOKENS.check(o.num_draft_tokens, minimum=0 if o.draft.strip().lower() == "none" else 1,
+    NUM_DRAFT_TOKENS.check(o.num_draft_tokens, minimum=0 if o.draft.kind == NONE else 1,
                            fix="pass --num-draft-tokens 4, or --draft none")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from pipeline.cli.draft_spec import DraftType
 from pipeline.cli.setting import setting_option
 from pipeline.models.presets import DEFAULT_MODEL
 from pipeline.routes import BACKEND_NAMES
@@ -13,7 +14,7 @@ from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_D
 BUILD_FLAGS = (
     click.option("--target", "-t", default=DEFAULT_MODEL, show_default=True,
                  help="Target model: a preset (smollm2-135m is embedded; llama-70b, ...), a folder, a .gguf or a hub id."),
-    click.option("--draft", "-d", default="auto", show_default=True,
+    click.option("--draft", "-d", default="auto", show_default=True, type=DraftType(allow_auto=True),
                  help="eagle3 (the preset's published head on TensorRT-LLM; on the portable engine the build trains "
                       "one with ModelOpt, see --draft-budget-minutes; eagle3:DIR for your own), ngram, none, or a "
                       "draft model. auto: eagle3 on TensorRT-LLM where the target has a head, else ngram (no weights)."),

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.device import device_option
+from pipeline.cli.draft_spec import DraftType
 from pipeline.cli.setting import setting_option
 from pipeline.routes import BACKEND_NAMES, ROUTE_CHOICES
 from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
@@ -18,7 +19,7 @@ from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_D
               help="trtllm: TensorRT-LLM engines or LLM-API config; torch: the portable engine folder.")
 @click.option("--target", "-t", required=True, type=click.Path(path_type=Path),
               help="Target checkpoint folder from `pipeline quantize` (--export trtllm for --route engine).")
-@click.option("--draft", "-d", default="none", show_default=True,
+@click.option("--draft", "-d", default="none", show_default=True, type=DraftType(),
               help="none, ngram, a draft checkpoint folder, or eagle3:FOLDER (an EAGLE-3 head).")
 @click.option("--route", default="auto", show_default=True, type=click.Choice(ROUTE_CHOICES),
               help="trtllm only. engine: trtllm-build; llmapi: PyTorch backend YAML. auto: from the checkpoint "

@@ -10,6 +10,7 @@ from click.core import ParameterSource
 
 from pipeline.cli.aliased import Aliased
 from pipeline.cli.device import device_option
+from pipeline.cli.draft_spec import DraftType
 from pipeline.cli.setting import setting_option
 from pipeline.errors import RequestError
 from pipeline.generate import GenerateOptions
@@ -29,7 +30,7 @@ URL_ONLY = ("speculation", "no_stream", "timeout", "wait")
               help='More prompts: JSONL (one {"prompt": ...} per line) or plain text (one per line).')
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
               help="Target: a preset, a Hugging Face folder, a .gguf file or a hub id.")
-@click.option("--draft", "-d", default=None,
+@click.option("--draft", "-d", default=None, type=DraftType(),
               help="Proposer: none, ngram (prompt lookup), eagle3:DIR (an EAGLE-3 head), or a draft model "
                    "(preset, folder, .gguf, hub id). Default: none, or an engine folder's own (--model DIR).")
 @setting_option(NUM_DRAFT_TOKENS, 4)

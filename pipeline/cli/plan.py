@@ -7,6 +7,7 @@ import json
 import click
 
 from pipeline.cli.aliased import Aliased
+from pipeline.cli.draft_spec import DraftType
 from pipeline.cli.setting import setting_option
 from pipeline.plan.gpus import GPUS
 from pipeline.plan.weights import WEIGHT_FORMATS
@@ -17,7 +18,7 @@ from pipeline.setting import MAX_BATCH_SIZE, MAX_SEQ_LEN
 @click.command()
 @click.option("--target", "-t", cls=Aliased, hidden=("-m",), required=True,
               help="Target model: a preset (e.g. llama-70b) or a local folder.")
-@click.option("--draft", "-d", default="none", show_default=True,
+@click.option("--draft", "-d", default="none", show_default=True, type=DraftType(),
               help="eagle3 (the target's EAGLE-3 head), ngram (no weights), none, or a draft model (preset/folder).")
 @click.option("--gpu", "-g", required=True, help=f"GPU kind: {', '.join(GPUS)}.")
 @click.option("tp", "--tp-size", cls=Aliased, hidden=("--tp",), type=int, default=1, show_default=True,

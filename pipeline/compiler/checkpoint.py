@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.draft_spec import DraftSpec, parse_draft
+from pipeline.draft_spec import DraftSpec
 from pipeline.errors import ConfigError, DraftMismatchError, ModelFormatError, ModelNotFoundError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -59,10 +59,9 @@ class Checkpoint:
                 "kv_cache_quant_algo": self.kv_cache_quant_algo}
 
 
-def read_pair(target: str | Path, draft_choice: str) -> tuple[Checkpoint, DraftSpec, Checkpoint | None]:
-    """The target's checkpoint, the draft (--draft as read) and its checkpoint (a draft model or an EAGLE-3 head;
-    None for n-gram or none), checked against each other."""
-    draft = parse_draft(draft_choice)
+def read_pair(target: str | Path, draft: DraftSpec) -> tuple[Checkpoint, DraftSpec, Checkpoint | None]:
+    """The target's checkpoint, the draft and its checkpoint (a draft model or an EAGLE-3 head; None for n-gram or
+    none), checked against each other."""
     if draft.kind == "eagle3" and not draft.ref:
         raise ConfigError("compile needs the head's folder: --draft eagle3:DIR (`pipeline build --draft eagle3` "
                           "finds the published head, or trains one)")

@@ -6,6 +6,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.draft_spec import DraftField, DraftSpec
 from pipeline.engine.device import DeviceChoice, DeviceField
 
 MANIFEST_FILE = "compile.json"
@@ -18,7 +19,7 @@ class CompileOptions:
     backend: str  # trtllm | torch
     target: Path  # a checkpoint folder from `pipeline quantize`
     output: Path  # the engine folder to write
-    draft: str = "none"  # none | ngram | DIR | eagle3:DIR
+    draft: DraftSpec = DraftField("none")  # none | ngram | DIR | eagle3:DIR
     route: str = "auto"  # trtllm only: auto | engine (trtllm-build) | llmapi (PyTorch backend)
     num_draft_tokens: int = 4  # K: max draft length
     max_batch_size: int = 64
