@@ -351,3 +351,35 @@ def test_an_existing_output_needs_force(tmp_path):
     again = CliRunner().invoke(main, ["deploy", "kubernetes", "-o", str(tmp_path / "deploy")])
     assert_one_line_error(again, "already exists", "--force")
     assert CliRunner().invoke(main, ["deploy", "kubernetes", "-o", str(tmp_path / "deploy"), "--force"]).exit_code == 0
+
+
+def test_a_pod_being_deleted_drains_within_its_grace_period(tmp_path, capsys, monkeypatch):
+    """A rolling update loses nothing: each container waits for the endpoints to go, then drains (the portable
+    route's `pipeline serve` and the OpenAI frontend on their SIGTERM, a bare tritonserver in its hook, before its
+    SIGTERM stalls the streams it holds), all within the pod's grace period."""
+    import shlex
+
+    from pipeline.deploy.kubernetes import DRAIN_S, PRESTOP_SLEEP_S
+    from pipeline.triton import drain
+
+    _, docs = deploy(tmp_path / "cpu")
+    validate(docs)
+    pod = pod_spec(docs)
+    serve, openai = pod["containers"]
+    assert serve["command"][:2] == ["pipeline", "serve"] and "--drain-timeout" not in serve["command"]
+    assert drain.DEFAULT_DRAIN_TIMEOUT_S == DRAIN_S  # serve's own default is the drain the pod plans for
+    assert openai["command"][openai["command"].index("--drain-timeout") + 1] == str(DRAIN_S)
+    for container in (serve, openai):
+        assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(PRESTOP_SLEEP_S)]
+    assert pod["terminationGracePeriodSeconds"] > PRESTOP_SLEEP_S + DRAIN_S
+
+    _, docs = deploy(tmp_path / "trt", "--target", "llama-70b", "--draft", "eagle3", "--gpu", "h100")
+    validate(docs)
+    hook = server(docs)["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == ["sh", "-c"] and hook[2].startswith(f"sleep {PRESTOP_SLEEP_S}; exec ")
+    argv = shlex.split(hook[2].split("exec ", 1)[1])
+    assert argv[:3] == ["python3", "-m", "pipeline.triton.drain"]
+    monkeypatch.setattr(drain, "tritonserver_pids", list)  # not the servers other tests run beside this one
+    assert drain.main(argv[3:]) == 0  # the module takes the hook's flags (with no tritonserver: nothing to do)
+    assert "no tritonserver process here" in capsys.readouterr().out
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] > PRESTOP_SLEEP_S + DRAIN_S

@@ -483,3 +483,144 @@ def test_an_engine_that_fails_to_load_fails_its_model_with_the_loaders_error(tin
     finally:
         server.stop()
     assert "\n" not in str(err.value) and "ModelFormatError: no *.safetensors in" in str(err.value)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_requests_in_flight_and_refuses_new_ones(tiny_target, tmp_path):
+    """A rolling update's stop: `pipeline serve` on SIGTERM lets the gRPC and OpenAI streams it holds finish, each
+    with the text it would have had, refuses a new request with UNAVAILABLE (a client retries it elsewhere), and
+    exits once they are done, long before its drain timeout. Without the drain, tritonserver's own SIGTERM stalls
+    every stream in flight (pipeline.triton.drain)."""
+    import contextlib
+    import queue
+    import threading
+
+    import tritonclient.grpc as grpcclient
+    from openai import OpenAI
+    from serving_checks import expected_texts, inputs, ngram_engine, responses
+
+    from pipeline.triton.assemble import AssembleOptions, assemble
+
+    engine = ngram_engine(tiny_target, tmp_path, slots=4, max_seq_len=1024)
+    repo = Path(assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo")).repo)
+    grpc, http, metrics, openai_port = free_ports(4)
+    cli = subprocess.Popen(
+        [sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--repo", str(repo), "--grpc-port",
+         str(grpc), "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(openai_port),
+         "--served-model-name", "tiny", "--drain-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    prompts, max_tokens = ["List every prime.", "Write a poem."], 700
+    try:
+        lines = []
+        while not any("OpenAI" in line for line in lines) and cli.poll() is None:
+            lines.append(cli.stdout.readline())
+        assert cli.poll() is None, "".join(lines) + cli.stdout.read()
+        answers: dict[str, str] = {}
+        first = queue.Queue()
+
+        def grpc_stream(prompt):
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+            got = queue.Queue()
+            client.start_stream(callback=lambda result, error: got.put((result, error)))
+            client.async_stream_infer("ensemble", inputs(prompt, max_tokens, True), enable_empty_final_response=True)
+            text = []
+            try:
+                while True:
+                    result, error = got.get(timeout=60)
+                    if error is not None:
+                        answers[prompt] = f"error: {error}"
+                        return
+                    response = result.get_response()
+                    if response.outputs:
+                        text.append(result.as_numpy("text_output")[0, 0].decode())
+                        first.put(prompt)
+                    if response.parameters["triton_final_response"].bool_param:
+                        answers[prompt] = "".join(text)
+                        return
+            finally:
+                client.stop_stream()
+                client.close()
+
+        def chat_stream():
+            api = OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="unused", max_retries=0, timeout=60)
+            text = []
+            try:
+                for chunk in api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[0]}],
+                                                         max_tokens=max_tokens, temperature=0, stream=True):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text.append(chunk.choices[0].delta.content)
+                        first.put("chat")
+                answers["chat"] = "".join(text)
+            except Exception as err:  # noqa: BLE001  the assertion below names it
+                answers["chat"] = f"error: {err}"
+
+        threads = [threading.Thread(target=grpc_stream, args=(p,), daemon=True) for p in prompts]
+        threads.append(threading.Thread(target=chat_stream, daemon=True))
+        for thread in threads:
+            thread.start()
+        started = set()
+        deadline = time.monotonic() + 60
+        while len(started) < 3 and time.monotonic() < deadline and not any(a.startswith("error") for a in answers.values()):
+            with contextlib.suppress(queue.Empty):  # every stream has its first tokens: all three are in the engine
+                started.add(first.get(timeout=0.1))
+        assert len(started) == 3, answers
+        cli.send_signal(signal.SIGTERM)
+        term = time.monotonic()
+        time.sleep(0.5)
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+        with pytest.raises(Exception, match="the server is stopping"):  # noqa: PT011  tritonclient's own type
+            responses(client, "A new request.", 8)
+        client.close()
+        for thread in threads:
+            thread.join(90)
+        rest, _ = cli.communicate(timeout=90)
+        stopped_after = time.monotonic() - term
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    want = expected_texts(engine, prompts, max_tokens)
+    assert answers == {prompts[0]: want[0], prompts[1]: want[1], "chat": want[0]}, rest
+    assert min(len(w) for w in want) > 300 and "waiting up to 60 s for 3 in flight" in rest, rest  # the SIGTERM came mid-answer
+    assert "drained: every request in flight finished" in rest and cli.returncode == 0, rest
+    assert stopped_after < 40, rest
+
+
+def test_a_drain_marks_the_server_and_waits_until_its_gates_hold_nothing(monkeypatch, tmp_path):
+    """The gauge is summed over the gate models and read at 0 twice before the drain ends; past the timeout it says
+    how many are left; with no gate on the metrics page there is nothing to wait for."""
+    import http.server
+    import threading
+
+    from pipeline.triton import cancel_marks, drain
+
+    pages = ["pipeline_gate_in_flight{model=\"a\"} 2\npipeline_gate_in_flight{model=\"b\"} 1\n"]
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = pages[0].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+    monkeypatch.setattr(cancel_marks, "marks_dir", lambda pid=None: tmp_path / f"marks-{pid}")
+    try:
+        assert drain.in_flight(url) == 3
+        said = []
+        result = drain.drain([4242], url, 0.5, say=said.append)
+        assert (tmp_path / "marks-4242" / cancel_marks.DRAINING).exists()
+        assert result.in_flight == 3 and "3 requests still in flight get an error" in result.line()
+        assert "waiting up to 0.5 s for 3 in flight" in said[0]
+        threading.Timer(0.3, lambda: pages.__setitem__(0, "pipeline_gate_in_flight{model=\"a\"} 0\n")).start()
+        result = drain.drain([4242], url, 10)
+        assert result.in_flight == 0 and 0.3 < result.waited_s < 3, result
+        pages[0] = "nv_inference_count 7\n"  # no gate: nothing we can wait for
+        assert drain.in_flight(url) is None and drain.drain([4242], url, 10).waited_s < 1
+    finally:
+        httpd.shutdown()

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.device import device_option
+from pipeline.triton.drain import DEFAULT_DRAIN_TIMEOUT_S
 
 
 @click.command()
@@ -35,11 +36,15 @@ from pipeline.cli.device import device_option
                    "in [default: 4x the repository's max_input_bytes, at least 1 MiB].")
 @device_option("Portable-engine repository: where the served engine runs, over the repository's own (assemble's); "
                "passed to it as $PIPELINE_DEVICE.")
+@click.option("drain_timeout", "--drain-timeout", type=click.FloatRange(min=0), default=DEFAULT_DRAIN_TIMEOUT_S,
+              show_default=True, metavar="SECONDS",
+              help="On SIGTERM, the requests in flight may finish for this long while new ones are refused "
+                   "(UNAVAILABLE; the OpenAI port closes); then it stops. 0: stop at once, as Ctrl-C does.")
 @click.option("dry_run", "--dry-run", is_flag=True,
               help="Print the launch command and exit (works on any machine, e.g. for a TensorRT-LLM repository).")
 def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log_verbose, openai_port, api_key,
-          served_model_name, max_body_bytes, device, dry_run):
-    """Serve a model repository on Triton Inference Server until Ctrl-C or SIGTERM.
+          served_model_name, max_body_bytes, device, drain_timeout, dry_run):
+    """Serve a model repository on Triton Inference Server until Ctrl-C or SIGTERM (which drains first).
 
     Uses `tritonserver` on PATH (NVIDIA's containers), else the CPU server bundled in nvidia-pytriton.
     A TensorRT-LLM repository launches the way its backend needs (the repository's launch.json, written
@@ -64,7 +69,8 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
     from pipeline.triton.supervise import serve as run_server
 
     options = ServeOptions(repo=repo, host=host, grpc_port=grpc_port, http_port=http_port,
-                           metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose, device=device)
+                           metrics_port=metrics_port, log_file=log_file, log_verbose=log_verbose, device=device,
+                           drain_timeout_s=drain_timeout)
     frontend = None
     if openai_port is not None:
         if not 0 < openai_port < 65536:
@@ -75,7 +81,7 @@ def serve(repo, host, grpc_port, http_port, metrics_port, timeout, log_file, log
             raise ConfigError(f"the OpenAI API on {host} would answer anyone on the network without a key; pass "
                               "--api-key (or set PIPELINE_OPENAI_API_KEY), or keep --host 127.0.0.1")
         frontend = FrontendOptions(port=openai_port, host=host, api_key=api_key, model_name=served_model_name,
-                                   max_body_bytes=max_body_bytes)
+                                   max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout)
         if port_in_use(host, openai_port):
             raise ConfigError(f"OpenAI port {openai_port} on {host} is already in use; stop what holds it or pass "
                               "another --openai-port")

@@ -19,6 +19,16 @@ from pipeline.deploy.plan import (ADMIN_SECRET_KEY, GPU_PRODUCT_LABEL, GPU_RESOU
                                   OPENAI_PORT, OPENAI_SECRET_KEY, PORTS, PROBE_PERIOD_S, REPO_DIR, DeployPlan)
 from pipeline.errors import ConfigError
 from pipeline.routes import PORTABLE_BACKEND, TRTLLM_BACKEND, backend_named
+from pipeline.triton.drain import DEFAULT_DRAIN_TIMEOUT_S
+
+# A pod being deleted leaves the Service's endpoints while the kubelet runs its preStop hooks, but kube-proxy and
+# ingress controllers take a few seconds to hear of it: each container waits this long before it stops taking
+# requests (the usual preStop sleep), then drains (pipeline.triton.drain) for at most DRAIN_S.
+PRESTOP_SLEEP_S = 5
+DRAIN_S = int(DEFAULT_DRAIN_TIMEOUT_S)
+# The kubelet's whole budget, preStop included; past it, SIGKILL. A margin over the sleep and the drain for the
+# processes' own stop.
+GRACE_S = PRESTOP_SLEEP_S + DRAIN_S + 15
 
 RESOURCES = ("pvc.yaml", "build-job.yaml", "deployment.yaml", "service.yaml", "podmonitor.yaml", "hpa.yaml",
              "pdb.yaml", "grafana-dashboard.yaml")
@@ -151,7 +161,19 @@ def _server(plan: DeployPlan) -> dict:
         "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 3},
+        "lifecycle": {"preStop": {"exec": {"command": _server_pre_stop(plan)}}},
     }
+
+
+def _server_pre_stop(plan: DeployPlan) -> list[str]:
+    """`pipeline serve` (the portable engine) drains on the SIGTERM that follows the hook, so the hook only waits for
+    the endpoints to go; a bare tritonserver (the TensorRT-LLM routes) would stall the streams it holds on SIGTERM,
+    so the hook drains it first, from the same image."""
+    if plan.serve_command[:2] == ["pipeline", "serve"]:
+        return ["sleep", str(PRESTOP_SLEEP_S)]
+    drain = ["python3", "-m", "pipeline.triton.drain", "--metrics-url",
+             f"http://127.0.0.1:{PORTS['metrics']}/metrics", "--timeout", str(DRAIN_S)]
+    return ["sh", "-c", f"sleep {PRESTOP_SLEEP_S}; exec {shlex.join(drain)}"]
 
 
 def _openai(plan: DeployPlan) -> dict:
@@ -162,7 +184,7 @@ def _openai(plan: DeployPlan) -> dict:
     health = {"path": "/health", "port": "openai"}
     command = ["python3", "-m", "pipeline.openai_api", "--repo", REPO_DIR, "--grpc-url", f"127.0.0.1:{PORTS['grpc']}",
                "--host", "0.0.0.0", "--port", str(OPENAI_PORT),
-               "--metrics-url", f"http://127.0.0.1:{PORTS['metrics']}/metrics"]
+               "--metrics-url", f"http://127.0.0.1:{PORTS['metrics']}/metrics", "--drain-timeout", str(DRAIN_S)]
     return {"name": "openai", "image": plan.image, "command": command,
             "env": [{"name": "PIPELINE_OPENAI_API_KEY", "valueFrom": {"secretKeyRef": {
                 "name": f"{plan.name}-openai", "key": OPENAI_SECRET_KEY}}}],
@@ -171,7 +193,9 @@ def _openai(plan: DeployPlan) -> dict:
             "volumeMounts": _mounts(read_only=True),
             "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 3},
             # /health answers 503 while the ensemble loads: liveness asks only that the process answers at all.
-            "livenessProbe": {"tcpSocket": {"port": "openai"}, "periodSeconds": 10, "failureThreshold": 3}}
+            "livenessProbe": {"tcpSocket": {"port": "openai"}, "periodSeconds": 10, "failureThreshold": 3},
+            # uvicorn drains on the SIGTERM after the hook: it closes its port, and finishes what it holds.
+            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}}
 
 
 def _server_pod(plan: DeployPlan) -> dict:
@@ -180,7 +204,7 @@ def _server_pod(plan: DeployPlan) -> dict:
                                     f"job to write {REPO_DIR}'; sleep 15; done"],
             "volumeMounts": _mounts(read_only=True)[:1]}
     return {"initContainers": [wait], "containers": [_server(plan), _openai(plan)], "volumes": _volumes(plan),
-            "terminationGracePeriodSeconds": 30, **_placement(plan)}
+            "terminationGracePeriodSeconds": GRACE_S, **_placement(plan)}
 
 
 def deployment(plan: DeployPlan) -> dict:
@@ -204,7 +228,7 @@ def leader_worker_set(plan: DeployPlan) -> dict:
                         "resources": _resources(plan), "volumeMounts": _mounts(read_only=True)}
     # Workers run as the same account, as lws's example has them (its rbac.yaml binds one account to both).
     worker = {"serviceAccountName": f"{plan.name}-mpi", "containers": [worker_container], "volumes": _volumes(plan),
-              "terminationGracePeriodSeconds": 30, **_placement(plan)}
+              "terminationGracePeriodSeconds": GRACE_S, **_placement(plan)}
     meta = _meta(plan, plan.name, "server")
     meta["annotations"] = {"specdec-pipeline/launch": plan.launch_line}
     template = {

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from pipeline.openai_api.connections import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
+from pipeline.triton.drain import DEFAULT_DRAIN_TIMEOUT_S
 
 
 def settings_from_repo(repo: Path, grpc_url: str, model_name: str | None, metrics_url: str | None,
@@ -82,8 +83,11 @@ def default_model_name(tokenizer_dir: Path) -> str:
               show_default=True, help="Seconds a request body may take to arrive (a 408 past it).")
 @click.option("max_connections", "--max-connections", type=click.IntRange(min=16), default=None,
               help="Open connections at most [default: half the open-file limit, at most 8192].")
+@click.option("drain_timeout", "--drain-timeout", type=click.FloatRange(min=0), default=DEFAULT_DRAIN_TIMEOUT_S,
+              show_default=True, help="On SIGTERM: seconds the requests in flight may take to finish (new "
+                                      "connections are refused at once); past it they are cut.")
 def main(repo, grpc_url, host, port, metrics_url, model_name, max_body_bytes, head_timeout, body_timeout,
-         max_connections):
+         max_connections, drain_timeout):
     import logging
 
     import uvicorn
@@ -106,7 +110,7 @@ def main(repo, grpc_url, host, port, metrics_url, model_name, max_body_bytes, he
     # would take httptools where it is installed) bounds a head still arriving at HEAD_BYTES, edge.Guard one that
     # came whole, and connections.EdgeProtocol one that never completes, and the number of connections.
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, http=protocol_class(limits),
+                            timeout_graceful_shutdown=drain_timeout, http=protocol_class(limits),
                             h11_max_incomplete_event_size=HEAD_BYTES, timeout_keep_alive=limits.keep_alive_s)
     # uvicorn's loggers have handlers of their own (set up by Config): every handler gets the rate limit.
     limiter = RateLimitedLog()

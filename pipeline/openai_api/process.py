@@ -19,6 +19,7 @@ from pathlib import Path
 from pipeline.errors import ServeError
 from pipeline.openai_api.protocol import API_KEY_ENV
 from pipeline.polling import wait_until
+from pipeline.triton.drain import DEFAULT_DRAIN_TIMEOUT_S
 from pipeline.triton.server import terminate_with_parent
 
 
@@ -29,6 +30,8 @@ class FrontendOptions:
     api_key: str | None = None  # None: $PIPELINE_OPENAI_API_KEY, else no key
     model_name: str | None = None  # None: the tokenizer folder's name
     max_body_bytes: int | None = None  # None: the frontend's default, from the repository's max_input_bytes
+    # On SIGTERM: how long the requests it holds may take to finish (serve's --drain-timeout: pipeline.triton.drain)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def key(self) -> str | None:
         return self.api_key or os.environ.get(API_KEY_ENV) or None
@@ -44,6 +47,8 @@ def frontend_argv(options: FrontendOptions, repo: Path, grpc_url: str, metrics_u
         argv += ["--served-model-name", options.model_name]
     if options.max_body_bytes:
         argv += ["--max-body-bytes", str(options.max_body_bytes)]
+    if options.drain_timeout_s != DEFAULT_DRAIN_TIMEOUT_S:
+        argv += ["--drain-timeout", f"{options.drain_timeout_s:g}"]
     return argv
 
 
@@ -92,7 +97,8 @@ class FrontendProcess:
             return None
         return f"the OpenAI frontend exited with code {self.process.returncode} ({self._last_line()})"
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
+        """Now (a drain, pipeline.triton.drain, has let it finish its requests first where there was time)."""
         process, self.process = self.process, None
         if process is None or process.poll() is not None:
             return

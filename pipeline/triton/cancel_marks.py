@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 
 STOP_PREFIX = "client-"
+# `pipeline serve` (or a preStop hook) marks a server it is stopping: its gates refuse new requests (pipeline.triton.drain).
+DRAINING = "draining"
+DRAINING_MESSAGE = ("the server is stopping: it finishes the requests it holds and takes no new ones; send this one "
+                    "again (another replica, or this server once it is back)")
 STOP_MARK_TTL_S = 60.0  # a stop for a request that already ended (or never ran) is swept after this
 MAX_STOP_MARKS = 4096  # stops pending at once: no client can grow the folder past this
 
@@ -92,6 +96,17 @@ def mark_stop(request_id: str) -> bool:
         return False
     (folder / stop_key(request_id)).touch()
     return True
+
+
+def mark_draining(server_pid: int) -> None:
+    folder = marks_dir(server_pid)
+    folder.mkdir(exist_ok=True)
+    (folder / DRAINING).touch()
+
+
+def draining() -> bool:
+    """Whether this model's server is being stopped (from a model's stub): a stat."""
+    return (marks_dir() / DRAINING).exists()
 
 
 def clear(server_pid: int | None = None) -> None:

@@ -30,6 +30,7 @@ from pipeline.errors import ServeError
 from pipeline.polling import wait_until
 from pipeline.routes import PORTABLE
 from pipeline.triton.config import DEVICE_ENV
+from pipeline.triton.drain import DEFAULT_DRAIN_TIMEOUT_S
 from pipeline.triton.launch import Launch, launch_command, read_launch
 from pipeline.triton.ports import port_in_use
 from pipeline.trtllm.upstream import CONTAINER_TRITONSERVER, TRITON_CONTAINER
@@ -59,6 +60,8 @@ class ServeOptions:
     # A portable-engine repository: where torch_engine loads (auto|cpu|cuda|cuda:N). The server resolves it as it
     # starts and hands it to the model in DEVICE_ENV, over the repository's own `device` parameter.
     device: DeviceChoice = DeviceField()
+    # SIGTERM: how long `pipeline serve` lets the requests in flight finish before it stops (pipeline.triton.drain)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     @property
     def ports(self) -> dict[str, int]:

@@ -163,25 +163,29 @@ def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callabl
     """Start, wait until every model is ready, start the frontend `frontend(server)` makes (the OpenAI API:
     pipeline.openai_api.process.FrontendProcess, which this layer doesn't import), call on_ready, then supervise
     until Ctrl-C or SIGTERM: a dead server, python stub or frontend is restarted (supervise, above), each
-    time said in one line. Always stops both.
+    time said in one line. SIGTERM drains first (pipeline.triton.drain, for at most options.drain_timeout_s): the
+    requests in flight finish, new ones are refused; Ctrl-C, or a second SIGTERM, stops at once. Always stops both.
     on_start runs as soon as the process is started (a 70B model takes minutes to become ready)."""
     server = TritonServer(options, binary)
     previous = _raise_on_sigterm()
     try:
-        server.start()
-        if server.device_line:
-            say(server.device_line)
-        if on_start is not None:
-            on_start(server)
-        ready_timeout = timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S)
-        server.wait_ready(ready_timeout)
-        if frontend is not None:
-            server.frontend = frontend(server)
-            server.frontend.start().wait_ready()
-        if on_ready is not None:
-            on_ready(server)
-        supervise(server, say, ready_timeout, frontend=server.frontend)
-    except KeyboardInterrupt:
+        try:
+            server.start()
+            if server.device_line:
+                say(server.device_line)
+            if on_start is not None:
+                on_start(server)
+            ready_timeout = timeout or (MPI_READY_TIMEOUT_S if server.launch.mpi else READY_TIMEOUT_S)
+            server.wait_ready(ready_timeout)
+            if frontend is not None:
+                server.frontend = frontend(server)
+                server.frontend.start().wait_ready()
+            if on_ready is not None:
+                on_ready(server)
+            supervise(server, say, ready_timeout, frontend=server.frontend)
+        except StopRequested:
+            _drain(server, options.drain_timeout_s, say)
+    except (KeyboardInterrupt, StopRequested):
         pass
     finally:
         if server.frontend is not None:
@@ -191,10 +195,33 @@ def serve(options: ServeOptions, timeout: float | None = None, on_ready: Callabl
             signal.signal(signal.SIGTERM, previous)
 
 
+class StopRequested(BaseException):
+    """SIGTERM: a BaseException, as KeyboardInterrupt is, so no `except Exception` on the way swallows it."""
+
+
+def _drain(server: TritonServer, timeout_s: float, say: Callable[[str], None]) -> None:
+    """The OpenAI frontend asked to stop first (it closes its port and finishes the requests it holds, which the
+    server still serves), the server's gates told to refuse new requests; then wait for both."""
+    from pipeline.triton.drain import drain
+
+    if server.process is None or server.process.poll() is not None or timeout_s <= 0:
+        return
+    process = server.frontend.process if server.frontend is not None else None
+    if process is not None and process.poll() is None:
+        process.terminate()
+    result = drain([server.process.pid], server.endpoints.metrics if server.endpoints else None, timeout_s,
+                   others_done=lambda: process is None or process.poll() is not None, say=say)
+    say(result.line())
+
+
 def _raise_on_sigterm():
-    """SIGTERM takes the same path as Ctrl-C, so the finally that stops the server runs."""
+    """SIGTERM raises StopRequested, the first time (serve drains), then KeyboardInterrupt (stop now); either way the
+    finally that stops the server runs."""
+    received = []
+
     def interrupt(signum, frame):
-        raise KeyboardInterrupt
+        received.append(signum)
+        raise StopRequested if len(received) == 1 else KeyboardInterrupt
 
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
         return signal.signal(signal.SIGTERM, interrupt)

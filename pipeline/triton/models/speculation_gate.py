@@ -253,6 +253,10 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             arrival = time.monotonic()
+            if cancel_marks.draining():  # the server is stopping (pipeline.triton.drain): retried elsewhere
+                self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    cancel_marks.DRAINING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)), FINAL)
+                continue
             refusal = _trtllm_refusal(request, self.guided) if self.drives_engines else None
             if refusal is not None:
                 self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal)), FINAL)
