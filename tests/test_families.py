@@ -279,3 +279,25 @@ def test_a_served_gemma3_repository_speculating_with_a_gemma3_draft_answers_the_
         got = [conn.generate(p, RequestOptions(max_tokens=40, speculation="on")) for p in prompts]
     assert [g.text for g in got] == expected
     assert sum(g.draft_steps for g in got) > 0
+
+
+def test_the_llm_api_route_refuses_an_eagle3_head_on_a_family_whose_upstream_class_cant_feed_one(tmp_path):
+    """TensorRT-LLM's Gemma3ForCausalLM is a DecoderModelForCausalLM whose forward hands no hidden states to a head
+    (pipeline.trtllm.upstream.LLMAPI_EAGLE3): the build is refused in one line before anything runs in NVIDIA's
+    container; Qwen3's class takes a head, so its config is written."""
+    from click.testing import CliRunner
+    from cli_checks import assert_one_line_error
+    from tiny_models import make_tiny_eagle3_head
+
+    from pipeline.cli import main
+
+    for family in ("gemma3", "qwen3"):
+        target = make_tiny_llama(tmp_path / family, seed=1, layers=2, **FAMILIES[family])
+        head = make_tiny_eagle3_head(tmp_path / f"{family}-head", target)
+        result = CliRunner().invoke(main, ["compile", "-b", "trtllm", "--route", "llmapi", "-t", str(target), "-d",
+                                           f"eagle3:{head}", "--dry-run", "-o", str(tmp_path / f"{family}-engine")])
+        if family == "gemma3":
+            assert_one_line_error(result, "can't feed an EAGLE-3 head from a gemma3_text target", "modeling_gemma3.py",
+                                  "--draft ngram")
+        else:
+            assert result.exit_code == 0, result.output

@@ -52,6 +52,8 @@ def test_every_table_entry_names_an_upstream_file_and_symbol():
     for ref in (upstream.TENSORS_REF, upstream.ENSEMBLE_REF, upstream.LLMAPI_REF, upstream.TRITON_OPENAI_REF,
                 upstream.TRITON_OPENAI_RENDER_REF, upstream.GUIDED_DECODING_REF, upstream.GUIDED_DECODER_REF):
         assert ref.path in upstream.SOURCES
+    for model_type, support in upstream.LLMAPI_EAGLE3.items():
+        assert support.ref.path in upstream.SOURCES and support.ref.symbol and len(support.read_at) == 40, model_type
     assert len(upstream.TEMPLATE_COMMIT) == 40 and upstream.TRTLLM_VERSION == "1.2.1"
     keys = [p.key for p in upstream.TEMPLATE_PARAMETERS]
     assert len(keys) == len(set(keys)) == 46  # the template's parameter count at TEMPLATE_COMMIT

@@ -42,7 +42,8 @@ def describe_checkpoint(path: Path, shape, *, layout: str, qformat: str, kv_fp8:
                       tp_size=tp if layout == "trtllm" else 1, pp_size=1,
                       max_position_embeddings=max_position_embeddings,
                       quant_algo=fmt.trtllm_algo if fmt is not None else None,
-                      kv_cache_quant_algo="FP8" if kv_fp8 else None, is_eagle3=is_eagle3)
+                      kv_cache_quant_algo="FP8" if kv_fp8 else None, is_eagle3=is_eagle3,
+                      model_type=shape.model_type)
 
 
 def preview_trtllm(compile_options, settings, target_shape, draft_shape, quant_kv: dict[str, str],

@@ -29,6 +29,7 @@ class Checkpoint:
     quant_algo: str | None = None
     kv_cache_quant_algo: str | None = None  # "FP8" when the KV cache is quantized
     is_eagle3: bool = False
+    model_type: str | None = None  # the Hugging Face config's (a TensorRT-LLM checkpoint names an architecture instead)
 
     @property
     def world_size(self) -> int:
@@ -147,4 +148,4 @@ def _hf(path: Path, cfg: dict) -> Checkpoint:
                       dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
                       max_position_embeddings=cfg.get("max_position_embeddings"),
                       quant_algo=quant.get("quant_algo"), kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
-                      is_eagle3=is_eagle3)
+                      is_eagle3=is_eagle3, model_type=cfg.get("model_type"))

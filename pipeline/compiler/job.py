@@ -16,10 +16,11 @@ from pathlib import Path
 
 from pipeline.compiler.checkpoint import Checkpoint, read_pair
 from pipeline.compiler.options import KV_CACHE_DTYPES, CompileOptions
-from pipeline.draft_spec import DraftSpec
+from pipeline.draft_spec import EAGLE3, DraftSpec
 from pipeline.errors import ConfigError, MissingDependencyError
 from pipeline.routes import Route, backend_named, pick_route
 from pipeline.setting import GATE_BATCH_SIZE, MAX_BATCH_SIZE, NUM_DRAFT_TOKENS
+from pipeline.trtllm import upstream
 from pipeline.trtllm import version as trtllm_version
 from pipeline.trtllm.reference import FP8_KV_QUANT_ALGOS, TRTLLM_CONTAINER
 
@@ -107,6 +108,8 @@ def resolve(options: CompileOptions, output: Path, target: Checkpoint, draft: Dr
     Reads nothing but the installed TensorRT-LLM's version: `pipeline build --dry-run` calls it with checkpoints
     described from a preset's architecture, before they exist."""
     route = pick_route(options.backend, options.route, target, draft)
+    if route.upstream_llmapi_model and draft.kind == EAGLE3:
+        _check_llmapi_takes_eagle3(target)
     if draft_ckpt is not None and draft.kind == "model" and draft_ckpt.layout != target.layout:
         raise ConfigError(f"the draft is a {draft_ckpt.layout} checkpoint but the target a {target.layout} one; "
                           f"export both with the same `pipeline quantize --export`")
@@ -127,6 +130,14 @@ def resolve(options: CompileOptions, output: Path, target: Checkpoint, draft: Dr
                           f"--route llmapi with a Hugging Face checkpoint, or --trtllm-version "
                           f"{trtllm_version.TRTLLM_VERSION}")
     return CompileJob(options, output, target, draft, draft_ckpt, route, sizes, kv_dtype, tp, pp, version)
+
+
+def _check_llmapi_takes_eagle3(target: Checkpoint) -> None:
+    support = upstream.LLMAPI_EAGLE3.get(target.model_type or "")
+    if support is not None and not support.takes_head:
+        raise ConfigError(f"TensorRT-LLM's LLM API can't feed an EAGLE-3 head from a {target.model_type} target "
+                          f"({support.ref.path}: {support.ref.symbol}); use --draft ngram or a draft model of the "
+                          f"same family, or --backend torch, whose engine serves the head")
 
 
 def trtllm_available() -> bool:

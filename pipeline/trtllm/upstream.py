@@ -66,11 +66,18 @@ TRITON_OPENAI_REQUEST = "triton-inference-server/server:python/openai/openai_fro
 TRITON_OPENAI_ENGINE = "triton-inference-server/server:python/openai/openai_frontend/engine/triton_engine.py"
 # The python backend that runs every python model (its --backend-config keys are parsed at backend load).
 PYTHON_BACKEND = "triton-inference-server/python_backend:src/python_be.cc"
+# The LLM API's model classes for the families after Llama (PyTorch backend; each read at the commit named in
+# LLMAPI_EAGLE3 below), and its support matrix (read at aeead21a93d9881f8000e8646d2a6ca1085d910c).
+MODELING_QWEN3 = "tensorrt_llm/_torch/models/modeling_qwen3.py"
+MODELING_QWEN3_MOE = "tensorrt_llm/_torch/models/modeling_qwen3_moe.py"
+MODELING_GEMMA3 = "tensorrt_llm/_torch/models/modeling_gemma3.py"
+SUPPORTED_MODELS_DOC = "docs/source/models/supported-models.md"
 SOURCES = frozenset({TEMPLATE, ENSEMBLE_TEMPLATE, MODEL_INSTANCE_STATE, MODEL_STATE, UTILS_H, FILL_TEMPLATE,
                      LAUNCH_SCRIPT, EXECUTOR_IMPL, DOCKERFILE, MULTI_INSTANCE_DOC, DRAFT_TARGET_README,
                      LLMAPI_TEMPLATE, LLMAPI_MODEL_PY, LLMAPI_HELPERS, LLMAPI_DOC, LLMAPI_LAUNCHER, LWS_SERVER,
                      LWS_RBAC, KUBESSH, TRITON_OPENAI_REQUEST, TRITON_OPENAI_ENGINE, GUIDED_DECODER,
-                     GUIDED_DECODING_DOC, PYTHON_BACKEND})
+                     GUIDED_DECODING_DOC, PYTHON_BACKEND, MODELING_QWEN3, MODELING_QWEN3_MOE, MODELING_GEMMA3,
+                     SUPPORTED_MODELS_DOC})
 
 
 @dataclass(frozen=True)
@@ -427,6 +434,32 @@ LLMAPI_REF = Ref(LLMAPI_TEMPLATE, "input, output")
 # LLMAPI_MODEL_PY TritonPythonModel.auto_complete_config sets max_batch_size and decoupled from model.yaml's
 # triton_config; with launch_triton_server.py's --disable-auto-complete-config, config.pbtxt must carry them.
 LLMAPI_TRITON_CONFIG = {"max_batch_size": 0, "decoupled": True}
+
+
+@dataclass(frozen=True)
+class Eagle3Support:
+    """Whether the LLM API serves an EAGLE-3 head on a family's target, and where its source says so."""
+
+    takes_head: bool
+    ref: Ref
+    read_at: str  # the commit of the file read
+
+
+# A target takes an EAGLE-3 head (one- or two-model) when the class register_auto_model registers for its
+# architecture is a SpecDecOneEngineForCausalLM, whose model's forward hands its layers' hidden states to the head
+# (spec_metadata). A DecoderModelForCausalLM whose forward takes no spec_metadata can't feed one. By the target's
+# Hugging Face model_type; Llama's EAGLE-3 route is cited where the LLM-API config is written (compiler/llmapi.py).
+LLMAPI_EAGLE3: dict[str, Eagle3Support] = {
+    "qwen3": Eagle3Support(True, Ref(MODELING_QWEN3, "Qwen3ForCausalLM(SpecDecOneEngineForCausalLM[Qwen3Model, ...])"),
+                           "010bb95fbad3c678792a9edf659970299a1a320b"),
+    # The support matrix agrees: Qwen3MoeForCausalLM, EAGLE-3 one-model and two-model "Yes".
+    "qwen3_moe": Eagle3Support(True, Ref(MODELING_QWEN3_MOE, "Qwen3MoeForCausalLM(SpecDecOneEngineForCausalLM[...])"),
+                               "03441af14b6675ec38275167cfd514595defb505"),
+    "gemma3_text": Eagle3Support(False, Ref(MODELING_GEMMA3, "Gemma3ForCausalLM(DecoderModelForCausalLM[...]); "
+                                                           "Gemma3TextModel.forward takes no spec_metadata"),
+                                 "00e7d1037d247c72af2da216998cd7cf9e846461"),
+}
+LLMAPI_EAGLE3["gemma3"] = LLMAPI_EAGLE3["gemma3_text"]  # Gemma3ForConditionalGeneration's text model is that class
 
 
 # ---- Triton's OpenAI frontend in front of the ensemble ------------------------------------------------------------
