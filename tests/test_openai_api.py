@@ -1318,3 +1318,21 @@ def test_lm_evaluation_harness_scores_the_served_model_as_the_in_process_engine_
         assert scores == logged[doc["question"]]
         correct += max(range(len(scores)), key=scores.__getitem__) == doc["answer"]
     assert served_acc == correct / len(EVAL_DOCS)
+
+
+def test_a_refusal_to_retry_elsewhere_is_a_503_and_a_request_the_engine_refused_a_400():
+    """A busy engine and a server being stopped (the drain's refusal) are the client's to retry: 503, each with its
+    own type; the engine's refusal of the request itself is a 400, a lost server a 502."""
+    from pipeline.client.ensemble_aio import EnsembleError
+    from pipeline.openai_api.app import error_of
+    from pipeline.openai_api.protocol import parse_completion
+    from pipeline.policy.serving_gate import STOPPING_MESSAGE, busy_message
+
+    req = parse_completion({"model": "m", "prompt": "hi"}, LIMITS)
+    cases = [(EnsembleError(STOPPING_MESSAGE, refused=True), 503, "server_stopping"),
+             (EnsembleError(busy_message(8, 4, 8), refused=True), 503, "server_busy"),
+             (EnsembleError("top_k 5 is over the vocabulary's 3 tokens", refused=True), 400, "invalid_request_error"),
+             (EnsembleError("Socket closed", refused=False), 502, "upstream_error")]
+    for err, status, kind in cases:
+        answer = error_of(err, req)
+        assert (answer.status, answer.type) == (status, kind), err.message

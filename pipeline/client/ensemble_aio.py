@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 
 from pipeline.client.ensemble import (ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk, RequestOptions, build_inputs,
                                       chunk_of, grpc_target, request_id, stop_inputs)
+from pipeline.policy.serving_gate import STOPPING_PREFIX
+
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
 # Refused as busy by the gate or the engine (serving_gate.busy_message): a 503 the client may retry.
 BUSY_PREFIX = "server busy:"
@@ -37,6 +39,11 @@ class EnsembleError(Exception):
     @property
     def busy(self) -> bool:
         return self.message.startswith(BUSY_PREFIX)
+
+    @property
+    def stopping(self) -> bool:
+        """Refused by a server that is being stopped (pipeline.triton.drain): retried elsewhere, as a busy one's."""
+        return self.message.startswith(STOPPING_PREFIX)
 
 
 class Ensemble:

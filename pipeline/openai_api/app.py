@@ -143,7 +143,7 @@ def answers(model) -> dict:
         (400, "a bad request, named in the message"), (401, "no or a wrong API key"), (404, "another model"),
         (408, "the body did not arrive in time"), (413, "a body over the limit"), (415, "a body that is not JSON"),
         (500, "the server failed this request"),
-        (502, "tritonserver failed the request"), (503, "the server is busy; retry"))}
+        (502, "tritonserver failed the request"), (503, "the server is busy, or stopping; retry"))}
     return {200: {"model": model, "content": {"text/event-stream": {}}}, **errors}
 
 
@@ -175,6 +175,8 @@ def merged(outcomes: list[Outcome], prompt_tokens: int, max_new: int) -> Outcome
 def error_of(err: EnsembleError, req: SamplingFields) -> ProtocolError:
     if err.busy:
         return ProtocolError(err.message, status=503, type="server_busy")
+    if err.stopping:  # a rolling update's old server: the next replica (or this one, restarted) takes it
+        return ProtocolError(err.message, status=503, type="server_stopping")
     if err.refused:  # the engine's refusal of a guide (it compiles them) names the field that carried it
         return ProtocolError(err.message, req.guide_field() if GUIDE_ERROR.search(err.message) else None)
     return ProtocolError(err.message, status=502, type="upstream_error")

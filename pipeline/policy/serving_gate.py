@@ -36,6 +36,13 @@ def busy_message(waiting: int, slots: int, max_queue_size: int) -> str:
             f"{max_queue_size}); retry in a moment, or serve a repository assembled with a larger --max-queue-size")
 
 
+# A server being stopped (pipeline.triton.drain) refuses each new request with this line, as UNAVAILABLE: a client
+# retries it elsewhere, and the OpenAI frontend answers 503, as for a busy server.
+STOPPING_PREFIX = "the server is stopping:"
+STOPPING_MESSAGE = (f"{STOPPING_PREFIX} it finishes the requests it holds and takes no new ones; send this one again "
+                    "(another replica, or this server once it is back)")
+
+
 class Busy(PipelineError):
     """The engine's slots and queue are all taken: the request is refused before it is counted in flight."""
 

@@ -76,6 +76,7 @@ def drain(server_pids: list[int], metrics_url: str | None, timeout_s: float,
         cancel_marks.mark_draining(pid)
     start = time.monotonic()
     held = in_flight(metrics_url) if metrics_url else None
+    seen = [held is not None]  # a gate answered once: a later unanswered read is a busy server, not "no gate"
     say(f"draining: new requests are refused (UNAVAILABLE); waiting up to {timeout_s:g} s for "
         f"{'the requests' if held is None else held} in flight")
 
@@ -83,8 +84,9 @@ def drain(server_pids: list[int], metrics_url: str | None, timeout_s: float,
         if not others_done():
             return None
         held = in_flight(metrics_url) if metrics_url else None
-        if held is None:  # no gate, or no metrics: nothing more to see
-            return True
+        if held is None:
+            return None if seen[0] else True  # no gate or no metrics at all: nothing more we can see
+        seen[0] = True
         if held == 0:
             time.sleep(SETTLE_S)
             if in_flight(metrics_url) == 0:

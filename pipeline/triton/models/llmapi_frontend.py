@@ -29,6 +29,7 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text, template_opening
+from pipeline.policy.serving_gate import STOPPING_MESSAGE
 from pipeline.triton import cancel_marks
 from pipeline.triton.bls_streams import ENDED
 from pipeline.triton.client_errors import client_message
@@ -90,7 +91,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             if cancel_marks.draining():  # the server is stopping (pipeline.triton.drain): retried elsewhere
                 self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    cancel_marks.DRAINING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)), FINAL)
+                    STOPPING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)), FINAL)
                 continue
             threading.Thread(target=self._run, args=(request, sender), daemon=True).start()
         return None

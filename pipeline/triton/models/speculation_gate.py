@@ -42,7 +42,7 @@ from pipeline.errors import PipelineError
 from pipeline.heap import release_memory
 from pipeline.policy.draft_plan import read_counts
 from pipeline.policy.gate_policy import GatePolicy
-from pipeline.policy.serving_gate import OVERRIDE, Busy, Decision, ServingGate
+from pipeline.policy.serving_gate import OVERRIDE, STOPPING_MESSAGE, Busy, Decision, ServingGate
 from pipeline.routes import PORTABLE, route_named
 from pipeline.triton import cancel_marks
 from pipeline.triton.bls_streams import ENDED
@@ -255,7 +255,7 @@ class TritonPythonModel:
             arrival = time.monotonic()
             if cancel_marks.draining():  # the server is stopping (pipeline.triton.drain): retried elsewhere
                 self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    cancel_marks.DRAINING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)), FINAL)
+                    STOPPING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)), FINAL)
                 continue
             refusal = _trtllm_refusal(request, self.guided) if self.drives_engines else None
             if refusal is not None:
