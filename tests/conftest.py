@@ -78,10 +78,10 @@ SLOW_FIXTURES = {"smollm2", "server", "url", "served", "echo_server", "llmapi_se
 FILE_SECONDS = {
     "test_serving.py": 255, "test_openai_api.py": 190, "test_isa_caps.py": 150, "test_draft_target.py": 100,
     "test_engine.py": 100, "test_speculative.py": 95, "test_gpu_kernels.py": 90, "test_soak.py": 70,
-    "test_serve.py": 60, "test_smoke_trtllm.py": 45, "test_build.py": 38, "test_cuda_graphs.py": 35,
+    "test_serve.py": 85, "test_smoke_trtllm.py": 45, "test_build.py": 38, "test_cuda_graphs.py": 35,
     "test_cli.py": 32, "test_bench_gpu_script.py": 31, "test_openai_edge.py": 29, "test_client.py": 29,
     "test_bench.py": 35, "test_assemble.py": 26, "test_triton_config.py": 23, "test_cpu_kernels.py": 20,
-    "test_families.py": 45, "test_draft_train.py": 19, "test_eagle3.py": 10, "test_model.py": 7,
+    "test_families.py": 50, "test_draft_train.py": 19, "test_eagle3.py": 10, "test_model.py": 7,
 }
 
 

@@ -70,3 +70,38 @@ def named_frames(crash: str) -> list[str]:
         if start <= own[0][1] - base < start + size:
             return [name for _, address, _ in own if (name := _at(starts, table, address - base))]
     return []
+
+
+def demangled(name: str) -> str:
+    """An Itanium nested name as C++ spells it (`_ZN6triton6server4grpc23ModelStreamInferHandler7ProcessEb` ->
+    `triton::server::grpc::ModelStreamInferHandler::Process`), its parameters left out; anything else as it is."""
+    if not name.startswith("_ZN"):
+        return name
+    i, parts = 3, []
+    while i < len(name) and name[i] in "KVr":  # const, volatile, restrict
+        i += 1
+    while i < len(name) and name[i].isdigit():
+        j = i
+        while j < len(name) and name[j].isdigit():
+            j += 1
+        size = int(name[i:j])
+        parts.append(name[j:j + size])
+        i = j + size
+    return "::".join(parts) if parts and name[i:i + 1] == "E" else name
+
+
+def crash_site(log: str) -> str | None:
+    """Where the last crash in a server's log happened: the signal, and the first function past the signal handler
+    that the binary's symbols name (`SIGSEGV in triton::server::grpc::ModelStreamInferHandler::Process`); None
+    where the log shows no crash."""
+    marker = re.findall(r"Signal \((\d+)\) received\.", log)
+    if not marker:
+        return None
+    import signal
+
+    try:
+        name = signal.Signals(int(marker[-1])).name
+    except ValueError:
+        name = f"signal {marker[-1]}"
+    own = named_frames(log[log.rfind("Signal ("):])
+    return f"{name} in {demangled(own[1])}" if len(own) > 1 else name

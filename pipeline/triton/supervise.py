@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.errors import ServeError
-from pipeline.triton.backtrace import named_frames
+from pipeline.triton.backtrace import crash_site, named_frames
 from pipeline.triton.server import (STUB_NAME, ServeOptions, ServerBinary, TritonServer, failure_from_log,
                                     group_members)
 
@@ -81,8 +81,12 @@ def what_died(server: TritonServer, stubs: list[Stub]) -> str | None:
         parts.append("the python stub of " + ", ".join(f"{s.model} (pid {s.pid})" for s in dead) + " died")
     code = server.process.poll()
     if code is not None:
-        reason = failure_from_log(server.log())
-        parts.append(f"tritonserver exited with code {code}" + (f" ({reason})" if reason else ""))
+        log = server.log()
+        if code < 0 and (site := crash_site(log)):  # its own handler printed a stack: say where
+            parts.append(f"tritonserver died of {site}")
+        else:
+            reason = failure_from_log(log)
+            parts.append(f"tritonserver exited with code {code}" + (f" ({reason})" if reason else ""))
     return "; ".join(parts) or None
 
 
