@@ -481,8 +481,9 @@ def test_cli_serves_until_sigterm_drains_what_it_holds_and_reaps_its_children(ti
          str(grpc), "--http-port", str(http), "--metrics-port", str(metrics), "--openai-port", str(openai_port),
          "--served-model-name", "tiny", "--drain-timeout", "60", "--log-file", str(tmp_path / "server.log")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # 400 tokens each, end tokens ignored: long answers, so all three are still streaming when the SIGTERM comes
-    prompts, max_tokens = ["List every prime.", "Write a poem."], 400
+    # 800 tokens each, end tokens ignored: long answers, so all three are still streaming when the SIGTERM comes and
+    # when the new request after it arrives (with 400, under a light load, they had all ended 0.5 s after it)
+    prompts, max_tokens = ["List every prime.", "Write a poem."], 800
     answers: dict[str, str] = {}
     after_term: dict[str, int] = {}  # chunks each stream got after the SIGTERM: it was in flight then
     term = [float("inf")]
@@ -560,7 +561,7 @@ def test_cli_serves_until_sigterm_drains_what_it_holds_and_reaps_its_children(ti
         assert len(started) == 3, answers
         term[0] = time.monotonic()
         cli.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        time.sleep(0.1)  # serve marks the server as draining as the signal arrives
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
         with pytest.raises(Exception, match="the server is stopping"):  # noqa: PT011  tritonclient's own type
             responses(client, "A new request.", 8)
@@ -574,7 +575,7 @@ def test_cli_serves_until_sigterm_drains_what_it_holds_and_reaps_its_children(ti
             cli.kill()
             cli.wait()
     alone = [answers.pop(f"alone: {p}") for p in prompts]
-    assert min(len(a) for a in alone) > 150, alone  # 400 byte tokens each, some of them parts of one character
+    assert min(len(a) for a in alone) > 300, alone  # 800 byte tokens each, some of them parts of one character
     assert answers == {prompts[0]: alone[0], prompts[1]: alone[1], "chat": alone[0]}, rest
     assert min(after_term.values()) > 0 and len(after_term) == 3, after_term  # each was streaming at the SIGTERM
     assert "drained: every request in flight finished" in rest and "Stopped." in rest and cli.returncode == 0, rest
