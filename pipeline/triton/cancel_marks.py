@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 STOP_PREFIX = "client-"
-# `pipeline serve` (or a preStop hook) marks a server it is stopping: its gates refuse new requests (pipeline.triton.drain).
+# `pipeline serve` (or a preStop hook) marks a server it is stopping: its gates refuse new requests
+# (pipeline.triton.drain).
 DRAINING = "draining"
 STOP_MARK_TTL_S = 60.0  # a stop for a request that already ended (or never ran) is swept after this
 MAX_STOP_MARKS = 4096  # stops pending at once: no client can grow the folder past this
