@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 
 from pipeline.errors import PipelineError
+from pipeline.policy.serving_gate import STOPPING_MESSAGE
+from pipeline.triton import cancel_marks
 
 # An absolute path of two or more parts; it is cut to its last part, which still names the file.
 _PATH = re.compile(r"(?<![\w:/])(?:/[^\s/'\"(),;:]+){2,}/?")
@@ -38,3 +40,13 @@ def answer_each(requests, respond, where: str) -> list:
         except Exception as err:  # noqa: BLE001  any bad input fails alone
             responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(client_message(err, where))))
     return responses
+
+
+def stopping_refusal():
+    """A gate model's answer to a new request while its server drains (pipeline.triton.drain): UNAVAILABLE with
+    STOPPING_MESSAGE, which clients retry elsewhere; None while the server takes requests. A stat per request."""
+    if not cancel_marks.draining():
+        return None
+    import triton_python_backend_utils as pb_utils
+
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(STOPPING_MESSAGE, pb_utils.TritonError.UNAVAILABLE))

@@ -213,7 +213,7 @@ def _drain(server: TritonServer, timeout_s: float, say: Callable[[str], None]) -
     process = server.frontend.process if server.frontend is not None else None
     if process is not None and process.poll() is None:
         process.terminate()
-    result = drain([server.process.pid], server.endpoints.metrics if server.endpoints else None, timeout_s,
+    result = drain([server.process.pid], server.endpoints.metrics, timeout_s,
                    others_done=lambda: process is None or process.poll() is not None, say=say)
     say(result.line())
 

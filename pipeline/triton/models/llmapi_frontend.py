@@ -29,10 +29,8 @@ import triton_python_backend_utils as pb_utils
 
 from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text, template_opening
-from pipeline.policy.serving_gate import STOPPING_MESSAGE
-from pipeline.triton import cancel_marks
 from pipeline.triton.bls_streams import ENDED
-from pipeline.triton.client_errors import client_message
+from pipeline.triton.client_errors import client_message, stopping_refusal
 from pipeline.triton.validate import check_length, read_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -89,9 +87,8 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
-            if cancel_marks.draining():  # the server is stopping (pipeline.triton.drain): retried elsewhere
-                self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    STOPPING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)), FINAL)
+            if (refusal := stopping_refusal()) is not None:  # the server is stopping: retried elsewhere
+                self._send(sender, refusal, FINAL)
                 continue
             threading.Thread(target=self._run, args=(request, sender), daemon=True).start()
         return None

@@ -42,11 +42,11 @@ from pipeline.errors import PipelineError
 from pipeline.heap import release_memory
 from pipeline.policy.draft_plan import read_counts
 from pipeline.policy.gate_policy import GatePolicy
-from pipeline.policy.serving_gate import OVERRIDE, STOPPING_MESSAGE, Busy, Decision, ServingGate
+from pipeline.policy.serving_gate import OVERRIDE, Busy, Decision, ServingGate
 from pipeline.routes import PORTABLE, route_named
 from pipeline.triton import cancel_marks
 from pipeline.triton.bls_streams import ENDED
-from pipeline.triton.client_errors import client_message
+from pipeline.triton.client_errors import client_message, stopping_refusal
 from pipeline.triton.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestClock
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -253,9 +253,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             arrival = time.monotonic()
-            if cancel_marks.draining():  # the server is stopping (pipeline.triton.drain): retried elsewhere
-                self._send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    STOPPING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)), FINAL)
+            if (refusal := stopping_refusal()) is not None:  # the server is stopping: retried elsewhere
+                self._send(sender, refusal, FINAL)
                 continue
             refusal = _trtllm_refusal(request, self.guided) if self.drives_engines else None
             if refusal is not None:
