@@ -32,6 +32,7 @@ from pipeline.models.tokenizer import load_tokenizer, prompt_text, template_open
 from pipeline.triton.bls_streams import ENDED
 from pipeline.triton.client_errors import client_message, stopping_refusal
 from pipeline.triton.validate import check_length, read_request
+from pipeline.triton.stub_exit import exit_without_teardown
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -65,6 +66,7 @@ def _sampling_refusal(r) -> str | None:
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_without_teardown()
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.tokenizer = load_tokenizer(params["tokenizer_dir"])
         self.raw = params["apply_chat_template"] != "true"

@@ -15,10 +15,12 @@ from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import answer_each
 from pipeline.triton.validate import read_generation_output
+from pipeline.triton.stub_exit import exit_without_teardown
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_without_teardown()
         config = json.loads(args["model_config"])
         params = config["parameters"]
         self.tokenizer = load_tokenizer(params["tokenizer_dir"]["string_value"])

@@ -14,6 +14,7 @@ from pipeline.engine.config import ModelConfig
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, template_opening, uses_chat_template
 from pipeline.triton.client_errors import answer_each
 from pipeline.triton.validate import check_length, read_request
+from pipeline.triton.stub_exit import exit_without_teardown
 
 
 def _param(config: dict, key: str) -> str:
@@ -22,6 +23,7 @@ def _param(config: dict, key: str) -> str:
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_without_teardown()
         config = json.loads(args["model_config"])
         tokenizer_dir = _param(config, "tokenizer_dir")
         self.tokenizer = load_tokenizer(tokenizer_dir)

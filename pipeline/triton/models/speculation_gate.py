@@ -48,6 +48,7 @@ from pipeline.triton import cancel_marks
 from pipeline.triton.bls_streams import ENDED
 from pipeline.triton.client_errors import client_message, stopping_refusal
 from pipeline.triton.latency import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, RequestClock
+from pipeline.triton.stub_exit import exit_without_teardown
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # What the engine returns; the gate adds stream_id.
@@ -225,6 +226,7 @@ class Metrics:
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_without_teardown()
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         # The engine route's repository: the gate runs the draft-target loop over upstream's tensorrt_llm models
         self.drives_engines = route_named(params.get("backend", PORTABLE.repo_backend)).upstream_engine_models

@@ -30,6 +30,7 @@ from pipeline.triton.config import served_device
 from pipeline.triton.interface import STREAM_INTERVAL_MS
 from pipeline.triton.stop_text import sendable
 from pipeline.triton.validate import read_engine_request
+from pipeline.triton.stub_exit import exit_without_teardown
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Text-bearing tokens resent before each chunk, so postprocessing can rebuild a character split across
@@ -192,6 +193,7 @@ def _generation_response(ids: list[int], prefix_length: int, accepted: int, draf
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_without_teardown()
         config = json.loads(args["model_config"])
         engine_dir = config["parameters"]["engine_dir"]["string_value"]
         # The repository's speculation_gate decides load and short outputs for every request (its own ceiling
