@@ -41,6 +41,23 @@ def pipeline_home(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache(tmp_path_factory):
+    """One folder of built C kernels for the run: both xdist workers, the ISA caps' runs, and every server stub and
+    CLI process they start. In each test's own home, every tritonserver's engine and every `pipeline` subprocess
+    built them again (3 s of a core each, on the path of each server's start)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernels"
+    folder.mkdir(exist_ok=True)  # each build is renamed into place whole (cpu_kernels._build): workers may race
+    old = os.environ.get("PIPELINE_KERNEL_CACHE")
+    os.environ["PIPELINE_KERNEL_CACHE"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("PIPELINE_KERNEL_CACHE", None)
+    else:
+        os.environ["PIPELINE_KERNEL_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
     """The embedded default, converted once per test run (about 20 s) for the slow end-to-end tests. Under xdist

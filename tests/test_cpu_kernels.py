@@ -195,6 +195,7 @@ def test_without_a_compiler_the_torch_ops_run_and_say_why(tmp_path):
             "with torch.inference_mode(): n(torch.ones(2, 8, dtype=torch.bfloat16))\n"
             "print(cpu_kernels.status())")
     env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PIPELINE_HOME": str(tmp_path), "PIPELINE_KERNELS": "auto"}
+    env.pop("PIPELINE_KERNEL_CACHE", None)  # the run's shared builds: this process must find none and build
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("torch ops: building them failed"), done.stdout
@@ -443,3 +444,14 @@ def test_the_fast_lossless_dtype_is_bf16_on_the_kernels_and_fp32_where_bf16_woul
         assert dtype == "fp32" and "no bf16 instructions" in why and "\n" not in why
         monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu avx2 avx512f avx512_bf16")  # Zen 4
         assert cpu_kernels.fast_lossless_dtype()[0] == "bf16"
+
+
+def test_kernels_are_built_into_their_cache_folder_or_the_homes(tmp_path, monkeypatch):
+    from pipeline.home import kernel_cache
+
+    monkeypatch.delenv("PIPELINE_KERNEL_CACHE")
+    assert kernel_cache() == tmp_path / "home" / "kernels"  # conftest's home for this test
+    monkeypatch.setenv("PIPELINE_KERNEL_CACHE", str(tmp_path / "shared"))
+    lib = cpu_kernels._build(os.environ.get("CC") or "cc", cpu_kernels.isa_flags("portable"))
+    assert lib.parent == tmp_path / "shared" and lib.is_file()
+    assert cpu_kernels._build("no-such-cc", cpu_kernels.isa_flags("portable")) == lib  # found: nothing is built

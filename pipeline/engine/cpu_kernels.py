@@ -43,7 +43,7 @@ import torch
 
 from pipeline.engine import gpu_kernels
 from pipeline.errors import ConfigError
-from pipeline.home import pipeline_home
+from pipeline.home import kernel_cache
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels_layer.h"))  # the .c includes the header: both key the build
@@ -129,7 +129,7 @@ def _build(compiler: str, flags: list[str] | None = None) -> Path:
     flags = isa_flags("auto") if flags is None else flags
     key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(flags).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
-    lib = pipeline_home() / "kernels" / f"cpu_kernels-{key}.so"
+    lib = kernel_cache() / f"cpu_kernels-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
