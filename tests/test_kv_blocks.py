@@ -144,6 +144,7 @@ def test_preempted_requests_resume_with_the_same_output(tiny_target, tiny_draft,
     for p, r in zip(prompts, reqs):
         assert r.output_ids == reference(p) and r.error is None
     assert engine.stats.preemptions > 0 and engine.blocks.num_held == 0
+    assert not engine._held  # the scheduler's per-group counts leave with their requests: nothing kept per request
 
 
 # ---- sharing the slots between groups (one client request's n choices) ----------------------------------------
@@ -167,7 +168,7 @@ def test_a_request_beside_a_group_holding_every_slot_starts_at_the_next_step(tin
         engine.step()
     assert lone.output_ids == reference([5, 6, 7])
     assert all(r.output_ids == reference(p) and r.error is None for p, r in zip(prompts, group))
-    assert engine.blocks.num_held == 0
+    assert engine.blocks.num_held == 0 and not engine._held
 
 
 @pytest.mark.identity
