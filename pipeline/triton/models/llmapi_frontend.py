@@ -31,8 +31,8 @@ from pipeline.errors import PipelineError, RequestError
 from pipeline.models.tokenizer import load_tokenizer, prompt_text, template_opening
 from pipeline.triton.bls_streams import ENDED
 from pipeline.triton.client_errors import client_message, stopping_refusal
-from pipeline.triton.validate import check_length, read_request
 from pipeline.triton.stub_exit import exit_without_teardown
+from pipeline.triton.validate import check_length, read_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

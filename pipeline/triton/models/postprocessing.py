@@ -14,8 +14,8 @@ import triton_python_backend_utils as pb_utils
 from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import answer_each
-from pipeline.triton.validate import read_generation_output
 from pipeline.triton.stub_exit import exit_without_teardown
+from pipeline.triton.validate import read_generation_output
 
 
 class TritonPythonModel:

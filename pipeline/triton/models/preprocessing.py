@@ -13,8 +13,8 @@ import triton_python_backend_utils as pb_utils
 from pipeline.engine.config import ModelConfig
 from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, template_opening, uses_chat_template
 from pipeline.triton.client_errors import answer_each
-from pipeline.triton.validate import check_length, read_request
 from pipeline.triton.stub_exit import exit_without_teardown
+from pipeline.triton.validate import check_length, read_request
 
 
 def _param(config: dict, key: str) -> str:

@@ -29,8 +29,8 @@ from pipeline.triton.client_errors import client_message
 from pipeline.triton.config import served_device
 from pipeline.triton.interface import STREAM_INTERVAL_MS
 from pipeline.triton.stop_text import sendable
-from pipeline.triton.validate import read_engine_request
 from pipeline.triton.stub_exit import exit_without_teardown
+from pipeline.triton.validate import read_engine_request
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Text-bearing tokens resent before each chunk, so postprocessing can rebuild a character split across
