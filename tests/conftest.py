@@ -45,17 +45,21 @@ def pipeline_home(tmp_path, monkeypatch):
 def kernel_cache(tmp_path_factory):
     """One folder of built C kernels for the run: both xdist workers, the ISA caps' runs, and every server stub and
     CLI process they start. In each test's own home, every tritonserver's engine and every `pipeline` subprocess
-    built them again (3 s of a core each, on the path of each server's start)."""
+    built them again (3 s of a core each, on the path of each server's start). A run started by a run (the ISA caps'
+    pytest) keeps the folder it was handed (PIPELINE_TEST_KERNELS): each build's file is named by its source, flags
+    and CPU. A user's own $PIPELINE_KERNEL_CACHE is never written."""
     base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernels"
+    folder = Path(os.environ.get("PIPELINE_TEST_KERNELS") or
+                  (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernels")
     folder.mkdir(exist_ok=True)  # each build is renamed into place whole (cpu_kernels._build): workers may race
-    old = os.environ.get("PIPELINE_KERNEL_CACHE")
-    os.environ["PIPELINE_KERNEL_CACHE"] = str(folder)
+    old = {name: os.environ.get(name) for name in ("PIPELINE_KERNEL_CACHE", "PIPELINE_TEST_KERNELS")}
+    os.environ["PIPELINE_KERNEL_CACHE"] = os.environ["PIPELINE_TEST_KERNELS"] = str(folder)
     yield folder
-    if old is None:
-        os.environ.pop("PIPELINE_KERNEL_CACHE", None)
-    else:
-        os.environ["PIPELINE_KERNEL_CACHE"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
