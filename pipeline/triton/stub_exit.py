@@ -7,9 +7,10 @@ waitpid). After the model's `finalize`, a stub that imported torch and transform
 server waited for it: a tiny repository's stop took 6.0 s (4.5 s of it preprocessing's two instances), 3.8 s
 without.
 
-So each model registers `_exit_now` at initialize: the first exit handler `Py_Finalize` runs (python_backend
-src/pb_stub.cc, `main`: the interpreter is torn down after the stub has sent its finalize response and released
-its shared memory), it flushes the logs and ends the process with the status the stub would have had.
+So each model registers `_exit_now` as an exit handler at initialize. `Py_Finalize` runs the exit handlers before it
+frees any module (handlers registered later first), and the stub reaches it only after it has sent its finalize
+response and released its shared memory (python_backend src/pb_stub.cc, `main`); the handler flushes the logs and
+ends the process with the status the stub would have had.
 """
 
 from __future__ import annotations
