@@ -41,6 +41,13 @@ def pipeline_home(tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))
 
 
+def run_folder(tmp_path_factory) -> Path:
+    """The temp folder the whole run shares: under xdist, the workers' common parent (xdist's own recipe for a
+    session fixture made once)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernel_cache(tmp_path_factory):
     """One folder of built C kernels for the run: both xdist workers, the ISA caps' runs, and every server stub and
@@ -48,9 +55,7 @@ def kernel_cache(tmp_path_factory):
     built them again (3 s of a core each, on the path of each server's start). A run started by a run (the ISA caps'
     pytest) keeps the folder it was handed (PIPELINE_TEST_KERNELS): each build's file is named by its source, flags
     and CPU. A user's own $PIPELINE_KERNEL_CACHE is never written."""
-    base = tmp_path_factory.getbasetemp()
-    folder = Path(os.environ.get("PIPELINE_TEST_KERNELS") or
-                  (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernels")
+    folder = Path(os.environ.get("PIPELINE_TEST_KERNELS") or run_folder(tmp_path_factory) / "kernels")
     folder.mkdir(exist_ok=True)  # each build is renamed into place whole (cpu_kernels._build): workers may race
     old = {name: os.environ.get(name) for name in ("PIPELINE_KERNEL_CACHE", "PIPELINE_TEST_KERNELS")}
     os.environ["PIPELINE_KERNEL_CACHE"] = os.environ["PIPELINE_TEST_KERNELS"] = str(folder)
@@ -71,8 +76,7 @@ def smollm2(tmp_path_factory) -> Path:
 
     from pipeline.models.resolve import resolve_model
 
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = run_folder(tmp_path_factory)
     home = root / "smollm2-home"
     old = os.environ.get("PIPELINE_HOME")
     os.environ["PIPELINE_HOME"] = str(home)

@@ -341,7 +341,7 @@ class LLMEngine:
                     req.prefill_target = req.num_tokens
                     self._run(req)
                     continue
-                hog = self._newest_of_largest_group(held)
+                hog = self._newest_of_largest_group()
                 if hog is None or held[hog.group_key] < held[req.group_key] + 2:
                     break
                 self._preempt(hog, queued=True)
@@ -374,10 +374,10 @@ class LLMEngine:
         FAIR_HOLD_STEPS steps after one ended (read in a step before _fair_rows counts it)."""
         return self._iteration - self._ended_beside_larger < FAIR_HOLD_STEPS
 
-    def _newest_of_largest_group(self, held: Counter) -> Request | None:
+    def _newest_of_largest_group(self) -> Request | None:
         """The running request to give back first: the newest of the group holding the most slots (the newest of
         all when every group holds one)."""
-        return max(reversed(self.running), key=lambda r: held[r.group_key], default=None)
+        return max(reversed(self.running), key=lambda r: self._held[r.group_key], default=None)
 
     def _fair_rows(self, decoding: list[Request], prefilling: Counter) -> list[Request]:
         """The rows that decode this step. Beside smaller groups' rows or prefill (`prefilling`: the prompt tokens
@@ -600,7 +600,7 @@ class LLMEngine:
                     ks[i] = 0
                     self._skipped(r, MEMORY)
                     continue
-                victim = self._newest_of_largest_group(self._held)
+                victim = self._newest_of_largest_group()
                 if victim is r and len(self.running) == 1:
                     self._fail(r, RequestError(
                         f"the KV cache is full: this request alone holds all {self.blocks.num_blocks} blocks; "
