@@ -587,8 +587,10 @@ def test_cli_serves_until_sigterm_drains_what_it_holds_and_reaps_its_children(ti
     alone = [answers.pop(f"alone: {p}") for p in prompts]
     assert min(len(a) for a in alone) > 300, alone  # 800 byte tokens each, some of them parts of one character
     assert answers == {prompts[0]: alone[0], prompts[1]: alone[1], "chat": alone[0]}, rest
-    # All three were streaming at the SIGTERM, shown by chunks after it
-    assert all(after_term.get(key, 0) > 0 for key in answers), after_term
+    # Both gRPC streams were streaming at the SIGTERM, shown by chunks after it: they start together and the signal
+    # follows their first tokens. The OpenAI stream, started first, may have ended by then under CI's load (800
+    # tokens while the gRPC ones started); its answer is checked whole above either way.
+    assert all(after_term.get(p, 0) > 0 for p in prompts), after_term
     assert "drained: every request in flight finished" in rest and "Stopped." in rest and cli.returncode == 0, rest
     assert stopped_after < 40, rest
     assert all(group_members(pid) == [] for pid in server_pids)
