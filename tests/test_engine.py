@@ -330,8 +330,8 @@ def test_a_failing_row_ends_alone_and_the_others_finish_identically(tiny_target,
             raise RuntimeError("client went away")
 
     reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts[:3]]
-    sampled = engine.add_request(prompts[3], SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=1))
-    sampled.generator = "not a generator"  # its next sample raises
+    sampled = engine.add_request(prompts[3], SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0))
+    sampled.generator = "not a generator"  # its next sample raises (unseeded: it samples from its generator)
     callback = engine.add_request(prompts[4], SamplingParams(max_tokens=MAX_TOKENS), on_tokens=raise_at_fifth)
     at_prefill = engine.add_request(prompts[5], SamplingParams(max_tokens=MAX_TOKENS))
     at_decode = engine.add_request(prompts[6], SamplingParams(max_tokens=MAX_TOKENS))

@@ -207,8 +207,9 @@ def table(seed: int, rows: int, V: int) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed))
 
 
-T1 = SamplingParams(temperature=1.0, seed=0)
-FILTERED = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=0)
+# Unseeded: rejection sampling, with each test's generator seeded by hand (a seed would make them keyed).
+T1 = SamplingParams(temperature=1.0)
+FILTERED = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
 NEG = float("-inf")
 
 
@@ -452,7 +453,11 @@ def exact_joint(tiny_vocab_models):
     return joint
 
 
-def run_engine(target, draft, params: SamplingParams, n_requests: int, batch: int):
+def run_engine(target, draft, params: SamplingParams, n_requests: int, batch: int, keyed: bool = False):
+    """Each request sampled with speculation on: unseeded (rejection sampling, its generator seeded from a counter
+    so the run replays) or, keyed, seeded 10_000 + i (sampling.sample_keyed)."""
+    from unittest import mock
+
     from pipeline.engine.config import EngineConfig, GatePolicy
     from pipeline.engine.llm_engine import LLMEngine
 
@@ -464,10 +469,12 @@ def run_engine(target, draft, params: SamplingParams, n_requests: int, batch: in
 
         engine.tokenizer = load_tokenizer(target)
     streams = []
-    for start in range(0, n_requests, batch):
-        plist = [replace(params, max_tokens=E2E_MAX_TOKENS, seed=10_000 + start + i) for i in range(batch)]
-        reqs = engine.generate([E2E_PROMPT] * batch, plist, speculation="on")
-        streams += [tuple(r.output_ids[:3]) for r in reqs]
+    with mock.patch("pipeline.engine.request.fresh_seed", itertools.count(10_000).__next__):
+        for start in range(0, n_requests, batch):
+            plist = [replace(params, max_tokens=E2E_MAX_TOKENS, seed=10_000 + start + i if keyed else None)
+                     for i in range(batch)]
+            reqs = engine.generate([E2E_PROMPT] * batch, plist, speculation="on")
+            streams += [tuple(r.output_ids[:3]) for r in reqs]
     assert all(len(s) == 3 for s in streams)
     return streams, engine
 
@@ -481,23 +488,27 @@ def test_exact_joint_is_not_degenerate(exact_joint):
     assert sum(pr > 1e-3 for pr in p1.values()) >= 8
 
 
-@pytest.mark.parametrize("draft_kind, params", [
-    ("model", SamplingParams(temperature=1.0)),
-    ("ngram", SamplingParams(temperature=1.0)),
+@pytest.mark.parametrize("draft_kind, params, keyed", [
+    ("model", SamplingParams(temperature=1.0), False),
+    # seeded: each token drawn by (seed, position), drafts kept where they equal it (speculative.accept_keyed); the
+    # draws follow p one at a time (test_keyed_sampling.py), here jointly, through the engine
+    pytest.param("model", SamplingParams(temperature=1.0), True, marks=pytest.mark.slow),
+    ("ngram", SamplingParams(temperature=1.0), False),
     # an EAGLE-3 head behind n-gram lookup: after "3 5 3", x1 = 4 or 5 makes a 2-token match and the row drafts by
     # lookup (one-hot q); any other x1 drafts from the head's q. One verify holds both kinds of rows.
-    ("eagle3", SamplingParams(temperature=1.0)),
-    ("model", SamplingParams(temperature=0.8, top_k=8, top_p=0.9)),
+    ("eagle3", SamplingParams(temperature=1.0), False),
+    ("model", SamplingParams(temperature=0.8, top_k=8, top_p=0.9), False),
     # every row of a verify penalised by the drafts before it, as plain decoding would have been
-    ("model", SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.9)),
+    ("model", SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.9),
+     False),
 ])
 def test_engine_sampling_matches_exact_target_distribution(tiny_vocab_models, tiny_vocab_head, exact_joint,
-                                                           draft_kind, params):
+                                                           draft_kind, params, keyed):
     target, draft_folder = tiny_vocab_models
     draft = {"model": draft_folder, "ngram": "ngram", "eagle3": f"eagle3:{tiny_vocab_head}"}[draft_kind]
     n = 8192
     with single_thread():
-        streams, engine = run_engine(target, draft, params, n_requests=n, batch=512)
+        streams, engine = run_engine(target, draft, params, n_requests=n, batch=512, keyed=keyed)
     stats = engine.stats
     # speculation really happened, with both acceptances and rejections
     assert stats.drafted_tokens > n

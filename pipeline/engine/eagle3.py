@@ -34,7 +34,7 @@ from pipeline.engine.linear import Linear, pack_linears
 from pipeline.engine.model import MLP, Attention, RMSNorm, Transformer, stack_row
 from pipeline.engine.proposers import GuidedDrafts, draft_plan, drafts_of, padded_ids
 from pipeline.engine.request import Request
-from pipeline.engine.sampling import probs_from_logits, sample
+from pipeline.engine.sampling import probs_from_logits
 from pipeline.engine.speculative import Proposal
 from pipeline.errors import DraftMismatchError, ModelFormatError
 from pipeline.models.families import family_for
@@ -259,7 +259,7 @@ class Eagle3Proposer:
                     full[to_target] = logits[n]
                     q = probs_from_logits(full, reqs[i].params)
                     probs[i, j] = q
-                    tokens[i].append(sample(q, reqs[i].generator))
+                    tokens[i].append(reqs[i].draw(q, reqs[i].num_tokens + j))  # position j past the pending token
                 else:
                     tokens[i].append(greedy[n])
                 guides.push(reqs[i], tokens[i][-1])

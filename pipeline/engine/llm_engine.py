@@ -35,8 +35,8 @@ from pipeline.engine.logprobs import TokenLogprob, token_logprobs
 from pipeline.engine.model import Transformer, choose_kernels
 from pipeline.engine.proposers import DraftModelProposer, NgramFirst, NgramProposer, Proposer
 from pipeline.engine.request import FinishReason, Request, RequestStatus, TokenCallback
-from pipeline.engine.sampling import SamplingParams, probs_from_logits, sample
-from pipeline.engine.speculative import accept_greedy, accept_sampled
+from pipeline.engine.sampling import SamplingParams, probs_from_logits
+from pipeline.engine.speculative import accept_greedy, accept_keyed, accept_sampled
 from pipeline.engine.stats import EngineStats
 from pipeline.engine.stop_strings import Detokenize, StopStrings
 from pipeline.errors import ConfigError, DraftMismatchError, RequestError, one_line
@@ -221,15 +221,20 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",
                     on_tokens: TokenCallback | None = None, num_draft_tokens: int | None = None,
-                    group: int | None = None, guide: Guide | None = None) -> Request:
+                    group: int | None = None, guide: Guide | None = None, resume: list[int] = ()) -> Request:
         """Queue a request; it joins the running batch at the next step. Requests of one `group` (a client request's
         n choices) share the slots fairly with other groups (_admit). `guide`: params.guide already compiled
-        (compile_guide), else it is compiled here. Thread-safe."""
+        (compile_guide), else it is compiled here. `resume`: the answer's tokens a client already has, from a run
+        that was cut off (a restart): they are its output so far, counted by max_tokens, the penalties, min_tokens
+        and the guide, and only the tokens after them are made and sent; a seeded request then goes on exactly as the
+        first run would have (sampling.sample_keyed). Thread-safe."""
         max_len = self.config.max_seq_len
-        if len(prompt_ids) >= max_len:
-            raise RequestError(f"prompt is {len(prompt_ids)} tokens but the engine's max_seq_len is {max_len}; "
-                               f"shorten the prompt or raise max_seq_len")
-        if blocks_for(len(prompt_ids) + 1) > self.blocks.num_blocks:
+        resume = list(resume)
+        if len(prompt_ids) + len(resume) >= max_len:
+            raise RequestError(f"prompt is {len(prompt_ids)} tokens" + (f" + {len(resume)} resumed" if resume else "")
+                               + f" but the engine's max_seq_len is {max_len}; shorten the prompt or raise "
+                               "max_seq_len")
+        if blocks_for(len(prompt_ids) + len(resume) + 1) > self.blocks.num_blocks:
             raise RequestError(f"prompt is {len(prompt_ids)} tokens but the KV cache holds "
                                f"{self.blocks.num_blocks * self.cache.block_size}; shorten the prompt or raise "
                                f"kv_cache_bytes")
@@ -238,11 +243,19 @@ class LLMEngine:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt has token ids outside the vocabulary [0, {vocab}); check the tokenizer")
+        if any(not 0 <= t < vocab for t in resume):
+            raise RequestError(f"resume has token ids outside the vocabulary [0, {vocab}); send the answer's own ids")
+        if len(resume) >= params.max_tokens:
+            raise RequestError(f"resume holds {len(resume)} tokens and max_tokens is {params.max_tokens}: nothing is "
+                               "left to make; send the answer's first run's max_tokens, or don't resume a finished one")
         req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
-                      num_draft_tokens=num_draft_tokens, group=group, shared_acceptance=self.shared_acceptance)
+                      num_draft_tokens=num_draft_tokens, group=group, shared_acceptance=self.shared_acceptance,
+                      output_ids=resume, num_resumed=len(resume))
         # ignore_eos: the model's end tokens are just tokens (a guide's grammar still ends the answer at one).
         eos = () if params.ignore_eos and params.guide is None else self.eos_token_ids
         req.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)
+        if (ended := next((t for t in resume if t in req.stop_ids), None)) is not None:
+            raise RequestError(f"resume holds the stop token {ended}: that answer had ended; send the tokens before it")
         if params.logit_bias:
             check_logit_bias(params.logit_bias, vocab)
         if params.stop:
@@ -254,6 +267,10 @@ class LLMEngine:
             if guide is not None and guide.spec != params.guide:
                 raise ValueError("add_request: the compiled guide isn't the one params.guide names")
             req.guide = guide or self.compile_guide(params.guide)
+            if resume and req.guide.valid_prefix(resume) < len(resume):
+                raise RequestError(f"resume holds tokens its guide refuses ({params.guide.type}): send the answer "
+                                   "this guide made")
+            req.guide.advance(resume, req.stop_ids)
         with self._queue_lock:
             self.waiting.append(req)
         return req
@@ -504,7 +521,7 @@ class LLMEngine:
                 if r.guide is not None:  # the grammar's tokens only, after the penalties
                     row = apply_refusals(row.cpu(), r.guide.row_refusals([]))
                     greedy[i] = int(row[0].argmax())
-                tok = greedy[i] if r.params.greedy else sample(probs_from_logits(row[0].cpu(), r.params), r.generator)
+                tok = greedy[i] if r.params.greedy else r.draw(probs_from_logits(row[0].cpu(), r.params), r.num_tokens)
                 if r.guide is not None:
                     r.guide.advance([tok], r.stop_ids)
                 self._emit(r, [tok], finished, self._logprobs(r, row, [tok]))
@@ -702,6 +719,8 @@ class LLMEngine:
                 if r.params.greedy:
                     own = r.params.adjusted or r.guide is not None
                     m, nxt = accept_greedy(rows.argmax(-1).tolist() if own else argmax[i][: len(d) + 1], d)
+                elif r.keyed:
+                    m, nxt = accept_keyed(rows.cpu(), d, r)
                 else:
                     m, nxt = accept_sampled(rows.cpu(), d, q_rows.get(i), r)
                 if r.guide is not None:  # the accepted drafts and the next token; rejected ones were never taken

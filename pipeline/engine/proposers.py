@@ -20,7 +20,7 @@ from pipeline.engine.cuda_graphs import GraphedForward
 from pipeline.engine.kv_cache import ForwardBatch
 from pipeline.engine.model import Transformer
 from pipeline.engine.request import Request
-from pipeline.engine.sampling import probs_from_logits, sample
+from pipeline.engine.sampling import probs_from_logits
 from pipeline.engine.speculative import Proposal
 
 
@@ -288,7 +288,7 @@ class DraftModelProposer:
                 if i in stochastic:
                     q = probs_from_logits(logits[n], reqs[i].params)
                     probs[i, j] = q
-                    tokens[i].append(sample(q, reqs[i].generator))
+                    tokens[i].append(reqs[i].draw(q, reqs[i].num_tokens + j))  # position j past the pending token
                 else:
                     tokens[i].append(greedy_next[n])
                 guides.push(reqs[i], tokens[i][-1])

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from pipeline.engine.block_manager import BlockTable
-from pipeline.engine.sampling import SamplingParams
+from pipeline.engine.sampling import SamplingParams, sample, sample_keyed
 from pipeline.errors import RequestError
 from pipeline.policy.draft_plan import AcceptanceEstimate
 
@@ -32,6 +33,11 @@ SPECULATION_MODES = ("auto", "on", "off")
 
 _ids = itertools.count()
 
+
+def fresh_seed() -> int:
+    """An unseeded sampled request's generator seed: the OS's entropy (tests replace it to replay a run)."""
+    return int.from_bytes(os.urandom(8), "little")
+
 # Called with (request, new token ids) each time a request produces tokens, and with (request, [])
 # when it finishes without producing more.
 TokenCallback = Callable[["Request", list[int]], None]
@@ -50,6 +56,7 @@ class Request:
     decoded_at: int = 0  # the engine step it last decoded in (LLMEngine._fair_rows)
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
+    num_resumed: int = 0  # of output_ids, those a client already had when it resumed the request (add_request)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     slot: int | None = None  # its row in a draft model's or EAGLE-3 head's per-slot cache
@@ -97,12 +104,20 @@ class Request:
             raise RequestError(f"speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})")
         if self.num_draft_tokens is not None and self.num_draft_tokens < 0:
             raise RequestError(f"num_draft_tokens must be >= 0 (got {self.num_draft_tokens})")
-        if not self.params.greedy:
-            self.generator = torch.Generator()
-            if self.params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(self.params.seed)
+        if not self.params.greedy and self.params.seed is None:  # a seeded one draws keyed noise, no generator
+            self.generator = torch.Generator().manual_seed(fresh_seed())
+
+    @property
+    def keyed(self) -> bool:
+        """Whether its tokens are drawn by (seed, position) (sampling.sample_keyed): a sampled request with a seed."""
+        return self.params.seed is not None and not self.params.greedy
+
+    def draw(self, probs: torch.Tensor, position: int) -> int:
+        """The token at sequence position `position` from probs [V]: keyed by the seed where there is one (the same
+        token however it was drafted, batched or resumed), else from the request's own generator."""
+        if self.keyed:
+            return sample_keyed(probs, self.params.seed, position)
+        return sample(probs, self.generator)
 
     @property
     def acceptance(self) -> AcceptanceEstimate:

@@ -34,6 +34,19 @@ def accept_greedy(argmax: list[int], drafts: list[int]) -> tuple[int, int]:
     return m, argmax[m]
 
 
+def accept_keyed(logits: torch.Tensor, drafts: list[int], req: Request) -> tuple[int, int]:
+    """logits: [T, V]; a seeded request's verify (sampling.sample_keyed): the target's own token at each position,
+    drawn with that position's noise, and drafts kept while each equals it, as greedy keeps argmax matches. Every
+    token emitted is the one plain decoding would draw there, so the output follows p exactly and does not depend
+    on the drafts. The draft drew with the same noise, which is what makes it likely to match."""
+    base = req.num_tokens  # the sequence position of the token after the pending one
+    for j, d in enumerate(drafts):
+        token = req.draw(probs_from_logits(logits[j], req.params), base + j)
+        if token != d:
+            return j, token
+    return len(drafts), req.draw(probs_from_logits(logits[len(drafts)], req.params), base + len(drafts))
+
+
 def accept_sampled(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, req: Request) -> tuple[int, int]:
     """logits: [T, V]; q: [K, V] draft probabilities, or None for a deterministic (one-hot) proposer.
 
