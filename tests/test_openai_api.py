@@ -356,7 +356,9 @@ def test_n_choices_each_their_own_and_the_prompt_read_once(client):
     """n sampled choices with a seed: n answers, reproducible, not all alike; the later choices read the prompt's
     blocks from the prefix cache; usage counts the prompt once and every choice's tokens."""
     messages = [{"role": "user", "content": "Tell me a story about a lighthouse keeper and a storm at sea, " * 3}]
-    kwargs = dict(model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=7, n=3)
+    # ignore_eos: every choice makes its 12 tokens, whatever its seed draws (usage is counted below)
+    kwargs = dict(model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=7, n=3,
+                  extra_body={"ignore_eos": True})
     first, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
     texts = [c.message.content for c in first.choices]
     assert [c.index for c in first.choices] == [0, 1, 2] and len(set(texts)) > 1

@@ -387,12 +387,28 @@ def test_http_generate_bounds_every_number_by_the_engine(server, engine_dir):
 
 
 LONG_STREAM = 900  # tokens a stream asks for while its engine is killed: it must still be running then
+# Answers resumed by `pipeline`'s client across the kill, greedy and seeded (a temperature exact in float32, as the
+# ensemble carries it), each the whole LONG_STREAM (end tokens ignored) so it is still running at the kill.
+RESUMED = (("resume me after a kill", {"ignore_eos": True}),
+           ("and me, sampled", {"temperature": 0.5, "seed": 5, "ignore_eos": True}))
+
+
+def engine_text(engine_dir: Path, prompt: str, max_tokens: int, **sampling) -> str:
+    """The in-process engine's uninterrupted answer, decoded as the client joins it."""
+    from pipeline.models.tokenizer import answer_text
+
+    if sampling.get("ignore_eos"):  # as preprocessing sends it: no stop token at all
+        sampling = {**sampling, "stop_token_ids": ()}
+    req, tokenizer = engine_answer(engine_dir, prompt, max_tokens, **sampling)
+    return answer_text(tokenizer, req.output_ids)
 
 
 @pytest.mark.slow
 def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tiny_target, tmp_path):
     """kill -9 of the torch_engine stub mid-load, under `pipeline serve`: every client in flight gets an error
-    within 10 s, readiness drops, serve says why in one line, and a new request succeeds within 60 s."""
+    within 10 s, readiness drops, serve says why in one line, and a new request succeeds within 60 s. `pipeline`'s
+    own client resumes instead (issue 55): its greedy and seeded answers in flight at the kill end, after the
+    restart, exactly as the in-process engine's uninterrupted ones."""
     import os
     import signal
     import subprocess
@@ -408,9 +424,10 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tin
     # that three were running and the kill, once verify steps got faster.
     engine_dir = ngram_engine(tiny_target, tmp_path / "engine", slots=8, max_seq_len=1024)
     repo = assemble(AssembleOptions(engine=engine_dir, repo=tmp_path / "repo")).repo
-    grpc, http, metrics_port = free_ports()
+    grpc, http, metrics_port, openai_port = free_ports(4)
     cli = subprocess.Popen([sys.executable, "-c", "from pipeline.cli import main; main()", "serve", "--repo", str(repo),
-                            "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics_port)],
+                            "--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics_port),
+                            "--openai-port", str(openai_port), "--served-model-name", "tiny"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(cli.stdout.readline, "")), daemon=True)
@@ -426,6 +443,43 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tin
                 return response.status == 200
         except OSError:
             return False
+
+    resuming: set[str] = set()
+    resumed: dict[str, object] = {}
+
+    def resume(url: str, prompt: str, sampling: dict):
+        from pipeline.client.ensemble import ClientOptions, Connection, RequestOptions
+
+        try:
+            with Connection(ClientOptions(url, resume_s=90)) as conn:
+                resumed[prompt] = conn.generate(prompt, RequestOptions(max_tokens=LONG_STREAM, **sampling),
+                                                on_chunk=lambda chunk: chunk.tokens and resuming.add(prompt))
+        except Exception as err:  # noqa: BLE001  checked by the test
+            resumed[prompt] = err
+
+    def api():
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"http://127.0.0.1:{openai_port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def chat(key: str, stream: bool, **sampling):
+        """Through the OpenAI frontend, which resumes too: (text, completion tokens), or the error."""
+        try:
+            kwargs = dict(model="tiny", messages=[{"role": "user", "content": key}], max_tokens=LONG_STREAM,
+                          extra_body={"ignore_eos": True}, **sampling)
+            if not stream:
+                answer = api().chat.completions.create(**kwargs)
+                resumed[key] = (answer.choices[0].message.content, answer.usage.completion_tokens)
+                return
+            text, usage = [], None
+            for chunk in api().chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text.append(chunk.choices[0].delta.content)
+                    resuming.add(key)
+                usage = chunk.usage or usage
+            resumed[key] = ("".join(text), usage.completion_tokens)
+        except Exception as err:  # noqa: BLE001  checked by the test
+            resumed[key] = err
 
     try:
         assert wait_for(lambda: any(line.strip().startswith("admin") for line in lines), timeout=120), lines
@@ -446,12 +500,19 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tin
         [server_pid] = [int(p) for p in subprocess.run(["pgrep", "-f", f"tritonserver.*grpc-port={grpc}"],
                                                        capture_output=True, text=True).stdout.split()]
         [engine] = [s for s in python_stubs(os.getpgid(server_pid)) if s.model == "torch_engine"]
+        resumers = [threading.Thread(target=resume, args=(served.endpoints.grpc, prompt, sampling))
+                    for prompt, sampling in RESUMED]
+        chats = {"a seeded chat, streamed": dict(temperature=0.7, seed=3), "a greedy chat, whole": dict(temperature=0)}
+        resumers += [threading.Thread(target=chat, args=(key, "streamed" in key), kwargs=sampling)
+                     for key, sampling in chats.items()]
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
-        for t in threads:
+        for t in threads + resumers:
             t.start()
         # Some prompts stop within a few tokens on this random model; at least three run long.
         assert wait_for(lambda: value(metrics(f"http://127.0.0.1:{metrics_port}/metrics"),
                                       "pipeline_engine_requests_running") >= 3, timeout=10)
+        # each streamed one has its first tokens (the whole chat has nothing to show until its end)
+        assert wait_for(lambda: len(resuming) == len(RESUMED) + 1, timeout=10)
         os.kill(engine.pid, signal.SIGKILL)
         killed = time.monotonic()
         assert wait_for(lambda: not ready(), timeout=10)
@@ -472,6 +533,19 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tin
                 time.sleep(1)
         c.close()
         assert text == expected_text(engine_dir, "hi", 8)
+        for t in resumers:
+            t.join(timeout=120)
+        for prompt, sampling in RESUMED:  # one answer each, as the uninterrupted engine gives it
+            got = resumed[prompt]
+            assert not isinstance(got, Exception), got
+            assert got.resumed >= 1 and got.text == engine_text(engine_dir, prompt, LONG_STREAM, **sampling), prompt
+        for key, sampling in chats.items():  # the frontend's answers, as the restarted server gives them whole
+            assert not isinstance(resumed[key], Exception), resumed[key]
+            again = api().chat.completions.create(model="tiny", messages=[{"role": "user", "content": key}],
+                                                  max_tokens=LONG_STREAM, extra_body={"ignore_eos": True}, **sampling)
+            assert resumed[key] == (again.choices[0].message.content, LONG_STREAM), key
+        frontend = metrics(f"http://127.0.0.1:{openai_port}/metrics")
+        assert value(frontend, "pipeline_frontend_resumed_total") >= 2  # the streamed chat's, and the whole one's
         died = [line for line in lines if "died" in line]
         assert len(died) == 1 and f"the python stub of torch_engine (pid {engine.pid}) died" in died[0]
         assert any(line.startswith("ready again after") for line in lines)
@@ -836,5 +910,43 @@ def test_bad_sampling_extras_are_refused_in_one_line_and_the_server_goes_on(serv
             ensemble_results(c, "hi", 8, True, return_log_probs=np.array([[True]]), **{name: value})
         [(text, _, _)] = responses(c, "hi", 8, stream=False)
         assert text == expected_text(engine_dir, "hi", 8)
+    finally:
+        c.close()
+
+
+# ---- resuming an answer a restart cut off (issue 55) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_resumed_answer_sends_only_what_follows_its_start_and_ends_as_the_uninterrupted_one(server, engine_dir,
+                                                                                               stream):
+    """resume_token_ids, greedy and seeded sampled: the responses hold the answer's tokens after the start the client
+    sent (output_token_ids), their text is the rest of the uninterrupted answer's text, and their counts are theirs."""
+    from pipeline.models.tokenizer import load_tokenizer, visible_text
+
+    tokenizer = load_tokenizer(engine_dir / "target")
+    prompt = "tell me about resuming"
+    c = client(server)
+
+    def answer(params: dict, **extra) -> tuple[list[int], str, int]:
+        results = ensemble_results(c, prompt, 40, stream, **params, **extra)
+        return ([int(t) for r in results for t in r.as_numpy("output_token_ids").reshape(-1)],
+                "".join(r.as_numpy("text_output")[0, 0].decode() for r in results),
+                sum(int(r.as_numpy("num_output_tokens").reshape(-1)[0]) for r in results))
+
+    try:
+        for params in ({}, {"temperature": np.array([[0.9]], np.float32), "seed": np.array([[7]], np.uint64)}):
+            ids, text, counted = answer(params)
+            assert len(ids) == counted > 12 and text
+            for cut in (1, 11):
+                rest, rest_text, rest_counted = answer(params, resume_token_ids=np.array([ids[:cut]], np.int32))
+                assert rest == ids[cut:] and rest_counted == len(ids) - cut, (params, cut)
+                start = visible_text(tokenizer.decode(ids[:cut], skip_special_tokens=True))
+                assert start + rest_text == text, (params, cut)
+        for bad, message in (([ids[:1] * 40], "resume_token_ids holds 40 ids and max_tokens is 40"),
+                             ([[10 ** 6]], r"resume has token ids outside the vocabulary \[0, "),
+                             ([[-3]], "resume_token_ids holds negative ids")):
+            with pytest.raises(Exception, match=message):
+                ensemble_results(c, prompt, 40, stream, resume_token_ids=np.array(bad, np.int32))
+        assert answer(params)[0] == ids  # and the server serves on as before
     finally:
         c.close()

@@ -201,7 +201,8 @@ class ServedTarget:
     def __init__(self, url: str):
         from pipeline.client.ensemble import ClientOptions, Connection
 
-        self.options = ClientOptions(url, response_timeout_s=600.0, wait_s=30.0)
+        # A lost server fails the point: a resumed request's time would measure the restart, not the serving.
+        self.options = ClientOptions(url, response_timeout_s=600.0, wait_s=30.0, resume_s=0.0)
         with Connection(self.options) as conn:
             conn.check_ready()
         self.name = url

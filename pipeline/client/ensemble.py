@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
@@ -64,6 +64,10 @@ class Cancelled(PipelineError):
     """A request stopped because a sibling request failed or the user interrupted (generate_many)."""
 
 
+class LostServer(ServeError):
+    """The server went away mid-request (killed, restarted, stopping): the request may be resumed once it is back."""
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """One request's settings; None leaves the repository's default (its num_draft_tokens, seed 0)."""
@@ -90,6 +94,9 @@ class RequestOptions:
     prompt_ids: tuple[int, ...] | None = None  # the prompt as token ids, taken as they are (the text only names it)
     stream_interval_ms: int | None = None  # None: the server's cadence; more: fewer responses (interface.py)
     request_group: int | None = None  # requests sharing one share the engine's slots fairly with others (interface.py)
+    # The answer's tokens already received, from a run a lost server cut off: the server goes on after them
+    # (interface.py's resume_token_ids). Connection.generate fills it in itself when it resumes.
+    resume_ids: tuple[int, ...] = ()
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -127,6 +134,10 @@ class ClientOptions:
     connect_timeout_s: float = 10.0  # server and model readiness checks
     response_timeout_s: float = 300.0  # longest wait for the next response of a stream
     wait_s: float = 0.0  # keep retrying an unreachable or loading server this long (a server just started)
+    # A request cut off by a lost server (a crash and the supervisor's restart, a rolling update) waits this long for
+    # it to be ready again, then resumes from the tokens it has: greedy or seeded, the answer is the one an
+    # uninterrupted run gives. 0: fail at once, as before.
+    resume_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +158,7 @@ class Chunk:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (prefix_cache_hit_tokens)
     # With prompt_logprobs, in the first response: per prompt token [id, log prob, [[id, lp], ...]], the first's null
     prompt_logprobs: list = field(default_factory=list)
+    token_ids: tuple[int, ...] = ()  # the new tokens' ids (output_token_ids): what a resumed request resends
 
 
 @dataclass(frozen=True)
@@ -157,6 +169,7 @@ class Result:
     max_tokens: int
     streamed: bool
     total_s: float
+    resumed: int = 0  # times the server was lost mid-answer and the answer went on from the tokens it had
 
     @property
     def accepted(self) -> int:
@@ -196,7 +209,8 @@ class Result:
         return {"tokens": self.tokens, "responses": len(self.chunks), "accepted_tokens": self.accepted,
                 "drafted_tokens": self.drafted, "acceptance_rate": self.acceptance_rate,
                 "draft_steps": self.draft_steps, "skipped_steps": self.skipped_steps,
-                "ttft_s": _round(self.ttft_s), "total_s": _round(self.total_s), "tokens_per_s": self.tokens_per_s}
+                "ttft_s": _round(self.ttft_s), "total_s": _round(self.total_s), "tokens_per_s": self.tokens_per_s,
+                "resumed": self.resumed}
 
     def to_json_dict(self) -> dict:
         return {"prompt": self.prompt, "text": self.text, "stats": self.stats()}
@@ -222,6 +236,7 @@ def chunk_of(result, t_s: float) -> Chunk:
     top = result.as_numpy("top_log_probs")  # these two as well
     cached = result.as_numpy("prefix_cache_hit_tokens")
     prompt = result.as_numpy("prompt_log_probs")
+    ids = result.as_numpy("output_token_ids")  # absent from a server whose ensemble predates it
     return Chunk(result.as_numpy("text_output").reshape(-1)[0].decode("utf-8", "replace"),
                  scalar("num_accepted_tokens"), scalar("num_drafted_tokens"), t_s, scalar("num_output_tokens"),
                  _draft_steps(result), _skipped(result),
@@ -229,7 +244,8 @@ def chunk_of(result, t_s: float) -> Chunk:
                  if histogram is not None and histogram.size else {},
                  json.loads(top.reshape(-1)[0]) if top is not None and top.size else [],
                  int(cached.reshape(-1)[0]) if cached is not None and cached.size else 0,
-                 json.loads(prompt.reshape(-1)[0]) if prompt is not None and prompt.size else [])
+                 json.loads(prompt.reshape(-1)[0]) if prompt is not None and prompt.size else [],
+                 tuple(int(t) for t in ids.reshape(-1)) if ids is not None else ())
 
 
 def _round(x: float | None) -> float | None:
@@ -322,6 +338,8 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
         tensors.append(tensor("request_group", np.array([[options.request_group]], np.uint64), "UINT64"))
     if options.prompt_ids is not None:
         tensors.append(tensor("prompt_token_ids", np.array([options.prompt_ids], np.int32), "INT32"))
+    if options.resume_ids:
+        tensors.append(tensor("resume_token_ids", np.array([options.resume_ids], np.int32), "INT32"))
     if options.guide is not None:
         tensors.append(tensor("guided_decoding_guide_type", np.array([[options.guide.type.encode()]], np.object_),
                               "BYTES"))
@@ -418,7 +436,7 @@ class Connection:
                 self._client.async_stream_infer(self.options.model, build_inputs(prompt, options),
                                                 request_id=rid, enable_empty_final_response=True)
             except InferenceServerException as err:
-                raise _unreachable(self.target, err) from None
+                raise LostServer(str(_unreachable(self.target, err))) from None
             deadline = time.monotonic() + self.options.response_timeout_s
             while True:
                 try:
@@ -484,24 +502,52 @@ class Connection:
         """A model's error response -> RequestError; a broken or cancelled stream (a gRPC status) -> ServeError."""
         message = _message(error)
         status = stream_error_status(error)
-        if "UNAVAILABLE" in status or "server is stopping" in message.lower():
-            return ServeError(f"lost tritonserver at {self.target} ({message[:160]}); check it is still running "
+        # A dead engine stub fails its requests before the supervisor restarts the server (docs/reliability.md).
+        if "UNAVAILABLE" in status or "server is stopping" in message.lower() or "is not healthy" in message:
+            return LostServer(f"lost tritonserver at {self.target} ({message[:160]}); check it is still running "
                               "(`pipeline serve`) and retry")
         if status:
-            return ServeError(f"the stream to {self.target} failed ({status}: {message[:160]}); retry, or check "
+            return LostServer(f"the stream to {self.target} failed ({status}: {message[:160]}); retry, or check "
                               "the server's log")
         return RequestError(f"the server refused the request: {message}")
 
     def generate(self, prompt: str, options: RequestOptions, on_chunk=None) -> Result:
-        """Run one request to the end; on_chunk(chunk) is called for each response as it arrives."""
+        """Run one request to the end; on_chunk(chunk) is called for each response as it arrives. A server lost
+        mid-answer is waited for (ClientOptions.resume_s) and the request resumed from the tokens received, so the
+        chunks read as one answer: none repeated, none missing, the counts summed."""
         t0 = time.perf_counter()
-        chunks = []
-        for chunk in self.stream(prompt, options):
-            chunks.append(chunk)
-            if on_chunk is not None:
-                on_chunk(chunk)
+        chunks: list[Chunk] = []
+        resumed = 0
+        while True:
+            have = tuple(t for c in chunks for t in c.token_ids)
+            if len(options.resume_ids) + len(have) >= options.max_tokens:  # all came; only the final flag was lost
+                break
+            try:
+                for chunk in self.stream(prompt, replace(options, resume_ids=options.resume_ids + have)):
+                    chunks.append(chunk)
+                    if on_chunk is not None:
+                        on_chunk(chunk)
+                break
+            except LostServer as lost:
+                # Resumable only where every token received came with its id (not the LLM-API route's text).
+                ids = sum(len(c.token_ids) for c in chunks)
+                if not self.options.resume_s or ids != sum(c.tokens for c in chunks) \
+                        or not self._back_within(self.options.resume_s):
+                    raise lost
+                resumed += 1
         return Result(prompt, "".join(c.text for c in chunks), chunks, options.max_tokens, options.stream,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, resumed)
+
+    def _back_within(self, seconds: float) -> bool:
+        """Whether the server is ready again within `seconds` (a supervisor's restart takes about ten)."""
+        def probe() -> bool | None:
+            try:
+                self._check_ready_once()
+                return True
+            except ServeError:
+                return None
+
+        return wait_until(probe, seconds, 0.5) is not None
 
 
 def run_request(client: ClientOptions, prompt: str, options: RequestOptions, on_chunk=None) -> Result:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from pipeline.client.ensemble import (ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk, RequestOptions, build_inputs,
                                       chunk_of, grpc_target, request_id, stop_inputs)
@@ -41,6 +42,11 @@ class EnsembleError(Exception):
         return self.message.startswith(BUSY_PREFIX)
 
     @property
+    def lost(self) -> bool:
+        """A request failed by a dead engine stub, just before the supervisor restarts the server: resumable."""
+        return "is not healthy" in self.message
+
+    @property
     def stopping(self) -> bool:
         """Refused by a server that is being stopped (pipeline.triton.drain): retried elsewhere, as a busy one's."""
         return self.message.startswith(STOPPING_PREFIX)
@@ -49,12 +55,16 @@ class EnsembleError(Exception):
 class Ensemble:
     """The ensemble on one tritonserver. Create and use inside one event loop."""
 
-    def __init__(self, url: str, model: str = ENSEMBLE):
+    def __init__(self, url: str, model: str = ENSEMBLE, resume_s: float = 120.0):
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
         self.target = grpc_target(url)
         self.model = model
+        # An answer cut off by a lost server waits this long for it to be ready again and resumes from the tokens it
+        # has (pipeline.client.ensemble.ClientOptions.resume_s); 0: it fails at once.
+        self.resume_s = resume_s
+        self.resumed = 0  # answers resumed so far, for the frontend's /metrics
         self.channel = grpc.aio.insecure_channel(self.target, options=[
             ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)])
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
@@ -89,7 +99,38 @@ class Ensemble:
         return request
 
     async def stream(self, text: str, options: RequestOptions) -> AsyncIterator[Chunk]:
-        """Send one request; yield its chunks. Leaving early stops it in the server (`_stop`)."""
+        """Send one request; yield its chunks. Leaving early stops it in the server (`_stop`). Where the server is
+        lost mid-answer (a broken stream, a dead engine stub), the server is waited for (resume_s) and the request
+        sent again with the tokens received as resume_token_ids: the chunks read as one answer, none repeated."""
+        have: list[int] = []
+        with_ids = True  # every chunk so far said its tokens' ids (the LLM-API route's say none)
+        while len(options.resume_ids) + len(have) < options.max_tokens:
+            attempt = self._attempt(text, replace(options, resume_ids=options.resume_ids + tuple(have)))
+            try:
+                async for chunk in attempt:
+                    have += chunk.token_ids
+                    with_ids = with_ids and len(chunk.token_ids) == chunk.tokens
+                    yield chunk
+                return
+            except EnsembleError as err:
+                if (err.refused and not err.lost) or not self.resume_s or not with_ids \
+                        or not await self._back_within(self.resume_s):
+                    raise
+                self.resumed += 1
+            finally:
+                await attempt.aclose()
+
+    async def _back_within(self, seconds: float) -> bool:
+        """Whether the ensemble is ready again within `seconds` (a supervisor's restart takes about ten)."""
+        deadline = time.monotonic() + seconds
+        while not await self.ready():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.5)
+        return True
+
+    async def _attempt(self, text: str, options: RequestOptions) -> AsyncIterator[Chunk]:
+        """One request's stream, as sent: its chunks, or the EnsembleError that ends it."""
         import grpc
         from tritonclient.grpc import InferResult
 

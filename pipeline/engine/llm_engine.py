@@ -250,7 +250,8 @@ class LLMEngine:
                                "left to make; send the answer's first run's max_tokens, or don't resume a finished one")
         req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
                       num_draft_tokens=num_draft_tokens, group=group, shared_acceptance=self.shared_acceptance,
-                      output_ids=resume, num_resumed=len(resume))
+                      output_ids=resume, num_resumed=len(resume),
+                      logprobs=[None] * len(resume) if params.logprobs is not None else [])
         # ignore_eos: the model's end tokens are just tokens (a guide's grammar still ends the answer at one).
         eos = () if params.ignore_eos and params.guide is None else self.eos_token_ids
         req.stop_ids = frozenset(params.stop_token_ids) | frozenset(eos)

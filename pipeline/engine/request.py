@@ -84,7 +84,8 @@ class Request:
     proposer_failed: bool = False  # the proposer raised for it: it decodes on without drafts
     generator: torch.Generator | None = None
     error: str | None = None  # one line, set when finish_reason is ERROR
-    # Per output token, when params.logprobs is set: its log prob and the top-N (pipeline/engine/logprobs.py).
+    # Per output token, when params.logprobs is set: its log prob and the top-N (pipeline/engine/logprobs.py); None
+    # for a resumed answer's first num_resumed tokens, which this run didn't draw.
     logprobs: list = field(default_factory=list)
     # Per prompt token after the first, when params.prompt_logprobs is set: its TokenLogprob under the target, filled
     # as the prompt is prefilled (chunk by chunk); complete once len(prompt_logprobs) == len(prompt_ids) - 1.

@@ -402,7 +402,11 @@ class Frontend:
                "final response, or cancelled (the client left)",
                "# TYPE pipeline_frontend_grpc_streams_total counter",
                *(f'pipeline_frontend_grpc_streams_total{{end="{end}"}} {count}'
-                 for end, count in self.ensemble.stream_ends.items())]
+                 for end, count in self.ensemble.stream_ends.items()),
+               "# HELP pipeline_frontend_resumed_total Answers a lost server cut off, resumed from the tokens they had "
+               "once it was back",
+               "# TYPE pipeline_frontend_resumed_total counter",
+               f"pipeline_frontend_resumed_total {self.ensemble.resumed}"]
         return PlainTextResponse(text.rstrip("\n") + "\n" + "\n".join(own) + "\n",
                                  media_type="text/plain; version=0.0.4")
 

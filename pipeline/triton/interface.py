@@ -55,6 +55,12 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # _fair_rows). Absent or 0: a group of its own. The portable
     # engine's; the TensorRT-LLM routes schedule by their own policy.
     TensorSpec("request_group", "UINT64", (1,), optional=True),
+    # The answer's tokens this client already has (output_token_ids of a stream a restart cut off): the engine takes
+    # them as the answer's start, counted by max_tokens, the penalties, min_tokens and the guide, and sends only what
+    # follows them, whose text joins theirs. Greedy, or sampled with the same seed, the answer then ends exactly as
+    # the first run would have (pipeline.engine.sampling.sample_keyed). The portable engine's; the TensorRT-LLM
+    # routes refuse it.
+    TensorSpec("resume_token_ids", "INT32", (-1,), optional=True),
 )
 STREAM_INTERVAL_MS, MAX_STREAM_INTERVAL_MS = 50, 1000
 # What a request must carry: upstream's required inputs. They are declared optional all the same, and the model
@@ -144,6 +150,9 @@ ENSEMBLE_OUTPUTS: tuple[TensorSpec, ...] = (
     # With prompt_logprobs, in the first response: a JSON list, per prompt token, of [token id, its log prob, [[id,
     # log prob], ...] for the N most likely] (the first token's null: nothing predicts it); "[]" otherwise.
     TensorSpec("prompt_log_probs", "BYTES", (1,)),
+    # The ids of this response's new tokens: what a client keeps to resend as resume_token_ids if the answer is cut
+    # off. Empty on the LLM-API route, whose llmapi model returns text only.
+    TensorSpec("output_token_ids", "INT32", (-1,)),
 )
 
 # A request after preprocessing: tokenized, validated, every default filled in. Preprocessing emits
@@ -182,6 +191,9 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("prompt_logprobs", "INT32", (1,), optional=True),  # the ensemble's; -1: none
     TensorSpec("stream_interval_ms", "INT32", (1,), optional=True),  # the ensemble's; absent: STREAM_INTERVAL_MS
     TensorSpec("request_group", "UINT64", (1,), optional=True),  # the ensemble's; absent or 0: a group of its own
+    # Of input_ids, the last resume_length are the answer's start (the ensemble's resume_token_ids), not prompt; one
+    # tensor of ids, since an empty one between ensemble steps reads as a missing input. Absent or 0: none.
+    TensorSpec("resume_length", "INT32", (1,), optional=True),
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds

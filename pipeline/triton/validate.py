@@ -116,6 +116,7 @@ class ClientRequest:
     prompt_ids: tuple[int, ...] | None = None  # prompt_token_ids, checked against the vocabulary; None: tokenize
     stream_interval_ms: int = STREAM_INTERVAL_MS
     request_group: int = 0  # 0: a group of its own
+    resume_ids: tuple[int, ...] = ()  # resume_token_ids, checked: the answer's start the client already has
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -175,7 +176,7 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
                          min_tokens, bool(scalar("ignore_eos", False)), bias, prompt_logprobs,
                          read_prompt_ids(get("prompt_token_ids"), max_seq_len, vocab_size),
                          check_stream_interval(int(scalar("stream_interval_ms", STREAM_INTERVAL_MS))),
-                         int(scalar("request_group", 0)))
+                         int(scalar("request_group", 0)), read_resume_ids(get("resume_token_ids"), max_tokens))
 
 
 def check_stream_interval(ms: int) -> int:
@@ -200,6 +201,23 @@ def read_prompt_ids(value: np.ndarray | None, max_seq_len: int, vocab_size: int)
                            "context holds the answer too)")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise RequestError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab_size}); check the tokenizer")
+    return tuple(int(t) for t in ids)
+
+
+def read_resume_ids(value: np.ndarray | None, max_tokens: int) -> tuple[int, ...]:
+    """resume_token_ids: one row of token ids, fewer than max_tokens (what is left is what gets made);
+    () when absent or empty. Whether they can be the answer's start (no stop token, a guide's) is the engine's check."""
+    if value is None or not value.size:
+        return ()
+    if value.ndim > 2 or (value.ndim == 2 and value.shape[0] != 1):
+        raise RequestError(f"resume_token_ids must be one row of token ids (got shape {list(value.shape)})")
+    ids = value.reshape(-1)
+    if ids.size >= max_tokens:
+        raise RequestError(f"resume_token_ids holds {ids.size} ids and max_tokens is {max_tokens}: nothing is left to "
+                           "make; send the first request's max_tokens, and don't resume an answer that ended")
+    # The model's own ids may lie past the tokenizer's (a padded embedding): the engine checks the upper bound.
+    if ids.min() < 0:
+        raise RequestError("resume_token_ids holds negative ids; send the answer's own output_token_ids")
     return tuple(int(t) for t in ids)
 
 
@@ -267,12 +285,16 @@ def read_engine_request(get: Get) -> dict:
     max_tokens = int(scalar("request_output_len"))
     if max_tokens < 1:
         raise RequestError(f"request_output_len must be >= 1 (got {max_tokens})")
+    resumed = int(optional("resume_length", 0))
+    if not 0 <= resumed < length:
+        raise RequestError(f"resume_length {resumed} is outside 0..{length - 1} (the ids sent, less a prompt token)")
     temperature, top_p = float(scalar("temperature")), float(scalar("top_p"))
     stop_words = _required(get, "stop_words_list")  # [1, 2, N]: Triton checks the shape
     stream_id = get("stream_id")
     return {
         "stream_id": "" if stream_id is None or not stream_id.size else str(int(stream_id.reshape(-1)[0])),
-        "prompt_ids": [int(t) for t in ids[0, :length]],
+        "prompt_ids": [int(t) for t in ids[0, :length - resumed]],
+        "resume_ids": [int(t) for t in ids[0, length - resumed:length]],
         "max_tokens": max_tokens,
         "end_id": int(scalar("end_id")),
         "temperature": temperature,

@@ -57,6 +57,9 @@ def _sampling_refusal(r) -> str | None:
                           ("prompt_logprobs", (-1,)), ("prompt_ids", (None,))):
         if getattr(r, name) not in neutral:
             return f"{name} isn't passed to the LLM-API route's llmapi model yet; leave it out"
+    if r.resume_ids:
+        return ("resume_token_ids isn't served on the LLM-API route (its llmapi model returns text, no token ids to "
+                "resume from); leave it out")
     if r.guide is not None:  # LLMAPI_HELPERS get_sampling_params_from_request reads no guided-decoding input
         return ("guided_decoding_guide_type isn't served by the LLM-API route's Triton model (TensorRT-LLM's llmapi "
                 "model reads no guide); send response_format to compile's trtllm-serve (serve.sh), serve the "
@@ -208,7 +211,8 @@ class TritonPythonModel:
             pb_utils.Tensor("output_log_probs", np.zeros((1, 1, 0), np.float32)),
             pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_)),
             pb_utils.Tensor("prefix_cache_hit_tokens", count(0)),
-            pb_utils.Tensor("prompt_log_probs", np.array([[b"[]"]], np.object_))]))
+            pb_utils.Tensor("prompt_log_probs", np.array([[b"[]"]], np.object_)),
+            pb_utils.Tensor("output_token_ids", np.zeros((1, 0), np.int32))]))  # text only comes back
         return text, tokens
 
     # ---- the sender thread ------------------------------------------------------------------------------

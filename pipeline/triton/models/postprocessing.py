@@ -38,7 +38,8 @@ class TritonPythonModel:
                 pb_utils.Tensor("output_log_probs", np.zeros((1, 1, 0), np.float32)),
                 pb_utils.Tensor("top_log_probs", np.array([[b"[]"]], np.object_)),
                 pb_utils.Tensor("prefix_cache_hit_tokens", zero),
-                pb_utils.Tensor("prompt_log_probs", np.array([[b"[]"]], np.object_))]
+                pb_utils.Tensor("prompt_log_probs", np.array([[b"[]"]], np.object_)),
+                pb_utils.Tensor("output_token_ids", np.zeros((1, 0), np.int32))]
 
     def _visible(self, ids) -> str:
         return visible_text(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
@@ -83,6 +84,7 @@ class TritonPythonModel:
             pb_utils.Tensor("num_accepted_tokens", get("accepted_tokens").astype(np.int32)),
             pb_utils.Tensor("num_drafted_tokens", get("drafted_tokens").astype(np.int32)),
             pb_utils.Tensor("num_output_tokens", np.array([[len(ids) - start]], np.int32)),
+            pb_utils.Tensor("output_token_ids", np.array([ids[start:]], np.int32).reshape(1, -1)),
             pb_utils.Tensor("num_draft_steps", get("verify_steps").astype(np.int32).reshape(1, 1)),
             pb_utils.Tensor("skipped_steps", get("skipped_steps").astype(np.object_).reshape(1, 1)),
             pb_utils.Tensor("acceptance_histogram", get("acceptance_histogram").astype(np.object_).reshape(1, 1)),

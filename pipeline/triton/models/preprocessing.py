@@ -51,7 +51,7 @@ class TritonPythonModel:
                          num_draft_tokens=self.num_draft_tokens, vocab_size=len(self.tokenizer))
         ids = list(r.prompt_ids) if r.prompt_ids is not None else encode_prompt(self.tokenizer, r.text,
                                                                                 r.raw(self.raw), self.opening)
-        check_length(len(ids), r.max_tokens, self.max_seq_len)
+        check_length(len(ids), r.max_tokens, self.max_seq_len)  # a resumed answer's start is in its max_tokens
         # ignore_eos (vLLM's): none of the model's own stop tokens ends the answer, the chat template's end of turn
         # included, only max_tokens, the request's stop words and its end_id if it sent one. A benchmark client's
         # fixed-length requests rely on it.
@@ -71,8 +71,9 @@ class TritonPythonModel:
             return np.array([[value]], dtype)
 
         return [
-            pb_utils.Tensor("input_ids", np.array([ids], np.int32)),
-            pb_utils.Tensor("input_lengths", row(len(ids), np.int32)),
+            pb_utils.Tensor("input_ids", np.array([ids + list(r.resume_ids)], np.int32)),
+            pb_utils.Tensor("input_lengths", row(len(ids) + len(r.resume_ids), np.int32)),
+            pb_utils.Tensor("resume_length", row(len(r.resume_ids), np.int32)),
             pb_utils.Tensor("request_output_len", row(r.max_tokens, np.int32)),
             pb_utils.Tensor("end_id", row(end_id, np.int32)),
             pb_utils.Tensor("temperature", row(r.temperature, np.float32)),

@@ -79,10 +79,11 @@ def _trtllm_refusal(request, guided: bool) -> str | None:
                 "xgrammar_tokenizer_info.json); rerun `pipeline compile` and `pipeline assemble`, or leave "
                 "guided_decoding_guide_type out")
     for name, neutral in (("min_tokens", (0, 1)), ("ignore_eos", (False,)), ("logit_bias", ("{}",)),
-                          ("prompt_logprobs", (-1,))):
+                          ("prompt_logprobs", (-1,)), ("resume_length", (0,))):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None and tensor.as_numpy().size and _scalar(request, name) not in neutral:
-            return (f"{name} isn't passed to the TensorRT-LLM route's tensorrt_llm models yet; serve the portable "
+            sent = "resume_token_ids" if name == "resume_length" else name  # the ensemble input it came from
+            return (f"{sent} isn't passed to the TensorRT-LLM route's tensorrt_llm models yet; serve the portable "
                     "engine (pipeline build --backend torch) for it, or leave it out")
     n = int(_scalar(request, "num_logprobs"))
     if n:

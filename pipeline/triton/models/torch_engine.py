@@ -344,10 +344,14 @@ class TritonPythonModel:
                                     prompt_logprobs=parsed["prompt_logprobs"])
             req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
                                           on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"],
-                                          group=parsed["request_group"], guide=parsed["compiled_guide"])
+                                          group=parsed["request_group"], guide=parsed["compiled_guide"],
+                                          resume=parsed["resume_ids"])
         except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
             self._send_error(state, client_message(err, "torch_engine"))
         else:
+            # A resumed answer's start is what its client already has: sent, and resent only as the prefix its
+            # first new text is decoded after.
+            state.sent = req.num_resumed
             self.streams[req] = state
 
     def _on_tokens(self, req, tokens):
@@ -387,8 +391,9 @@ class TritonPythonModel:
                 self._keepalive(req, state)
 
     def _respond(self, req, state: Stream, final: bool):
-        # Streaming: the new tokens after up to PREFIX_TOKENS already sent. Not streaming: the whole answer.
-        start = self._prefix_start(req.output_ids, state.sent) if state.stream else 0
+        # Streaming: the new tokens after up to PREFIX_TOKENS already sent. Not streaming: the whole answer (after a
+        # resumed answer's start, as a stream's first response).
+        start = self._prefix_start(req.output_ids, state.sent)
         end = len(req.output_ids) if final else self._safe_end(req)
         # A stream's final response goes out even with no new tokens: it carries the FINAL flag, the last counts
         # and a stop string's cut (its ids are the resent prefix, which postprocessing turns into no text).
@@ -404,10 +409,10 @@ class TritonPythonModel:
             state.sender.send(flags=FINAL)
         elif not state.stream or end > state.sent or final:
             skipped = _since(req.skip_reasons, state.skipped)
-            sent = state.sent if state.stream else 0
+            sent = state.sent  # a whole answer's is 0, or a resumed one's start, until this, its only response
             logprobs = top = None
-            if req.params.logprobs is not None:
-                logprobs = [lp.logprob for lp in req.logprobs[start:end]]
+            if req.params.logprobs is not None:  # a resumed start's tokens have none: in the prefix, dropped there
+                logprobs = [0.0 if lp is None else lp.logprob for lp in req.logprobs[start:end]]
                 top = [_entry(tok, lp) for tok, lp in zip(req.output_ids[sent:end], req.logprobs[sent:end])]
                 if final and req.stop_logprob is not None:  # a scored prompt's end token (Request.stop_logprob)
                     top.append(_entry(*req.stop_logprob))
