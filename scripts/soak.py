@@ -27,6 +27,15 @@ in-flight count, the engine's running and waiting requests) did not return to ze
     python scripts/soak.py --repo triton_repo                     # start tritonserver on it: 64 streams, 10 min
     python scripts/soak.py --url 127.0.0.1:8001 --server-pid 4242 --minutes 2 --json
     python scripts/soak.py --repo triton_repo --streams 16 --minutes 1 --burst-every-s 20 --no-rss-check
+
+--chaos (with --repo) kills the server every 30-90 s (--kill-every-s), tritonserver and the engine's python stub by
+turns, with SIGKILL; the script's supervisor (pipeline serve's own) restarts it. Greedy and sampled requests then go
+through `pipeline`'s own client, which waits for the server and resumes each answer from the tokens it has
+(pipeline.client.ensemble): every one must end, equal to its solo reference (sampled ones draw their seed from
+CHAOS_SEEDS, each with its own reference), none lost. The report adds how many answers were resumed and the time a
+kill added to them, against the restart's.
+
+    python scripts/soak.py --repo triton_repo --chaos --streams 32 --minutes 10
 """
 
 from __future__ import annotations
@@ -87,6 +96,10 @@ PROMPTS = (
 )
 
 SAMPLED_TEMPERATURE = 0.8
+CHAOS_SEEDS = 4  # --chaos: sampled requests draw one of these seeds, so each (prompt, seed) has a solo reference
+# --chaos: a resumed answer may take this much longer than a kill's restart (issue 55's target): the resume's own
+# prefill, and the poll that sees the server ready again.
+RESUME_SLACK_S = 2.0
 # A full engine queue refuses a request at once with this line (torch_engine, max_queue_size); the client
 # waits BUSY_BACKOFF_S before its next request, as a client that retries would.
 BUSY_LINE = "server busy:"
@@ -122,9 +135,11 @@ class Outcome(str, Enum):
     # With --repo: a gRPC failure while the server was down and being restarted (Restart); each restart is judged by
     # what killed the server, the requests it took with it are not failures of their own.
     LOST_TO_RESTART = "lost_to_restart"
+    # --chaos: a greedy or sampled answer that did not survive a kill (its client resumes them): a failure.
+    LOST = "lost"
 
 
-FAILING = (Outcome.ERRORED_UNEXPECTED, Outcome.HUNG, Outcome.MISMATCHED)
+FAILING = (Outcome.ERRORED_UNEXPECTED, Outcome.HUNG, Outcome.MISMATCHED, Outcome.LOST)
 
 
 @dataclass(frozen=True)
@@ -141,6 +156,8 @@ class SoakOptions:
     seed: int = 0
     warmup_s: float | None = None  # None: 10% of the run, at least 30 s, at most half of it
     rss_growth_pct: float = 10.0
+    chaos: bool = False  # kill the server every kill_every_s; greedy and sampled answers must resume
+    kill_every_s: tuple[float, float] = (30.0, 90.0)
 
     def __post_init__(self):
         for name in ("bad_share", "cancel_share", "sampled_share"):
@@ -150,6 +167,8 @@ class SoakOptions:
             raise ValueError("--bad-share plus --cancel-share must be at most 1")
         if self.streams < 1 or self.minutes <= 0 or self.max_tokens < 1 or self.hang_s <= 0:
             raise ValueError("--streams, --minutes, --max-tokens and --hang-s must be positive")
+        if not 0 < self.kill_every_s[0] <= self.kill_every_s[1]:
+            raise ValueError(f"--kill-every-s takes LOW HIGH with 0 < LOW <= HIGH (got {self.kill_every_s})")
 
     @property
     def duration_s(self) -> float:
@@ -181,7 +200,8 @@ def draw(rng: random.Random, options: SoakOptions) -> Request:
     if u < options.bad_share + options.cancel_share:
         return Request(Kind.CANCEL, prompt, options.max_tokens, leave_after=rng.randint(1, 3))
     if rng.random() < options.sampled_share:
-        return Request(Kind.SAMPLED, prompt, options.max_tokens, seed=rng.randrange(2**32))
+        return Request(Kind.SAMPLED, prompt, options.max_tokens,
+                       seed=rng.randrange(CHAOS_SEEDS if options.chaos else 2**32))
     return Request(Kind.GREEDY, prompt, options.max_tokens, stream=rng.random() >= 0.25)
 
 
@@ -199,6 +219,9 @@ class Reply:
     first_s: float | None = None  # from sending to the first response (an error counts): queueing shows here
     transport: bool = False  # the error is gRPC's (the stream or the server broke), not a model's error response
     ended_at: float = 0.0  # time.monotonic() when the client had its answer
+    sent_at: float = 0.0  # time.monotonic() when it was sent
+    resumed: int = 0  # --chaos: times its answer was cut off by a kill and resumed
+    lost: bool = False  # --chaos: its resuming client gave up (the server did not come back in time)
 
 
 def request_inputs(request: Request) -> list:
@@ -243,7 +266,20 @@ class Client:
             except Exception:  # noqa: BLE001  a broken stream is already gone
                 pass
 
+    def _broke_while_idle(self) -> bool:
+        """Whether the stream failed between requests (a server killed while this client had nothing in flight,
+        --chaos): its error waits in the queue, and tritonclient refuses the next request on that stream."""
+        from pipeline.client.ensemble import stream_error_status
+
+        broke = False
+        while self.responses is not None and not self.responses.empty():
+            _, error = self.responses.get_nowait()
+            broke = broke or (error is not None and bool(stream_error_status(error)))
+        return broke
+
     def call(self, request: Request) -> Reply:
+        if self._broke_while_idle():
+            self._stop(cancel=True)
         if self.responses is None:
             got = self.responses = queue.Queue()
             # tritonclient calls back with keywords, from its own stream thread.
@@ -296,14 +332,54 @@ class Client:
                 return reply
 
 
+class ResumingClient:
+    """--chaos: `pipeline`'s own client (Connection.generate) for greedy and sampled requests; it waits for a lost
+    server and resumes the answer from the tokens it has."""
+
+    def __init__(self, url: str, hang_s: float, abort: threading.Event):
+        from pipeline.client.ensemble import ClientOptions, Connection
+
+        self.conn = Connection(ClientOptions(url, response_timeout_s=hang_s, resume_s=RESUME_WITHIN_S), cancel=abort)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def call(self, request: Request) -> Reply:
+        from pipeline.client.ensemble import Cancelled, LostServer, RequestOptions
+        from pipeline.errors import PipelineError
+
+        options = RequestOptions(max_tokens=request.max_tokens, stream=request.stream, seed=request.seed,
+                                 temperature=SAMPLED_TEMPERATURE if request.kind is Kind.SAMPLED else 0.0)
+        reply = Reply(sent_at=time.monotonic())
+        try:
+            result = self.conn.generate(PROMPTS[request.prompt], options)
+        except Cancelled:
+            reply.aborted = True
+        except PipelineError as err:
+            reply.error = message(err)
+            reply.lost = isinstance(err, LostServer)
+            reply.hung = "no response from" in reply.error  # response_timeout_s
+        else:
+            reply.text, reply.responses, reply.resumed = result.text, len(result.chunks), result.resumed
+            reply.first_s = result.chunks[0].t_s if result.chunks else None
+        return reply
+
+
+RESUME_WITHIN_S = 120.0  # --chaos: how long a resuming client waits for the server (a restart takes about ten)
+
+
 def message(err: Exception) -> str:
     text = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
     return " ".join(str(text or err).split())
 
 
-def judge(request: Request, reply: Reply, references: list[str]) -> tuple[Outcome, str | None]:
-    """The outcome of one request, and a line saying what went wrong when it counts as a failure."""
+def judge(request: Request, reply: Reply, references: list[str],
+          sampled: dict[tuple[int, int], str] | None = None) -> tuple[Outcome, str | None]:
+    """The outcome of one request, and a line saying what went wrong when it counts as a failure. sampled: (prompt,
+    seed) -> the solo answer a sampled request must equal (--chaos); None: sampled answers only have to complete."""
     what = f"{request.kind.value} request on prompt {request.prompt}"
+    if reply.lost:
+        return Outcome.LOST, f"{what} (seed {request.seed}): {reply.error}"
     if reply.hung:
         return Outcome.HUNG, f"{what}: no response for --hang-s after {reply.responses} response(s)"
     if request.kind is Kind.BAD:
@@ -321,6 +397,10 @@ def judge(request: Request, reply: Reply, references: list[str]) -> tuple[Outcom
     if request.kind in (Kind.GREEDY, Kind.CANCEL) and reply.text != references[request.prompt]:
         where = divergence(reply.text, references[request.prompt])
         return Outcome.MISMATCHED, f"{what} (stream={request.stream}): {where}"
+    want = None if sampled is None or request.kind is not Kind.SAMPLED else sampled[request.prompt, request.seed]
+    if want is not None and reply.text != want:
+        return Outcome.MISMATCHED, f"{what} (seed {request.seed}, resumed {reply.resumed}): " \
+                                   f"{divergence(reply.text, want)}"
     return Outcome.COMPLETED, None
 
 
@@ -347,12 +427,18 @@ class Tally:
     # gRPC failures counted as unexpected so far: when each ended.
     transport_failures: list[float] = field(default_factory=list)
     first_s: list[float] = field(default_factory=list)
+    # --chaos: completed greedy and sampled answers as ((kind, stream), seconds from sending to the answer, times
+    # resumed): what a kill added to the resumed ones, against the others of their kind.
+    durations: list[tuple[tuple[str, bool], float, int]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, request: Request, reply: Reply, outcome: Outcome, problem: str | None) -> None:
         with self.lock:
             self.sent[request.kind.value] += 1
             self.outcomes[outcome.value] += 1
+            if outcome is Outcome.COMPLETED and reply.sent_at:
+                self.durations.append(((request.kind.value, request.stream), reply.ended_at - reply.sent_at,
+                                       reply.resumed))
             transport = outcome is Outcome.ERRORED_UNEXPECTED and reply.transport
             if transport:
                 self.transport_failures.append(reply.ended_at)
@@ -387,7 +473,19 @@ class Tally:
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
-            return {"sent": sum(self.sent.values()), **{o.value: self.outcomes[o.value] for o in Outcome}}
+            return {"sent": sum(self.sent.values()), **{o.value: self.outcomes[o.value] for o in Outcome},
+                    "resumed": sum(1 for _, _, n in self.durations if n)}
+
+    def added_by_kills(self) -> list[float]:
+        """--chaos: per resumed answer, its time less the median of the answers of its kind that weren't resumed."""
+        with self.lock:
+            rows = list(self.durations)
+        plain: dict[tuple[str, bool], list[float]] = {}
+        for key, took, resumed in rows:
+            if not resumed:
+                plain.setdefault(key, []).append(took)
+        median = {key: sorted(xs)[len(xs) // 2] for key, xs in plain.items()}
+        return sorted(took - median.get(key, 0.0) for key, took, resumed in rows if resumed)
 
 
 # ---- RSS of the server's processes ---------------------------------------------------------------
@@ -483,7 +581,7 @@ class Restart:
     log_tail: str  # the server's log as it died, its last SERVER_LOG_LINES
     died_at: float  # time.monotonic() when the supervisor saw it dead
     ready_at: float | None  # when it was ready again; None: it never came back (the error is in `died`)
-    known: str | None  # supervise.known_crash: an upstream bug this project can't fix, else None
+    known: str | None  # supervise.known_crash (an upstream bug this project can't fix), KILLED, else None
 
     @property
     def window(self) -> tuple[float, float]:
@@ -517,9 +615,25 @@ class Report:
     # the bursts) or keeps climbing (a leak) shows here, not in start and end alone.
     rss_series: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     restarts: list[Restart] = field(default_factory=list)  # --repo: each death of the server and its restart
+    added_by_kills: list[float] = field(default_factory=list)  # --chaos: seconds a kill added to each resumed answer
+
+    @property
+    def longest_restart_s(self) -> float | None:
+        downs = [r.ready_at - r.died_at for r in self.restarts if r.ready_at is not None]
+        return max(downs) if downs else None
+
+    def added_p99_s(self) -> float | None:
+        return _at(self.added_by_kills, 0.99)
 
     def failures(self, rss_check: bool = True) -> list[str]:
         out = [f for r in self.restarts if (f := r.failure())]
+        if self.options.chaos:
+            if not self.restarts:
+                out.append("--chaos killed nothing: run longer than --kill-every-s")
+            p99, down = self.added_p99_s(), self.longest_restart_s
+            if p99 is not None and down is not None and p99 > down + RESUME_SLACK_S:
+                out.append(f"a kill added {p99:.1f} s to its resumed answers (p99), past the longest restart "
+                           f"({down:.1f} s) + {RESUME_SLACK_S:g} s")
         out += [f"{self.counts[o.value]} {o.value.replace('_', ' ')}" for o in FAILING if self.counts[o.value]]
         if self.counts[Outcome.COMPLETED.value] == 0:
             out.append("no request completed")
@@ -540,10 +654,17 @@ class Report:
                 "first_response_s": self.first_response_s,
                 "rss_series": [{"t_s": t, "mib": mib} for t, mib in self.rss_series],
                 "problems": self.problems,
+                "added_by_kills_s": {"p50": _at(self.added_by_kills, 0.5), "p99": _at(self.added_by_kills, 0.99),
+                                     "max": _at(self.added_by_kills, 1.0), "resumed": len(self.added_by_kills)},
                 "restarts": [{"died": r.died, "known": r.known,
                               "down_s": None if r.ready_at is None else round(r.ready_at - r.died_at, 1),
                               "log_tail": r.log_tail} for r in self.restarts],
                 "failures": self.failures(rss_check)}
+
+
+def _at(xs: list[float], q: float) -> float | None:
+    """The q-quantile of sorted xs, rounded; None for none."""
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else None
 
 
 def references(url: str, options: SoakOptions) -> list[str]:
@@ -557,6 +678,22 @@ def references(url: str, options: SoakOptions) -> list[str]:
             if reply.error or reply.hung:
                 raise RuntimeError(f"the reference for prompt {i} failed: {reply.error or 'no response'}")
             texts.append(reply.text)
+        return texts
+    finally:
+        client.close()
+
+
+def sampled_references(url: str, options: SoakOptions) -> dict[tuple[int, int], str]:
+    """--chaos: each (prompt, seed)'s sampled answer, sent alone: what every sampled request must match."""
+    client = ResumingClient(url, options.hang_s, threading.Event())
+    try:
+        texts = {}
+        for i in range(len(PROMPTS)):
+            for seed in range(CHAOS_SEEDS):
+                reply = client.call(Request(Kind.SAMPLED, i, options.max_tokens, seed=seed))
+                if reply.error or reply.hung:
+                    raise RuntimeError(f"the sampled reference for prompt {i}, seed {seed} failed: {reply.error}")
+                texts[i, seed] = reply.text
         return texts
     finally:
         client.close()
@@ -591,10 +728,11 @@ def drained_gauges(metrics_url: str | None, timeout_s: float = 30.0) -> dict[str
 
 def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | None = None,
          metrics_url: str | None = None, say=lambda line: print(line, file=sys.stderr, flush=True),
-         restarts: list[Restart] | None = None) -> Report:
+         restarts: list[Restart] | None = None, loading: threading.Event | None = None) -> Report:
     """Run the mix against a ready server at url (HOST:PORT, gRPC); server_pid: read its processes' RSS (a callable:
     the current one, for a server that may be restarted). restarts: filled by a supervisor as the soak runs; the
-    gRPC failures of requests in flight while the server was down count as lost to the restart."""
+    gRPC failures of requests in flight while the server was down count as lost to the restart. loading: set once the
+    references are taken and the load starts (--chaos kills from then on)."""
     restarts = [] if restarts is None else restarts
 
     def pid() -> int | None:
@@ -603,6 +741,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
     rss_start = rss_sample(pid())
     say(f"soak: references for {len(PROMPTS)} prompts, one at a time")
     refs = references(url, options)
+    sampled = sampled_references(url, options) if options.chaos else None
     tally, abort = Tally(), threading.Event()
     t0 = time.monotonic()
     end_at = t0 + options.duration_s
@@ -611,14 +750,16 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
         """Requests back to back until `until`; None: one request (a burst client)."""
         rng = random.Random(f"{options.seed}-{client_id}")
         client = Client(url, options.hang_s, abort)
+        resuming = ResumingClient(url, options.hang_s, abort) if options.chaos else None
         try:
             while not abort.is_set():
                 request = draw(rng, options)
-                reply = client.call(request)
+                by = resuming if resuming is not None and request.kind in (Kind.GREEDY, Kind.SAMPLED) else client
+                reply = by.call(request)
                 reply.ended_at = time.monotonic()
                 if reply.aborted:
                     return
-                outcome, problem = judge(request, reply, refs)
+                outcome, problem = judge(request, reply, refs, sampled)
                 tally.add(request, reply, outcome, problem)
                 if until is None or time.monotonic() >= until:
                     return
@@ -628,6 +769,8 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
                     abort.wait(TRANSPORT_BACKOFF_S)
         finally:
             client.close()
+            if resuming is not None:
+                resuming.close()
 
     bursts_line = (f"bursts of {options.burst_streams} every {options.burst_every_s:g} s" if options.burst_every_s
                    else "no bursts")
@@ -635,6 +778,8 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
     threads = [threading.Thread(target=run, args=(f"w{i}", end_at), daemon=True) for i in range(options.streams)]
     for t in threads:
         t.start()
+    if loading is not None:
+        loading.set()
     bursts, rss_warm, most = 0, None, Counter()
     series: list[tuple[int, dict[str, float]]] = []  # (seconds in, {"name (pid)": MiB}) every PROGRESS_EVERY_S
     next_burst = t0 + options.burst_every_s if options.burst_every_s else float("inf")
@@ -677,7 +822,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
     tally.settle([r.window for r in restarts])
     return Report(options, url, tally.snapshot(), dict(tally.sent), bursts, wall,
                   rss_rows(rss_start, rss_warm or {}, rss_end), server_pid is not None, after, dict(most),
-                  tally.first_response_s(), tally.problems, series, list(restarts))
+                  tally.first_response_s(), tally.problems, series, list(restarts), tally.added_by_kills())
 
 
 def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
@@ -696,9 +841,41 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
     def tail(log: str) -> str:
         return "\n".join(log.splitlines()[-SERVER_LOG_LINES:])
 
+    kills: list[tuple[float, str]] = []  # --chaos: (when, what) of each kill
+
     def restarted(died: str, log: str, died_at: float, ready_at: float) -> None:
-        # supervise names the upstream crash in its line where the server's log shows it (known_crash)
-        restarts.append(Restart(died, tail(log), died_at, ready_at, CANCEL_RACE if CANCEL_RACE in died else None))
+        # supervise names the upstream crash in its line where the server's log shows it (known_crash); a death
+        # that follows one of --chaos's kills is that kill
+        killed = any(at <= died_at <= at + KILL_SEEN_WITHIN_S for at, _ in kills[-1:])
+        known = KILLED if killed else CANCEL_RACE if CANCEL_RACE in died else None
+        restarts.append(Restart(died, tail(log), died_at, ready_at, known))
+
+    def chaos() -> None:
+        """Kill tritonserver and the engine's stub by turns every kill_every_s, each once the last kill's restart is
+        ready (supervise has restarted it)."""
+        import signal
+
+        from pipeline.triton.supervise import python_stubs
+
+        rng = random.Random(f"{options.seed}-chaos")
+        while not loading.wait(0.5):  # the references are taken on a server nobody kills
+            if stop.is_set():
+                return
+        while not stop.wait(rng.uniform(*options.kill_every_s)):
+            if len(restarts) < len(kills) or server.process is None:
+                continue  # still restarting from the last one
+            try:
+                if len(kills) % 2 == 0:
+                    victim, pid = "tritonserver", server.process.pid
+                else:
+                    stub = next(s for s in python_stubs(os.getpgid(server.process.pid)) if s.model == "torch_engine")
+                    victim, pid = "the torch_engine stub", stub.pid
+                kills.append((time.monotonic(), victim))
+                os.kill(pid, signal.SIGKILL)
+            except (OSError, StopIteration):
+                kills.pop()
+                continue
+            say(f"soak: --chaos killed {victim} (pid {pid})")
 
     def watch() -> None:
         # pipeline serve's own supervisor: a dead server is restarted, its clients in flight get an error at once.
@@ -707,19 +884,26 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
         except ServeError as err:
             restarts.append(Restart(str(err), tail(server.log()), time.monotonic(), None, None))
 
-    stop = threading.Event()
+    stop, loading = threading.Event(), threading.Event()
     with server:
         watcher = threading.Thread(target=watch, name="soak-supervisor", daemon=True)
         watcher.start()
+        killer = threading.Thread(target=chaos, name="soak-chaos", daemon=True) if options.chaos else None
+        if killer is not None:
+            killer.start()
         try:
             return soak(server.endpoints.grpc, options, lambda: server.process.pid if server.process else None,
-                        server.endpoints.metrics, say, restarts)
+                        server.endpoints.metrics, say, restarts, loading)
         finally:
             stop.set()
+            if killer is not None:
+                killer.join()
             watcher.join()
 
 
 SERVER_LOG_LINES = 40
+KILLED = "killed by --chaos"  # a Restart's `known`: the death was the soak's own kill
+KILL_SEEN_WITHIN_S = 10.0  # a death the supervisor sees this soon after a kill is that kill (it polls twice a second)
 
 
 # ---- output -------------------------------------------------------------------------------------------
@@ -737,7 +921,14 @@ def print_report(report: Report, rss_check: bool) -> None:
             ("hung", str(c["hung"]), f"no response for {o.hang_s:g} s; target 0"),
             ("mismatched", str(c["mismatched"]), "greedy text != solo reference; target 0"),
             ("lost to a server restart", str(c["lost_to_restart"]),
-             f"in flight when the server died ({len(report.restarts)} restarts)"),
+             f"in flight when the server died ({len(report.restarts)} restarts)"
+             + ("; cancels and bad requests, which don't resume" if o.chaos else "")),
+            *([("lost", str(c["lost"]), "--chaos: greedy or sampled answers that did not survive a kill; target 0"),
+               ("resumed", str(c["resumed"]), "--chaos: answers a kill cut off, resumed to their solo reference"),
+               ("time a kill added p50/p99/max s",
+                "/".join(fmt(_at(report.added_by_kills, q), ".1f") for q in (0.5, 0.99, 1.0)),
+                f"per resumed answer, against its kind's median; target p99 <= the longest restart "
+                f"({fmt(report.longest_restart_s, '.1f')} s) + {RESUME_SLACK_S:g} s")] if o.chaos else []),
             *([(f"{name.removeprefix('pipeline_')} max/after", f"{fmt(report.gauges_max.get(name), 'g')}/"
                 f"{fmt(report.gauges_after.get(name), 'g')}", "server gauge: most during the load / once drained, "
                 "target 0") for name in GAUGES] if report.gauges_after else
@@ -790,8 +981,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rss-growth-pct", type=float, default=10.0)
     ap.add_argument("--no-rss-check", action="store_true", help="report RSS growth without failing on it")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chaos", action="store_true", help="with --repo: kill tritonserver and the engine's stub by "
+                    "turns (SIGKILL); greedy and sampled answers must resume to their solo references")
+    ap.add_argument("--kill-every-s", type=float, nargs=2, default=(30.0, 90.0), metavar=("LOW", "HIGH"),
+                    help="--chaos: seconds between kills, drawn uniformly (default 30 90)")
     ap.add_argument("--json", dest="json_", action="store_true", help="also print the numbers as JSON")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.chaos and args.repo is None:
+        ap.error("--chaos needs --repo: the script kills and restarts the server it started")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -802,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = SoakOptions(args.streams, args.minutes, args.max_tokens, args.bad_share, args.cancel_share,
                               args.sampled_share, args.burst_every_s, args.burst_streams, args.hang_s, args.seed,
-                              args.warmup_s, args.rss_growth_pct)
+                              args.warmup_s, args.rss_growth_pct, args.chaos, tuple(args.kill_every_s))
     except ValueError as err:
         raise SystemExit(f"soak.py: {err}") from None
     try:

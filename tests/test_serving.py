@@ -388,15 +388,17 @@ def test_http_generate_bounds_every_number_by_the_engine(server, engine_dir):
 
 LONG_STREAM = 900  # tokens a stream asks for while its engine is killed: it must still be running then
 # Answers resumed by `pipeline`'s client across the kill, greedy and seeded (a temperature exact in float32, as the
-# ensemble carries it), each the whole LONG_STREAM (end tokens ignored) so it is still running at the kill.
-RESUMED = (("resume me after a kill", {"ignore_eos": True}),
-           ("and me, sampled", {"temperature": 0.5, "seed": 5, "ignore_eos": True}))
+# ensemble carries it), each the whole LONG_STREAM (end tokens ignored) and without drafts (which accept most of a
+# repetitive answer here: 900 tokens then took 3 s), so they are still running at the kill.
+RESUMED = (("resume me after a kill", {"ignore_eos": True, "speculation": "off"}),
+           ("and me, sampled", {"temperature": 0.5, "seed": 5, "ignore_eos": True, "speculation": "off"}))
 
 
 def engine_text(engine_dir: Path, prompt: str, max_tokens: int, **sampling) -> str:
     """The in-process engine's uninterrupted answer, decoded as the client joins it."""
     from pipeline.models.tokenizer import answer_text
 
+    sampling = {k: v for k, v in sampling.items() if k != "speculation"}  # the same tokens either way
     if sampling.get("ignore_eos"):  # as preprocessing sends it: no stop token at all
         sampling = {**sampling, "stop_token_ids": ()}
     req, tokenizer = engine_answer(engine_dir, prompt, max_tokens, **sampling)
@@ -407,8 +409,8 @@ def engine_text(engine_dir: Path, prompt: str, max_tokens: int, **sampling) -> s
 def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tiny_target, tmp_path):
     """kill -9 of the torch_engine stub mid-load, under `pipeline serve`: every client in flight gets an error
     within 10 s, readiness drops, serve says why in one line, and a new request succeeds within 60 s. `pipeline`'s
-    own client resumes instead (issue 55): its greedy and seeded answers in flight at the kill end, after the
-    restart, exactly as the in-process engine's uninterrupted ones."""
+    own client and the OpenAI frontend resume instead (issue 55): the greedy and seeded answers they had in flight
+    at the kill end, after the restart, exactly as uninterrupted ones, streamed or whole."""
     import os
     import signal
     import subprocess
@@ -466,7 +468,7 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tin
         """Through the OpenAI frontend, which resumes too: (text, completion tokens), or the error."""
         try:
             kwargs = dict(model="tiny", messages=[{"role": "user", "content": key}], max_tokens=LONG_STREAM,
-                          extra_body={"ignore_eos": True}, **sampling)
+                          extra_body={"ignore_eos": True, "speculation": "off"}, **sampling)
             if not stream:
                 answer = api().chat.completions.create(**kwargs)
                 resumed[key] = (answer.choices[0].message.content, answer.usage.completion_tokens)
@@ -488,7 +490,10 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tin
         def stream(i):
             c = client(served)
             try:
-                responses(c, f"in flight {i}", LONG_STREAM, timeout=30)
+                # end tokens ignored and no drafts: each runs the whole LONG_STREAM, and slowly enough (RESUMED) to
+                # be in flight at the kill
+                responses(c, f"in flight {i}", LONG_STREAM, speculation="off", timeout=30,
+                          extra=[tensor("ignore_eos", np.array([[True]]), "BOOL")])
                 outcome[i] = ("finished", time.monotonic())
             except Exception as err:  # noqa: BLE001  the error is what this test wants
                 outcome[i] = (f"error: {err}", time.monotonic())
@@ -506,13 +511,13 @@ def test_a_killed_engine_process_errors_its_clients_and_serve_brings_it_back(tin
         resumers += [threading.Thread(target=chat, args=(key, "streamed" in key), kwargs=sampling)
                      for key, sampling in chats.items()]
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
-        for t in threads + resumers:
+        for t in resumers:  # first, so they hold slots at the kill; of the rest, those left waiting fail fast too
             t.start()
-        # Some prompts stop within a few tokens on this random model; at least three run long.
+        assert wait_for(lambda: len(resuming) == len(RESUMED) + 1, timeout=30)  # the streamed ones' first tokens
+        for t in threads:
+            t.start()
         assert wait_for(lambda: value(metrics(f"http://127.0.0.1:{metrics_port}/metrics"),
                                       "pipeline_engine_requests_running") >= 3, timeout=10)
-        # each streamed one has its first tokens (the whole chat has nothing to show until its end)
-        assert wait_for(lambda: len(resuming) == len(RESUMED) + 1, timeout=10)
         os.kill(engine.pid, signal.SIGKILL)
         killed = time.monotonic()
         assert wait_for(lambda: not ready(), timeout=10)

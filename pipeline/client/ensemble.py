@@ -46,6 +46,18 @@ STOP_MODEL = "stop_request"  # pipeline.triton.config.STOP_REQUEST
 STOP_WITHIN_S = 2.0
 
 
+# gRPC channel options: tritonclient's own (its message size, its keepalive defaults), with the reconnect backoff
+# capped. A lost server is back in about ten seconds; at gRPC's default backoff (1 s, growing 1.6x a try to 120 s) the
+# channel then stayed down for seconds more, and every resumed answer waited for it (scripts/soak.py --chaos).
+RECONNECT_BACKOFF_MS = 500
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+                   ("grpc.keepalive_time_ms", 2**31 - 1), ("grpc.keepalive_timeout_ms", 20_000),
+                   ("grpc.keepalive_permit_without_calls", False), ("grpc.http2.max_pings_without_data", 2),
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+                   ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS)]
+
+
 def request_id(prefix: str) -> str:
     """A request's id: unguessable, since it is what a stop names (stop_request), so no other client can stop it."""
     return f"{prefix}-{secrets.token_hex(16)}"
@@ -356,7 +368,7 @@ class Connection:
         self.cancel = cancel  # set from another thread: the request in flight is cancelled, stream() raises Cancelled
         self.target = grpc_target(options.url)
         grpcclient = _grpcclient()
-        self._client = grpcclient.InferenceServerClient(self.target)
+        self._client = grpcclient.InferenceServerClient(self.target, channel_args=CHANNEL_OPTIONS)
         self._responses: queue.Queue = queue.Queue()
         self._streaming = False
         self._stops: bool | None = None  # whether the repository has STOP_MODEL; asked once

@@ -20,8 +20,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from pipeline.client.ensemble import (ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk, RequestOptions, build_inputs,
-                                      chunk_of, grpc_target, request_id, stop_inputs)
+from pipeline.client.ensemble import (CHANNEL_OPTIONS, ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk, RequestOptions,
+                                      build_inputs, chunk_of, grpc_target, request_id, stop_inputs)
 from pipeline.policy.serving_gate import STOPPING_PREFIX
 
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
@@ -65,8 +65,7 @@ class Ensemble:
         # has (pipeline.client.ensemble.ClientOptions.resume_s); 0: it fails at once.
         self.resume_s = resume_s
         self.resumed = 0  # answers resumed so far, for the frontend's /metrics
-        self.channel = grpc.aio.insecure_channel(self.target, options=[
-            ("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)])
+        self.channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         # How each stream ended: read to its final response (or a refusal, or a broken stream), stopped early and
         # then read to its end, or cancelled. The frontend's /metrics shows them: a cancel is what the bundled
