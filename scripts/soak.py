@@ -246,9 +246,8 @@ class Client:
     a cancel or a hang; responses are matched by request id, so a late one is never read as the next's."""
 
     def __init__(self, url: str, hang_s: float, abort: threading.Event):
-        import tritonclient.grpc as grpcclient
-
-        self.client = grpcclient.InferenceServerClient(url)
+        self.url = url
+        self.client = self._new_client()
         self.hang_s = hang_s
         self.abort = abort
         self.responses: queue.Queue | None = None
@@ -277,19 +276,43 @@ class Client:
             broke = broke or (error is not None and bool(stream_error_status(error)))
         return broke
 
-    def call(self, request: Request) -> Reply:
-        if self._broke_while_idle():
-            self._stop(cancel=True)
+    def _send(self, request: Request, request_id: str) -> None:
         if self.responses is None:
             got = self.responses = queue.Queue()
             # tritonclient calls back with keywords, from its own stream thread.
             self.client.start_stream(callback=lambda result=None, error=None: got.put((result, error)))
+        self.client.async_stream_infer("ensemble", request_inputs(request), request_id=request_id,
+                                       enable_empty_final_response=True)
+
+    def call(self, request: Request) -> Reply:
+        if self._broke_while_idle():
+            self._stop(cancel=True)
+        reply = self._once(request)
+        if reply.error is not None and STALE_STREAM in reply.error:
+            # The stream broke before this request went out (a server killed while this client was idle): the
+            # request never reached a server. Once more, on a new client (tritonclient keeps a stream that broke
+            # under it as its current one: stopping and starting again sent on the broken one).
+            self._stop(cancel=True)
+            self.client.close()
+            self.client = self._new_client()
+            reply = self._once(request)
+        return reply
+
+    def _new_client(self):
+        """pipeline's own channel options: reconnecting within half a second of a restarted server, not seconds
+        after it (gRPC's default backoff), when requests sent on a channel still down would fail."""
+        import tritonclient.grpc as grpcclient
+
+        from pipeline.client.ensemble import CHANNEL_OPTIONS
+
+        return grpcclient.InferenceServerClient(self.url, channel_args=CHANNEL_OPTIONS)
+
+    def _once(self, request: Request) -> Reply:
         self.ids += 1
         request_id = f"soak-{threading.get_ident()}-{self.ids}"
         reply = Reply()
         try:
-            self.client.async_stream_infer("ensemble", request_inputs(request), request_id=request_id,
-                                           enable_empty_final_response=True)
+            self._send(request, request_id)
         except Exception as err:  # noqa: BLE001  counted as an unexpected error
             self._stop(cancel=True)
             reply.error, reply.transport = message(err), True
@@ -312,7 +335,7 @@ class Client:
                 reply.error = message(error)
                 from pipeline.client.ensemble import stream_error_status
 
-                if stream_error_status(error):  # a gRPC failure: this stream is broken
+                if stream_error_status(error) or STALE_STREAM in reply.error:  # a gRPC failure: the stream broke
                     reply.transport = True
                     self._stop(cancel=True)
                 # else a model's error response, which ends the request and leaves the stream open, as the
@@ -366,6 +389,9 @@ class ResumingClient:
 
 
 RESUME_WITHIN_S = 120.0  # --chaos: how long a resuming client waits for the server (a restart takes about ten)
+
+
+STALE_STREAM = "stream is no longer in valid state"  # tritonclient, asked to send on a stream that broke
 
 
 def message(err: Exception) -> str:
@@ -831,7 +857,7 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
 
     from pipeline.errors import ServeError
     from pipeline.triton.supervise import READY_TIMEOUT_S
-    from pipeline.triton.supervise import CANCEL_RACE, supervise
+    from pipeline.triton.supervise import CANCEL_RACE, MAX_RESTARTS, RestartBudget, supervise
 
     grpc, http, metrics = free_ports()
     say(f"soak: starting tritonserver on {repo}")
@@ -862,6 +888,8 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
             if stop.is_set():
                 return
         while not stop.wait(rng.uniform(*options.kill_every_s)):
+            if restarts and restarts[-1].ready_at is None:
+                return  # the supervisor gave up: nothing restarts a server killed now
             if len(restarts) < len(kills) or server.process is None:
                 continue  # still restarting from the last one
             try:
@@ -879,8 +907,12 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
 
     def watch() -> None:
         # pipeline serve's own supervisor: a dead server is restarted, its clients in flight get an error at once.
+        # Its ration of restarts (a crash loop stops serve) counts real crashes: --chaos's own kills come on top.
+        kills_at_most = int(options.duration_s // options.kill_every_s[0]) + 1 if options.chaos else 0
+        budget = RestartBudget(limit=MAX_RESTARTS + kills_at_most)
         try:
-            supervise(server, lambda line: say(f"soak: {line}"), READY_TIMEOUT_S, stop=stop, on_restart=restarted)
+            supervise(server, lambda line: say(f"soak: {line}"), READY_TIMEOUT_S, budget, stop=stop,
+                      on_restart=restarted)
         except ServeError as err:
             restarts.append(Restart(str(err), tail(server.log()), time.monotonic(), None, None))
 

@@ -50,6 +50,8 @@ STOP_WITHIN_S = 2.0
 # capped. A lost server is back in about ten seconds; at gRPC's default backoff (1 s, growing 1.6x a try to 120 s) the
 # channel then stayed down for seconds more, and every resumed answer waited for it (scripts/soak.py --chaos).
 RECONNECT_BACKOFF_MS = 500
+BUSY_PREFIX = "server busy:"  # a refusal because the engine's queue is full (pipeline.policy.serving_gate)
+BUSY_RETRY_S = 1.0  # a resumed answer refused as busy tries again this much later
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
                    ("grpc.keepalive_time_ms", 2**31 - 1), ("grpc.keepalive_timeout_ms", 20_000),
                    ("grpc.keepalive_permit_without_calls", False), ("grpc.http2.max_pings_without_data", 2),
@@ -529,7 +531,7 @@ class Connection:
         chunks read as one answer: none repeated, none missing, the counts summed."""
         t0 = time.perf_counter()
         chunks: list[Chunk] = []
-        resumed = 0
+        resumed, deadline = 0, 0.0
         while True:
             have = tuple(t for c in chunks for t in c.token_ids)
             if len(options.resume_ids) + len(have) >= options.max_tokens:  # all came; only the final flag was lost
@@ -543,10 +545,17 @@ class Connection:
             except LostServer as lost:
                 # Resumable only where every token received came with its id (not the LLM-API route's text).
                 ids = sum(len(c.token_ids) for c in chunks)
+                deadline = time.monotonic() + self.options.resume_s
                 if not self.options.resume_s or ids != sum(c.tokens for c in chunks) \
                         or not self._back_within(self.options.resume_s):
                     raise lost
                 resumed += 1
+            except RequestError as refused:
+                # A restarted server meets every resumed answer at once: one refused as busy waits its turn, within
+                # the resume's deadline, rather than lose the answer it had.
+                if not resumed or BUSY_PREFIX not in str(refused) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(BUSY_RETRY_S)
         return Result(prompt, "".join(c.text for c in chunks), chunks, options.max_tokens, options.stream,
                       time.perf_counter() - t0, resumed)
 

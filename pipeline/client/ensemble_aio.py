@@ -20,13 +20,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from pipeline.client.ensemble import (CHANNEL_OPTIONS, ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk, RequestOptions,
-                                      build_inputs, chunk_of, grpc_target, request_id, stop_inputs)
+from pipeline.client.ensemble import (BUSY_PREFIX, BUSY_RETRY_S, CHANNEL_OPTIONS, ENSEMBLE, STOP_MODEL, STOP_WITHIN_S,
+                                      Chunk, RequestOptions, build_inputs, chunk_of, grpc_target, request_id,
+                                      stop_inputs)
 from pipeline.policy.serving_gate import STOPPING_PREFIX
 
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
-# Refused as busy by the gate or the engine (serving_gate.busy_message): a 503 the client may retry.
-BUSY_PREFIX = "server busy:"
 
 
 class EnsembleError(Exception):
@@ -39,6 +38,7 @@ class EnsembleError(Exception):
 
     @property
     def busy(self) -> bool:
+        """Refused by the gate or the engine as busy (serving_gate.busy_message): a 503 the client may retry."""
         return self.message.startswith(BUSY_PREFIX)
 
     @property
@@ -103,6 +103,7 @@ class Ensemble:
         sent again with the tokens received as resume_token_ids: the chunks read as one answer, none repeated."""
         have: list[int] = []
         with_ids = True  # every chunk so far said its tokens' ids (the LLM-API route's say none)
+        resuming, deadline = False, 0.0
         while len(options.resume_ids) + len(have) < options.max_tokens:
             attempt = self._attempt(text, replace(options, resume_ids=options.resume_ids + tuple(have)))
             try:
@@ -112,10 +113,16 @@ class Ensemble:
                     yield chunk
                 return
             except EnsembleError as err:
+                if resuming and err.busy and time.monotonic() < deadline:
+                    # A restarted server meets every resumed answer at once: one refused as busy waits its turn.
+                    await asyncio.sleep(BUSY_RETRY_S)
+                    continue
                 if (err.refused and not err.lost) or not self.resume_s or not with_ids \
                         or not await self._back_within(self.resume_s):
                     raise
-                self.resumed += 1
+                if not resuming:
+                    self.resumed += 1
+                resuming, deadline = True, time.monotonic() + self.resume_s
             finally:
                 await attempt.aclose()
 
