@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter, defaultdict, deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -221,7 +221,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",
                     on_tokens: TokenCallback | None = None, num_draft_tokens: int | None = None,
-                    group: int | None = None, guide: Guide | None = None, resume: list[int] = ()) -> Request:
+                    group: int | None = None, guide: Guide | None = None, resume: Sequence[int] = ()) -> Request:
         """Queue a request; it joins the running batch at the next step. Requests of one `group` (a client request's
         n choices) share the slots fairly with other groups (_admit). `guide`: params.guide already compiled
         (compile_guide), else it is compiled here. `resume`: the answer's tokens a client already has, from a run
@@ -235,7 +235,7 @@ class LLMEngine:
                                + f" but the engine's max_seq_len is {max_len}; shorten the prompt or raise "
                                "max_seq_len")
         if blocks_for(len(prompt_ids) + len(resume) + 1) > self.blocks.num_blocks:
-            raise RequestError(f"prompt is {len(prompt_ids)} tokens but the KV cache holds "
+            raise RequestError(f"prompt is {len(prompt_ids) + len(resume)} tokens but the KV cache holds "
                                f"{self.blocks.num_blocks * self.cache.block_size}; shorten the prompt or raise "
                                f"kv_cache_bytes")
         if num_draft_tokens is not None:

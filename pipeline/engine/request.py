@@ -38,6 +38,7 @@ def fresh_seed() -> int:
     """An unseeded sampled request's generator seed: the OS's entropy (tests replace it to replay a run)."""
     return int.from_bytes(os.urandom(8), "little")
 
+
 # Called with (request, new token ids) each time a request produces tokens, and with (request, [])
 # when it finishes without producing more.
 TokenCallback = Callable[["Request", list[int]], None]
