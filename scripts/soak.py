@@ -494,8 +494,7 @@ class Tally:
     def first_response_s(self) -> dict[str, float | None]:
         with self.lock:
             xs = sorted(self.first_s)
-        pick = (lambda q: round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)) if xs else (lambda q: None)
-        return {"p50": pick(0.5), "p99": pick(0.99), "max": pick(1.0)}
+        return {"p50": _at(xs, 0.5), "p99": _at(xs, 0.99), "max": _at(xs, 1.0)}
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:

@@ -389,6 +389,11 @@ class Connection:
 
     def check_ready(self) -> None:
         """A one-line ServeError unless the server answers and the model is ready (within wait_s)."""
+        if (failed := self._not_ready_after(self.options.wait_s)) is not None:
+            raise failed
+
+    def _not_ready_after(self, seconds: float) -> ServeError | None:
+        """None once the server and the model are ready, tried every half second for `seconds`; else why not."""
         failed: list[ServeError] = []
 
         def probe() -> bool | None:
@@ -399,8 +404,7 @@ class Connection:
                 failed[:] = [err]
                 return None
 
-        if wait_until(probe, self.options.wait_s, 0.5) is None:
-            raise failed[0]
+        return None if wait_until(probe, seconds, 0.5) is not None else failed[0]
 
     def _check_ready_once(self) -> None:
         from tritonclient.utils import InferenceServerException
@@ -561,14 +565,7 @@ class Connection:
 
     def _back_within(self, seconds: float) -> bool:
         """Whether the server is ready again within `seconds` (a supervisor's restart takes about ten)."""
-        def probe() -> bool | None:
-            try:
-                self._check_ready_once()
-                return True
-            except ServeError:
-                return None
-
-        return wait_until(probe, seconds, 0.5) is not None
+        return self._not_ready_after(seconds) is None
 
 
 def run_request(client: ClientOptions, prompt: str, options: RequestOptions, on_chunk=None) -> Result:
