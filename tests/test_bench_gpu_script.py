@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "scripts" / "bench_gpu.py"
 
@@ -23,6 +25,7 @@ def load():
     return module
 
 
+@pytest.mark.slow  # the whole script in a subprocess, ~25 s: CI runs it, the fast loop keeps the checks below
 def test_smoke_run_on_cpu_has_every_section_and_identical_greedy_output(tmp_path):
     bench = load()
     out = tmp_path / "smoke.json"

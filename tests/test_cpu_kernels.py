@@ -375,6 +375,7 @@ def runnable_caps() -> list[str]:
     return [isa for isa in ("portable", "avx2", "avx512", "auto") if cpu_kernels.isa_refusal(isa) is None]
 
 
+@pytest.mark.slow  # compiles every build this CPU runs, ~13 s
 def test_every_build_this_cpu_runs_computes_the_same_bits():
     """A user's CPU runs the AVX-512, the AVX2 or the portable code: each must give every op the bits the others
     give, so a test passing here passes there. (AMX's bf16 linear sums its own way; it is not among them.)"""

@@ -129,6 +129,9 @@ def test_an_eagle3_heads_graphed_forward_gives_its_eager_logits_and_cache(device
         assert torch.equal(graph_cache.v[:, live], eager_cache.v[:, live])
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),  # two engines, ~40 s interpreted
+                                    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason=NO_GPU))], indirect=True)
 def test_an_engines_eagle3_drafts_are_the_same_graphed_or_not(device, tmp_path, monkeypatch):
     """The engine's EAGLE-3 proposer through its graphs drafts exactly what it drafts eagerly, one sync a proposal."""
     from pipeline.engine.config import EngineConfig, GatePolicy

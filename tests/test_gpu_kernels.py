@@ -31,6 +31,9 @@ from tiny_models import make_tiny_eagle3_head, make_tiny_llama  # noqa: E402
 ROOT = Path(__file__).parent.parent
 NO_GPU = "torch sees no GPU: the CUDA run of these checks is skipped (the interpreter's run is not)"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU))]
+# A whole engine through the interpreter pays about 40 ms a kernel launch, a second a step: CI runs those checks
+# (`slow`), the fast loop keeps each kernel's row checks and one engine's prompt alone and batched.
+END_TO_END = [pytest.param("cpu", marks=pytest.mark.slow), DEVICES[1]]
 
 
 @pytest.fixture(params=DEVICES)
@@ -115,6 +118,7 @@ def test_a_timed_tiling_table_round_trips_from_the_tuner_and_a_bad_one_is_refuse
         gpu_kernels.tuned_tiles.cache_clear()
 
 
+@pytest.mark.slow  # the tuner script end to end through the interpreter, ~8 s
 def test_the_tuner_runs_end_to_end_in_smoke_mode_and_writes_a_table_the_kernels_read(tmp_path, monkeypatch):
     """scripts/tune_gpu_kernels.py --smoke: its loop, pick, invariance check and table writer, on tiny shapes under
     the interpreter (a GPU session has minutes; a crash there costs them)."""
@@ -220,6 +224,22 @@ def eagle_head(tmp_path_factory, two_layers) -> Path:
     return make_tiny_eagle3_head(tmp_path_factory.mktemp("gpu-eagle"), two_layers, seed=0)
 
 
+def test_a_prompts_greedy_tokens_are_the_same_alone_and_in_a_batch(device, two_layers):
+    """The fast loop's end-to-end check: one engine, its graphs and the four kernels, a prompt alone and beside two
+    others (the matrix below, in CI, adds speculation, chunks and the prefix cache)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 12, 21)]
+    params = SamplingParams(max_tokens=3)
+    engine = LLMEngine.load(two_layers, EngineConfig(dtype="bf16", device=device, max_batch_size=4, max_seq_len=64,
+                                                     prefix_caching=False))
+    assert engine.graphed is not None and engine.describe()["target"]["gpu_kernels"] == "invariant"
+    alone = engine.generate([prompts[1]], params)[0].output_ids
+    batched = engine.generate(prompts, params)
+    assert batched[1].output_ids == alone
+    assert len({tuple(r.output_ids) for r in batched}) == 3  # the prompts' answers differ: the batch means something
+
+
+@pytest.mark.parametrize("device", END_TO_END, indirect=True)
 def test_greedy_output_is_the_same_alone_batched_speculated_chunked_and_cached(device, two_layers, eagle_head):
     """The identity matrix of issue 40 on a tiny bf16 model: plain batch-1 greedy equals a batch, speculation with
     the target as its own draft (acceptance exactly 1.0), n-gram with chunked prefill, an EAGLE-3 head, and

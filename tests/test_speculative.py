@@ -496,12 +496,12 @@ def test_exact_joint_is_not_degenerate(exact_joint):
     ("ngram", SamplingParams(temperature=1.0), False),
     # an EAGLE-3 head behind n-gram lookup: after "3 5 3", x1 = 4 or 5 makes a 2-token match and the row drafts by
     # lookup (one-hot q); any other x1 drafts from the head's q. One verify holds both kinds of rows.
-    ("eagle3", SamplingParams(temperature=1.0), False),
-    ("model", SamplingParams(temperature=0.8, top_k=8, top_p=0.9), False),
+    pytest.param("eagle3", SamplingParams(temperature=1.0), False, marks=pytest.mark.slow),
+    pytest.param("model", SamplingParams(temperature=0.8, top_k=8, top_p=0.9), False, marks=pytest.mark.slow),
     # every row of a verify penalised by the drafts before it, as plain decoding would have been
-    ("model", SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.9),
-     False),
-])
+    pytest.param("model", SamplingParams(temperature=1.0, repetition_penalty=1.6, presence_penalty=0.7,
+                                         frequency_penalty=0.9), False, marks=pytest.mark.slow),
+])  # 8192 requests each, 5-15 s: the fast loop keeps a draft model's and n-gram's; CI runs every case
 def test_engine_sampling_matches_exact_target_distribution(tiny_vocab_models, tiny_vocab_head, exact_joint,
                                                            draft_kind, params, keyed):
     target, draft_folder = tiny_vocab_models
@@ -530,6 +530,7 @@ GUIDE_REGEX = "[!-&][&-+][!-+]+"
 GUIDE_ALLOWED = (range(0, 6), range(5, 11), range(0, 11))
 
 
+@pytest.mark.slow  # 8192 guided requests each, ~20 s
 @pytest.mark.parametrize("draft_kind", ["model", "ngram"])
 def test_engine_sampling_with_a_guide_matches_the_masked_target_distribution(tiny_vocab_models, exact_joint,
                                                                              draft_kind):
