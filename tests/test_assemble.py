@@ -40,6 +40,9 @@ def test_assemble_writes_every_model_with_its_config_and_source(engine_dir, tmp_
     engine = read_config(repo / "torch_engine").parameters
     assert engine["engine_dir"].string_value == str(engine_dir.absolute())
     assert engine["max_seq_len"].string_value == "256"
+    for name in ("preprocessing", "postprocessing", "torch_engine"):  # AutoTokenizer's pick, loaded without it
+        tokenizer_class = read_config(repo / name).parameters["tokenizer_class"].string_value
+        assert tokenizer_class == "transformers.tokenization_utils_tokenizers:TokenizersBackend", name
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
     assert json.loads((repo / "launch.json").read_text())["mode"] == "plain"  # the CPU server, no MPI
 
@@ -88,6 +91,19 @@ def server(engine_dir, tmp_path_factory):
     # "auto" to speculate (the floor has its own tests).
     with served_engine(engine_dir, tmp_path_factory.mktemp("served")) as srv:
         yield srv
+
+
+def test_only_the_engine_loads_torch_among_the_python_models(server):
+    """The tokenizing models and the gate never import torch: each would add about 3 s to a start (5 stubs on 2
+    cores) and 200 MB, for a library they don't use."""
+    import os
+
+    from pipeline.triton.supervise import python_stubs
+
+    stubs = python_stubs(os.getpgid(server.process.pid))
+    with_torch = {s.model for s in stubs if "libtorch" in Path(f"/proc/{s.pid}/maps").read_text()}
+    assert {s.model for s in stubs} >= {"preprocessing", "postprocessing", "speculation_gate", "torch_engine"}
+    assert with_torch == {"torch_engine"}
 
 
 def test_served_answer_equals_the_in_process_engine_streaming_or_not(server, engine_dir):

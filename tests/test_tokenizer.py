@@ -92,3 +92,43 @@ def test_prompt_text_is_what_an_engine_that_tokenizes_with_special_tokens_must_g
     assert bos("").input_ids == [bos.bos_token_id]
     ids = bos(prompt_text(bos, "hi", raw=False)).input_ids
     assert ids == encode_prompt(bos, "hi", raw=False) and ids.count(bos.bos_token_id) == 1
+
+
+# What a checkpoint's tokenizer_config.json may declare. LlamaTokenizer over a byte-level tokenizer.json is one
+# AutoTokenizer overrides (it loads TokenizersBackend), so a loader reading the declared name would differ.
+DECLARED = ("TokenizersBackend", "GPT2Tokenizer", "Qwen2Tokenizer", "LlamaTokenizer")
+
+
+@pytest.mark.parametrize("declared", DECLARED)
+def test_the_recorded_class_loads_the_tokenizer_autotokenizer_loads_and_imports_no_torch(tiny_target, tmp_path,
+                                                                                         declared):
+    """Assemble records the class AutoTokenizer picks (RepoSpec.tokenizer_class); the served tokenizing models load
+    it directly, so their processes never import torch (3 s and 200 MB each)."""
+    import subprocess
+    import sys
+
+    from pipeline.models.tokenizer import tokenizer_class
+
+    folder = shutil.copytree(tiny_target, tmp_path / "m")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": declared}))
+    auto = load_tokenizer(folder)
+    recorded = tokenizer_class(folder)
+    assert recorded == f"{type(auto).__module__}:{type(auto).__name__}"
+    direct = load_tokenizer(folder, recorded)
+    assert type(direct) is type(auto)
+    text = "héllo <|im_end|> wörld \u200d!"
+    chat = [{"role": "user", "content": text}]
+    assert direct.encode(text) == auto.encode(text)
+    assert direct.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+    ids = auto.encode(text)
+    assert direct.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    fresh = subprocess.run([sys.executable, "-c", "import sys; from pipeline.models.tokenizer import load_tokenizer; "
+                            f"load_tokenizer({str(folder)!r}, {recorded!r}); print('torch' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60)
+    assert fresh.stdout.strip() == "False", fresh.stderr[-2000:]
+
+
+def test_a_recorded_class_this_transformers_lacks_is_a_format_error(tiny_target):
+    with pytest.raises(ModelFormatError, match="no tokenizer class 'transformers.tokenization_utils_tokenizers:Gone'"):
+        load_tokenizer(tiny_target, "transformers.tokenization_utils_tokenizers:Gone")

@@ -11,6 +11,7 @@ from pipeline.engine.device import DeviceChoice, check_fraction
 from pipeline.errors import ConfigError, ModelFormatError
 from pipeline.models.families import Features, family_of, text_config
 from pipeline.models.shape import ModelShape, read_config
+from pipeline.models.tokenizer import config_eos_ids
 from pipeline.policy.gate_policy import GatePolicy  # noqa: F401  (re-exported: part of the engine's config)
 from pipeline.setting import MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 
@@ -84,8 +85,6 @@ class ModelConfig(ModelShape):
             scaling = RopeScaling(factor=float(rope["factor"]), kind="linear")
         elif rope_type not in ("default", None):
             raise ModelFormatError(f"rope type {rope_type!r} is not supported; supported: default, llama3, linear")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             **{f.name: getattr(shape, f.name) for f in fields(ModelShape)},
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -96,7 +95,7 @@ class ModelConfig(ModelShape):
             qk_norm=features.qk_norm,
             features=features,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=config_eos_ids(cfg),
         )
 
     @classmethod

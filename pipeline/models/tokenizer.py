@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib import import_module
 from pathlib import Path
 
 from pipeline.errors import DraftMismatchError, ModelFormatError
@@ -13,24 +14,46 @@ from pipeline.errors import DraftMismatchError, ModelFormatError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def load_tokenizer(path: Path):
-    """The transformers tokenizer saved in the model folder `path`."""
+def load_tokenizer(path: Path, resolved: str = ""):
+    """The transformers tokenizer saved in the model folder `path`: the class AutoTokenizer picks for it, or the
+    one `resolved` names ("module:Class", what `tokenizer_class` recorded), loaded without AutoTokenizer. Why: the
+    auto classes import torch (about 3 s and 200 MB), which the server's tokenizing processes otherwise never use."""
     path = Path(path)
     if not path.is_dir():
         raise ModelFormatError(f"{path} is not a folder; pass a model folder that holds its tokenizer")
     try:
-        from transformers import AutoTokenizer
+        if resolved:
+            module, _, name = resolved.partition(":")
+            loader = getattr(import_module(module), name)
+        else:
+            from transformers import AutoTokenizer as loader
     except ImportError:
         from pipeline.errors import MissingDependencyError
 
         raise MissingDependencyError("loading a tokenizer needs transformers; pip install transformers") from None
+    except AttributeError:
+        raise ModelFormatError(f"this transformers has no tokenizer class {resolved!r}; assemble the repository "
+                               "again with the transformers that serves it") from None
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return loader.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelFormatError(
             f"{path} has no usable tokenizer ({reason}); save one there with tokenizer.save_pretrained(dir)"
         ) from None
+
+
+def tokenizer_class(path: Path) -> str:
+    """The class AutoTokenizer loads the folder's tokenizer as, "module:Class", for load_tokenizer(path, it); "" for
+    one outside transformers (a checkpoint's own code), which only AutoTokenizer loads."""
+    cls = type(load_tokenizer(path))
+    return f"{cls.__module__}:{cls.__qualname__}" if cls.__module__.startswith("transformers.") else ""
+
+
+def config_eos_ids(cfg: dict) -> tuple[int, ...]:
+    """config.json's eos_token_id (one id, a list of them, or none) as a tuple."""
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
 REPLACEMENT = "\ufffd"

@@ -35,6 +35,7 @@ def settings_from_repo(repo: Path, grpc_url: str, model_name: str | None, metric
     tokenizer_dir = Path(params["tokenizer_dir"])
     kv_pool_tokens = engine_pool_tokens(tokenizer_dir)
     return FrontendSettings(grpc_url=grpc_url, tokenizer_dir=tokenizer_dir,
+                            tokenizer_class=params.get("tokenizer_class", ""),
                             model_name=model_name or default_model_name(tokenizer_dir),
                             max_seq_len=int(params["max_seq_len"]), num_draft_tokens=int(params["num_draft_tokens"]),
                             max_input_bytes=int(params["max_input_bytes"]), metrics_url=metrics_url,

@@ -68,6 +68,7 @@ class FrontendSettings:
     max_body_bytes: int | None = None  # None: edge.default_max_body_bytes(max_input_bytes)
     body_timeout_s: float = BODY_TIMEOUT_S  # the whole body must arrive within this (a 408 otherwise)
     kv_pool_tokens: int | None = None  # the engine's KV pool: a request's budget (Limits.check_budget)
+    tokenizer_class: str = ""  # preprocessing's (RepoSpec.tokenizer_class): loaded without torch
 
     @property
     def body_limit(self) -> int:
@@ -190,7 +191,7 @@ class Frontend:
         from pipeline.models.tokenizer import load_tokenizer, template_opening
 
         self.settings = settings
-        self.tokenizer = load_tokenizer(settings.tokenizer_dir)
+        self.tokenizer = load_tokenizer(settings.tokenizer_dir, settings.tokenizer_class)
         self.opening = template_opening(self.tokenizer)
         # The template's own tool markup, or None: tools go through the fallback (pipeline.openai_api.tools).
         self.family = tools.template_family(getattr(self.tokenizer, "chat_template", None))

@@ -80,6 +80,9 @@ class RepoSpec:
     tokenizer_dir: str  # a Hugging Face folder with the tokenizer (and chat template); llmapi: the model
     engine_dir: str  # torch: the portable engine folder; trtllm: the target's engine folder; llmapi: compile's
     draft_engine_dir: str = ""  # trtllm only: the draft's engine folder; "" serves the target alone
+    # The class AutoTokenizer picked for it when the repository was assembled ("module:Class"): the tokenizing
+    # models load it directly, without the auto classes' torch import. "": AutoTokenizer at load.
+    tokenizer_class: str = ""
     max_batch_size: int = 64
     max_seq_len: int = 2048  # prompt + new tokens; preprocessing refuses longer requests
     # The most bytes of text_input a request may carry, checked before any tokenizing (a 20 MB prompt took
@@ -188,9 +191,14 @@ def _base(name: str, spec: RepoSpec, *, backend: str, inputs: tuple[TensorSpec, 
 
 def _request_parameters(spec: RepoSpec) -> dict[str, str]:
     """What a model reading the client's request needs: the tokenizer, the chat template switch, the limits."""
-    return {"tokenizer_dir": spec.tokenizer_dir, "apply_chat_template": _flag(spec.apply_chat_template),
+    return {"tokenizer_dir": spec.tokenizer_dir, **_tokenizer_class(spec),
+            "apply_chat_template": _flag(spec.apply_chat_template),
             "max_seq_len": str(spec.max_seq_len), "num_draft_tokens": str(spec.num_draft_tokens),
             "max_input_bytes": str(spec.input_byte_limit)}
+
+
+def _tokenizer_class(spec: RepoSpec) -> dict[str, str]:
+    return {"tokenizer_class": spec.tokenizer_class} if spec.tokenizer_class else {}
 
 
 def preprocessing_config(spec: RepoSpec) -> ModelConfig:
@@ -208,7 +216,8 @@ def stop_request_config(spec: RepoSpec) -> ModelConfig:
 def postprocessing_config(spec: RepoSpec) -> ModelConfig:
     """Detokenizes one generation response; passes the acceptance counts on to the client."""
     return _base(POSTPROCESSING, spec, backend="python", inputs=GENERATION_TENSORS, outputs=ENSEMBLE_OUTPUTS,
-                 decoupled=False, parameters={"tokenizer_dir": spec.tokenizer_dir, "skip_special_tokens": "true"})
+                 decoupled=False, parameters={"tokenizer_dir": spec.tokenizer_dir, **_tokenizer_class(spec),
+                             "skip_special_tokens": "true"})
 
 
 def speculation_gate_config(spec: RepoSpec) -> ModelConfig:
@@ -247,6 +256,7 @@ def torch_engine_config(spec: RepoSpec) -> ModelConfig:
                  outputs=GENERATION_TENSORS,
                  decoupled=True, parameters={
                      "engine_dir": spec.engine_dir,
+                     **_tokenizer_class(spec),
                      "max_batch_size": str(spec.max_batch_size),
                      "max_seq_len": str(spec.max_seq_len),
                      "num_draft_tokens": str(spec.num_draft_tokens),

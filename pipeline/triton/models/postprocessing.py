@@ -23,7 +23,8 @@ class TritonPythonModel:
         exit_without_teardown()
         config = json.loads(args["model_config"])
         params = config["parameters"]
-        self.tokenizer = load_tokenizer(params["tokenizer_dir"]["string_value"])
+        self.tokenizer = load_tokenizer(params["tokenizer_dir"]["string_value"],
+                                        params.get("tokenizer_class", {}).get("string_value", ""))
         self.skip_special = params["skip_special_tokens"]["string_value"] == "true"
 
     @staticmethod

@@ -10,14 +10,18 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from pipeline.engine.config import ModelConfig
-from pipeline.models.tokenizer import encode_prompt, load_tokenizer, stop_token_ids, template_opening, uses_chat_template
+from pipeline.models.families import text_config
+from pipeline.models.shape import read_config
+from pipeline.models.tokenizer import (config_eos_ids, encode_prompt, load_tokenizer, stop_token_ids, template_opening,
+                                       uses_chat_template)
 from pipeline.triton.client_errors import answer_each
 from pipeline.triton.stub_exit import exit_without_teardown
 from pipeline.triton.validate import check_length, read_request
 
 
-def _param(config: dict, key: str) -> str:
+def _param(config: dict, key: str, default: str | None = None) -> str:
+    if default is not None and key not in config["parameters"]:
+        return default
     return config["parameters"][key]["string_value"]
 
 
@@ -26,7 +30,8 @@ class TritonPythonModel:
         exit_without_teardown()
         config = json.loads(args["model_config"])
         tokenizer_dir = _param(config, "tokenizer_dir")
-        self.tokenizer = load_tokenizer(tokenizer_dir)
+        # The class assemble recorded: no AutoTokenizer, so no torch in this process (pipeline.models.tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer_dir, _param(config, "tokenizer_class", ""))
         self.raw = _param(config, "apply_chat_template") != "true"
         # A text_input that starts as the template's rendering does is a conversation an OpenAI frontend
         # already rendered: encoded as it is, never templated twice (tokenizer.is_rendered).
@@ -36,7 +41,7 @@ class TritonPythonModel:
         self.max_input_bytes = int(_param(config, "max_input_bytes"))
         chat = uses_chat_template(self.tokenizer, self.raw)
         # The same stop set `pipeline generate` uses: eos, the config's eos, the chat end-of-turn markers.
-        self.stops = stop_token_ids(self.tokenizer, ModelConfig.from_folder(tokenizer_dir).eos_token_ids, chat=chat)
+        self.stops = stop_token_ids(self.tokenizer, config_eos_ids(text_config(read_config(tokenizer_dir))), chat=chat)
 
     def execute(self, requests):
         return answer_each(requests, lambda r: pb_utils.InferenceResponse(output_tensors=self._tensors(r)),

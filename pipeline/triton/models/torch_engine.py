@@ -226,7 +226,8 @@ class TritonPythonModel:
         try:
             # Requests that may wait for a slot (0: no bound); past it a request is refused at once as busy.
             self.max_queue_size = int(config["parameters"].get("max_queue_size", {}).get("string_value", "0"))
-            tokenizer = load_tokenizer(Path(engine_dir) / manifest["tokenizer"])
+            tokenizer = load_tokenizer(Path(engine_dir) / manifest["tokenizer"],
+                                       config["parameters"].get("tokenizer_class", {}).get("string_value", ""))
             # The answer's text as postprocessing writes it (skip_special_tokens), for stop strings.
             self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
             self.engine.detokenize = self.decode
