@@ -14,6 +14,7 @@ from pipeline.cli import main
 from pipeline.compiler import CompileOptions, compile_model
 from pipeline.engine import llm_engine
 from pipeline.engine.config import EngineConfig, GatePolicy
+from pipeline.engine import device as device_module
 from pipeline.engine.device import Device, DeviceChoice, choose_device, kv_pool_blocks, resolve_device
 from pipeline.engine.folder import load_engine
 from pipeline.engine.kv_cache import BLOCK_SIZE
@@ -28,6 +29,7 @@ def see_gpus(monkeypatch, *names: str, cuda_build: bool = True) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
     monkeypatch.setattr(torch.version, "cuda", "12.8" if cuda_build else None)
+    monkeypatch.setattr(device_module, "_cpu_only_build", lambda: not cuda_build)  # torch/version.py's view too
 
 
 @pytest.fixture
@@ -68,8 +70,25 @@ def test_cpu_never_asks_torch_about_gpus(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", broken)
     assert resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(device_module, "_cpu_only_build", lambda: False)  # a CUDA build: auto must ask
     with pytest.raises(AssertionError):  # the control: auto does ask
         resolve_device("auto")
+
+
+@pytest.mark.parametrize("text, cpu_only", [
+    ("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n", True),
+    ("cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n", False),
+    ("cuda = None\nhip = '6.2.4'\n", False),
+    ("cuda = None\n", False),  # a file that doesn't say both: torch is asked
+    ("cuda = (\n", False),
+])
+def test_a_cpu_only_torch_is_known_from_its_version_file_without_importing_it(tmp_path, text, cpu_only):
+    """`pipeline serve`'s supervisor picks auto -> cpu on a CPU-only wheel without importing torch (2 s, 230 MB)."""
+    (tmp_path / "version.py").write_text(text)
+    assert device_module._cpu_only_build(tmp_path / "version.py") is cpu_only
+    assert device_module._cpu_only_build(tmp_path / "missing.py") is False
+    # This machine's own torch: the file says what the imported module does.
+    assert device_module._cpu_only_build() is (torch.version.cuda is None and torch.version.hip is None)
 
 
 @pytest.mark.parametrize("cuda_build, needle", [(False, "CPU-only build"), (True, "CUDA_VISIBLE_DEVICES")])

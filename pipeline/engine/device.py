@@ -11,6 +11,8 @@ functions that ask it, so the Triton configs can check a choice's spelling witho
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import re
 
 from pipeline.errors import ConfigError
@@ -128,12 +130,34 @@ def _chosen(name: str, line: str) -> tuple[Device, str]:
 
 def visible_gpus() -> tuple[tuple[str, ...], bool]:
     """(the names of the GPUs torch sees, cuda:0 first; whether this torch is a CPU-only build)."""
+    if _cpu_only_build():  # no GPU to see: `pipeline serve`'s supervisor need not import torch (2 s, 230 MB) to say so
+        return (), True
     import torch
 
     cpu_build = torch.version.cuda is None
     if not torch.cuda.is_available():
         return (), cpu_build
     return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), cpu_build
+
+
+def _cpu_only_build(version_file: Path | None = None) -> bool:
+    """Whether the installed torch is built for neither CUDA nor ROCm, read from its generated torch/version.py
+    (`cuda = None`, `hip = None`) without importing it; False where the file can't be read so (then torch is asked)."""
+    import ast
+    import importlib.util
+
+    try:
+        version_file = version_file or Path(importlib.util.find_spec("torch").origin).with_name("version.py")
+        tree = ast.parse(version_file.read_text())
+    except (AttributeError, ImportError, OSError, SyntaxError, TypeError, ValueError):
+        return False
+    built = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    built[target.id] = node.value.value
+    return "cuda" in built and "hip" in built and built["cuda"] is None and built["hip"] is None
 
 
 def choose_device(choice: str) -> tuple[Device, str]:
