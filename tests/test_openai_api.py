@@ -1123,14 +1123,15 @@ def test_a_normal_request_beside_sixteen_choices_starts_at_once(served, client):
         return sum(v for k, v in metrics(served[0].endpoints.metrics).items()
                    if k.startswith("pipeline_engine_requests_finished_total") and 'reason="cancelled"' not in k)
 
+    # Not speculated: each choice takes its 480 steps (the KV budget holds n x max_tokens under the pool's 8192).
     body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 480, "n": 16,
-                       "temperature": 1, "seed": 5, "ignore_eos": True}).encode()
+                       "temperature": 1, "seed": 5, "ignore_eos": True, "speculation": "off"}).encode()
     sock = socket.create_connection(("127.0.0.1", int(served[1].url.rsplit(":", 1)[1])), timeout=10)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     try:
         deadline = time.monotonic() + 30
-        while engine_counts(served)[0] < 16:
+        while engine_counts(served)[0] + finished() < 16:  # the first choice may have ended already (below)
             assert time.monotonic() < deadline, "the choices never reached the engine"
             time.sleep(0.05)
         before = finished()
@@ -1140,7 +1141,10 @@ def test_a_normal_request_beside_sixteen_choices_starts_at_once(served, client):
     finally:
         sock.close()  # the client leaves: the choices are cancelled
     assert answer.choices[0].text == grpc_text_raw(served[0], "Count: 1, 2,", 8)
-    assert ended == 1, ended  # the normal request alone: no choice had to end to make room for it
+    # The normal request, and at most the first choice: it runs alone while the frontend sends the other 15 after
+    # its first piece (their prompt then cached), 0.3-0.5 s here, so it may end in the window. Waiting for a slot as
+    # before, the normal request would have come after 9 choices.
+    assert ended in (1, 2), ended
     deadline = time.monotonic() + 10
     while engine_counts(served)[0]:
         assert time.monotonic() < deadline, "the choices were not cancelled"
