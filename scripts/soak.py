@@ -36,6 +36,13 @@ CHAOS_SEEDS, each with its own reference), none lost. The report adds how many a
 kill added to them, against the restart's.
 
     python scripts/soak.py --repo triton_repo --chaos --streams 32 --minutes 10
+
+--openai-streams N (with --repo) starts the OpenAI frontend beside tritonserver, as `pipeline serve --openai-port`
+does, and N more clients send greedy and sampled chats through it with the `openai` SDK, streamed or whole: greedy
+answers must equal the frontend's own solo answer to the prompt, sampled ones (seeded) theirs where --chaos gives
+them references. The frontend resumes what a kill cut off itself, so any error it returns is a failure.
+
+    python scripts/soak.py --repo triton_repo --chaos --streams 32 --openai-streams 32 --minutes 10
 """
 
 from __future__ import annotations
@@ -158,6 +165,7 @@ class SoakOptions:
     rss_growth_pct: float = 10.0
     chaos: bool = False  # kill the server every kill_every_s; greedy and sampled answers must resume
     kill_every_s: tuple[float, float] = (30.0, 90.0)
+    openai_streams: int = 0  # clients beside `streams` sending greedy and sampled chats through the OpenAI frontend
 
     def __post_init__(self):
         for name in ("bad_share", "cancel_share", "sampled_share"):
@@ -167,6 +175,8 @@ class SoakOptions:
             raise ValueError("--bad-share plus --cancel-share must be at most 1")
         if self.streams < 1 or self.minutes <= 0 or self.max_tokens < 1 or self.hang_s <= 0:
             raise ValueError("--streams, --minutes, --max-tokens and --hang-s must be positive")
+        if self.openai_streams < 0:
+            raise ValueError(f"--openai-streams must be >= 0 (got {self.openai_streams})")
         if not 0 < self.kill_every_s[0] <= self.kill_every_s[1]:
             raise ValueError(f"--kill-every-s takes LOW HIGH with 0 < LOW <= HIGH (got {self.kill_every_s})")
 
@@ -190,6 +200,21 @@ class Request:
     seed: int | None = None  # sampled only
     bad: str | None = None  # a BAD_REQUESTS key
     leave_after: int | None = None  # cancel only: responses before the client walks away
+    openai: bool = False  # sent through the OpenAI frontend (--openai-streams), not gRPC
+
+    @property
+    def key(self) -> str:
+        """What the tally counts it as: its kind, and the API it went through."""
+        return f"openai {self.kind.value}" if self.openai else self.kind.value
+
+
+def draw_openai(rng: random.Random, options: SoakOptions) -> Request:
+    """An --openai-streams client's next request: greedy or sampled (seeded as draw's), streamed or whole."""
+    prompt = rng.randrange(len(PROMPTS))
+    if rng.random() < options.sampled_share:
+        return Request(Kind.SAMPLED, prompt, options.max_tokens, stream=rng.random() >= 0.25,
+                       seed=rng.randrange(CHAOS_SEEDS if options.chaos else 2**32), openai=True)
+    return Request(Kind.GREEDY, prompt, options.max_tokens, stream=rng.random() >= 0.25, openai=True)
 
 
 def draw(rng: random.Random, options: SoakOptions) -> Request:
@@ -391,6 +416,48 @@ class ResumingClient:
 RESUME_WITHIN_S = 120.0  # --chaos: how long a resuming client waits for the server (a restart takes about ten)
 
 
+class OpenAIClient:
+    """--openai-streams: one `openai` SDK client on the frontend, a chat at a time. The frontend resumes an answer a
+    kill cut off (its own Ensemble client), so this client never retries: an error is the frontend's answer."""
+
+    def __init__(self, url: str, hang_s: float):
+        from openai import OpenAI
+
+        self.api = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=hang_s + RESUME_WITHIN_S)
+
+    def close(self) -> None:
+        self.api.close()
+
+    def call(self, request: Request) -> Reply:
+        import openai
+
+        kwargs = dict(model=OPENAI_MODEL, messages=[{"role": "user", "content": PROMPTS[request.prompt]}],
+                      max_tokens=request.max_tokens, seed=request.seed,
+                      temperature=SAMPLED_TEMPERATURE if request.kind is Kind.SAMPLED else 0.0)
+        reply = Reply(sent_at=time.monotonic())
+        try:
+            if request.stream:
+                text = []
+                for chunk in self.api.chat.completions.create(**kwargs, stream=True):
+                    reply.first_s = reply.first_s or time.monotonic() - reply.sent_at
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        text.append(chunk.choices[0].delta.content)
+                        reply.responses += 1
+                reply.text = "".join(text)
+            else:
+                answer = self.api.chat.completions.create(**kwargs)
+                reply.first_s = time.monotonic() - reply.sent_at
+                reply.text, reply.responses = answer.choices[0].message.content or "", 1
+        except openai.APITimeoutError:
+            reply.hung, reply.error = True, "no response within the client's timeout"
+        except openai.OpenAIError as err:
+            reply.error = message(err)
+        return reply
+
+
+OPENAI_MODEL = "soak"  # the frontend's --served-model-name
+
+
 STALE_STREAM = "stream is no longer in valid state"  # tritonclient, asked to send on a stream that broke
 
 
@@ -403,7 +470,7 @@ def judge(request: Request, reply: Reply, references: list[str],
           sampled: dict[tuple[int, int], str] | None = None) -> tuple[Outcome, str | None]:
     """The outcome of one request, and a line saying what went wrong when it counts as a failure. sampled: (prompt,
     seed) -> the solo answer a sampled request must equal (--chaos); None: sampled answers only have to complete."""
-    what = f"{request.kind.value} request on prompt {request.prompt}"
+    what = f"{request.key} request on prompt {request.prompt}"
     if reply.lost:
         return Outcome.LOST, f"{what} (seed {request.seed}): {reply.error}"
     if reply.hung:
@@ -460,10 +527,10 @@ class Tally:
 
     def add(self, request: Request, reply: Reply, outcome: Outcome, problem: str | None) -> None:
         with self.lock:
-            self.sent[request.kind.value] += 1
+            self.sent[request.key] += 1
             self.outcomes[outcome.value] += 1
             if outcome is Outcome.COMPLETED and reply.sent_at:
-                self.durations.append(((request.kind.value, request.stream), reply.ended_at - reply.sent_at,
+                self.durations.append(((request.key, request.stream), reply.ended_at - reply.sent_at,
                                        reply.resumed))
             transport = outcome is Outcome.ERRORED_UNEXPECTED and reply.transport
             if transport:
@@ -724,6 +791,27 @@ def sampled_references(url: str, options: SoakOptions) -> dict[tuple[int, int], 
         client.close()
 
 
+def openai_references(url: str, options: SoakOptions) -> tuple[list[str], dict[tuple[int, int], str] | None]:
+    """--openai-streams: each prompt's greedy chat answer through the frontend, sent alone, and with --chaos each
+    (prompt, seed)'s sampled one: what the OpenAI clients' answers must equal (the frontend renders the chat
+    template itself, so these are its own, not the gRPC references)."""
+    client = OpenAIClient(url, options.hang_s)
+    try:
+        def one(request: Request) -> str:
+            reply = client.call(request)
+            if reply.error or reply.hung:
+                raise RuntimeError(f"the OpenAI reference for {request.key} prompt {request.prompt} failed: "
+                                   f"{reply.error}")
+            return reply.text
+
+        greedy = [one(Request(Kind.GREEDY, i, options.max_tokens, openai=True)) for i in range(len(PROMPTS))]
+        sampled = {(i, seed): one(Request(Kind.SAMPLED, i, options.max_tokens, seed=seed, openai=True))
+                   for i in range(len(PROMPTS)) for seed in range(CHAOS_SEEDS)} if options.chaos else None
+        return greedy, sampled
+    finally:
+        client.close()
+
+
 def gauges(metrics_url: str | None) -> dict[str, float]:
     """GAUGES as the server's /metrics has them now (summed over labels); {} when unread."""
     if metrics_url is None:
@@ -753,11 +841,13 @@ def drained_gauges(metrics_url: str | None, timeout_s: float = 30.0) -> dict[str
 
 def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | None = None,
          metrics_url: str | None = None, say=lambda line: print(line, file=sys.stderr, flush=True),
-         restarts: list[Restart] | None = None, loading: threading.Event | None = None) -> Report:
+         restarts: list[Restart] | None = None, loading: threading.Event | None = None,
+         openai_url: str | None = None) -> Report:
     """Run the mix against a ready server at url (HOST:PORT, gRPC); server_pid: read its processes' RSS (a callable:
     the current one, for a server that may be restarted). restarts: filled by a supervisor as the soak runs; the
     gRPC failures of requests in flight while the server was down count as lost to the restart. loading: set once the
-    references are taken and the load starts (--chaos kills from then on)."""
+    references are taken and the load starts (--chaos kills from then on). openai_url: the OpenAI frontend in front
+    of it, for options.openai_streams."""
     restarts = [] if restarts is None else restarts
 
     def pid() -> int | None:
@@ -767,6 +857,9 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
     say(f"soak: references for {len(PROMPTS)} prompts, one at a time")
     refs = references(url, options)
     sampled = sampled_references(url, options) if options.chaos else None
+    if options.openai_streams and openai_url is None:
+        raise ValueError("--openai-streams needs the OpenAI frontend: pass --repo")
+    openai_refs, openai_sampled = openai_references(openai_url, options) if options.openai_streams else ([], None)
     tally, abort = Tally(), threading.Event()
     t0 = time.monotonic()
     end_at = t0 + options.duration_s
@@ -797,10 +890,26 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
             if resuming is not None:
                 resuming.close()
 
+    def run_openai(client_id: str, until: float) -> None:
+        rng = random.Random(f"{options.seed}-{client_id}")
+        client = OpenAIClient(openai_url, options.hang_s)
+        try:
+            while not abort.is_set() and time.monotonic() < until:
+                request = draw_openai(rng, options)
+                reply = client.call(request)
+                reply.ended_at = time.monotonic()
+                outcome, problem = judge(request, reply, openai_refs, openai_sampled)
+                tally.add(request, reply, outcome, problem)
+        finally:
+            client.close()
+
     bursts_line = (f"bursts of {options.burst_streams} every {options.burst_every_s:g} s" if options.burst_every_s
                    else "no bursts")
-    say(f"soak: {options.streams} streams for {options.minutes:g} min, {bursts_line}")
+    openai = f" + {options.openai_streams} through the OpenAI API" if options.openai_streams else ""
+    say(f"soak: {options.streams} streams{openai} for {options.minutes:g} min, {bursts_line}")
     threads = [threading.Thread(target=run, args=(f"w{i}", end_at), daemon=True) for i in range(options.streams)]
+    threads += [threading.Thread(target=run_openai, args=(f"o{i}", end_at), daemon=True)
+                for i in range(options.openai_streams)]
     for t in threads:
         t.start()
     if loading is not None:
@@ -858,7 +967,7 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
     from pipeline.triton.supervise import READY_TIMEOUT_S
     from pipeline.triton.supervise import CANCEL_RACE, MAX_RESTARTS, RestartBudget, supervise
 
-    grpc, http, metrics = free_ports()
+    grpc, http, metrics, openai_port = free_ports(4)
     say(f"soak: starting tritonserver on {repo}")
     server = TritonServer(ServeOptions(repo=repo, grpc_port=grpc, http_port=http, metrics_port=metrics))
     restarts: list[Restart] = []
@@ -917,6 +1026,15 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
 
     stop, loading = threading.Event(), threading.Event()
     with server:
+        frontend = None
+        if options.openai_streams:  # as `pipeline serve --openai-port` runs it: a process of its own, never killed
+            from pipeline.openai_api.process import FrontendOptions, FrontendProcess
+
+            frontend = FrontendProcess(FrontendOptions(port=openai_port, model_name=OPENAI_MODEL), repo,
+                                       server.endpoints.grpc, server.endpoints.metrics,
+                                       server.log_path.with_name("openai-frontend.log")).start()
+            frontend.wait_ready()
+            say(f"soak: the OpenAI frontend on {frontend.url}")
         watcher = threading.Thread(target=watch, name="soak-supervisor", daemon=True)
         watcher.start()
         killer = threading.Thread(target=chaos, name="soak-chaos", daemon=True) if options.chaos else None
@@ -924,12 +1042,14 @@ def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, fil
             killer.start()
         try:
             return soak(server.endpoints.grpc, options, lambda: server.process.pid if server.process else None,
-                        server.endpoints.metrics, say, restarts, loading)
+                        server.endpoints.metrics, say, restarts, loading, frontend.url if frontend else None)
         finally:
             stop.set()
             if killer is not None:
                 killer.join()
             watcher.join()
+            if frontend is not None:
+                frontend.stop()
 
 
 SERVER_LOG_LINES = 40
@@ -943,6 +1063,9 @@ KILL_SEEN_WITHIN_S = 10.0  # a death the supervisor sees this soon after a kill 
 def print_report(report: Report, rss_check: bool) -> None:
     o, c = report.options, report.counts
     kinds = ", ".join(f"{report.sent_by_kind.get(k.value, 0)} {k.value}" for k in Kind)
+    if o.openai_streams:
+        kinds += "; through the OpenAI API: " + ", ".join(
+            f"{report.sent_by_kind.get(f'openai {k.value}', 0)} {k.value}" for k in (Kind.GREEDY, Kind.SAMPLED))
     rows = [("requests sent", str(c["sent"]), kinds),
             ("completed", str(c["completed"]), "greedy ones equal to their solo reference"),
             ("cancelled by the client", str(c["cancelled"]), "left after 1-3 responses"),
@@ -976,7 +1099,8 @@ def print_report(report: Report, rss_check: bool) -> None:
         for name in report.rss_series[-1][1]:
             print(f"  {name}: " + " ".join(fmt(mib.get(name)) for _, mib in report.rss_series))
     failures = report.failures(rss_check)
-    print(f"\n{report.url}: {o.streams} streams for {o.minutes:g} min ({report.wall_s:.0f} s with the drain), "
+    openai = f" + {o.openai_streams} through the OpenAI API" if o.openai_streams else ""
+    print(f"\n{report.url}: {o.streams} streams{openai} for {o.minutes:g} min ({report.wall_s:.0f} s with the drain), "
           + (f"{report.bursts} bursts of {o.burst_streams}" if o.burst_every_s else "no bursts")
           + f", max {o.max_tokens} tokens, seed {o.seed}; RSS "
           + (f"warm-up at {o.warmup_at_s:g} s, limit +{o.rss_growth_pct:g}%"
@@ -1012,6 +1136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rss-growth-pct", type=float, default=10.0)
     ap.add_argument("--no-rss-check", action="store_true", help="report RSS growth without failing on it")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--openai-streams", type=int, default=0, help="with --repo: more clients, sending greedy and "
+                    "sampled chats through the OpenAI frontend (started beside the server) [default: 0]")
     ap.add_argument("--chaos", action="store_true", help="with --repo: kill tritonserver and the engine's stub by "
                     "turns (SIGKILL); greedy and sampled answers must resume to their solo references")
     ap.add_argument("--kill-every-s", type=float, nargs=2, default=(30.0, 90.0), metavar=("LOW", "HIGH"),
@@ -1020,6 +1146,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.chaos and args.repo is None:
         ap.error("--chaos needs --repo: the script kills and restarts the server it started")
+    if args.openai_streams and args.repo is None:
+        ap.error("--openai-streams needs --repo: the script starts the OpenAI frontend beside the server it starts")
     return args
 
 
@@ -1031,7 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = SoakOptions(args.streams, args.minutes, args.max_tokens, args.bad_share, args.cancel_share,
                               args.sampled_share, args.burst_every_s, args.burst_streams, args.hang_s, args.seed,
-                              args.warmup_s, args.rss_growth_pct, args.chaos, tuple(args.kill_every_s))
+                              args.warmup_s, args.rss_growth_pct, args.chaos, tuple(args.kill_every_s),
+                              args.openai_streams)
     except ValueError as err:
         raise SystemExit(f"soak.py: {err}") from None
     try:

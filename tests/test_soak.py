@@ -1,5 +1,6 @@
 """scripts/soak.py, the 30-second version: a tiny portable engine served by the script's own tritonserver,
-16 streams with bursts every 12 s, the full mix (greedy, sampled, bad, cancelled)."""
+16 streams with bursts every 12 s, the full mix (greedy, sampled, bad, cancelled), and 4 clients on the OpenAI
+frontend beside them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def test_the_mix_has_every_kind_and_is_the_same_for_the_same_seed():
     assert 0.2 < kinds[soak.Kind.SAMPLED] < 0.28  # 0.3 of the 80% neither bad nor cancelled
     assert {r.bad for r in a if r.bad} == set(soak.BAD_REQUESTS)
     assert {r.leave_after for r in a if r.kind is soak.Kind.CANCEL} == {1, 2, 3}
+
+
+def test_openai_clients_send_greedy_and_sampled_chats_streamed_or_whole_counted_apart():
+    options = soak.SoakOptions(chaos=True)
+    rng = random.Random("0-o1")
+    drawn = [soak.draw_openai(rng, options) for _ in range(2000)]
+    assert {r.kind for r in drawn} == {soak.Kind.GREEDY, soak.Kind.SAMPLED} and all(r.openai for r in drawn)
+    assert {r.stream for r in drawn} == {True, False}
+    assert {r.seed for r in drawn if r.kind is soak.Kind.SAMPLED} == set(range(soak.CHAOS_SEEDS))
+    tally = soak.Tally()
+    for request in (drawn[0], soak.Request(drawn[0].kind, 0, 8)):
+        tally.add(request, soak.Reply(text="x"), soak.Outcome.COMPLETED, None)
+    assert tally.sent == {f"openai {drawn[0].kind.value}": 1, drawn[0].kind.value: 1}
 
 
 def test_judge_counts_a_wrong_refusal_a_served_bad_request_and_a_wrong_greedy_text_as_failures():
@@ -80,7 +94,7 @@ def test_thirty_second_soak_has_no_hung_unexpected_or_mismatched_request(tiny_ta
     repo = assemble(AssembleOptions(engine=engine, repo=tmp_path / "repo", gate_batch_size=8,
                                     min_spec_tokens=20)).repo
     code = soak.main(["--repo", repo, "--streams", "16", "--minutes", "0.5", "--burst-every-s", "12",
-                      "--max-tokens", "32", "--hang-s", "30", "--json"])
+                      "--max-tokens", "32", "--hang-s", "30", "--openai-streams", "4", "--json"])
     out = capsys.readouterr().out
     report = json.loads(out[out.index("\n{") + 1:])
     counts = report["counts"]
@@ -93,6 +107,8 @@ def test_thirty_second_soak_has_no_hung_unexpected_or_mismatched_request(tiny_ta
     assert (counts["hung"], counts["errored_unexpected"], counts["mismatched"]) == (0, 0, 0), report["problems"]
     assert bool(counts["lost_to_restart"]) <= bool(report["restarts"]), counts
     assert counts["completed"] > 100 and counts["errored_expected"] > 5 and counts["cancelled"] > 5, counts
+    openai = {kind: n for kind, n in report["sent_by_kind"].items() if kind.startswith("openai ")}
+    assert openai.get("openai greedy", 0) > 10 and openai.get("openai sampled", 0) > 2, report["sent_by_kind"]
     assert report["bursts"] == 2 and set(report["gauges_after"].values()) == {0}
     assert {r["process"] for r in report["rss"]} >= {"tritonserver", "torch_engine", "speculation_gate"}
     assert code == 0, report["failures"]
