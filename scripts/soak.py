@@ -568,10 +568,11 @@ class Tally:
             return {"sent": sum(self.sent.values()), **{o.value: self.outcomes[o.value] for o in Outcome},
                     "resumed": sum(1 for _, _, n in self.durations if n)}
 
-    def added_by_kills(self) -> list[float]:
-        """--chaos: per resumed answer, its time less the median of the answers of its kind that weren't resumed."""
+    def added_by_kills(self, openai: bool | None = None) -> list[float]:
+        """--chaos: per resumed answer, its time less the median of the answers of its kind that weren't resumed;
+        openai: only those through the OpenAI API (True) or gRPC (False)."""
         with self.lock:
-            rows = list(self.durations)
+            rows = [r for r in self.durations if openai is None or r[0][0].startswith("openai ") == openai]
         plain: dict[tuple[str, bool], list[float]] = {}
         for key, took, resumed in rows:
             if not resumed:
@@ -708,6 +709,8 @@ class Report:
     rss_series: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     restarts: list[Restart] = field(default_factory=list)  # --repo: each death of the server and its restart
     added_by_kills: list[float] = field(default_factory=list)  # --chaos: seconds a kill added to each resumed answer
+    added_by_kills_openai: list[float] = field(default_factory=list)  # the same, of those through the OpenAI API
+    frontend_resumed: float | None = None  # --openai-streams: the frontend's pipeline_frontend_resumed_total
 
     @property
     def longest_restart_s(self) -> float | None:
@@ -747,7 +750,10 @@ class Report:
                 "rss_series": [{"t_s": t, "mib": mib} for t, mib in self.rss_series],
                 "problems": self.problems,
                 "added_by_kills_s": {"p50": _at(self.added_by_kills, 0.5), "p99": _at(self.added_by_kills, 0.99),
-                                     "max": _at(self.added_by_kills, 1.0), "resumed": len(self.added_by_kills)},
+                                     "max": _at(self.added_by_kills, 1.0), "resumed": len(self.added_by_kills),
+                                     "openai_p99": _at(self.added_by_kills_openai, 0.99),
+                                     "openai_resumed": len(self.added_by_kills_openai),
+                                     "frontend_resumed": self.frontend_resumed},
                 "restarts": [{"died": r.died, "known": r.known,
                               "down_s": None if r.ready_at is None else round(r.ready_at - r.died_at, 1),
                               "log_tail": r.log_tail} for r in self.restarts],
@@ -828,6 +834,18 @@ def gauges(metrics_url: str | None) -> dict[str, float]:
     return out
 
 
+def frontend_resumed(openai_url: str | None) -> float | None:
+    """The OpenAI frontend's count of the answers it resumed after a lost server; None when unread."""
+    if openai_url is None:
+        return None
+    try:
+        text = urllib.request.urlopen(f"{openai_url}/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pipeline_frontend_resumed_total"))
+
+
 def drained_gauges(metrics_url: str | None, timeout_s: float = 30.0) -> dict[str, float]:
     """The gauges once they all read 0, or as they are after timeout_s (cancels are noticed a step late,
     and a request its client left may still be decoding)."""
@@ -898,6 +916,9 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
                 request = draw_openai(rng, options)
                 reply = client.call(request)
                 reply.ended_at = time.monotonic()
+                # The frontend resumes out of sight: an answer in flight when the supervisor saw the server dead
+                # was cut off and resumed (the frontend's own count is its pipeline_frontend_resumed_total).
+                reply.resumed = sum(reply.sent_at < r.died_at < reply.ended_at for r in list(restarts))
                 outcome, problem = judge(request, reply, openai_refs, openai_sampled)
                 tally.add(request, reply, outcome, problem)
         finally:
@@ -956,7 +977,8 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
     tally.settle([r.window for r in restarts])
     return Report(options, url, tally.snapshot(), dict(tally.sent), bursts, wall,
                   rss_rows(rss_start, rss_warm or {}, rss_end), server_pid is not None, after, dict(most),
-                  tally.first_response_s(), tally.problems, series, list(restarts), tally.added_by_kills())
+                  tally.first_response_s(), tally.problems, series, list(restarts), tally.added_by_kills(),
+                  tally.added_by_kills(openai=True), frontend_resumed(openai_url))
 
 
 def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
@@ -1082,7 +1104,12 @@ def print_report(report: Report, rss_check: bool) -> None:
                ("time a kill added p50/p99/max s",
                 "/".join(fmt(_at(report.added_by_kills, q), ".1f") for q in (0.5, 0.99, 1.0)),
                 f"per resumed answer, against its kind's median; target p99 <= the longest restart "
-                f"({fmt(report.longest_restart_s, '.1f')} s) + {RESUME_SLACK_S:g} s")] if o.chaos else []),
+                f"({fmt(report.longest_restart_s, '.1f')} s) + {RESUME_SLACK_S:g} s"),
+               *([("of them through the OpenAI API", "/".join(fmt(_at(report.added_by_kills_openai, q), ".1f")
+                                                               for q in (0.5, 0.99, 1.0)),
+                   f"{len(report.added_by_kills_openai)} in flight at a kill; the frontend counts "
+                   f"{fmt(report.frontend_resumed, 'g')} resumed (its /metrics)")] if o.openai_streams else [])]
+              if o.chaos else []),
             *([(f"{name.removeprefix('pipeline_')} max/after", f"{fmt(report.gauges_max.get(name), 'g')}/"
                 f"{fmt(report.gauges_after.get(name), 'g')}", "server gauge: most during the load / once drained, "
                 "target 0") for name in GAUGES] if report.gauges_after else
