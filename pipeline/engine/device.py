@@ -11,9 +11,8 @@ functions that ask it, so the Triton configs can check a choice's spelling witho
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 from pipeline.errors import ConfigError
 

@@ -164,7 +164,8 @@ def _torch_spec(engine: Path, options: AssembleOptions) -> RepoSpec:
     manifest = read_engine_manifest(engine)
     tokenizer = engine / manifest["tokenizer"]
     return RepoSpec(backend=PORTABLE.repo_backend, tokenizer_dir=str(tokenizer), engine_dir=str(engine),
-                    tokenizer_class=tokenizer_class(tokenizer), max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
+                    tokenizer_class=tokenizer_class(tokenizer),
+                    max_batch_size=manifest["max_batch_size"], max_seq_len=manifest["max_seq_len"],
                     num_draft_tokens=max(1, manifest["num_draft_tokens"]), gate=_gate(options),
                     max_input_bytes=options.max_input_bytes, max_queue_size=options.max_queue_size,
                     device=options.device)
