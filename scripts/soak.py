@@ -921,6 +921,8 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
                 reply.resumed = sum(reply.sent_at < r.died_at < reply.ended_at for r in list(restarts))
                 outcome, problem = judge(request, reply, openai_refs, openai_sampled)
                 tally.add(request, reply, outcome, problem)
+                if outcome is Outcome.BUSY:  # the frontend's 503, as a client that retries would
+                    abort.wait(BUSY_BACKOFF_S)
         finally:
             client.close()
 
