@@ -338,6 +338,26 @@ def test_what_died_names_a_dead_stub_and_the_server_it_took_down():
         f"the python stub of torch_engine (pid {gone.pid}) died; tritonserver exited with code 1"
 
 
+def test_a_restarted_servers_death_is_named_from_its_own_runs_log(tmp_path):
+    """A restart appends to the same log file; a death is named from the lines of the run that died. An earlier
+    run's "Signal (6) received." (a stub's death can abort tritonserver) once named a later SIGKILL a SIGABRT."""
+    import signal
+
+    from pipeline.triton.supervise import what_died
+
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", ECHO_MODEL)
+    with TritonServer(options_for(repo)) as server:
+        with open(server.log_path, "a") as log:  # what an earlier run's crash handler printed
+            log.write("Signal (6) received.\n")
+        server.restart()
+        server.wait_ready(60)
+        assert "Signal (6) received." in server.log_path.read_text() and "Signal (6)" not in server.log()
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait(10)
+        assert what_died(server, []) == "tritonserver exited with code -9"
+
+
 # ---- the portable engine's device -------------------------------------------------------------------------------
 
 

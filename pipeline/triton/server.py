@@ -306,6 +306,9 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.workspace: Path | None = None
         self.log_path: Path | None = None
+        # Where this run's lines start in log_path: a restart appends, and a death is named from its own run's
+        # lines (a stub's death once left "Signal (6) received." there, and the next SIGKILL read as a SIGABRT).
+        self.log_offset = 0
         self.shm_prefix = f"{SHM_PREFIX}pipeline{os.getpid()}_{id(self):x}_"
         self.command = ""  # the launch command, as a shell line, once started
         self.launch: Launch | None = None
@@ -356,6 +359,7 @@ class TritonServer:
         argv, extra_env = launch_argv(self.options, self.binary, self.backends, self.shm_prefix, self.launch)
         self.command = shell_line(argv, extra_env).replace(self.options.admin_key, "<admin-key>")
         with open(self.log_path, log_mode) as log:
+            self.log_offset = log.tell()
             self.process = subprocess.Popen(
                 argv, env={**server_env(self.binary), **extra_env},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -373,9 +377,12 @@ class TritonServer:
         return self.workspace / "backends"
 
     def log(self) -> str:
+        """This run's log: since the last start or restart (the file keeps every run's)."""
         if self.log_path is None or not self.log_path.exists():
             return ""
-        return self.log_path.read_text(errors="replace")
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            return f.read().decode(errors="replace")
 
     def wait_ready(self, timeout: float = 120.0) -> Endpoints:
         """Poll /v2/health/ready until every model is ready; a server that exits raises with its log line."""
