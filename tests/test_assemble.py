@@ -175,3 +175,27 @@ def test_concurrent_streams_past_the_batch_size_each_get_their_own_answer_beside
     for t in threads:
         t.join(timeout=120)
     assert got == {i: expected_text(engine_dir, p, MAX_TOKENS) for i, p in enumerate(prompts)}
+
+
+def test_bench_startups_baseline_is_the_repository_without_the_tokenizer_record(engine_dir, tmp_path):
+    """scripts/bench_startup.py times a start against the same repository loading AutoTokenizer everywhere."""
+    import importlib.util
+    import sys
+
+    scripts = Path(__file__).parent.parent / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_startup", scripts / "bench_startup.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(scripts))
+    repo = Path(assemble(AssembleOptions(engine=engine_dir, repo=tmp_path / "repo")).repo)
+    (tmp_path / "copy").mkdir()
+    baseline = bench.without_record(repo, tmp_path / "copy")
+    for name in ("preprocessing", "postprocessing", "torch_engine"):
+        kept, dropped = read_config(repo / name), read_config(baseline / name)
+        assert "tokenizer_class" in kept.parameters and "tokenizer_class" not in dropped.parameters
+        del kept.parameters["tokenizer_class"]
+        assert kept == dropped, name
+    assert read_config(baseline / "ensemble") == read_config(repo / "ensemble")
