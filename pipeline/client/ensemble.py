@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import MissingDependencyError, PipelineError, RequestError, ServeError
 from pipeline.policy.draft_plan import add_counts, read_counts, speculation_summary
+from pipeline.policy.serving_gate import BUSY_PREFIX
 from pipeline.polling import wait_until
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ STOP_WITHIN_S = 2.0
 # capped. A lost server is back in about ten seconds; at gRPC's default backoff (1 s, growing 1.6x a try to 120 s) the
 # channel then stayed down for seconds more, and every resumed answer waited for it (scripts/soak.py --chaos).
 RECONNECT_BACKOFF_MS = 500
-BUSY_PREFIX = "server busy:"  # a refusal because the engine's queue is full (pipeline.policy.serving_gate)
 BUSY_RETRY_S = 1.0  # a resumed answer refused as busy tries again this much later
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
                    ("grpc.keepalive_time_ms", 2**31 - 1), ("grpc.keepalive_timeout_ms", 20_000),

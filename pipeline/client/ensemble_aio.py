@@ -20,10 +20,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from pipeline.client.ensemble import (BUSY_PREFIX, BUSY_RETRY_S, CHANNEL_OPTIONS, ENSEMBLE, STOP_MODEL, STOP_WITHIN_S,
-                                      Chunk, RequestOptions, build_inputs, chunk_of, grpc_target, request_id,
-                                      stop_inputs)
-from pipeline.policy.serving_gate import STOPPING_PREFIX
+from pipeline.client.ensemble import (BUSY_RETRY_S, CHANNEL_OPTIONS, ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk,
+                                      RequestOptions, build_inputs, chunk_of, grpc_target, request_id, stop_inputs)
+from pipeline.policy.serving_gate import BUSY_PREFIX, STOPPING_PREFIX
 
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
 

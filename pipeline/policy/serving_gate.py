@@ -30,9 +30,13 @@ from pipeline.policy.gate_policy import GatePolicy
 OVERRIDE, SHORT, LOAD, OPEN = "override", "short", "load", "open"
 
 
+# How a refusal as busy begins: clients tell it from other refusals by it (a 503, a resumed answer's wait).
+BUSY_PREFIX = "server busy:"
+
+
 def busy_message(waiting: int, slots: int, max_queue_size: int) -> str:
     """The one line a request refused as busy gets, from the gate or from the engine itself."""
-    return (f"server busy: {waiting} requests are already waiting for the engine's {slots} slots (max_queue_size "
+    return (f"{BUSY_PREFIX} {waiting} requests are already waiting for the engine's {slots} slots (max_queue_size "
             f"{max_queue_size}); retry in a moment, or serve a repository assembled with a larger --max-queue-size")
 
 
