@@ -66,6 +66,7 @@ import numpy as np
 
 # The benchmark scripts' own helpers (scripts/ is on sys.path when this runs as a script).
 from bench_serving import fmt, print_markdown  # noqa: E402
+from pipeline.policy.serving_gate import BUSY_PREFIX  # noqa: E402
 from pipeline.triton.ports import free_ports  # noqa: E402
 
 # What a hostile or careless client sends -> the one line it gets back (tests/test_serving.py sends these too).
@@ -107,9 +108,8 @@ CHAOS_SEEDS = 4  # --chaos: sampled requests draw one of these seeds, so each (p
 # --chaos: a resumed answer may take this much longer than a kill's restart (issue 55's target): the resume's own
 # prefill, and the poll that sees the server ready again.
 RESUME_SLACK_S = 2.0
-# A full engine queue refuses a request at once with this line (torch_engine, max_queue_size); the client
+# A full engine queue refuses a request at once with a line starting BUSY_PREFIX (max_queue_size); the client
 # waits BUSY_BACKOFF_S before its next request, as a client that retries would.
-BUSY_LINE = "server busy:"
 BUSY_BACKOFF_S = 1.0
 # After a gRPC failure (the server is gone) a client waits this long before its next request, as a client that
 # retries would, rather than failing thousands of times while the server restarts.
@@ -481,7 +481,7 @@ def judge(request: Request, reply: Reply, references: list[str],
             return Outcome.ERRORED_EXPECTED, None
         got = f"error {reply.error!r}" if reply.error else "an answer"
         return Outcome.ERRORED_UNEXPECTED, f"bad request '{request.bad}': expected {expected!r}, got {got}"
-    if reply.error is not None and BUSY_LINE in reply.error:  # after the ensemble's "in ensemble ..." prefix
+    if reply.error is not None and BUSY_PREFIX in reply.error:  # after the ensemble's "in ensemble ..." prefix
         return Outcome.BUSY, None
     if reply.error is not None:
         return Outcome.ERRORED_UNEXPECTED, f"{what}: {reply.error}"
@@ -818,8 +818,9 @@ def openai_references(url: str, options: SoakOptions) -> tuple[list[str], dict[t
         client.close()
 
 
-def gauges(metrics_url: str | None) -> dict[str, float]:
-    """GAUGES as the server's /metrics has them now (summed over labels); {} when unread."""
+def gauges(metrics_url: str | None, names: tuple[str, ...] = GAUGES) -> dict[str, float]:
+    """`names` (the server's GAUGES unless given) as a /metrics page has them now (summed over labels); {} when
+    unread."""
     if metrics_url is None:
         return {}
     try:
@@ -829,21 +830,15 @@ def gauges(metrics_url: str | None) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in GAUGES:
+        if name in names:
             out[name] = out.get(name, 0.0) + float(line.split()[-1])
     return out
 
 
 def frontend_resumed(openai_url: str | None) -> float | None:
     """The OpenAI frontend's count of the answers it resumed after a lost server; None when unread."""
-    if openai_url is None:
-        return None
-    try:
-        text = urllib.request.urlopen(f"{openai_url}/metrics", timeout=5).read().decode()
-    except OSError:
-        return None
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pipeline_frontend_resumed_total"))
+    name = "pipeline_frontend_resumed_total"
+    return gauges(f"{openai_url}/metrics" if openai_url else None, (name,)).get(name)
 
 
 def drained_gauges(metrics_url: str | None, timeout_s: float = 30.0) -> dict[str, float]:
