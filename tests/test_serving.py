@@ -733,8 +733,10 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
         assert [outcomes[i][0] for i in (0, 1)] == ["served", "served"]
         assert [outcomes[i][2] for i in (0, 1)] == expected_texts(engine_dir, ["queued 0", "queued 1"], 8)
         # Refused by the gate, before the engine (serving_gate.Busy): a refusal sent back through BLS costs
-        # tritonserver memory it never frees.
-        assert value(metrics(srv.endpoints.metrics), "pipeline_gate_rejected_total") == 3
+        # tritonserver memory it never frees. The gate publishes its counters at most every METRICS_EVERY_S,
+        # so the third refusal may reach /metrics a moment after its client saw it.
+        assert wait_for(lambda: value(metrics(srv.endpoints.metrics), "pipeline_gate_rejected_total") == 3,
+                        timeout=5), metrics(srv.endpoints.metrics)
         assert finished(srv, "rejected") == 0
 
 
