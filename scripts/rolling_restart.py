@@ -14,10 +14,15 @@ A refused or unreachable request is sent again by its client a second later unti
 with a refusal, its "elsewhere" being the restarted server here (another replica behind a Service). A request cut
 by a server death before its first token would count as unreachable; with the drain none should be.
 
+The gRPC half uses tritonclient as it is (what a third-party client gets), or with `--grpc-client pipeline` the
+project's own client (pipeline.client.ensemble), which resumes an answer the stop cut off from the tokens it had
+once the server is back: with `--drain-timeout 0` what the drain hands back is finished by the restarted server.
+
 Prints one table (and --json); exit status 1 when anything is lost.
 
     python scripts/rolling_restart.py                          # triton_repo, 8 + 8 streams, SIGTERM at 20 s
     python scripts/rolling_restart.py --repo R --streams 16 --max-tokens 96 --json
+    python scripts/rolling_restart.py --drain-timeout 0 --grpc-client pipeline   # the leftovers resumed
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ PROMPTS = ("Write a haiku about the sea.", "List three uses of a paperclip.", "E
            "Count from one to twenty in words.")
 REFUSED = ("the server is stopping",)  # the draining gate's line (pipeline.policy.serving_gate.STOPPING_MESSAGE)
 UNREACHABLE = ("failed to connect", "onnection refused", "Connection error", "unknown model", "no available versions",
-               "no longer in valid state", "Server is stopping", "not ready")
+               "no longer in valid state", "Server is stopping", "not ready",
+               "cannot reach", "is not live")  # the last two: pipeline's client (--grpc-client pipeline)
 
 
 class Serve:
@@ -131,6 +137,23 @@ def grpc_answer(serve: Serve, prompt: str, max_tokens: int) -> tuple[str | None,
             pass
 
 
+def pipeline_answer(serve: Serve, prompt: str, max_tokens: int) -> tuple[str | None, str | None, int]:
+    """As grpc_answer, through pipeline's resuming client; a resumed answer counts its chunks from both runs."""
+    from pipeline.client.ensemble import ClientOptions, RequestOptions, run_request
+
+    chunks: list = []
+    try:
+        result = run_request(ClientOptions(f"127.0.0.1:{serve.grpc}", resume_s=120.0),
+                             prompt, RequestOptions(max_tokens=max_tokens), on_chunk=chunks.append)
+    except Exception as err:  # noqa: BLE001  counted by its message
+        return None, f"{type(err).__name__}: {err}", len(chunks)
+    RESUMED[0] += result.resumed
+    return result.text, None, len(chunks)
+
+
+RESUMED = [0]  # answers pipeline's client resumed (--grpc-client pipeline)
+
+
 def openai_answer(serve: Serve, prompt: str, max_tokens: int) -> tuple[str | None, str | None, int]:
     from openai import OpenAI
 
@@ -154,6 +177,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="how long the clients run, restart included")
     ap.add_argument("--term-after-s", type=float, default=20.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--grpc-client", choices=("tritonclient", "pipeline"), default="tritonclient",
+                    help="the gRPC half's client: tritonclient as is, or pipeline's, which resumes a cut-off answer")
     ap.add_argument("--json", dest="json_", action="store_true")
     args = ap.parse_args()
 
@@ -172,7 +197,7 @@ def main() -> int:
         end = time.monotonic() + args.seconds
 
         def client(i: int) -> None:
-            ask = grpc_answer if i % 2 == 0 else openai_answer
+            ask = (pipeline_answer if args.grpc_client == "pipeline" else grpc_answer) if i % 2 == 0 else openai_answer
             kind = "grpc" if i % 2 == 0 else "openai"
             n = i
             while time.monotonic() < end:
@@ -211,7 +236,7 @@ def main() -> int:
     lost = sum(v for k, v in tally.items() if k.endswith("lost"))
     row = {"streams": args.streams, "max_tokens": args.max_tokens, "first start s": round(first_start_s, 1),
            "SIGTERM to exit s": round(stop_s, 1), "restart s": round(restart_s, 1), **dict(sorted(tally.items())),
-           "lost": lost}
+           **({"grpc resumed": RESUMED[0]} if args.grpc_client == "pipeline" else {}), "lost": lost}
     print("| " + " | ".join(row) + " |")
     print("|" + "---|" * len(row))
     print("| " + " | ".join(str(v) for v in row.values()) + " |")

@@ -59,3 +59,22 @@ def test_a_resume_that_cannot_be_the_answers_start_is_refused(target, tokenizer)
     with pytest.raises(RequestError, match="resume holds tokens its guide refuses"):
         e.add_request([5], replace(params, guide=GuideSpec("regex", REGEX)), resume=yes[:1] + yes[:1])
     assert not e.has_unfinished()  # nothing refused was queued
+
+
+def test_a_resumed_request_queues_ahead_of_new_ones_and_still_ends_as_the_uninterrupted_one(target, tokenizer):  # noqa: F811
+    """A restarted server meets every answer it held at once, beside new requests: the resumed ones take the next free
+    slots (serving_gate.queue_is_full lets them past the queue's bound too), in their own order."""
+    e = engine(target, tokenizer)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    whole = e.generate([[9]], params)[0]
+    holders = [e.add_request([5, 6, i], params) for i in range(4)]
+    e.step()  # the four slots are taken
+    new = [e.add_request([40 + i], params) for i in range(2)]
+    resumed = [e.add_request([9], params, resume=whole.output_ids[:cut]) for cut in (3, 5)]
+    assert list(e.waiting) == [*resumed, *new]
+    admitted = []
+    while e.has_unfinished():
+        e.step()
+        admitted += [r for r in e.running if r not in admitted]
+    assert admitted == [*holders, *resumed, *new]
+    assert all(r.output_ids == whole.output_ids for r in resumed)

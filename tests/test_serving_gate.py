@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.policy.gate_policy import GatePolicy
-from pipeline.policy.serving_gate import LOAD, OPEN, OVERRIDE, SHORT, Busy, ServingGate
+from pipeline.policy.serving_gate import LOAD, OPEN, OVERRIDE, SHORT, Busy, ServingGate, queue_is_full
 
 
 def gate(max_batch=8, hysteresis=3, min_tokens=50, **kw) -> ServingGate:
@@ -84,3 +84,19 @@ def test_a_requests_clock_observes_its_first_token_then_the_gaps_spread_over_eac
     assert clock.end(12.0) == 2.0
     whole = RequestClock(arrival=0.0, streamed=False)  # its one response is its last, not its first token
     assert whole.response(30, 1.0) == (None, None) and whole.end(1.0) == 1.0
+
+
+def test_a_resumed_answer_may_queue_one_capacity_past_the_bound_and_no_further():
+    """2 slots + 3 queued are full for a new request; an answer a restart cut off still gets in, up to 5 more."""
+    g = gate(slots=2, max_queue_size=3)
+    for _ in range(5):
+        g.admit("auto", 100)
+    with pytest.raises(Busy):
+        g.admit("auto", 100)
+    for _ in range(5):
+        g.admit("auto", 100, resumed=True)
+    with pytest.raises(Busy, match=r"^server busy: 8 requests are already waiting"):
+        g.admit("auto", 100, resumed=True)
+    assert g.in_flight == 10 and g.rejected == 2
+    assert queue_is_full(3, 3, 2, resumed=False) and not queue_is_full(7, 3, 2, resumed=True)
+    assert queue_is_full(8, 3, 2, resumed=True)

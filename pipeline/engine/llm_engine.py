@@ -227,7 +227,8 @@ class LLMEngine:
         (compile_guide), else it is compiled here. `resume`: the answer's tokens a client already has, from a run
         that was cut off (a restart): they are its output so far, counted by max_tokens, the penalties, min_tokens
         and the guide, and only the tokens after them are made and sent; a seeded request then goes on exactly as the
-        first run would have (sampling.sample_keyed). Thread-safe."""
+        first run would have (sampling.sample_keyed). It queues ahead of requests that have made nothing yet: it was
+        admitted once already. Thread-safe."""
         max_len = self.config.max_seq_len
         resume = list(resume)
         if len(prompt_ids) + len(resume) >= max_len:
@@ -273,7 +274,11 @@ class LLMEngine:
                                    "this guide made")
             req.guide.advance(resume, req.stop_ids)
         with self._queue_lock:
-            self.waiting.append(req)
+            if resume:  # a cut-off answer goes ahead of the requests that have made nothing yet (serving_gate)
+                ahead = next((i for i, r in enumerate(self.waiting) if not r.output_ids), len(self.waiting))
+                self.waiting.insert(ahead, req)
+            else:
+                self.waiting.append(req)
         return req
 
     def compile_guide(self, spec: GuideSpec) -> Guide:

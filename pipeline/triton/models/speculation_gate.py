@@ -97,6 +97,12 @@ def _scalar(request, name):
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _resumed(request) -> bool:
+    """Whether the request continues a cut-off answer (preprocessing's resume_length of resume_token_ids)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "resume_length")
+    return tensor is not None and tensor.as_numpy().size > 0 and int(tensor.as_numpy().reshape(-1)[0]) > 0
+
+
 class EngineError(PipelineError):
     """The engine model answered with an error response; `code` is its TritonError code, passed on so a
     busy engine's UNAVAILABLE reaches the client as a retryable status."""
@@ -265,7 +271,7 @@ class TritonPythonModel:
                 continue
             try:
                 decision = self.gate.admit(str(_scalar(request, "speculation")),
-                                           int(_scalar(request, "request_output_len")))
+                                           int(_scalar(request, "request_output_len")), resumed=_resumed(request))
             except Busy as err:  # UNAVAILABLE, as the engine's own refusal: clients retry it (counted by publish)
                 self._send(sender, pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(err), pb_utils.TritonError.UNAVAILABLE)), FINAL)

@@ -23,7 +23,7 @@ from pipeline.engine.request import RequestStatus
 from pipeline.engine.sampling import SamplingParams
 from pipeline.models.tokenizer import load_tokenizer, visible_text
 from pipeline.policy.gate_policy import GatePolicy
-from pipeline.policy.serving_gate import busy_message
+from pipeline.policy.serving_gate import busy_message, queue_is_full
 from pipeline.triton import cancel_marks
 from pipeline.triton.client_errors import client_message
 from pipeline.triton.config import served_device
@@ -323,11 +323,11 @@ class TritonPythonModel:
         state = Stream(sender, parsed["stream"], parsed["stream_interval_ms"] / 1000, stream_id=parsed["stream_id"])
         # Those that will still wait once the next step fills the free slots (a burst arrives before any step).
         waiting = len(self.engine.waiting) - len(self.engine.free_slots)
-        if self.max_queue_size and waiting >= self.max_queue_size:
+        slots = self.engine.config.max_batch_size
+        if self.max_queue_size and queue_is_full(waiting, self.max_queue_size, slots, bool(parsed["resume_ids"])):
             # Refused before it queues: a client told "busy" now can retry or go elsewhere (a load balancer,
             # another replica); one left waiting minutes behind the queue hears nothing until then. Through the
             # ensemble the gate refuses first (serving_gate.Busy); this check covers direct callers and races.
-            slots = self.engine.config.max_batch_size
             self._send_error(state, busy_message(waiting, slots, self.max_queue_size), busy=True)
             self._count_finish("rejected")
             return
