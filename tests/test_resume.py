@@ -62,8 +62,9 @@ def test_a_resume_that_cannot_be_the_answers_start_is_refused(target, tokenizer)
 
 
 def test_a_resumed_request_queues_ahead_of_new_ones_and_still_ends_as_the_uninterrupted_one(target, tokenizer):  # noqa: F811
-    """A restarted server meets every answer it held at once, beside new requests: the resumed ones take the next free
-    slots (serving_gate.queue_is_full lets them past the queue's bound too), in their own order."""
+    """A restarted server meets every request it held at once, beside new requests: the resumed ones, and the retries
+    that had no token yet (`ahead`), take the next free slots (serving_gate.queue_is_full lets them past the queue's
+    bound too), in their own order."""
     e = engine(target, tokenizer)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     whole = e.generate([[9]], params)[0]
@@ -71,6 +72,7 @@ def test_a_resumed_request_queues_ahead_of_new_ones_and_still_ends_as_the_uninte
     e.step()  # the four slots are taken
     new = [e.add_request([40 + i], params) for i in range(2)]
     resumed = [e.add_request([9], params, resume=whole.output_ids[:cut]) for cut in (3, 5)]
+    resumed.append(e.add_request([9], params, ahead=True))  # a retry that had no token yet: ahead all the same
     assert list(e.waiting) == [*resumed, *new]
     admitted = []
     while e.has_unfinished():

@@ -703,11 +703,12 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
         held = hold_the_slot(srv, blocker)
         outcomes: dict[int, tuple[str, float, str]] = {}  # i -> (served or the error, seconds, text)
 
-        def send(i):
+        def send(i, extra=()):
             c = client(srv)
             start = time.monotonic()
             try:
-                text = "".join(t for t, _, _ in responses(c, f"queued {i}", 8, stream=False, speculation="off"))
+                text = "".join(t for t, _, _ in responses(c, f"queued {i}", 8, stream=False, speculation="off",
+                                                          extra=extra))
                 outcomes[i] = ("served", time.monotonic() - start, text)
             except Exception as err:  # noqa: BLE001  the refusal is what this test looks at
                 outcomes[i] = (str(err), time.monotonic() - start, "")
@@ -726,12 +727,18 @@ def test_past_max_queue_size_a_request_is_refused_at_once_as_busy_and_the_queued
             assert "server busy: 2 requests are already waiting for the engine's 1 slots (max_queue_size 2)" in message
             assert "Traceback" not in message and "\n" not in message
             assert seconds < 5
+        # A client's retry of a request a lost server held (`resumed`) queues past the bound (serving_gate.
+        # queue_is_full), in the gate and in the engine.
+        threads.append(threading.Thread(target=send, args=(5, [tensor("resumed", np.array([[True]]), "BOOL")])))
+        threads[-1].start()
+        time.sleep(1.0)
+        assert 5 not in outcomes, outcomes.get(5)
         held.stop_stream(cancel_requests=True)
         held.close()
         for t in threads:
             t.join(timeout=60)
-        assert [outcomes[i][0] for i in (0, 1)] == ["served", "served"]
-        assert [outcomes[i][2] for i in (0, 1)] == expected_texts(engine_dir, ["queued 0", "queued 1"], 8)
+        assert [outcomes[i][0] for i in (0, 1, 5)] == ["served", "served", "served"]
+        assert [outcomes[i][2] for i in (0, 1, 5)] == expected_texts(engine_dir, ["queued 0", "queued 1", "queued 5"], 8)
         # Refused by the gate, before the engine (serving_gate.Busy): a refusal sent back through BLS costs
         # tritonserver memory it never frees. The gate publishes its counters at most every METRICS_EVERY_S,
         # so the third refusal may reach /metrics a moment after its client saw it.

@@ -111,6 +111,9 @@ class RequestOptions:
     # The answer's tokens already received, from a run a lost server cut off: the server goes on after them
     # (interface.py's resume_token_ids). Connection.generate fills it in itself when it resumes.
     resume_ids: tuple[int, ...] = ()
+    # A retry of a request a lost server held, with or without resume_ids: it queues ahead of new requests
+    # (interface.py's resumed). Connection.generate sets it itself when it resumes.
+    resumed: bool = False
 
     def validate(self) -> RequestOptions:
         """Check what the server would refuse anyway, so a typo fails before any connection."""
@@ -354,6 +357,8 @@ def build_inputs(prompt: str, options: RequestOptions) -> list:
         tensors.append(tensor("prompt_token_ids", np.array([options.prompt_ids], np.int32), "INT32"))
     if options.resume_ids:
         tensors.append(tensor("resume_token_ids", np.array([options.resume_ids], np.int32), "INT32"))
+    if options.resumed:
+        tensors.append(tensor("resumed", np.array([[True]], np.bool_), "BOOL"))
     if options.guide is not None:
         tensors.append(tensor("guided_decoding_guide_type", np.array([[options.guide.type.encode()]], np.object_),
                               "BYTES"))
@@ -541,7 +546,8 @@ class Connection:
             if len(options.resume_ids) + len(have) >= options.max_tokens:  # all came; only the final flag was lost
                 break
             try:
-                for chunk in self.stream(prompt, replace(options, resume_ids=options.resume_ids + have)):
+                again = replace(options, resume_ids=options.resume_ids + have, resumed=options.resumed or resumed > 0)
+                for chunk in self.stream(prompt, again):
                     chunks.append(chunk)
                     if on_chunk is not None:
                         on_chunk(chunk)

@@ -104,7 +104,8 @@ class Ensemble:
         with_ids = True  # every chunk so far said its tokens' ids (the LLM-API route's say none)
         resuming, deadline = False, 0.0
         while len(options.resume_ids) + len(have) < options.max_tokens:
-            attempt = self._attempt(text, replace(options, resume_ids=options.resume_ids + tuple(have)))
+            attempt = self._attempt(text, replace(options, resume_ids=options.resume_ids + tuple(have),
+                                                  resumed=options.resumed or resuming))
             try:
                 async for chunk in attempt:
                     have += chunk.token_ids

@@ -221,14 +221,16 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, speculation: str = "auto",
                     on_tokens: TokenCallback | None = None, num_draft_tokens: int | None = None,
-                    group: int | None = None, guide: Guide | None = None, resume: Sequence[int] = ()) -> Request:
+                    group: int | None = None, guide: Guide | None = None, resume: Sequence[int] = (),
+                    ahead: bool = False) -> Request:
         """Queue a request; it joins the running batch at the next step. Requests of one `group` (a client request's
         n choices) share the slots fairly with other groups (_admit). `guide`: params.guide already compiled
         (compile_guide), else it is compiled here. `resume`: the answer's tokens a client already has, from a run
         that was cut off (a restart): they are its output so far, counted by max_tokens, the penalties, min_tokens
         and the guide, and only the tokens after them are made and sent; a seeded request then goes on exactly as the
-        first run would have (sampling.sample_keyed). It queues ahead of requests that have made nothing yet: it was
-        admitted once already. Thread-safe."""
+        first run would have (sampling.sample_keyed). A resumed request, or one sent `ahead` (a client's retry of a
+        request a lost server held before any of its answer came), queues ahead of the new requests: it was admitted
+        once already. Thread-safe."""
         max_len = self.config.max_seq_len
         resume = list(resume)
         if len(prompt_ids) + len(resume) >= max_len:
@@ -251,7 +253,7 @@ class LLMEngine:
                                "left to make; send the answer's first run's max_tokens, or don't resume a finished one")
         req = Request(list(prompt_ids), params, speculation=speculation, on_tokens=on_tokens,
                       num_draft_tokens=num_draft_tokens, group=group, shared_acceptance=self.shared_acceptance,
-                      output_ids=resume, num_resumed=len(resume),
+                      output_ids=resume, num_resumed=len(resume), ahead=bool(resume) or ahead,
                       logprobs=[None] * len(resume) if params.logprobs is not None else [])
         # ignore_eos: the model's end tokens are just tokens (a guide's grammar still ends the answer at one).
         eos = () if params.ignore_eos and params.guide is None else self.eos_token_ids
@@ -274,9 +276,9 @@ class LLMEngine:
                                    "this guide made")
             req.guide.advance(resume, req.stop_ids)
         with self._queue_lock:
-            if resume:  # a cut-off answer goes ahead of the requests that have made nothing yet (serving_gate)
-                ahead = next((i for i, r in enumerate(self.waiting) if not r.output_ids), len(self.waiting))
-                self.waiting.insert(ahead, req)
+            if req.ahead:  # behind the others sent ahead, and preempted ones (serving_gate.queue_is_full)
+                at = next((i for i, r in enumerate(self.waiting) if not (r.ahead or r.output_ids)), len(self.waiting))
+                self.waiting.insert(at, req)
             else:
                 self.waiting.append(req)
         return req

@@ -58,6 +58,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     num_resumed: int = 0  # of output_ids, those a client already had when it resumed the request (add_request)
+    ahead: bool = False  # queued ahead of new requests: resumed, or a retry of one a lost server held (add_request)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     slot: int | None = None  # its row in a draft model's or EAGLE-3 head's per-slot cache

@@ -61,6 +61,10 @@ OUR_INPUTS: tuple[TensorSpec, ...] = (
     # the first run would have (pipeline.engine.sampling.sample_keyed). The portable engine's; the TensorRT-LLM
     # routes refuse it.
     TensorSpec("resume_token_ids", "INT32", (-1,), optional=True),
+    # This request is a client's retry of one a lost server held (a restart or a drain cut it off, whether or not any
+    # of its answer had come): it queues ahead of new requests, and may queue past max_queue_size by one more
+    # capacity (pipeline.policy.serving_gate.queue_is_full). resume_token_ids implies it. The portable engine's.
+    TensorSpec("resumed", "BOOL", (1,), optional=True),
 )
 STREAM_INTERVAL_MS, MAX_STREAM_INTERVAL_MS = 50, 1000
 # What a request must carry: upstream's required inputs. They are declared optional all the same, and the model
@@ -194,6 +198,7 @@ REQUEST_TENSORS: tuple[TensorSpec, ...] = (
     # Of input_ids, the last resume_length are the answer's start (the ensemble's resume_token_ids), not prompt; one
     # tensor of ids, since an empty one between ensemble steps reads as a missing input. Absent or 0: none.
     TensorSpec("resume_length", "INT32", (1,), optional=True),
+    TensorSpec("resumed", "BOOL", (1,), optional=True),  # the ensemble's, or resume_length > 0: ahead in the queue
 )
 
 # One generation response, from the engine through the gate to postprocessing. output_ids holds

@@ -117,6 +117,7 @@ class ClientRequest:
     stream_interval_ms: int = STREAM_INTERVAL_MS
     request_group: int = 0  # 0: a group of its own
     resume_ids: tuple[int, ...] = ()  # resume_token_ids, checked: the answer's start the client already has
+    resumed: bool = False  # a retry of a request a lost server held: sent, or resume_ids
 
     def raw(self, repository_raw: bool) -> bool:
         """Whether text_input is taken as it is: the request's apply_chat_template, else the repository's."""
@@ -176,7 +177,8 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
                          min_tokens, bool(scalar("ignore_eos", False)), bias, prompt_logprobs,
                          read_prompt_ids(get("prompt_token_ids"), max_seq_len, vocab_size),
                          check_stream_interval(int(scalar("stream_interval_ms", STREAM_INTERVAL_MS))),
-                         int(scalar("request_group", 0)), read_resume_ids(get("resume_token_ids"), max_tokens))
+                         int(scalar("request_group", 0)), resume_ids := read_resume_ids(get("resume_token_ids"), max_tokens),
+                         bool(scalar("resumed", False)) or bool(resume_ids))
 
 
 def check_stream_interval(ms: int) -> int:
@@ -318,6 +320,7 @@ def read_engine_request(get: Get) -> dict:
         "prompt_logprobs": _prompt_logprobs(int(optional("prompt_logprobs", -1))),
         "stream_interval_ms": check_stream_interval(int(optional("stream_interval_ms", STREAM_INTERVAL_MS))),
         "request_group": int(optional("request_group", 0)) or None,
+        "resumed": bool(optional("resumed", False)) or resumed > 0,
     }
 
 

@@ -106,5 +106,6 @@ class TritonPythonModel:
             pb_utils.Tensor("prompt_logprobs", row(r.prompt_logprobs, np.int32)),
             pb_utils.Tensor("stream_interval_ms", row(r.stream_interval_ms, np.int32)),
             pb_utils.Tensor("request_group", row(r.request_group, np.uint64)),
+            pb_utils.Tensor("resumed", row(r.resumed, np.bool_)),
         ]
 

@@ -98,9 +98,9 @@ def _scalar(request, name):
 
 
 def _resumed(request) -> bool:
-    """Whether the request continues a cut-off answer (preprocessing's resume_length of resume_token_ids)."""
-    tensor = pb_utils.get_input_tensor_by_name(request, "resume_length")
-    return tensor is not None and tensor.as_numpy().size > 0 and int(tensor.as_numpy().reshape(-1)[0]) > 0
+    """Whether the request is a retry of one a lost server held (preprocessing's resumed)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "resumed")
+    return tensor is not None and tensor.as_numpy().size > 0 and bool(tensor.as_numpy().reshape(-1)[0])
 
 
 class EngineError(PipelineError):

@@ -324,7 +324,7 @@ class TritonPythonModel:
         # Those that will still wait once the next step fills the free slots (a burst arrives before any step).
         waiting = len(self.engine.waiting) - len(self.engine.free_slots)
         slots = self.engine.config.max_batch_size
-        if self.max_queue_size and queue_is_full(waiting, self.max_queue_size, slots, bool(parsed["resume_ids"])):
+        if self.max_queue_size and queue_is_full(waiting, self.max_queue_size, slots, parsed["resumed"]):
             # Refused before it queues: a client told "busy" now can retry or go elsewhere (a load balancer,
             # another replica); one left waiting minutes behind the queue hears nothing until then. Through the
             # ensemble the gate refuses first (serving_gate.Busy); this check covers direct callers and races.
@@ -346,7 +346,7 @@ class TritonPythonModel:
             req = self.engine.add_request(parsed["prompt_ids"], params, speculation=parsed["speculation"],
                                           on_tokens=self._on_tokens, num_draft_tokens=parsed["num_draft_tokens"],
                                           group=parsed["request_group"], guide=parsed["compiled_guide"],
-                                          resume=parsed["resume_ids"])
+                                          resume=parsed["resume_ids"], ahead=parsed["resumed"])
         except Exception as err:  # noqa: BLE001  a request the engine refuses fails alone
             self._send_error(state, client_message(err, "torch_engine"))
         else:
