@@ -82,6 +82,23 @@ def test_only_grpc_failures_while_the_server_was_down_are_lost_to_its_restart():
     assert "did not come back" in gone.failure() and gone.window[1] == float("inf")
 
 
+def test_a_kill_stalls_an_answer_from_the_servers_return_to_its_next_response():
+    """--chaos's target: per kill and resumed answer in flight at it, the time from the server being ready again
+    to that answer's next response (its end, for one with no response after it); answers no kill touched don't
+    count, nor kills outside an answer's time."""
+    tally = soak.Tally()
+    kill = soak.Restart("killed", "log", died_at=10.0, ready_at=15.0, known="killed")
+    later = soak.Restart("killed", "log", died_at=50.0, ready_at=55.0, known="killed")
+    greedy, chat = soak.Request(soak.Kind.GREEDY, 0, 8), soak.Request(soak.Kind.GREEDY, 0, 8, openai=True)
+    for request, reply in ((greedy, soak.Reply(text="ref", sent_at=8.0, ended_at=20.0, resumed=1,
+                                               times=[9.0, 9.5, 16.5, 20.0])),  # streamed: 1.5 s past the return
+                           (chat, soak.Reply(text="ref", sent_at=9.0, ended_at=18.0, resumed=1, times=[18.0])),  # whole
+                           (greedy, soak.Reply(text="ref", sent_at=1.0, ended_at=4.0, times=[2.0, 4.0]))):  # untouched
+        tally.add(request, reply, soak.Outcome.COMPLETED, None)
+    assert tally.stalled_by_kills([kill, later]) == [1.5, 3.0]
+    assert tally.stalled_by_kills([kill, later], openai=True) == [3.0]
+
+
 @pytest.mark.slow  # a 30-second soak, plus compiling and starting the server
 def test_thirty_second_soak_has_no_hung_unexpected_or_mismatched_request(tiny_target, tmp_path, capsys):
     from pipeline.triton.assemble import AssembleOptions, assemble

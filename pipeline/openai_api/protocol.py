@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from pipeline.engine.guide import GuideSpec
 from pipeline.errors import RequestError
@@ -132,6 +133,48 @@ COMPLETION_UNSUPPORTED: dict[str, tuple[Any, str]] = {
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 
+@dataclass(frozen=True)
+class Published:
+    """How /openapi.json publishes a field where pydantic's schema of its type can't say what is checked: this
+    server's bounds (Limits) or the served model's name. Annotated metadata on the field (pydantic keeps it and
+    ignores it), read by request_schemas, so the published schema is declared once, beside the field it describes.
+    `write`: (pydantic's schema of the field, the limits, the served name) -> the published schema."""
+
+    write: Callable[[dict, Limits, str], dict]
+
+
+def bounded(**keywords: Callable[[Limits], int]) -> Published:
+    """Published with JSON-schema keywords whose values are this server's (each a function of its Limits)."""
+    def write(schema: dict, limits: Limits, _: str) -> dict:
+        _bound(schema, **{keyword: value(limits) for keyword, value in keywords.items()})
+        return schema
+    return Published(write)
+
+
+def _bound(schema: dict, **keywords) -> None:
+    """Write JSON-schema keywords into a field's schema, or into each non-null branch of its anyOf."""
+    for branch in schema.get("anyOf", [schema]):
+        kind = branch.get("type")
+        if kind == "null":
+            continue
+        for keyword, value in keywords.items():
+            if keyword.endswith("Length") and kind != "string" or keyword.endswith("Items") and kind != "array":
+                continue
+            branch[keyword] = value
+
+
+BELOW_CONTEXT = bounded(maximum=lambda limits: limits.max_seq_len - 1)  # and checked: check_limits
+_STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}  # as check_stop_strings checks each
+
+
+def _logit_bias_schema(_: dict, limits: Limits, __: str) -> dict:
+    """Token ids (as many digits as the vocabulary's), OpenAI's range of biases."""
+    return {"anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                       "propertyNames": {"pattern": f"^[0-9]{{1,{len(str(limits.vocab_size - 1))}}}$"},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                      {"type": "null"}], "default": None, "title": "Logit Bias"}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(STRICT, extra="forbid")
     include_usage: bool = False
@@ -170,15 +213,21 @@ VLLM_GUIDES = {"guided_json": "json_schema", "guided_regex": "regex", "guided_gr
 class SamplingFields(BaseModel):
     """What chat and completions share: the fields this server honours."""
 
-    model_config = ConfigDict(STRICT, extra="allow")  # checked by _check_extra, so each gets its own message
+    # The extras are checked by _check_extra, so each gets its own message; published as none, since what it
+    # accepts are OpenAI's neutral values, or refused.
+    model_config = ConfigDict(STRICT, extra="allow", json_schema_extra={"additionalProperties": False})
 
-    model: str = Field(max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1)  # and below the context: check_limits
+    model: Annotated[str, Published(lambda _, __, name: {"type": "string", "enum": [name], "title": "Model"})] = \
+        Field(max_length=256)
+    max_tokens: Annotated[int | None, BELOW_CONTEXT] = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1 or 0 means off; at most the vocabulary
+    # vLLM's: -1 or 0 means off; at most the vocabulary
+    top_k: Annotated[int | None, bounded(maximum=lambda limits: limits.vocab_size)] = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)] | None = None
+    stop: Annotated[str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS, fail_fast=True)] | None,
+                    WithJsonSchema({"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP_STRINGS},
+                                              {"type": "null"}]})] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=MAX_NAME)  # an end-user id for the caller's records
@@ -186,7 +235,9 @@ class SamplingFields(BaseModel):
                    Annotated[str, Field(max_length=MAX_METADATA_VALUE)]] | None = Field(
         default=None, max_length=MAX_METADATA_PAIRS)  # the same
     speculation: Literal["auto", "on", "off"] = "auto"  # ours: as the ensemble's speculation input
-    num_draft_tokens: int | None = Field(default=None, ge=1)  # ours: k for this request, at most the repository's
+    # ours: k for this request, at most the repository's
+    num_draft_tokens: Annotated[int | None, bounded(maximum=lambda limits: limits.num_draft_tokens)] = \
+        Field(default=None, ge=1)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extension
@@ -198,8 +249,8 @@ class SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=256, fail_fast=True)] | None = None
     # OpenAI's: token id (as a string) -> bias in [-100, 100], at most 300.
-    logit_bias: dict[Annotated[str, Field(max_length=12)], float] | None = Field(default=None,
-                                                                                  max_length=MAX_LOGIT_BIAS)
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=12)], float] | None,
+                          Published(_logit_bias_schema)] = Field(default=None, max_length=MAX_LOGIT_BIAS)
     # Choices per request, each its own engine request (seed + i where a seed is sent); they share the prompt's
     # cached blocks. Bounded: each holds a batch slot while it runs.
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
@@ -333,6 +384,32 @@ class Message(BaseModel):
                 raise ValueError(f"tool call {call.id[:SHOWN]!r}: arguments must be a JSON object, as text")
         return self
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler) -> dict:
+        """A turn's shapes as _turn_shape checks them: a role's turn with content; an assistant's calls, whose
+        arguments are a JSON object as text; a tool's result, naming the call it answers. A JSON schema can't say
+        "a string holding a JSON object", so the published arguments are the one such string a generator can't get
+        wrong, "{}": documented stricter than served, never looser."""
+        fields = handler.resolve_ref_schema(handler(core_schema))["properties"]
+        content = fields["content"]["anyOf"][:2]  # text, or text parts
+        base = {"type": "object", "additionalProperties": False, "properties": {"name": fields["name"]}}
+        name = {"type": "string", "maxLength": 64}
+        call = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
+            "id": name, "type": {"const": "function"},
+            "function": {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                         "properties": {"name": name, "arguments": {"const": "{}"}}}}}
+        return {"title": "Message", "anyOf": [
+            {**base, "required": ["role", "content"], "properties": {
+                **base["properties"], "role": {"enum": ["system", "developer", "user", "assistant"]},
+                "content": {"anyOf": content}}},
+            {**base, "required": ["role", "tool_calls"], "properties": {
+                **base["properties"], "role": {"const": "assistant"},
+                "content": {"anyOf": [*content, {"type": "null"}]},
+                "tool_calls": {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_TOOLS}}},
+            {**base, "required": ["role", "content", "tool_call_id"], "properties": {
+                **base["properties"], "role": {"const": "tool"}, "content": {"anyOf": content},
+                "tool_call_id": name}}]}
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
@@ -376,8 +453,10 @@ class NamedToolChoice(BaseModel):
 class ChatRequest(SamplingFields):
     # fail_fast: the first bad turn is the answer; collecting an error for each of 10^5 bad turns took 0.4 s
     # of the event loop's time (and parse_chat bounds their number before any is validated).
-    messages: list[Message] = Field(min_length=1, fail_fast=True)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Every turn renders to a token at least: parse_chat counts them before any is validated.
+    messages: Annotated[list[Message], bounded(maxItems=lambda limits: limits.max_seq_len)] = \
+        Field(min_length=1, fail_fast=True)
+    max_completion_tokens: Annotated[int | None, BELOW_CONTEXT] = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Tool calls, for every chat template (pipeline.openai_api.tools).
@@ -458,11 +537,20 @@ class ChatRequest(SamplingFields):
 TokenIds = Annotated[list[int], Field(min_length=1, fail_fast=True)]
 
 
+def _prompt_schema(_: dict, limits: Limits, __: str) -> dict:
+    """One prompt, not only white space, or its token ids, each bounded as check_limits bounds it."""
+    text = {"type": "string", "minLength": 1, "maxLength": limits.max_input_bytes, "pattern": r"\S"}
+    ids = {"type": "array", "minItems": 1, "maxItems": limits.max_seq_len - 1,
+           "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
+    return {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}, ids,
+                      {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}], "title": "Prompt"}
+
+
 class CompletionRequest(SamplingFields):
     # One prompt: text, or token ids (OpenAI's array of integers, what lm-evaluation-harness sends), alone or as a
     # list of one.
-    prompt: str | Annotated[list[str], Field(fail_fast=True)] | TokenIds | Annotated[list[TokenIds],
-                                                                                   Field(fail_fast=True)]
+    prompt: Annotated[str | Annotated[list[str], Field(fail_fast=True)] | TokenIds
+                      | Annotated[list[TokenIds], Field(fail_fast=True)], Published(_prompt_schema)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # OpenAI allows up to 5, vLLM 20
     # OpenAI's: the answer starts with the prompt; with logprobs, the prompt's tokens come with theirs too (the
     # first has none), which evaluators score continuations with.
@@ -570,72 +658,17 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
 
 def request_schemas(limits: Limits, model_name: str) -> dict[str, dict]:
     """The request bodies as /openapi.json publishes them (components/schemas by name), with this server's
-    bounds written in: what a client, or a fuzzer driven by the document, may send."""
+    bounds written in (each field's Published): what a client, or a fuzzer driven by the document, may send."""
     schemas: dict[str, dict] = {}
     for model in (ChatRequest, CompletionRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
+        fields = schema["properties"]
+        for name, info in model.model_fields.items():
+            for published in (m for m in info.metadata if isinstance(m, Published)):
+                fields[name] = published.write(fields[name], limits, model_name)
         schemas[model.__name__] = schema
-    for name in ("ChatRequest", "CompletionRequest"):
-        fields = schemas[name]["properties"]
-        schemas[name]["additionalProperties"] = False  # the extras are OpenAI's neutral values, or refused
-        fields["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
-        for field in ("max_tokens", "max_completion_tokens"):
-            _bound(fields.get(field), maximum=limits.max_seq_len - 1)
-        _bound(fields["num_draft_tokens"], maximum=limits.num_draft_tokens)
-        _bound(fields["top_k"], maximum=limits.vocab_size)
-        stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
-        fields["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS},
-                                    {"type": "null"}], "default": None, "title": "Stop"}
-    _bound(schemas["ChatRequest"]["properties"]["messages"], maxItems=limits.max_seq_len)
-    # A turn's shapes as Message._turn_shape checks them: a role's turn with content; an assistant's calls, whose
-    # arguments are a JSON object as text; a tool's result, naming the call it answers. A JSON schema can't say
-    # "a string holding a JSON object", so the published arguments are the one such string a generator can't get
-    # wrong, "{}": documented stricter than served, never looser.
-    content = schemas["Message"]["properties"]["content"]["anyOf"][:2]
-    base = {"type": "object", "additionalProperties": False,
-            "properties": {"name": schemas["Message"]["properties"]["name"]}}
-    call = {"type": "object", "additionalProperties": False, "required": ["id", "function"], "properties": {
-        "id": {"type": "string", "maxLength": 64}, "type": {"const": "function"},
-        "function": {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                     "properties": {"name": {"type": "string", "maxLength": 64}, "arguments": {"const": "{}"}}}}}
-    schemas["Message"] = {"title": "Message", "anyOf": [
-        {**base, "required": ["role", "content"], "properties": {
-            **base["properties"], "role": {"enum": ["system", "developer", "user", "assistant"]},
-            "content": {"anyOf": content}}},
-        {**base, "required": ["role", "tool_calls"], "properties": {
-            **base["properties"], "role": {"const": "assistant"}, "content": {"anyOf": [*content, {"type": "null"}]},
-            "tool_calls": {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_TOOLS}}},
-        {**base, "required": ["role", "content", "tool_call_id"], "properties": {
-            **base["properties"], "role": {"const": "tool"}, "content": {"anyOf": content},
-            "tool_call_id": {"type": "string", "maxLength": 64}}}]}
-    for name in ("ChatRequest", "CompletionRequest"):  # token ids (as many digits as the vocabulary's), OpenAI's range
-        schemas[name]["properties"]["logit_bias"] = {"anyOf": [{
-            "type": "object", "maxProperties": MAX_LOGIT_BIAS,
-            "propertyNames": {"pattern": f"^[0-9]{{1,{len(str(limits.vocab_size - 1))}}}$"},
-            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}],
-            "default": None, "title": "Logit Bias"}
-    prompt = {"type": "string", "minLength": 1, "maxLength": limits.max_input_bytes, "pattern": r"\S"}
-    ids = {"type": "array", "minItems": 1, "maxItems": limits.max_seq_len - 1,
-           "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
-    schemas["CompletionRequest"]["properties"]["prompt"] = {  # one prompt, not only white space, or its token ids
-        "anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": 1}, ids,
-                  {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}], "title": "Prompt"}
     return schemas
-
-
-def _bound(schema: dict | None, **keywords) -> None:
-    """Write JSON-schema keywords into a field's schema, or into each non-null branch of its anyOf."""
-    if schema is None:
-        return
-    for branch in schema.get("anyOf", [schema]):
-        kind = branch.get("type")
-        if kind == "null":
-            continue
-        for keyword, value in keywords.items():
-            if keyword.endswith("Length") and kind != "string" or keyword.endswith("Items") and kind != "array":
-                continue
-            branch[keyword] = value
 
 
 class ErrorObject(BaseModel):
