@@ -167,6 +167,7 @@ class SoakOptions:
     chaos: bool = False  # kill the server every kill_every_s; greedy and sampled answers must resume
     kill_every_s: tuple[float, float] = (30.0, 90.0)
     openai_streams: int = 0  # clients beside `streams` sending greedy and sampled chats through the OpenAI frontend
+    resume: bool = True  # --chaos: False is the negative control: the gRPC clients don't resume (resume_s 0)
 
     def __post_init__(self):
         for name in ("bad_share", "cancel_share", "sampled_share"):
@@ -386,10 +387,11 @@ class ResumingClient:
     """--chaos: `pipeline`'s own client (Connection.generate) for greedy and sampled requests; it waits for a lost
     server and resumes the answer from the tokens it has."""
 
-    def __init__(self, url: str, hang_s: float, abort: threading.Event):
+    def __init__(self, url: str, hang_s: float, abort: threading.Event, resume: bool = True):
         from pipeline.client.ensemble import ClientOptions, Connection
 
-        self.conn = Connection(ClientOptions(url, response_timeout_s=hang_s, resume_s=RESUME_WITHIN_S), cancel=abort)
+        self.conn = Connection(ClientOptions(url, response_timeout_s=hang_s, resume_s=RESUME_WITHIN_S if resume else 0),
+                               cancel=abort)
 
     def close(self) -> None:
         self.conn.close()
@@ -528,8 +530,9 @@ class Tally:
     # --chaos: completed greedy and sampled answers as ((kind, stream), seconds from sending to the answer, times
     # resumed): what a kill added to the resumed ones, against the others of their kind.
     durations: list[tuple[tuple[str, bool], float, int]] = field(default_factory=list)
-    # --chaos: the resumed answers' (kind, sent_at, ended_at, response times), for the time a kill stalled each.
-    resumed_replies: list[tuple[str, float, float, list[float]]] = field(default_factory=list)
+    # --chaos: the resumed answers' (kind, streamed, sent_at, ended_at, response times), for the time a kill stalled
+    # each.
+    resumed_replies: list[tuple[str, bool, float, float, list[float]]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, request: Request, reply: Reply, outcome: Outcome, problem: str | None) -> None:
@@ -540,7 +543,8 @@ class Tally:
                 self.durations.append(((request.key, request.stream), reply.ended_at - reply.sent_at,
                                        reply.resumed))
                 if reply.resumed:
-                    self.resumed_replies.append((request.key, reply.sent_at, reply.ended_at, reply.times))
+                    self.resumed_replies.append((request.key, request.stream, reply.sent_at, reply.ended_at,
+                                                 reply.times))
             transport = outcome is Outcome.ERRORED_UNEXPECTED and reply.transport
             if transport:
                 self.transport_failures.append(reply.ended_at)
@@ -577,14 +581,17 @@ class Tally:
             return {"sent": sum(self.sent.values()), **{o.value: self.outcomes[o.value] for o in Outcome},
                     "resumed": sum(1 for _, _, n in self.durations if n)}
 
-    def stalled_by_kills(self, restarts: list[Restart], openai: bool | None = None) -> list[float]:
+    def stalled_by_kills(self, restarts: list[Restart], openai: bool | None = None,
+                         stream: bool | None = None) -> list[float]:
         """--chaos: per kill a resumed answer was in flight at, the time from the server's return (ready again) to
         the answer's next response: what the kill cost it beyond the restart itself. Conservative: an answer still
-        queued at the kill counts the queueing it had ahead of it anyway. openai: as added_by_kills."""
+        queued at the kill counts the queueing it had ahead of it anyway, and a whole answer (one response) all of
+        its generation after the kill. openai: as added_by_kills; stream: streamed answers (True) or whole ones."""
         with self.lock:
-            rows = [r for r in self.resumed_replies if openai is None or r[0].startswith("openai ") == openai]
+            rows = [r for r in self.resumed_replies if (openai is None or r[0].startswith("openai ") == openai)
+                    and (stream is None or r[1] == stream)]
         out = []
-        for _, sent_at, ended_at, times in rows:
+        for _, _, sent_at, ended_at, times in rows:
             for r in restarts:
                 if r.ready_at is not None and sent_at < r.died_at < ended_at:
                     out.append(next((t for t in times if t > r.died_at), ended_at) - r.ready_at)
@@ -744,10 +751,12 @@ class Report:
     added_by_kills: list[float] = field(default_factory=list)  # --chaos: seconds a kill added to each resumed answer
     added_by_kills_openai: list[float] = field(default_factory=list)  # the same, of those through the OpenAI API
     frontend_resumed: float | None = None  # --openai-streams: the frontend's pipeline_frontend_resumed_total
-    # --chaos: per kill and resumed answer, from the server's return to the answer's next response (the target);
-    # those through the OpenAI API; and the unresumed answers' spread about their median (added_by_kills' noise).
+    # --chaos: per kill and resumed streamed answer, from the server's return to the answer's next response (the
+    # target); those through the OpenAI API; whole answers, to their end (their generation after the kill included);
+    # and the unresumed answers' spread about their median (added_by_kills' noise).
     stalled_by_kills: list[float] = field(default_factory=list)
     stalled_by_kills_openai: list[float] = field(default_factory=list)
+    stalled_whole: list[float] = field(default_factory=list)
     unresumed_spread: list[float] = field(default_factory=list)
 
     @property
@@ -795,7 +804,9 @@ class Report:
                                      "unresumed_spread_p99": _at(self.unresumed_spread, 0.99)},
                 "stalled_past_restart_s": {q: _at(self.stalled_by_kills, p) for q, p in
                                            (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}
-                | {"openai_p99": _at(self.stalled_by_kills_openai, 0.99), "n": len(self.stalled_by_kills)},
+                | {"openai_p99": _at(self.stalled_by_kills_openai, 0.99), "n": len(self.stalled_by_kills),
+                   "whole_p50": _at(self.stalled_whole, 0.5), "whole_p99": _at(self.stalled_whole, 0.99),
+                   "whole_n": len(self.stalled_whole)},
                 "restarts": [{"died": r.died, "known": r.known,
                               "down_s": None if r.ready_at is None else round(r.ready_at - r.died_at, 1),
                               "log_tail": r.log_tail} for r in self.restarts],
@@ -923,7 +934,7 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
         """Requests back to back until `until`; None: one request (a burst client)."""
         rng = random.Random(f"{options.seed}-{client_id}")
         client = Client(url, options.hang_s, abort)
-        resuming = ResumingClient(url, options.hang_s, abort) if options.chaos else None
+        resuming = ResumingClient(url, options.hang_s, abort, options.resume) if options.chaos else None
         try:
             while not abort.is_set():
                 request = draw(rng, options)
@@ -1018,8 +1029,9 @@ def soak(url: str, options: SoakOptions, server_pid: int | Callable[[], int] | N
                   rss_rows(rss_start, rss_warm or {}, rss_end), server_pid is not None, after, dict(most),
                   tally.first_response_s(), tally.problems, series, list(restarts), tally.added_by_kills(),
                   tally.added_by_kills(openai=True), frontend_resumed(openai_url),
-                  tally.stalled_by_kills(restarts), tally.stalled_by_kills(restarts, openai=True),
-                  tally.unresumed_spread())
+                  tally.stalled_by_kills(restarts, stream=True),
+                  tally.stalled_by_kills(restarts, openai=True, stream=True),
+                  tally.stalled_by_kills(restarts, stream=False), tally.unresumed_spread())
 
 
 def soak_repo(repo: Path, options: SoakOptions, say=lambda line: print(line, file=sys.stderr, flush=True)) -> Report:
@@ -1144,11 +1156,14 @@ def print_report(report: Report, rss_check: bool) -> None:
                ("resumed", str(c["resumed"]), "--chaos: answers a kill cut off, resumed to their solo reference"),
                ("stalled past the restart p50/p99/max s",
                 "/".join(fmt(_at(report.stalled_by_kills, q), ".1f") for q in (0.5, 0.99, 1.0)),
-                f"per kill and resumed answer, from the server's return (longest restart "
+                f"per kill and resumed streamed answer, from the server's return (longest restart "
                 f"{fmt(report.longest_restart_s, '.1f')} s) to its next response; target p99 <= {RESUME_SLACK_S:g} s"),
+               ("whole answers: return to end p50/p99/max s",
+                "/".join(fmt(_at(report.stalled_whole, q), ".1f") for q in (0.5, 0.99, 1.0)),
+                f"{len(report.stalled_whole)}; their generation after the kill included"),
                *([("of them through the OpenAI API", "/".join(fmt(_at(report.stalled_by_kills_openai, q), ".1f")
                                                                for q in (0.5, 0.99, 1.0)),
-                   f"{len(report.stalled_by_kills_openai)}; the frontend counts "
+                   f"{len(report.stalled_by_kills_openai)} streamed; the frontend counts "
                    f"{fmt(report.frontend_resumed, 'g')} resumed (its /metrics)")] if o.openai_streams else []),
                ("took over its kind's median p50/p99/max s",
                 "/".join(fmt(_at(report.added_by_kills, q), ".1f") for q in (0.5, 0.99, 1.0)),
@@ -1214,6 +1229,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "turns (SIGKILL); greedy and sampled answers must resume to their solo references")
     ap.add_argument("--kill-every-s", type=float, nargs=2, default=(30.0, 90.0), metavar=("LOW", "HIGH"),
                     help="--chaos: seconds between kills, drawn uniformly (default 30 90)")
+    ap.add_argument("--no-resume", dest="resume", action="store_false", help="--chaos's negative control: the gRPC "
+                    "clients don't resume, so the answers a kill cuts off are lost (the soak fails)")
     ap.add_argument("--json", dest="json_", action="store_true", help="also print the numbers as JSON")
     args = ap.parse_args(argv)
     if args.chaos and args.repo is None:
@@ -1232,7 +1249,7 @@ def main(argv: list[str] | None = None) -> int:
         options = SoakOptions(args.streams, args.minutes, args.max_tokens, args.bad_share, args.cancel_share,
                               args.sampled_share, args.burst_every_s, args.burst_streams, args.hang_s, args.seed,
                               args.warmup_s, args.rss_growth_pct, args.chaos, tuple(args.kill_every_s),
-                              args.openai_streams)
+                              args.openai_streams, args.resume)
     except ValueError as err:
         raise SystemExit(f"soak.py: {err}") from None
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 from serving_checks import soak_script
@@ -92,11 +93,13 @@ def test_a_kill_stalls_an_answer_from_the_servers_return_to_its_next_response():
     greedy, chat = soak.Request(soak.Kind.GREEDY, 0, 8), soak.Request(soak.Kind.GREEDY, 0, 8, openai=True)
     for request, reply in ((greedy, soak.Reply(text="ref", sent_at=8.0, ended_at=20.0, resumed=1,
                                                times=[9.0, 9.5, 16.5, 20.0])),  # streamed: 1.5 s past the return
-                           (chat, soak.Reply(text="ref", sent_at=9.0, ended_at=18.0, resumed=1, times=[18.0])),  # whole
+                           (replace(chat, stream=False),  # a whole answer: its one response, at its end
+                            soak.Reply(text="ref", sent_at=9.0, ended_at=18.0, resumed=1, times=[18.0])),
                            (greedy, soak.Reply(text="ref", sent_at=1.0, ended_at=4.0, times=[2.0, 4.0]))):  # untouched
         tally.add(request, reply, soak.Outcome.COMPLETED, None)
     assert tally.stalled_by_kills([kill, later]) == [1.5, 3.0]
     assert tally.stalled_by_kills([kill, later], openai=True) == [3.0]
+    assert tally.stalled_by_kills([kill, later], stream=True) == [1.5]
 
 
 @pytest.mark.slow  # a 30-second soak, plus compiling and starting the server

@@ -20,8 +20,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from pipeline.client.ensemble import (BUSY_RETRY_S, CHANNEL_OPTIONS, ENSEMBLE, STOP_MODEL, STOP_WITHIN_S, Chunk,
-                                      RequestOptions, build_inputs, chunk_of, grpc_target, request_id, stop_inputs)
+from pipeline.client.ensemble import (BUSY_RETRY_S, CHANNEL_OPTIONS, ENSEMBLE, READY_EVERY_S, STOP_MODEL, STOP_WITHIN_S,
+                                      Chunk, RequestOptions, build_inputs, chunk_of, grpc_target, request_id,
+                                      stop_inputs)
 from pipeline.policy.serving_gate import BUSY_PREFIX, STOPPING_PREFIX
 
 _ENSEMBLE_PREFIX = f"in ensemble '{ENSEMBLE}', "
@@ -132,7 +133,7 @@ class Ensemble:
         while not await self.ready():
             if time.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(READY_EVERY_S)
         return True
 
     async def _attempt(self, text: str, options: RequestOptions) -> AsyncIterator[Chunk]:
