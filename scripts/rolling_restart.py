@@ -147,11 +147,12 @@ def pipeline_answer(serve: Serve, prompt: str, max_tokens: int) -> tuple[str | N
                              prompt, RequestOptions(max_tokens=max_tokens), on_chunk=chunks.append)
     except Exception as err:  # noqa: BLE001  counted by its message
         return None, f"{type(err).__name__}: {err}", len(chunks)
-    RESUMED[0] += result.resumed
+    with RESUMED_LOCK:
+        RESUMED[0] += result.resumed
     return result.text, None, len(chunks)
 
 
-RESUMED = [0]  # answers pipeline's client resumed (--grpc-client pipeline)
+RESUMED, RESUMED_LOCK = [0], threading.Lock()  # answers pipeline's client resumed (--grpc-client pipeline)
 
 
 def openai_answer(serve: Serve, prompt: str, max_tokens: int) -> tuple[str | None, str | None, int]:

@@ -61,7 +61,7 @@ def test_a_resume_that_cannot_be_the_answers_start_is_refused(target, tokenizer)
     assert not e.has_unfinished()  # nothing refused was queued
 
 
-def test_a_resumed_request_queues_ahead_of_new_ones_and_still_ends_as_the_uninterrupted_one(target, tokenizer):  # noqa: F811
+def test_a_resumed_request_queues_ahead_of_new_ones_and_ends_as_the_uninterrupted_one(target, tokenizer):  # noqa: F811
     """A restarted server meets every request it held at once, beside new requests: the resumed ones, and the retries
     that had no token yet (`ahead`), take the next free slots (serving_gate.queue_is_full lets them past the queue's
     bound too), in their own order."""

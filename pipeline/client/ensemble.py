@@ -50,7 +50,7 @@ STOP_WITHIN_S = 2.0
 # gRPC channel options: tritonclient's own (its message size, its keepalive defaults), with the reconnect backoff
 # capped. A lost server is back in about ten seconds; at gRPC's default backoff (1 s, growing 1.6x a try to 120 s) the
 # channel then stayed down for seconds more, and every resumed answer waited for it (scripts/soak.py --chaos). At 500
-# ms, and readiness asked every 500 ms, a resumed answer's next token came 1.2 s after the server's return at the median.
+# ms, with readiness asked every 500 ms, a resumed answer's next token came 1.2 s after the server's return (median).
 RECONNECT_BACKOFF_MS = 200
 READY_EVERY_S = 0.2  # how often a client waiting for a server (wait_s, resume_s) asks whether it is ready
 BUSY_RETRY_S = 1.0  # a resumed answer refused as busy tries again this much later

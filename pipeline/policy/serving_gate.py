@@ -11,9 +11,9 @@ Per request, in this order:
 Before all that, a request that would find the engine full (its slots and its queue: `capacity`) is refused
 as busy here, so it never reaches the engine: a refusal the engine sends back through BLS costs
 tritonserver 2.51 about 0.45 KB it never frees (docs/reliability.md, "Where tritonserver's memory went").
-A resumed answer (its client sends the tokens it already has, after a restart or a drain cut it off) may go
-one capacity past that (`queue_is_full`), and the engine queues it ahead of new requests: it was admitted once
-already, and a restarted server meets every answer it held at once, beside its clients' new requests.
+A retry of a request a lost server held (`resumed`: a restart or a drain cut it off, with or without tokens to
+resume from) may go one capacity past that (`queue_is_full`), and the engine queues it ahead of new requests: it
+was admitted once already, and a restarted server meets every request it held at once, beside its clients' new ones.
 How well drafts pay is judged per request and per step, from that request's own acceptance
 (policy/draft_plan.py): one request whose drafts fail never turns speculation off for the others. The
 rolling acceptance kept here feeds the metrics only.
@@ -51,11 +51,11 @@ STOPPING_MESSAGE = (f"{STOPPING_PREFIX} it finishes the requests it holds and ta
 
 
 def queue_is_full(waiting: int, max_queue_size: int, slots: int, resumed: bool) -> bool:
-    """Whether a request that finds `waiting` requests queued for the engine's slots is refused as busy. A resumed
-    answer may queue past max_queue_size by one more engine's worth (slots + max_queue_size: all a server that
-    died could have held), so the answers a restart cut off are not turned away by the new requests that arrive
-    with them. Bounded, since any client can send resume tokens: memory stays bounded and new requests wait at most
-    one more capacity of resumed ones."""
+    """Whether a request that finds `waiting` requests queued for the engine's slots is refused as busy. A `resumed`
+    one (a retry of a request a lost server held) may queue past max_queue_size by one more engine's worth (slots +
+    max_queue_size: all a server that died could have held), so the requests a restart cut off are not turned away
+    by the new ones that arrive with them. Bounded, since any client can say it resumes: memory stays bounded, and
+    new requests wait behind at most one more capacity of retries."""
     return waiting >= max_queue_size + (slots + max_queue_size if resumed else 0)
 
 
@@ -88,7 +88,7 @@ class ServingGate:
 
     def admit(self, requested: str, max_tokens: int, resumed: bool = False) -> Decision:
         """A request arrives: count it in flight and decide. Every admit needs one `leave`; one refused
-        as Busy is not counted and needs none. `resumed`: it carries the tokens a cut-off answer already has."""
+        as Busy is not counted and needs none. `resumed`: a retry of a request a lost server held."""
         with self.lock:
             if self.capacity and queue_is_full(self.in_flight - self.slots, self.max_queue_size, self.slots,
                                                resumed):

@@ -170,6 +170,7 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
     bias = read_logit_bias(text_of(scalar("logit_bias", b"{}"), "logit_bias", max_input_bytes), vocab_size)
     prompt_logprobs = int(scalar("prompt_logprobs", -1))
     _prompt_logprobs(prompt_logprobs)  # checked; the tensor keeps -1 for none
+    resume_ids = read_resume_ids(get("resume_token_ids"), max_tokens)
     return ClientRequest(text, max_tokens, speculation, num_draft, temperature, top_p, top_k,
                          int(scalar("seed", 0)), bool(scalar("stream", False)),
                          None if end_id is None else int(end_id), stop_words,
@@ -177,7 +178,7 @@ def read_request(get: Get, *, max_seq_len: int, max_input_bytes: int, num_draft_
                          min_tokens, bool(scalar("ignore_eos", False)), bias, prompt_logprobs,
                          read_prompt_ids(get("prompt_token_ids"), max_seq_len, vocab_size),
                          check_stream_interval(int(scalar("stream_interval_ms", STREAM_INTERVAL_MS))),
-                         int(scalar("request_group", 0)), resume_ids := read_resume_ids(get("resume_token_ids"), max_tokens),
+                         int(scalar("request_group", 0)), resume_ids,
                          bool(scalar("resumed", False)) or bool(resume_ids))
 
 
