@@ -37,4 +37,7 @@ MAX_BATCH_SIZE = Setting("max_batch_size", "--max-batch-size", 1, "Requests deco
 MAX_SEQ_LEN = Setting("max_seq_len", "--max-seq-len", 2, "Prompt + output tokens per request.")
 GATE_BATCH_SIZE = Setting("gate_batch_size", "--gate-batch-size", 1,
                           "Speculate only while at most this many requests decode.")
-SETTINGS = (NUM_DRAFT_TOKENS, MAX_BATCH_SIZE, MAX_SEQ_LEN, GATE_BATCH_SIZE)
+MAX_QUEUE_SIZE = Setting("max_queue_size", "--max-queue-size", 0,
+                         "Requests that may wait for a free slot; past that a request is refused at once as busy "
+                         "(UNAVAILABLE, retry later) instead of queueing; 0: no bound.")
+SETTINGS = (NUM_DRAFT_TOKENS, MAX_BATCH_SIZE, MAX_SEQ_LEN, GATE_BATCH_SIZE, MAX_QUEUE_SIZE)

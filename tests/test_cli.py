@@ -201,6 +201,7 @@ SETTING_COMMANDS = {
     ("plan", "--max-batch-size", "0", "--max-batch-size must be >= 1 (got 0)"),
     ("plan", "--max-seq-len", "0", "--max-seq-len must be >= 2 (got 0)"),
     ("assemble", "--gate-batch-size", "0", "--gate-batch-size must be >= 1 (got 0)"),
+    ("assemble", "--max-queue-size", "-1", "--max-queue-size must be >= 0 (got -1)"),
 ])
 def test_a_shared_setting_out_of_bounds_is_one_line_on_every_command(command, flag, value, says):
     assert_one_line_error(run(*SETTING_COMMANDS[command], flag, value), says)

@@ -11,7 +11,7 @@ import click
 from pipeline.cli.device import device_option
 from pipeline.cli.setting import setting_option
 from pipeline.routes import BACKEND_NAMES
-from pipeline.setting import GATE_BATCH_SIZE
+from pipeline.setting import GATE_BATCH_SIZE, MAX_QUEUE_SIZE
 
 
 @click.command()
@@ -36,10 +36,7 @@ from pipeline.setting import GATE_BATCH_SIZE
 @click.option("max_input_bytes", "--max-input-bytes", type=int, default=None,
               help="Refuse a text_input longer than this many bytes, before tokenizing it [default: the engine's "
                    "max sequence length x 32].")
-@click.option("max_queue_size", "--max-queue-size", type=int, default=None,
-              help="Portable engine: how many requests may wait for a free slot; past that a request is refused "
-                   "at once as busy (UNAVAILABLE, retry later) instead of queueing; 0 = no bound [default: 4 per "
-                   "slot].")
+@setting_option(MAX_QUEUE_SIZE, None, "Portable engine [default: 4 per slot].")
 @device_option("Portable engine: where the served engine loads when tritonserver starts without `pipeline serve "
                "--device` (which decides for its own runs); picked as it loads.")
 @click.option("--force", "-f", is_flag=True, help="Replace an existing repository.")

@@ -25,7 +25,7 @@ from pipeline.engine.device import DeviceChoice, DeviceField
 from pipeline.errors import ConfigError
 from pipeline.policy.gate_policy import GatePolicy
 from pipeline.routes import ROUTES, Route, route_named
-from pipeline.setting import MAX_BATCH_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
+from pipeline.setting import MAX_BATCH_SIZE, MAX_QUEUE_SIZE, MAX_SEQ_LEN, NUM_DRAFT_TOKENS
 from pipeline.triton.interface import (
     ENSEMBLE_INPUTS,
     ENSEMBLE_OUTPUTS,
@@ -119,8 +119,8 @@ class RepoSpec:
         MAX_SEQ_LEN.check(self.max_seq_len, by_flag=False)
         if self.max_input_bytes is not None and self.max_input_bytes < 1:
             raise ConfigError("max_input_bytes must be >= 1")
-        if self.max_queue_size is not None and self.max_queue_size < 0:
-            raise ConfigError(f"max_queue_size must be >= 0 (0: no bound), got {self.max_queue_size}")
+        if self.max_queue_size is not None:
+            MAX_QUEUE_SIZE.check(self.max_queue_size, by_flag=False, fix="0 means no bound")
         NUM_DRAFT_TOKENS.check(self.num_draft_tokens, by_flag=False, fix="send speculation='off' to turn it off")
         for name in ("kv_fraction_target", "kv_fraction_draft"):
             if not 0.0 < getattr(self, name) < 1.0:
