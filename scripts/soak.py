@@ -106,8 +106,8 @@ PROMPTS = (
 
 SAMPLED_TEMPERATURE = 0.8
 CHAOS_SEEDS = 4  # --chaos: sampled requests draw one of these seeds, so each (prompt, seed) has a solo reference
-# --chaos: a resumed answer may take this much longer than a kill's restart (issue 55's target): the resume's own
-# prefill, and the poll that sees the server ready again.
+# --chaos: a resumed streamed answer's next response may come this long after the server is ready again (issue 55's
+# target): the poll that sees the server back, the resume's own prefill, and its turn among the other resumed ones.
 RESUME_SLACK_S = 2.0
 # A full engine queue refuses a request at once with a line starting BUSY_PREFIX (max_queue_size); the client
 # waits BUSY_BACKOFF_S before its next request, as a client that retries would.
@@ -602,23 +602,25 @@ class Tally:
         waits differ from answer to answer, kill or not)."""
         with self.lock:
             rows = list(self.durations)
-        plain: dict[tuple[str, bool], list[float]] = {}
-        for key, took, resumed in rows:
-            if not resumed:
-                plain.setdefault(key, []).append(took)
-        return sorted(took - sorted(xs)[len(xs) // 2] for xs in plain.values() for took in xs)
+        median = _unresumed_medians(rows)
+        return sorted(took - median[key] for key, took, resumed in rows if not resumed)
 
     def added_by_kills(self, openai: bool | None = None) -> list[float]:
         """--chaos: per resumed answer, its time less the median of the answers of its kind that weren't resumed;
         openai: only those through the OpenAI API (True) or gRPC (False)."""
         with self.lock:
             rows = [r for r in self.durations if openai is None or r[0][0].startswith("openai ") == openai]
-        plain: dict[tuple[str, bool], list[float]] = {}
-        for key, took, resumed in rows:
-            if not resumed:
-                plain.setdefault(key, []).append(took)
-        median = {key: sorted(xs)[len(xs) // 2] for key, xs in plain.items()}
+        median = _unresumed_medians(rows)
         return sorted(took - median.get(key, 0.0) for key, took, resumed in rows if resumed)
+
+
+def _unresumed_medians(rows: list[tuple[tuple[str, bool], float, int]]) -> dict[tuple[str, bool], float]:
+    """Of Tally.durations' rows: per kind (and streamed or not), the median time of the answers no kill touched."""
+    plain: dict[tuple[str, bool], list[float]] = {}
+    for key, took, resumed in rows:
+        if not resumed:
+            plain.setdefault(key, []).append(took)
+    return {key: sorted(xs)[len(xs) // 2] for key, xs in plain.items()}
 
 
 # ---- RSS of the server's processes ---------------------------------------------------------------
